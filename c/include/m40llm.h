@@ -1,0 +1,236 @@
+/*
+ * m40llm — a GPU-resident FP16 KV cache and decode-time attention for LLM inference.
+ *
+ * Pure C11; includes no CUDA header, so C programs and bindgen need no toolkit to read it.
+ *
+ * Conventions
+ * - Every fallible call returns an int status: M40LLM_OK (0) or a negative M40LLM_ERR_* code.
+ *   m40llm_status_string() names a code; m40llm_last_error_message() gives the detail of the last
+ *   failure on the calling thread (thread-local, valid until the next failing call on that thread).
+ * - Output parameters come first. On failure nothing is written to them, no cache contents or
+ *   lengths change, and the handle stays usable (except after M40LLM_ERR_CUDA from a device fault,
+ *   which leaves the CUDA context itself unusable: destroy and recreate it).
+ * - destroy(NULL) and free(ctx, NULL) are no-ops.
+ * - Options structs carry a version field; initialise them with their *_INIT macro (or the
+ *   *_init function) so newer library versions can add fields without breaking older callers.
+ *
+ * Memory
+ * - Buffers passed to append, read and attention calls live in the context's backend memory:
+ *   device pointers for the CUDA backend (from m40llm_malloc or the caller's own cudaMalloc in the
+ *   same CUDA context), host pointers for the CPU backend. m40llm_malloc/m40llm_memcpy_* let code
+ *   stay backend-neutral.
+ *
+ * Ordering
+ * - CUDA backend: append, read, fork, attention, memset and device-to-device copies are enqueued
+ *   on the context's stream and may return before the GPU finishes; host<->device copies block
+ *   until done. Errors raised while a kernel runs surface at the next call that synchronizes
+ *   (m40llm_context_synchronize or a host copy). CPU backend: every call completes before it
+ *   returns.
+ *
+ * Threading
+ * - A context and every cache made from it form one unit: calls on them must not run concurrently
+ *   (serialize them, e.g. one thread per context). Distinct contexts are independent and may be
+ *   used from different threads at once. Status strings are static and thread-safe.
+ */
+#ifndef M40LLM_H
+#define M40LLM_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define M40LLM_VERSION_MAJOR 0
+#define M40LLM_VERSION_MINOR 1
+#define M40LLM_VERSION_PATCH 0
+#define M40LLM_VERSION_NUMBER \
+  (M40LLM_VERSION_MAJOR * 10000 + M40LLM_VERSION_MINOR * 100 + M40LLM_VERSION_PATCH)
+
+/** Version of the linked library, as M40LLM_VERSION_NUMBER computes it. */
+unsigned m40llm_version_number(void);
+/** Version of the linked library as "MAJOR.MINOR.PATCH". Static storage. */
+const char *m40llm_version_string(void);
+
+/* ---- Status ------------------------------------------------------------------------------ */
+
+typedef enum m40llm_status {
+  M40LLM_OK = 0,
+  M40LLM_ERR_INVALID_ARGUMENT = -1, /* NULL pointer, non-positive size, inconsistent shape */
+  M40LLM_ERR_OUT_OF_RANGE = -2,     /* layer, sequence, position or device index outside bounds */
+  M40LLM_ERR_CAPACITY = -3,         /* an append would pass max_seq_len */
+  M40LLM_ERR_OUT_OF_MEMORY = -4,    /* host or device allocation failed */
+  M40LLM_ERR_NO_DEVICE = -5,        /* CUDA requested but no usable GPU, or built without CUDA */
+  M40LLM_ERR_CUDA = -6,             /* the CUDA runtime reported an error; see the message */
+  M40LLM_ERR_UNSUPPORTED = -7       /* valid request this build or backend cannot serve */
+} m40llm_status;
+
+/** Name and meaning of a status code ("unknown status" for others). Static storage. */
+const char *m40llm_status_string(int status);
+
+/** Detail of the last failure on this thread, or "" if none. Valid until the next failure on
+ *  this thread. */
+const char *m40llm_last_error_message(void);
+
+/* ---- Backends and devices ------------------------------------------------------------------ */
+
+typedef enum m40llm_backend {
+  M40LLM_BACKEND_AUTO = 0, /* CUDA when a usable GPU exists, else CPU */
+  M40LLM_BACKEND_CUDA = 1,
+  M40LLM_BACKEND_CPU = 2
+} m40llm_backend;
+
+/** 1 if this library was built with the CUDA backend, else 0. */
+int m40llm_built_with_cuda(void);
+
+/** Number of usable CUDA devices; 0 when built without CUDA or when no driver/GPU is present
+ *  (that is not an error). */
+int m40llm_cuda_device_count(int *out_count);
+
+/* ---- Context ------------------------------------------------------------------------------- */
+
+/** A backend plus, for CUDA, one device and one stream. Owns the scratch memory of attention. */
+typedef struct m40llm_context m40llm_context;
+
+#define M40LLM_CONTEXT_OPTIONS_VERSION 1
+typedef struct m40llm_context_options {
+  unsigned version;   /* M40LLM_CONTEXT_OPTIONS_VERSION */
+  int backend;        /* m40llm_backend */
+  int device;         /* CUDA device ordinal (ignored by the CPU backend) */
+  void *cuda_stream;  /* a cudaStream_t the caller owns and keeps alive for the context's life,
+                         or NULL for a stream the context creates (synchronizing with the legacy
+                         default stream) */
+} m40llm_context_options;
+#define M40LLM_CONTEXT_OPTIONS_INIT \
+  { M40LLM_CONTEXT_OPTIONS_VERSION, M40LLM_BACKEND_AUTO, 0, NULL }
+/** Fills *opts with the defaults of the given version (M40LLM_CONTEXT_OPTIONS_VERSION). */
+int m40llm_context_options_init(m40llm_context_options *opts, unsigned version);
+
+/** Creates a context. opts may be NULL for the defaults. The caller owns *out and frees it with
+ *  m40llm_context_destroy after destroying every cache made from it. */
+int m40llm_context_create(m40llm_context **out, const m40llm_context_options *opts);
+/** Waits for the context's stream, destroys its stream (if it created one) and scratch memory.
+ *  NULL is a no-op. */
+void m40llm_context_destroy(m40llm_context *ctx);
+/** Blocks until all work enqueued on the context is done; reports errors raised by that work. */
+int m40llm_context_synchronize(m40llm_context *ctx);
+/** The context's cudaStream_t (NULL for the CPU backend), for ordering the caller's own work. */
+void *m40llm_context_cuda_stream(const m40llm_context *ctx);
+
+#define M40LLM_DEVICE_INFO_VERSION 1
+typedef struct m40llm_device_info {
+  unsigned version;        /* set by the caller: M40LLM_DEVICE_INFO_VERSION */
+  int backend;             /* M40LLM_BACKEND_CUDA or M40LLM_BACKEND_CPU, never AUTO */
+  int device;              /* CUDA ordinal, -1 for the CPU backend */
+  char name[256];          /* GPU name, or "CPU" */
+  int compute_major;       /* compute capability; 0 for the CPU backend */
+  int compute_minor;
+  int multiprocessors;     /* SM count; 0 for the CPU backend */
+  size_t total_memory;     /* bytes of device memory; 0 for the CPU backend */
+  size_t free_memory;      /* bytes free at the time of the call; 0 for the CPU backend */
+} m40llm_device_info;
+#define M40LLM_DEVICE_INFO_INIT { M40LLM_DEVICE_INFO_VERSION, 0, 0, {0}, 0, 0, 0, 0, 0 }
+/** Describes the context's backend and device. out->version must be set (use the INIT macro). */
+int m40llm_context_device_info(m40llm_device_info *out, const m40llm_context *ctx);
+
+/* ---- Backend memory ------------------------------------------------------------------------ */
+
+/** Allocates bytes (> 0) of backend memory, aligned to at least 256 bytes. */
+int m40llm_malloc(void **out_ptr, m40llm_context *ctx, size_t bytes);
+/** Frees memory from m40llm_malloc on the same context (waits for the stream first). NULL is a
+ *  no-op. */
+int m40llm_free(m40llm_context *ctx, void *ptr);
+/** Host -> backend memory; returns once the copy is done. */
+int m40llm_memcpy_to_device(m40llm_context *ctx, void *dst, const void *src_host, size_t bytes);
+/** Backend memory -> host; waits for earlier work on the stream, returns once the copy is done. */
+int m40llm_memcpy_to_host(m40llm_context *ctx, void *dst_host, const void *src, size_t bytes);
+/** Backend memory -> backend memory, stream-ordered. */
+int m40llm_memcpy_device(m40llm_context *ctx, void *dst, const void *src, size_t bytes);
+/** Sets bytes of backend memory to (unsigned char)value, stream-ordered. */
+int m40llm_memset(m40llm_context *ctx, void *dst, int value, size_t bytes);
+
+/* ---- KV cache ------------------------------------------------------------------------------ */
+
+/** K and V for n_layers x max_seqs sequences of up to max_seq_len positions each.
+ *  Storage layout (per K and per V): [layer][seq][kv_head][pos][dim], 64-bit offsets.
+ *  Lengths are kept per (layer, sequence): each layer's append advances only that layer. */
+typedef struct m40llm_kvcache m40llm_kvcache;
+
+typedef enum m40llm_kv_format {
+  M40LLM_KV_F16 = 0 /* IEEE binary16, round-to-nearest-even from FP32 */
+} m40llm_kv_format;
+
+#define M40LLM_KVCACHE_OPTIONS_VERSION 1
+typedef struct m40llm_kvcache_options {
+  unsigned version; /* M40LLM_KVCACHE_OPTIONS_VERSION */
+  int n_layers;     /* >= 1 */
+  int n_heads;      /* query heads, >= 1, a multiple of n_kv_heads */
+  int n_kv_heads;   /* >= 1; n_heads / n_kv_heads query heads share one K/V head (GQA/MQA) */
+  int head_dim;     /* 1..256; the CUDA backend needs a multiple of 8 */
+  int max_seqs;     /* sequence slots, >= 1 */
+  int max_seq_len;  /* positions per sequence, >= 1 */
+  int format;       /* m40llm_kv_format */
+} m40llm_kvcache_options;
+#define M40LLM_KVCACHE_OPTIONS_INIT \
+  { M40LLM_KVCACHE_OPTIONS_VERSION, 0, 0, 0, 0, 0, 0, M40LLM_KV_F16 }
+/** Fills *opts with the defaults of the given version (all sizes zero, FP16). */
+int m40llm_kvcache_options_init(m40llm_kvcache_options *opts, unsigned version);
+
+/** Bytes of backend memory a cache with these options holds (K plus V), without allocating. */
+int m40llm_kvcache_bytes_needed(size_t *out_bytes, const m40llm_kvcache_options *opts);
+
+/** Allocates a cache on ctx's backend, every sequence empty. The cache borrows ctx: destroy it
+ *  before ctx. Contents are not initialised; only positions below a sequence's length are read. */
+int m40llm_kvcache_create(m40llm_kvcache **out, m40llm_context *ctx,
+                          const m40llm_kvcache_options *opts);
+/** Frees the cache (after the stream finishes with it). NULL is a no-op. */
+void m40llm_kvcache_destroy(m40llm_kvcache *cache);
+/** The options the cache was created with. out->version must be set. */
+int m40llm_kvcache_get_options(m40llm_kvcache_options *out, const m40llm_kvcache *cache);
+
+/** Number of positions stored for (layer, seq). */
+int m40llm_kvcache_seq_len(int *out_len, const m40llm_kvcache *cache, int layer, int seq);
+/** Empties seq in every layer. */
+int m40llm_kvcache_seq_reset(m40llm_kvcache *cache, int seq);
+/** Keeps the first new_len positions of seq in every layer (layers already shorter keep their
+ *  length). new_len >= 0. */
+int m40llm_kvcache_seq_truncate(m40llm_kvcache *cache, int seq, int new_len);
+/** Makes dst_seq a copy of src_seq in every layer (contents and lengths); dst's old contents are
+ *  dropped. dst_seq != src_seq. */
+int m40llm_kvcache_seq_fork(m40llm_kvcache *cache, int dst_seq, int src_seq);
+
+/** Appends n_tokens (>= 1) positions to (layer, seq). k and v are [n_tokens][n_kv_heads][head_dim]
+ *  FP32 in backend memory, rounded to FP16 on the backend. Fails with M40LLM_ERR_CAPACITY, writing
+ *  nothing, if the length would pass max_seq_len. */
+int m40llm_kvcache_append_f32(m40llm_kvcache *cache, int layer, int seq, const float *k,
+                              const float *v, int n_tokens);
+/** As m40llm_kvcache_append_f32 with k and v already FP16 (binary16 bit patterns). */
+int m40llm_kvcache_append_f16(m40llm_kvcache *cache, int layer, int seq, const uint16_t *k,
+                              const uint16_t *v, int n_tokens);
+/** Copies positions [pos, pos + n_tokens) of (layer, seq) out as FP16 into k_out and v_out,
+ *  [n_tokens][n_kv_heads][head_dim] in backend memory. Either output may be NULL to skip it. */
+int m40llm_kvcache_read_f16(uint16_t *k_out, uint16_t *v_out, const m40llm_kvcache *cache,
+                            int layer, int seq, int pos, int n_tokens);
+
+/* ---- Decode attention ------------------------------------------------------------------------ */
+
+/** Attention of one new query token against every cached position of (layer, seq):
+ *  out[h] = softmax(scale * q[h] . K[g]^T) V[g] with g = h / (n_heads / n_kv_heads).
+ *  q and out are [n_heads][head_dim] FP32 in backend memory and must not overlap. scale 0 means
+ *  1/sqrt(head_dim). A sequence with no positions yields zeros. Arithmetic is FP32 throughout. */
+int m40llm_kvcache_attn_last_token_f32q(float *out, m40llm_kvcache *cache, int layer, int seq,
+                                        const float *q, float scale);
+
+/** The same for n_seqs (>= 1) sequences at once, one launch over their ragged lengths.
+ *  seq_ids is a host array of n_seqs sequence indices (repeats allowed); q and out are
+ *  [n_seqs][n_heads][head_dim] FP32 in backend memory, row i belonging to seq_ids[i]. */
+int m40llm_kvcache_attn_batch_f32q(float *out, m40llm_kvcache *cache, int layer,
+                                   const int32_t *seq_ids, int n_seqs, const float *q,
+                                   float scale);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* M40LLM_H */

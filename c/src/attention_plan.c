@@ -1,0 +1,33 @@
+#include "attention_plan.h"
+
+void m40llm_attn_plan_build(m40llm_attn_plan *plan, const int32_t *seq_ids, const int32_t *lens,
+                            int n_items, int units, int target_blocks, int min_chunk, int tile) {
+  int64_t total_len = 0;
+  int32_t max_len = 1;
+  for (int i = 0; i < n_items; i++) {
+    total_len += lens[i];
+    if (lens[i] > max_len) max_len = lens[i];
+  }
+  int64_t chunk = max_len;
+  if ((int64_t)n_items * units < target_blocks && total_len > 0) {
+    /* Enough splits that all items together make about target_blocks blocks. */
+    int64_t want = (total_len * units + target_blocks - 1) / target_blocks;
+    if (want < min_chunk) want = min_chunk;
+    want = (want + tile - 1) / tile * tile;
+    if (want < chunk) chunk = want;
+  }
+  plan->n_items = n_items;
+  plan->chunk = (int32_t)chunk;
+  plan->max_splits = 1;
+  int32_t begin = 0;
+  for (int i = 0; i < n_items; i++) {
+    const int32_t splits = lens[i] > 0 ? (int32_t)((lens[i] + chunk - 1) / chunk) : 1;
+    plan->seq[i] = seq_ids[i];
+    plan->len[i] = lens[i];
+    plan->split_begin[i] = begin;
+    begin += splits;
+    if (splits > plan->max_splits) plan->max_splits = splits;
+  }
+  plan->split_begin[n_items] = begin;
+  plan->total_splits = begin;
+}

@@ -1,0 +1,171 @@
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+int m40llm_built_with_cuda(void) {
+#ifdef M40LLM_HAVE_CUDA
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+int m40llm_cuda_device_count(int *out_count) {
+  if (!out_count) return m40llm_fail(M40LLM_ERR_INVALID_ARGUMENT, "out_count is NULL");
+  return m40llm_cuda_count(out_count);
+}
+
+int m40llm_context_options_init(m40llm_context_options *opts, unsigned version) {
+  if (!opts) return m40llm_fail(M40LLM_ERR_INVALID_ARGUMENT, "opts is NULL");
+  if (version != M40LLM_CONTEXT_OPTIONS_VERSION)
+    return m40llm_fail(M40LLM_ERR_INVALID_ARGUMENT,
+                       "context options version %u is not supported (this library knows %u)",
+                       version, M40LLM_CONTEXT_OPTIONS_VERSION);
+  const m40llm_context_options defaults = M40LLM_CONTEXT_OPTIONS_INIT;
+  *opts = defaults;
+  return M40LLM_OK;
+}
+
+int m40llm_context_create(m40llm_context **out, const m40llm_context_options *opts) {
+  if (!out) return m40llm_fail(M40LLM_ERR_INVALID_ARGUMENT, "out is NULL");
+  m40llm_context_options o = M40LLM_CONTEXT_OPTIONS_INIT;
+  if (opts) {
+    if (opts->version != M40LLM_CONTEXT_OPTIONS_VERSION)
+      return m40llm_fail(M40LLM_ERR_INVALID_ARGUMENT,
+                         "opts->version %u is not supported (expected %u; use "
+                         "M40LLM_CONTEXT_OPTIONS_INIT)",
+                         opts->version, M40LLM_CONTEXT_OPTIONS_VERSION);
+    o = *opts;
+  }
+  if (o.backend != M40LLM_BACKEND_AUTO && o.backend != M40LLM_BACKEND_CUDA &&
+      o.backend != M40LLM_BACKEND_CPU)
+    return m40llm_fail(M40LLM_ERR_INVALID_ARGUMENT, "opts->backend %d is not an m40llm_backend",
+                       o.backend);
+  if (o.device < 0)
+    return m40llm_fail(M40LLM_ERR_OUT_OF_RANGE, "opts->device %d is negative", o.device);
+
+  int backend = o.backend;
+  if (backend != M40LLM_BACKEND_CPU) {
+    int count = 0;
+    int rc = m40llm_cuda_count(&count);
+    if (rc != M40LLM_OK) return rc;
+    if (backend == M40LLM_BACKEND_AUTO) {
+      backend = count > 0 ? M40LLM_BACKEND_CUDA : M40LLM_BACKEND_CPU;
+    } else if (count == 0) {
+      return m40llm_fail(M40LLM_ERR_NO_DEVICE, "%s",
+                         m40llm_built_with_cuda()
+                             ? "CUDA backend requested but no usable CUDA device was found"
+                             : "CUDA backend requested but m40llm was built without CUDA");
+    }
+    if (backend == M40LLM_BACKEND_CUDA && o.device >= count)
+      return m40llm_fail(M40LLM_ERR_OUT_OF_RANGE, "opts->device %d but only %d CUDA device(s)",
+                         o.device, count);
+  }
+  if (backend == M40LLM_BACKEND_CPU && o.cuda_stream)
+    return m40llm_fail(M40LLM_ERR_INVALID_ARGUMENT,
+                       "opts->cuda_stream is set but the context uses the CPU backend");
+
+  m40llm_context *ctx = calloc(1, sizeof *ctx);
+  if (!ctx) return m40llm_fail(M40LLM_ERR_OUT_OF_MEMORY, "allocating the context");
+  ctx->backend = backend;
+  ctx->device = backend == M40LLM_BACKEND_CUDA ? o.device : -1;
+  if (backend == M40LLM_BACKEND_CUDA) {
+    int rc = m40llm_cuda_init(ctx, o.device, o.cuda_stream);
+    if (rc != M40LLM_OK) {
+      free(ctx);
+      return rc;
+    }
+  }
+  *out = ctx;
+  return M40LLM_OK;
+}
+
+void m40llm_context_destroy(m40llm_context *ctx) {
+  if (!ctx) return;
+  if (ctx->backend == M40LLM_BACKEND_CUDA) m40llm_cuda_fini(ctx);
+  free(ctx);
+}
+
+int m40llm_context_synchronize(m40llm_context *ctx) {
+  if (!ctx) return m40llm_fail(M40LLM_ERR_INVALID_ARGUMENT, "ctx is NULL");
+  return ctx->backend == M40LLM_BACKEND_CUDA ? m40llm_cuda_synchronize(ctx) : M40LLM_OK;
+}
+
+void *m40llm_context_cuda_stream(const m40llm_context *ctx) {
+  return ctx && ctx->backend == M40LLM_BACKEND_CUDA ? m40llm_cuda_stream(ctx) : NULL;
+}
+
+int m40llm_context_device_info(m40llm_device_info *out, const m40llm_context *ctx) {
+  if (!out) return m40llm_fail(M40LLM_ERR_INVALID_ARGUMENT, "out is NULL");
+  if (!ctx) return m40llm_fail(M40LLM_ERR_INVALID_ARGUMENT, "ctx is NULL");
+  if (out->version != M40LLM_DEVICE_INFO_VERSION)
+    return m40llm_fail(M40LLM_ERR_INVALID_ARGUMENT,
+                       "out->version %u is not supported (expected %u; use "
+                       "M40LLM_DEVICE_INFO_INIT)",
+                       out->version, M40LLM_DEVICE_INFO_VERSION);
+  if (ctx->backend == M40LLM_BACKEND_CUDA) return m40llm_cuda_device_info(out, ctx);
+  m40llm_device_info info = M40LLM_DEVICE_INFO_INIT;
+  info.backend = M40LLM_BACKEND_CPU;
+  info.device = -1;
+  strcpy(info.name, "CPU");
+  *out = info;
+  return M40LLM_OK;
+}
+
+int m40llm_malloc(void **out_ptr, m40llm_context *ctx, size_t bytes) {
+  if (!out_ptr) return m40llm_fail(M40LLM_ERR_INVALID_ARGUMENT, "out_ptr is NULL");
+  if (!ctx) return m40llm_fail(M40LLM_ERR_INVALID_ARGUMENT, "ctx is NULL");
+  if (bytes == 0) return m40llm_fail(M40LLM_ERR_INVALID_ARGUMENT, "bytes is 0");
+  if (ctx->backend == M40LLM_BACKEND_CUDA) return m40llm_cuda_malloc(out_ptr, ctx, bytes);
+  if (bytes > SIZE_MAX - 255)
+    return m40llm_fail(M40LLM_ERR_OUT_OF_MEMORY, "cannot allocate %zu bytes", bytes);
+  void *p = aligned_alloc(256, (bytes + 255) & ~(size_t)255);
+  if (!p) return m40llm_fail(M40LLM_ERR_OUT_OF_MEMORY, "cannot allocate %zu bytes", bytes);
+  *out_ptr = p;
+  return M40LLM_OK;
+}
+
+int m40llm_free(m40llm_context *ctx, void *ptr) {
+  if (!ptr) return M40LLM_OK;
+  if (!ctx) return m40llm_fail(M40LLM_ERR_INVALID_ARGUMENT, "ctx is NULL");
+  if (ctx->backend == M40LLM_BACKEND_CUDA) return m40llm_cuda_free(ctx, ptr);
+  free(ptr);
+  return M40LLM_OK;
+}
+
+static int copy_args(m40llm_context *ctx, void *dst, const void *src, size_t bytes) {
+  if (!ctx) return m40llm_fail(M40LLM_ERR_INVALID_ARGUMENT, "ctx is NULL");
+  if (bytes && !dst) return m40llm_fail(M40LLM_ERR_INVALID_ARGUMENT, "dst is NULL");
+  if (bytes && !src) return m40llm_fail(M40LLM_ERR_INVALID_ARGUMENT, "src is NULL");
+  return M40LLM_OK;
+}
+
+static int copy(m40llm_context *ctx, void *dst, const void *src, size_t bytes, int kind) {
+  int rc = copy_args(ctx, dst, src, bytes);
+  if (rc != M40LLM_OK || bytes == 0) return rc;
+  if (ctx->backend == M40LLM_BACKEND_CUDA) return m40llm_cuda_memcpy(ctx, dst, src, bytes, kind);
+  memmove(dst, src, bytes);
+  return M40LLM_OK;
+}
+
+int m40llm_memcpy_to_device(m40llm_context *ctx, void *dst, const void *src_host, size_t bytes) {
+  return copy(ctx, dst, src_host, bytes, M40LLM_COPY_H2D);
+}
+
+int m40llm_memcpy_to_host(m40llm_context *ctx, void *dst_host, const void *src, size_t bytes) {
+  return copy(ctx, dst_host, src, bytes, M40LLM_COPY_D2H);
+}
+
+int m40llm_memcpy_device(m40llm_context *ctx, void *dst, const void *src, size_t bytes) {
+  return copy(ctx, dst, src, bytes, M40LLM_COPY_D2D);
+}
+
+int m40llm_memset(m40llm_context *ctx, void *dst, int value, size_t bytes) {
+  if (!ctx) return m40llm_fail(M40LLM_ERR_INVALID_ARGUMENT, "ctx is NULL");
+  if (bytes && !dst) return m40llm_fail(M40LLM_ERR_INVALID_ARGUMENT, "dst is NULL");
+  if (bytes == 0) return M40LLM_OK;
+  if (ctx->backend == M40LLM_BACKEND_CUDA) return m40llm_cuda_memset(ctx, dst, value, bytes);
+  memset(dst, value, bytes);
+  return M40LLM_OK;
+}

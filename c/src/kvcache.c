@@ -1,0 +1,265 @@
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "attention_plan.h"
+#include "internal.h"
+
+#define FAIL(code, ...) m40llm_fail(M40LLM_ERR_##code, __VA_ARGS__)
+
+int m40llm_kvcache_options_init(m40llm_kvcache_options *opts, unsigned version) {
+  if (!opts) return FAIL(INVALID_ARGUMENT, "opts is NULL");
+  if (version != M40LLM_KVCACHE_OPTIONS_VERSION)
+    return FAIL(INVALID_ARGUMENT, "kvcache options version %u is not supported (this library knows %u)",
+                version, M40LLM_KVCACHE_OPTIONS_VERSION);
+  const m40llm_kvcache_options defaults = M40LLM_KVCACHE_OPTIONS_INIT;
+  *opts = defaults;
+  return M40LLM_OK;
+}
+
+/* Validates opts and computes the bytes of K plus V, checking for overflow. */
+static int check_options(const m40llm_kvcache_options *o, size_t *out_bytes) {
+  if (!o) return FAIL(INVALID_ARGUMENT, "opts is NULL");
+  if (o->version != M40LLM_KVCACHE_OPTIONS_VERSION)
+    return FAIL(INVALID_ARGUMENT,
+                "opts->version %u is not supported (expected %u; use M40LLM_KVCACHE_OPTIONS_INIT)",
+                o->version, M40LLM_KVCACHE_OPTIONS_VERSION);
+  if (o->n_layers < 1) return FAIL(INVALID_ARGUMENT, "opts->n_layers is %d, must be >= 1", o->n_layers);
+  if (o->n_heads < 1) return FAIL(INVALID_ARGUMENT, "opts->n_heads is %d, must be >= 1", o->n_heads);
+  if (o->n_kv_heads < 1)
+    return FAIL(INVALID_ARGUMENT, "opts->n_kv_heads is %d, must be >= 1", o->n_kv_heads);
+  if (o->n_heads % o->n_kv_heads != 0)
+    return FAIL(INVALID_ARGUMENT, "opts->n_heads %d is not a multiple of opts->n_kv_heads %d",
+                o->n_heads, o->n_kv_heads);
+  if (o->head_dim < 1 || o->head_dim > 256)
+    return FAIL(INVALID_ARGUMENT, "opts->head_dim is %d, must be in 1..256", o->head_dim);
+  if (o->max_seqs < 1) return FAIL(INVALID_ARGUMENT, "opts->max_seqs is %d, must be >= 1", o->max_seqs);
+  if (o->max_seq_len < 1)
+    return FAIL(INVALID_ARGUMENT, "opts->max_seq_len is %d, must be >= 1", o->max_seq_len);
+  if (o->format != M40LLM_KV_F16)
+    return FAIL(UNSUPPORTED, "opts->format %d is not supported (only M40LLM_KV_F16)", o->format);
+  const size_t dims[] = {(size_t)o->n_layers, (size_t)o->max_seqs, (size_t)o->n_kv_heads,
+                         (size_t)o->max_seq_len, (size_t)o->head_dim, 2 /* bytes */, 2 /* K, V */};
+  size_t bytes = 1;
+  for (size_t i = 0; i < sizeof dims / sizeof dims[0]; i++) {
+    if (bytes > SIZE_MAX / dims[i]) return FAIL(OUT_OF_MEMORY, "cache size overflows size_t");
+    bytes *= dims[i];
+  }
+  *out_bytes = bytes;
+  return M40LLM_OK;
+}
+
+int m40llm_kvcache_bytes_needed(size_t *out_bytes, const m40llm_kvcache_options *opts) {
+  if (!out_bytes) return FAIL(INVALID_ARGUMENT, "out_bytes is NULL");
+  size_t bytes;
+  int rc = check_options(opts, &bytes);
+  if (rc == M40LLM_OK) *out_bytes = bytes;
+  return rc;
+}
+
+static void release(m40llm_kvcache *c) {
+  m40llm_free(c->ctx, c->k);
+  m40llm_free(c->ctx, c->v);
+  free(c->lens);
+  free(c);
+}
+
+int m40llm_kvcache_create(m40llm_kvcache **out, m40llm_context *ctx,
+                          const m40llm_kvcache_options *opts) {
+  if (!out) return FAIL(INVALID_ARGUMENT, "out is NULL");
+  if (!ctx) return FAIL(INVALID_ARGUMENT, "ctx is NULL");
+  size_t bytes;
+  int rc = check_options(opts, &bytes);
+  if (rc != M40LLM_OK) return rc;
+  if (ctx->backend == M40LLM_BACKEND_CUDA && opts->head_dim % 8 != 0)
+    return FAIL(UNSUPPORTED, "opts->head_dim %d: the CUDA backend needs a multiple of 8",
+                opts->head_dim);
+  m40llm_kvcache *c = calloc(1, sizeof *c);
+  if (!c) return FAIL(OUT_OF_MEMORY, "allocating the cache handle");
+  c->ctx = ctx;
+  c->opts = *opts;
+  c->lens = calloc((size_t)opts->n_layers * (size_t)opts->max_seqs, sizeof *c->lens);
+  if (!c->lens) {
+    free(c);
+    return FAIL(OUT_OF_MEMORY, "allocating sequence lengths");
+  }
+  if ((rc = m40llm_malloc((void **)&c->k, ctx, bytes / 2)) != M40LLM_OK ||
+      (rc = m40llm_malloc((void **)&c->v, ctx, bytes / 2)) != M40LLM_OK ||
+      (ctx->backend == M40LLM_BACKEND_CUDA && (rc = m40llm_cuda_reserve_for(c)) != M40LLM_OK)) {
+    release(c);
+    return rc;
+  }
+  *out = c;
+  return M40LLM_OK;
+}
+
+void m40llm_kvcache_destroy(m40llm_kvcache *cache) {
+  if (!cache) return;
+  /* Work still queued may read the buffers; the CUDA free waits for the stream. */
+  release(cache);
+}
+
+int m40llm_kvcache_get_options(m40llm_kvcache_options *out, const m40llm_kvcache *cache) {
+  if (!out) return FAIL(INVALID_ARGUMENT, "out is NULL");
+  if (!cache) return FAIL(INVALID_ARGUMENT, "cache is NULL");
+  if (out->version != M40LLM_KVCACHE_OPTIONS_VERSION)
+    return FAIL(INVALID_ARGUMENT, "out->version %u is not supported (expected %u)", out->version,
+                M40LLM_KVCACHE_OPTIONS_VERSION);
+  *out = cache->opts;
+  return M40LLM_OK;
+}
+
+static int check_layer_seq(const m40llm_kvcache *c, int layer, int seq) {
+  if (layer < 0 || layer >= c->opts.n_layers)
+    return FAIL(OUT_OF_RANGE, "layer %d is outside 0..%d", layer, c->opts.n_layers - 1);
+  if (seq < 0 || seq >= c->opts.max_seqs)
+    return FAIL(OUT_OF_RANGE, "seq %d is outside 0..%d", seq, c->opts.max_seqs - 1);
+  return M40LLM_OK;
+}
+
+static int check_seq(const m40llm_kvcache *c, const char *name, int seq) {
+  if (seq < 0 || seq >= c->opts.max_seqs)
+    return FAIL(OUT_OF_RANGE, "%s %d is outside 0..%d", name, seq, c->opts.max_seqs - 1);
+  return M40LLM_OK;
+}
+
+int m40llm_kvcache_seq_len(int *out_len, const m40llm_kvcache *cache, int layer, int seq) {
+  if (!out_len) return FAIL(INVALID_ARGUMENT, "out_len is NULL");
+  if (!cache) return FAIL(INVALID_ARGUMENT, "cache is NULL");
+  int rc = check_layer_seq(cache, layer, seq);
+  if (rc == M40LLM_OK) *out_len = *m40llm_len_slot(cache, layer, seq);
+  return rc;
+}
+
+int m40llm_kvcache_seq_reset(m40llm_kvcache *cache, int seq) {
+  return m40llm_kvcache_seq_truncate(cache, seq, 0);
+}
+
+int m40llm_kvcache_seq_truncate(m40llm_kvcache *cache, int seq, int new_len) {
+  if (!cache) return FAIL(INVALID_ARGUMENT, "cache is NULL");
+  int rc = check_seq(cache, "seq", seq);
+  if (rc != M40LLM_OK) return rc;
+  if (new_len < 0) return FAIL(INVALID_ARGUMENT, "new_len is %d, must be >= 0", new_len);
+  for (int l = 0; l < cache->opts.n_layers; l++) {
+    int *len = m40llm_len_slot(cache, l, seq);
+    if (*len > new_len) *len = new_len;
+  }
+  return M40LLM_OK;
+}
+
+int m40llm_kvcache_seq_fork(m40llm_kvcache *cache, int dst_seq, int src_seq) {
+  if (!cache) return FAIL(INVALID_ARGUMENT, "cache is NULL");
+  int rc;
+  if ((rc = check_seq(cache, "dst_seq", dst_seq)) != M40LLM_OK ||
+      (rc = check_seq(cache, "src_seq", src_seq)) != M40LLM_OK)
+    return rc;
+  if (dst_seq == src_seq) return FAIL(INVALID_ARGUMENT, "dst_seq and src_seq are both %d", dst_seq);
+  if (cache->ctx->backend == M40LLM_BACKEND_CUDA) {
+    if ((rc = m40llm_cuda_fork(cache, dst_seq, src_seq)) != M40LLM_OK) return rc;
+  } else {
+    m40llm_cpu_fork(cache, dst_seq, src_seq);
+  }
+  for (int l = 0; l < cache->opts.n_layers; l++)
+    *m40llm_len_slot(cache, l, dst_seq) = *m40llm_len_slot(cache, l, src_seq);
+  return M40LLM_OK;
+}
+
+static int append(m40llm_kvcache *c, int layer, int seq, const void *k, const void *v,
+                  int n_tokens, int src_is_f32) {
+  if (!c) return FAIL(INVALID_ARGUMENT, "cache is NULL");
+  int rc = check_layer_seq(c, layer, seq);
+  if (rc != M40LLM_OK) return rc;
+  if (!k) return FAIL(INVALID_ARGUMENT, "k is NULL");
+  if (!v) return FAIL(INVALID_ARGUMENT, "v is NULL");
+  if (n_tokens < 1) return FAIL(INVALID_ARGUMENT, "n_tokens is %d, must be >= 1", n_tokens);
+  int *len = m40llm_len_slot(c, layer, seq);
+  if ((long long)*len + n_tokens > c->opts.max_seq_len)
+    return FAIL(CAPACITY, "appending %d token(s) to layer %d seq %d (length %d) passes max_seq_len %d",
+                n_tokens, layer, seq, *len, c->opts.max_seq_len);
+  rc = c->ctx->backend == M40LLM_BACKEND_CUDA
+           ? m40llm_cuda_append(c, layer, seq, *len, k, v, n_tokens, src_is_f32)
+           : m40llm_cpu_append(c, layer, seq, *len, k, v, n_tokens, src_is_f32);
+  if (rc == M40LLM_OK) *len += n_tokens;
+  return rc;
+}
+
+int m40llm_kvcache_append_f32(m40llm_kvcache *cache, int layer, int seq, const float *k,
+                              const float *v, int n_tokens) {
+  return append(cache, layer, seq, k, v, n_tokens, 1);
+}
+
+int m40llm_kvcache_append_f16(m40llm_kvcache *cache, int layer, int seq, const uint16_t *k,
+                              const uint16_t *v, int n_tokens) {
+  return append(cache, layer, seq, k, v, n_tokens, 0);
+}
+
+int m40llm_kvcache_read_f16(uint16_t *k_out, uint16_t *v_out, const m40llm_kvcache *cache,
+                            int layer, int seq, int pos, int n_tokens) {
+  if (!cache) return FAIL(INVALID_ARGUMENT, "cache is NULL");
+  if (!k_out && !v_out) return FAIL(INVALID_ARGUMENT, "k_out and v_out are both NULL");
+  int rc = check_layer_seq(cache, layer, seq);
+  if (rc != M40LLM_OK) return rc;
+  if (n_tokens < 1) return FAIL(INVALID_ARGUMENT, "n_tokens is %d, must be >= 1", n_tokens);
+  const int len = *m40llm_len_slot(cache, layer, seq);
+  if (pos < 0 || (long long)pos + n_tokens > len)
+    return FAIL(OUT_OF_RANGE, "positions %d..%lld are outside layer %d seq %d (length %d)", pos,
+                (long long)pos + n_tokens - 1, layer, seq, len);
+  if (cache->ctx->backend == M40LLM_BACKEND_CUDA)
+    return m40llm_cuda_read(cache, k_out, v_out, layer, seq, pos, n_tokens);
+  m40llm_cpu_read(cache, k_out, v_out, layer, seq, pos, n_tokens);
+  return M40LLM_OK;
+}
+
+static int check_attention(const m40llm_kvcache *c, int layer, const float *q, const float *out,
+                           int n_rows, float *scale) {
+  if (layer < 0 || layer >= c->opts.n_layers)
+    return FAIL(OUT_OF_RANGE, "layer %d is outside 0..%d", layer, c->opts.n_layers - 1);
+  if (!q) return FAIL(INVALID_ARGUMENT, "q is NULL");
+  if (!out) return FAIL(INVALID_ARGUMENT, "out is NULL");
+  if (!isfinite(*scale)) return FAIL(INVALID_ARGUMENT, "scale is not finite");
+  if (*scale == 0.0f) *scale = 1.0f / sqrtf((float)c->opts.head_dim);
+  const uintptr_t n = (uintptr_t)n_rows * (uintptr_t)c->opts.n_heads * (uintptr_t)c->opts.head_dim *
+                      sizeof(float);
+  const uintptr_t qa = (uintptr_t)q, oa = (uintptr_t)out;
+  if (qa < oa + n && oa < qa + n) return FAIL(INVALID_ARGUMENT, "q and out overlap");
+  return M40LLM_OK;
+}
+
+int m40llm_kvcache_attn_batch_f32q(float *out, m40llm_kvcache *cache, int layer,
+                                   const int32_t *seq_ids, int n_seqs, const float *q,
+                                   float scale) {
+  if (!cache) return FAIL(INVALID_ARGUMENT, "cache is NULL");
+  if (!seq_ids) return FAIL(INVALID_ARGUMENT, "seq_ids is NULL");
+  if (n_seqs < 1) return FAIL(INVALID_ARGUMENT, "n_seqs is %d, must be >= 1", n_seqs);
+  int rc = check_attention(cache, layer, q, out, n_seqs, &scale);
+  if (rc != M40LLM_OK) return rc;
+  for (int i = 0; i < n_seqs; i++)
+    if (seq_ids[i] < 0 || seq_ids[i] >= cache->opts.max_seqs)
+      return FAIL(OUT_OF_RANGE, "seq_ids[%d] = %d is outside 0..%d", i, (int)seq_ids[i],
+                  cache->opts.max_seqs - 1);
+  if (cache->ctx->backend != M40LLM_BACKEND_CUDA) {
+    m40llm_cpu_attention(cache, layer, seq_ids, n_seqs, q, out, scale);
+    return M40LLM_OK;
+  }
+  /* Sequence ids and lengths travel as kernel arguments, so batches go in launches of up to
+   * M40LLM_PLAN_MAX_ITEMS sequences. */
+  const size_t row = (size_t)cache->opts.n_heads * (size_t)cache->opts.head_dim;
+  for (int first = 0; first < n_seqs; first += M40LLM_PLAN_MAX_ITEMS) {
+    const int n = n_seqs - first < M40LLM_PLAN_MAX_ITEMS ? n_seqs - first : M40LLM_PLAN_MAX_ITEMS;
+    int32_t lens[M40LLM_PLAN_MAX_ITEMS];
+    for (int i = 0; i < n; i++) lens[i] = *m40llm_len_slot(cache, layer, seq_ids[first + i]);
+    rc = m40llm_cuda_attention(cache, layer, seq_ids + first, lens, n, q + (size_t)first * row,
+                               out + (size_t)first * row, scale);
+    if (rc != M40LLM_OK) return rc;
+  }
+  return M40LLM_OK;
+}
+
+int m40llm_kvcache_attn_last_token_f32q(float *out, m40llm_kvcache *cache, int layer, int seq,
+                                        const float *q, float scale) {
+  if (!cache) return FAIL(INVALID_ARGUMENT, "cache is NULL");
+  int rc = check_seq(cache, "seq", seq);
+  if (rc != M40LLM_OK) return rc;
+  const int32_t id = seq;
+  return m40llm_kvcache_attn_batch_f32q(out, cache, layer, &id, 1, q, scale);
+}

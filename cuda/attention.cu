@@ -1,0 +1,412 @@
+// Decode attention: one FP32 query row per sequence against that sequence's FP16 K/V, FP32
+// arithmetic throughout (sm_52 has no fast half math).
+//
+// split kernel: one block per (sequence, split of its positions, K/V head, tile of that head's
+//   query heads). It walks its positions in tiles with an online softmax, so shared memory does
+//   not grow with the context. Every K/V row is read once per block and serves all the block's
+//   query heads (GQA). A sequence with one split writes its output directly; otherwise the
+//   block writes (max, sum, unnormalised output) partials.
+// combine kernel: merges a sequence's partials with the online-softmax rule.
+//
+// Scores live in the log2 domain (q is pre-multiplied by scale * log2(e)) so exp is exp2f.
+#include <math.h>
+
+#include "attention_plan.h"
+#include "common.cuh"
+#include "tuning.cuh"
+
+namespace {
+
+struct AttnArgs {
+  const __half *k;  // this layer's K: [seq][kv_head][pos][dim]
+  const __half *v;
+  const float *q;   // [item][n_heads][head_dim]
+  float *out;       // [item][n_heads][head_dim]
+  float *part_o;    // [split][n_heads][head_dim]
+  float *part_m;    // [split][n_heads]
+  float *part_l;    // [split][n_heads]
+  size_t seq_stride;   // elements between sequences of one layer
+  size_t head_stride;  // elements between K/V heads of one sequence
+  int n_heads;
+  int group;        // query heads per K/V head
+  int head_tiles;   // blocks per K/V head along grid y
+  int head_dim;
+  float q_scale;    // scale * log2(e)
+};
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+__device__ __forceinline__ int find_item(const m40llm_attn_plan &plan, int split) {
+  int lo = 0, hi = plan.n_items - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (plan.split_begin[mid] <= split) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
+// A row's softmax weights for all GT heads, in as few shared loads as alignment allows.
+template <int GT>
+__device__ __forceinline__ void load_weights(const float *p, float (&w)[GT]) {
+  if constexpr (GT % 4 == 0) {
+#pragma unroll
+    for (int g = 0; g < GT; g += 4) {
+      const float4 t = *reinterpret_cast<const float4 *>(p + g);
+      w[g] = t.x, w[g + 1] = t.y, w[g + 2] = t.z, w[g + 3] = t.w;
+    }
+  } else if constexpr (GT == 2) {
+    const float2 t = *reinterpret_cast<const float2 *>(p);
+    w[0] = t.x, w[1] = t.y;
+  } else {
+    w[0] = p[0];
+  }
+}
+
+// Shared memory of the split kernel, in floats: q and the score tile while looping, then the
+// per-row-group output partials for the final reduction.
+__host__ __device__ constexpr int pv_row_groups(int head_dim, int cols) {
+  return kAttnThreads / (head_dim / cols);
+}
+
+template <int GT>
+__host__ __device__ constexpr int split_smem_floats(int head_dim) {
+  return GT * (head_dim + kAttnTile) > pv_row_groups(head_dim, pv_columns(GT)) * GT * head_dim
+             ? GT * (head_dim + kAttnTile)
+             : pv_row_groups(head_dim, pv_columns(GT)) * GT * head_dim;
+}
+
+// GT: query heads per block (power of two <= kMaxGroupTile); heads past the group are zero-q
+// and never written.
+template <int GT>
+__global__ void __launch_bounds__(kAttnThreads, kAttnMinBlocksPerSm)
+    attn_split_kernel(const AttnArgs a, const m40llm_attn_plan plan) {
+  constexpr int COLS = pv_columns(GT);
+  extern __shared__ float smem[];
+  __shared__ float s_max[GT], s_sum[GT], s_alpha[GT];
+
+  const int D = a.head_dim;
+  float *sq = smem;               // [GT][D]
+  float *sp = smem + GT * D;      // [kAttnTile][GT]: a row's weights for every head together
+  const int tid = threadIdx.x;
+
+  const int split = blockIdx.x;
+  const int item = find_item(plan, split);
+  const int n_splits = plan.split_begin[item + 1] - plan.split_begin[item];
+  const int p_begin = (split - plan.split_begin[item]) * plan.chunk;
+  const int p_end = min(plan.len[item], p_begin + plan.chunk);
+
+  const int kvh = blockIdx.y / a.head_tiles;
+  const int h0 = kvh * a.group + (blockIdx.y % a.head_tiles) * GT;
+  const int nh = min(GT, (kvh + 1) * a.group - h0);
+
+  const size_t base = (size_t)plan.seq[item] * a.seq_stride + (size_t)kvh * a.head_stride;
+  const __half *K = a.k + base;
+  const __half *V = a.v + base;
+
+  const float *q = a.q + ((size_t)item * a.n_heads + h0) * D;
+  for (int i = tid; i < GT * D; i += kAttnThreads) sq[i] = i < nh * D ? q[i] * a.q_scale : 0.0f;
+  if (tid < GT) {
+    s_max[tid] = -INFINITY;
+    s_sum[tid] = 0.0f;
+  }
+
+  // Score pass: kKLanes lanes per K row, each lane a strided share of its 16-byte chunks.
+  const int k_row = tid / kKLanes, k_lane = tid % kKLanes;
+  const int chunks = D / 8;
+  // Output pass: COLS columns per thread, row groups walk the tile's rows.
+  const int pv_tpr = D / COLS;
+  const int row_groups = kAttnThreads / pv_tpr;
+  const int rg = tid / pv_tpr;
+  const int col = (tid % pv_tpr) * COLS;
+  const bool pv_active = rg < row_groups;
+  float o[GT][COLS];
+#pragma unroll
+  for (int g = 0; g < GT; g++)
+#pragma unroll
+    for (int i = 0; i < COLS; i++) o[g][i] = 0.0f;
+
+  for (int t0 = p_begin; t0 < p_end; t0 += kAttnTile) {
+    const int rows = min(kAttnTile, p_end - t0);
+    __syncthreads();  // q is staged, and the previous tile's weights are consumed
+
+    for (int r = k_row; r < kAttnTile; r += kAttnThreads / kKLanes) {
+      float acc[GT];
+#pragma unroll
+      for (int g = 0; g < GT; g++) acc[g] = 0.0f;
+      if (r < rows) {
+        const __half *krow = K + (size_t)(t0 + r) * D;
+        // Larger head tiles keep 8 more accumulators live; unrolling them spills under 64 regs.
+#pragma unroll(GT >= 4 ? 1 : 2)
+        for (int c = k_lane; c < chunks; c += kKLanes) {
+          float kf[8];
+          load_halves<8>(krow + c * 8, kf);
+#pragma unroll
+          for (int g = 0; g < GT; g++) {
+            const float4 qa = *reinterpret_cast<const float4 *>(sq + g * D + c * 8);
+            const float4 qb = *reinterpret_cast<const float4 *>(sq + g * D + c * 8 + 4);
+            float s = acc[g];
+            s = fmaf(qa.x, kf[0], s);
+            s = fmaf(qa.y, kf[1], s);
+            s = fmaf(qa.z, kf[2], s);
+            s = fmaf(qa.w, kf[3], s);
+            s = fmaf(qb.x, kf[4], s);
+            s = fmaf(qb.y, kf[5], s);
+            s = fmaf(qb.z, kf[6], s);
+            s = fmaf(qb.w, kf[7], s);
+            acc[g] = s;
+          }
+        }
+      }
+#pragma unroll
+      for (int g = 0; g < GT; g++) {
+#pragma unroll
+        for (int off = 1; off < kKLanes; off <<= 1)
+          acc[g] += __shfl_xor_sync(0xffffffffu, acc[g], off);
+      }
+      if (k_lane == 0) {
+#pragma unroll
+        for (int g = 0; g < GT; g++) sp[r * GT + g] = r < rows ? acc[g] : -INFINITY;
+      }
+    }
+    __syncthreads();
+
+    // Online softmax over the tile: one warp per query head.
+    const int lane = tid & 31;
+    for (int g = tid >> 5; g < GT; g += kAttnThreads / 32) {
+      float s[kAttnTile / 32];
+      float tile_max = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < kAttnTile / 32; j++) {
+        s[j] = sp[(lane + 32 * j) * GT + g];
+        tile_max = fmaxf(tile_max, s[j]);
+      }
+      tile_max = warp_max(tile_max);
+      const float m_old = s_max[g];
+      const float m_new = fmaxf(m_old, tile_max);
+      // m_new is finite: every tile has at least one real row.
+      const float alpha = exp2f(m_old - m_new);
+      float sum = 0.0f;
+#pragma unroll
+      for (int j = 0; j < kAttnTile / 32; j++) {
+        s[j] = exp2f(s[j] - m_new);
+        sum += s[j];
+        sp[(lane + 32 * j) * GT + g] = s[j];
+      }
+      sum = warp_sum(sum);
+      if (lane == 0) {
+        s_max[g] = m_new;
+        s_sum[g] = s_sum[g] * alpha + sum;
+        s_alpha[g] = alpha;
+      }
+    }
+    __syncthreads();
+
+    if (pv_active) {
+#pragma unroll
+      for (int g = 0; g < GT; g++) {
+        const float alpha = s_alpha[g];
+#pragma unroll
+        for (int i = 0; i < COLS; i++) o[g][i] *= alpha;
+      }
+      // 16 halves of V in flight per thread whatever the column count.
+#pragma unroll(16 / COLS)
+      for (int r = rg; r < rows; r += row_groups) {
+        float vf[COLS];
+        load_halves<COLS>(V + (size_t)(t0 + r) * D + col, vf);
+        float w[GT];
+        load_weights<GT>(sp + r * GT, w);
+#pragma unroll
+        for (int g = 0; g < GT; g++) {
+#pragma unroll
+          for (int i = 0; i < COLS; i++) o[g][i] = fmaf(w[g], vf[i], o[g][i]);
+        }
+      }
+    }
+  }
+
+  __syncthreads();  // q and weights are dead: reuse their space for the row-group reduction
+  float *red = smem;  // [row_group][GT][D]
+  if (pv_active) {
+#pragma unroll
+    for (int g = 0; g < GT; g++)
+#pragma unroll
+      for (int i = 0; i < COLS; i++) red[(rg * GT + g) * D + col + i] = o[g][i];
+  }
+  __syncthreads();
+  for (int idx = tid; idx < nh * D; idx += kAttnThreads) {
+    const int g = idx / D, d = idx % D;
+    float acc = 0.0f;
+    for (int r = 0; r < row_groups; r++) acc += red[(r * GT + g) * D + d];
+    const int h = h0 + g;
+    if (n_splits == 1) {
+      // Zero sum means no positions: the documented output is zeros.
+      const float l = s_sum[g];
+      a.out[((size_t)item * a.n_heads + h) * D + d] = l > 0.0f ? acc / l : 0.0f;
+    } else {
+      const size_t p = (size_t)split * a.n_heads + h;
+      a.part_o[p * D + d] = acc;
+      if (d == 0) {
+        a.part_m[p] = s_max[g];
+        a.part_l[p] = s_sum[g];
+      }
+    }
+  }
+}
+
+// One block per (item, query head); items with a single split were finished by the split
+// kernel. Each split holds at least one position, so every partial max is finite.
+__global__ void __launch_bounds__(kAttnThreads)
+    attn_combine_kernel(const AttnArgs a, const m40llm_attn_plan plan) {
+  const int item = blockIdx.x, h = blockIdx.y;
+  const int first = plan.split_begin[item];
+  const int n = plan.split_begin[item + 1] - first;
+  if (n == 1) return;
+  float m = -INFINITY;
+  for (int s = 0; s < n; s++) m = fmaxf(m, a.part_m[(size_t)(first + s) * a.n_heads + h]);
+  float l = 0.0f;
+  for (int s = 0; s < n; s++) {
+    const size_t p = (size_t)(first + s) * a.n_heads + h;
+    l += exp2f(a.part_m[p] - m) * a.part_l[p];
+  }
+  const int D = a.head_dim;
+  for (int d = threadIdx.x; d < D; d += kAttnThreads) {
+    float acc = 0.0f;
+    for (int s = 0; s < n; s++) {
+      const size_t p = (size_t)(first + s) * a.n_heads + h;
+      acc = fmaf(exp2f(a.part_m[p] - m), a.part_o[p * D + d], acc);
+    }
+    a.out[((size_t)item * a.n_heads + h) * D + d] = acc / l;
+  }
+}
+
+int group_tile_for(int group) {
+  int gt = 1;
+  while (gt < group && gt < kMaxGroupTile) gt <<= 1;
+  return gt;
+}
+
+int log2_small(int x) { return x >= 8 ? 3 : x >= 4 ? 2 : x >= 2 ? 1 : 0; }
+
+size_t split_smem_bytes(int gt, int head_dim) {
+  switch (gt) {
+    case 1: return split_smem_floats<1>(head_dim) * sizeof(float);
+    case 2: return split_smem_floats<2>(head_dim) * sizeof(float);
+    case 4: return split_smem_floats<4>(head_dim) * sizeof(float);
+    default: return split_smem_floats<8>(head_dim) * sizeof(float);
+  }
+}
+
+const void *split_kernel_for(int gt) {
+  switch (gt) {
+    case 1: return reinterpret_cast<const void *>(attn_split_kernel<1>);
+    case 2: return reinterpret_cast<const void *>(attn_split_kernel<2>);
+    case 4: return reinterpret_cast<const void *>(attn_split_kernel<4>);
+    default: return reinterpret_cast<const void *>(attn_split_kernel<8>);
+  }
+}
+
+// Blocks of the split kernel that fill the GPU once: SMs x resident blocks x waves.
+int target_blocks(m40llm_cuda_state *st, int gt, int head_dim, int *out) {
+  int &occ = st->occupancy[log2_small(gt)][head_dim / 8];
+  if (occ == 0) {
+    M40LLM_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        &occ, split_kernel_for(gt), kAttnThreads, split_smem_bytes(gt, head_dim)));
+    if (occ < 1) occ = 1;
+  }
+  *out = st->sm_count * occ * attn_tuning(st->cc_major).waves;
+  return M40LLM_OK;
+}
+
+int ensure_workspace(m40llm_context *ctx, size_t bytes) {
+  m40llm_cuda_state *st = ctx->cuda;
+  if (bytes <= st->workspace_bytes) return M40LLM_OK;
+  M40LLM_CUDA_TRY(cudaStreamSynchronize(st->stream));
+  M40LLM_CUDA_TRY(cudaFree(st->workspace));
+  st->workspace = nullptr;
+  st->workspace_bytes = 0;
+  void *p = nullptr;
+  M40LLM_CUDA_TRY(cudaMalloc(&p, bytes));
+  st->workspace = p;
+  st->workspace_bytes = bytes;
+  return M40LLM_OK;
+}
+
+size_t partial_bytes(int splits, int n_heads, int head_dim) {
+  return (size_t)splits * n_heads * ((size_t)head_dim + 2) * sizeof(float);
+}
+
+}  // namespace
+
+extern "C" int m40llm_cuda_reserve_for(m40llm_kvcache *c) {
+  M40LLM_CUDA_ENTER(c->ctx);
+  const m40llm_kvcache_options *o = &c->opts;
+  const int group = o->n_heads / o->n_kv_heads;
+  const int gt = group_tile_for(group);
+  const int units = o->n_kv_heads * ((group + gt - 1) / gt);
+  int target = 0;
+  int rc = target_blocks(c->ctx->cuda, gt, o->head_dim, &target);
+  if (rc != M40LLM_OK) return rc;
+  // The plan splits only while items x units < target, into chunks of at least total/target
+  // positions per unit, so a launch never has more than 2 * target / units + 1 splits.
+  const int max_splits = 2 * ((target + units - 1) / units) + 1;
+  return ensure_workspace(c->ctx, partial_bytes(max_splits, o->n_heads, o->head_dim));
+}
+
+extern "C" int m40llm_cuda_attention(const m40llm_kvcache *c, int layer, const int32_t *seq_ids,
+                                     const int32_t *lens, int n_seqs, const float *q, float *out,
+                                     float scale) {
+  m40llm_context *ctx = c->ctx;
+  M40LLM_CUDA_ENTER(ctx);
+  m40llm_cuda_state *st = ctx->cuda;
+  const m40llm_kvcache_options *o = &c->opts;
+  const int group = o->n_heads / o->n_kv_heads;
+  const int gt = group_tile_for(group);
+  const int head_tiles = (group + gt - 1) / gt;
+  const int units = o->n_kv_heads * head_tiles;
+
+  int target = 0;
+  int rc = target_blocks(st, gt, o->head_dim, &target);
+  if (rc != M40LLM_OK) return rc;
+  const AttnTuning &tune = attn_tuning(st->cc_major);
+  m40llm_attn_plan plan;
+  m40llm_attn_plan_build(&plan, seq_ids, lens, n_seqs, units, target, tune.min_chunk, kAttnTile);
+
+  AttnArgs a;
+  const size_t layer_offset = m40llm_kv_offset(o, layer, 0, 0, 0);
+  a.k = reinterpret_cast<const __half *>(c->k) + layer_offset;
+  a.v = reinterpret_cast<const __half *>(c->v) + layer_offset;
+  a.q = q;
+  a.out = out;
+  a.part_o = a.part_m = a.part_l = nullptr;
+  if (plan.max_splits > 1) {
+    rc = ensure_workspace(ctx, partial_bytes(plan.total_splits, o->n_heads, o->head_dim));
+    if (rc != M40LLM_OK) return rc;
+    const size_t n_part = (size_t)plan.total_splits * o->n_heads;
+    a.part_o = static_cast<float *>(st->workspace);
+    a.part_m = a.part_o + n_part * o->head_dim;
+    a.part_l = a.part_m + n_part;
+  }
+  a.seq_stride = (size_t)o->n_kv_heads * o->max_seq_len * o->head_dim;
+  a.head_stride = (size_t)o->max_seq_len * o->head_dim;
+  a.n_heads = o->n_heads;
+  a.group = group;
+  a.head_tiles = head_tiles;
+  a.head_dim = o->head_dim;
+  a.q_scale = scale * kLog2e;
+
+  const dim3 grid((unsigned)plan.total_splits, (unsigned)units);
+  const size_t smem = split_smem_bytes(gt, o->head_dim);
+  switch (gt) {
+    case 1: attn_split_kernel<1><<<grid, kAttnThreads, smem, st->stream>>>(a, plan); break;
+    case 2: attn_split_kernel<2><<<grid, kAttnThreads, smem, st->stream>>>(a, plan); break;
+    case 4: attn_split_kernel<4><<<grid, kAttnThreads, smem, st->stream>>>(a, plan); break;
+    default: attn_split_kernel<8><<<grid, kAttnThreads, smem, st->stream>>>(a, plan); break;
+  }
+  M40LLM_CUDA_CHECK_LAUNCH("attn_split_kernel");
+  if (plan.max_splits > 1) {
+    attn_combine_kernel<<<dim3((unsigned)n_seqs, (unsigned)o->n_heads), kAttnThreads, 0,
+                          st->stream>>>(a, plan);
+    M40LLM_CUDA_CHECK_LAUNCH("attn_combine_kernel");
+  }
+  return M40LLM_OK;
+}

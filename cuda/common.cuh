@@ -1,0 +1,82 @@
+// Helpers shared by the CUDA backend's translation units: error reporting, the backend state,
+// and device-side loads that widen FP16 to FP32 in registers (no half arithmetic: sm_52 has
+// none worth using, and the precision policy accumulates in FP32).
+#pragma once
+
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include "internal.h"
+
+struct m40llm_cuda_state {
+  cudaStream_t stream;
+  bool owns_stream;
+  int sm_count;
+  int cc_major;
+  int cc_minor;
+  void *workspace;  // split-K partials, grown only by m40llm_cuda_reserve_for or a larger call
+  size_t workspace_bytes;
+  int occupancy[4][33];  // resident attention blocks per SM, by [log2 group tile][head_dim / 8]
+};
+
+// Turns a CUDA error into a status with detail. Clears the error if it is not sticky, so the
+// context stays usable after, e.g., a failed allocation.
+int m40llm_cuda_error(cudaError_t err, const char *what);
+
+#define M40LLM_CUDA_TRY(call)                                           \
+  do {                                                                  \
+    cudaError_t m40llm_err_ = (call);                                   \
+    if (m40llm_err_ != cudaSuccess) return m40llm_cuda_error(m40llm_err_, #call); \
+  } while (0)
+
+// Every entry point makes the context's device current: the calling thread may use others.
+#define M40LLM_CUDA_ENTER(ctx) M40LLM_CUDA_TRY(cudaSetDevice((ctx)->device))
+
+// Checks the launch just made (bad configuration, missing kernel image for this GPU).
+#define M40LLM_CUDA_CHECK_LAUNCH(kernel)                                          \
+  do {                                                                            \
+    cudaError_t m40llm_err_ = cudaGetLastError();                                 \
+    if (m40llm_err_ != cudaSuccess) return m40llm_cuda_error(m40llm_err_, "launching " kernel); \
+  } while (0)
+
+template <int N>
+struct HalfVec;
+template <>
+struct HalfVec<1> { using Raw = unsigned short; };
+template <>
+struct HalfVec<2> { using Raw = unsigned int; };
+template <>
+struct HalfVec<4> { using Raw = uint2; };
+template <>
+struct HalfVec<8> { using Raw = uint4; };
+
+// Loads N consecutive halves (N * 2 bytes, aligned to that) through the read-only path and
+// widens them to FP32.
+template <int N>
+__device__ __forceinline__ void load_halves(const __half *p, float (&f)[N]) {
+  using Raw = typename HalfVec<N>::Raw;
+  const Raw raw = __ldg(reinterpret_cast<const Raw *>(p));
+  if constexpr (N == 1) {
+    f[0] = __half2float(__ushort_as_half(raw));
+  } else {
+    const __half2 *h = reinterpret_cast<const __half2 *>(&raw);
+#pragma unroll
+    for (int i = 0; i < N / 2; i++) {
+      const float2 t = __half22float2(h[i]);
+      f[2 * i] = t.x;
+      f[2 * i + 1] = t.y;
+    }
+  }
+}
+
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, off));
+  return x;
+}
+
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
+  return x;
+}

@@ -1,0 +1,34 @@
+// Every tuning knob of the attention kernels, per architecture, in one place.
+#pragma once
+
+// Compile-time shape of the split kernel (same on every GPU: it must fit sm_52's limits).
+constexpr int kAttnThreads = 128;  // 4 warps
+constexpr int kAttnTile = 128;     // positions per tile: one per thread in the score pass
+constexpr int kKLanes = 4;         // lanes sharing one K row in the score pass (64 B per quad)
+constexpr int kAttnMinBlocksPerSm = 8;  // caps registers at 64/thread: 50% occupancy on sm_52
+
+// Query heads per block: one K/V head's group is done in tiles of this many heads.
+constexpr int kMaxGroupTile = 8;
+
+// Columns of V per thread in the output pass: fewer for larger head tiles so the FP32
+// accumulators (tile x columns) stay at 8 registers, which keeps sm_52 at 64 without spills.
+__host__ __device__ constexpr int pv_columns(int group_tile) { return 8 / group_tile; }
+
+// Run-time split-K heuristics.
+struct AttnTuning {
+  int min_cc_major;  // first architecture the row applies to
+  int waves;         // target blocks = SMs x resident blocks per SM x waves
+  int min_chunk;     // never split a sequence into pieces shorter than this
+};
+
+constexpr AttnTuning kAttnTuning[] = {
+    {9, 2, 256},  // Hopper: 132 SMs want many blocks; partials are cheap next to 4.8 TB/s
+    {7, 2, 256},  // Volta .. Ada
+    {0, 2, 256},  // Maxwell (M40: 24 SMs), Pascal
+};
+
+inline const AttnTuning &attn_tuning(int cc_major) {
+  for (const AttnTuning &t : kAttnTuning)
+    if (cc_major >= t.min_cc_major) return t;
+  return kAttnTuning[sizeof kAttnTuning / sizeof kAttnTuning[0] - 1];
+}

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine (the device tool), from the repository root, after
+# scripts/build_carry.sh here. Steps (default: all): native ptx52 rust sanitize bench
+#   native    build with the machine's CUDA for its GPU (e.g. sm_90) and run ctest
+#   ptx52     run the carried compute_52-PTX C tests: the M40 code path through the JIT
+#   rust      run the carried Rust test binaries
+#   sanitize  compute-sanitizer memcheck and racecheck over the GPU tests (small shapes)
+#   bench     bench/run_gpu.sh: m40llm vs PyTorch SDPA vs the copy roofline
+# Logs and results go to $OUT (or ./gpu-out). Every GPU test must run: a skip is a failure here.
+set -uo pipefail
+out=${OUT:-$PWD/gpu-out}
+mkdir -p "$out"
+export M40LLM_REQUIRE_GPU=1
+steps=${*:-native ptx52 rust sanitize bench}
+arch=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -n1 | tr -d .)
+declare -A result
+
+run_step() {  # name, command...
+  local name=$1; shift
+  echo "=== $name: $*"
+  local t0=$SECONDS
+  if "$@" >"$out/$name.log" 2>&1; then result[$name]="PASS"; else result[$name]="FAIL"; fi
+  result[$name]+=" ($((SECONDS - t0)) s)"
+  tail -n 25 "$out/$name.log"
+}
+
+native() {
+  cmake -S . -B build-native -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES="$arch" &&
+    cmake --build build-native && ctest --test-dir build-native --output-on-failure
+}
+
+run_all() {  # dir: every executable in it must exit 0
+  local rc=0 f
+  for f in "$1"/*; do
+    [ -x "$f" ] || continue
+    echo "--- $f"
+    "$f" || { echo "FAILED: $f"; rc=1; }
+  done
+  return $rc
+}
+
+sanitize() {
+  local rc=0 tool
+  for tool in memcheck racecheck; do
+    M40LLM_TEST_SMALL=1 compute-sanitizer --tool "$tool" --error-exitcode 1 \
+      build-native/ffi_tests/test_gpu || rc=1
+  done
+  return $rc
+}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version,compute_cap --format=csv
+for s in $steps; do
+  case $s in
+    native) run_step native native ;;
+    ptx52) run_step ptx52 run_all .gpu-carry/ptx52 ;;
+    rust) run_step rust run_all .gpu-carry/rust ;;
+    sanitize) run_step sanitize sanitize ;;
+    bench) run_step bench bash bench/run_gpu.sh "$out" ;;
+    *) echo "unknown step $s"; exit 2 ;;
+  esac
+done
+echo "=== summary ($(nvidia-smi --query-gpu=name --format=csv,noheader | head -n1))"
+fail=0
+for s in $steps; do
+  echo "$s: ${result[$s]}"
+  case ${result[$s]} in PASS*) ;; *) fail=1 ;; esac
+done
+exit $fail
