@@ -68,19 +68,17 @@ __host__ __device__ constexpr int pv_row_groups(int head_dim, int cols) {
   return kAttnThreads / (head_dim / cols);
 }
 
-template <int GT>
-__host__ __device__ constexpr int split_smem_floats(int head_dim) {
-  return GT * (head_dim + kAttnTile) > pv_row_groups(head_dim, pv_columns(GT)) * GT * head_dim
-             ? GT * (head_dim + kAttnTile)
-             : pv_row_groups(head_dim, pv_columns(GT)) * GT * head_dim;
+constexpr int split_smem_floats(int gt, int cols, int head_dim) {
+  return gt * (head_dim + kAttnTile) > pv_row_groups(head_dim, cols) * gt * head_dim
+             ? gt * (head_dim + kAttnTile)
+             : pv_row_groups(head_dim, cols) * gt * head_dim;
 }
 
 // GT: query heads per block (power of two <= kMaxGroupTile); heads past the group are zero-q
-// and never written.
-template <int GT>
+// and never written. COLS: V columns per thread in the output pass (pv_columns).
+template <int GT, int COLS>
 __global__ void __launch_bounds__(kAttnThreads, kAttnMinBlocksPerSm)
     attn_split_kernel(const AttnArgs a, const m40llm_attn_plan plan) {
-  constexpr int COLS = pv_columns(GT);
   extern __shared__ float smem[];
   __shared__ float s_max[GT], s_sum[GT], s_alpha[GT];
 
@@ -288,20 +286,17 @@ int group_tile_for(int group) {
 int log2_small(int x) { return x >= 8 ? 3 : x >= 4 ? 2 : x >= 2 ? 1 : 0; }
 
 size_t split_smem_bytes(int gt, int head_dim) {
-  switch (gt) {
-    case 1: return split_smem_floats<1>(head_dim) * sizeof(float);
-    case 2: return split_smem_floats<2>(head_dim) * sizeof(float);
-    case 4: return split_smem_floats<4>(head_dim) * sizeof(float);
-    default: return split_smem_floats<8>(head_dim) * sizeof(float);
-  }
+  return split_smem_floats(gt, pv_columns(gt, head_dim), head_dim) * sizeof(float);
 }
 
-const void *split_kernel_for(int gt) {
+// The instances the dispatcher can pick: (GT, pv_columns(GT, head_dim)) for head_dim <= 256.
+using SplitKernel = void (*)(AttnArgs, m40llm_attn_plan);
+SplitKernel split_kernel_for(int gt, int head_dim) {
   switch (gt) {
-    case 1: return reinterpret_cast<const void *>(attn_split_kernel<1>);
-    case 2: return reinterpret_cast<const void *>(attn_split_kernel<2>);
-    case 4: return reinterpret_cast<const void *>(attn_split_kernel<4>);
-    default: return reinterpret_cast<const void *>(attn_split_kernel<8>);
+    case 1: return attn_split_kernel<1, 8>;
+    case 2: return attn_split_kernel<2, 4>;
+    case 4: return attn_split_kernel<4, 2>;
+    default: return head_dim > 128 ? attn_split_kernel<8, 2> : attn_split_kernel<8, 1>;
   }
 }
 
@@ -310,7 +305,7 @@ int target_blocks(m40llm_cuda_state *st, int gt, int head_dim, int *out) {
   int &occ = st->occupancy[log2_small(gt)][head_dim / 8];
   if (occ == 0) {
     M40LLM_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-        &occ, split_kernel_for(gt), kAttnThreads, split_smem_bytes(gt, head_dim)));
+        &occ, split_kernel_for(gt, head_dim), kAttnThreads, split_smem_bytes(gt, head_dim)));
     if (occ < 1) occ = 1;
   }
   *out = st->sm_count * occ * attn_tuning(st->cc_major).waves;
@@ -396,12 +391,7 @@ extern "C" int m40llm_cuda_attention(const m40llm_kvcache *c, int layer, const i
 
   const dim3 grid((unsigned)plan.total_splits, (unsigned)units);
   const size_t smem = split_smem_bytes(gt, o->head_dim);
-  switch (gt) {
-    case 1: attn_split_kernel<1><<<grid, kAttnThreads, smem, st->stream>>>(a, plan); break;
-    case 2: attn_split_kernel<2><<<grid, kAttnThreads, smem, st->stream>>>(a, plan); break;
-    case 4: attn_split_kernel<4><<<grid, kAttnThreads, smem, st->stream>>>(a, plan); break;
-    default: attn_split_kernel<8><<<grid, kAttnThreads, smem, st->stream>>>(a, plan); break;
-  }
+  split_kernel_for(gt, o->head_dim)<<<grid, kAttnThreads, smem, st->stream>>>(a, plan);
   M40LLM_CUDA_CHECK_LAUNCH("attn_split_kernel");
   if (plan.max_splits > 1) {
     attn_combine_kernel<<<dim3((unsigned)n_seqs, (unsigned)o->n_heads), kAttnThreads, 0,

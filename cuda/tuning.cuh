@@ -11,8 +11,11 @@ constexpr int kAttnMinBlocksPerSm = 8;  // caps registers at 64/thread: 50% occu
 constexpr int kMaxGroupTile = 8;
 
 // Columns of V per thread in the output pass: fewer for larger head tiles so the FP32
-// accumulators (tile x columns) stay at 8 registers, which keeps sm_52 at 64 without spills.
-__host__ __device__ constexpr int pv_columns(int group_tile) { return 8 / group_tile; }
+// accumulators (tile x columns) stay at 8 registers, which keeps sm_52 at 64 without spills;
+// but at least head_dim / kAttnThreads so one pass of the block covers a row.
+constexpr int pv_columns(int group_tile, int head_dim) {
+  return 8 / group_tile >= (head_dim + 127) / 128 ? 8 / group_tile : (head_dim + 127) / 128;
+}
 
 // Run-time split-K heuristics.
 struct AttnTuning {
