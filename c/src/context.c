@@ -42,7 +42,7 @@ int m40llm_context_create(m40llm_context **out, const m40llm_context_options *op
       o.backend != M40LLM_BACKEND_CPU)
     return m40llm_fail(M40LLM_ERR_INVALID_ARGUMENT, "opts->backend %d is not an m40llm_backend",
                        o.backend);
-  if (o.device < 0)
+  if (o.backend != M40LLM_BACKEND_CPU && o.device < 0)
     return m40llm_fail(M40LLM_ERR_OUT_OF_RANGE, "opts->device %d is negative", o.device);
 
   int backend = o.backend;
