@@ -51,7 +51,7 @@ static int check_options(const m40llm_kvcache_options *o, size_t *out_bytes) {
 
 int m40llm_kvcache_bytes_needed(size_t *out_bytes, const m40llm_kvcache_options *opts) {
   if (!out_bytes) return FAIL(INVALID_ARGUMENT, "out_bytes is NULL");
-  size_t bytes;
+  size_t bytes = 0;
   int rc = check_options(opts, &bytes);
   if (rc == M40LLM_OK) *out_bytes = bytes;
   return rc;
@@ -68,7 +68,7 @@ int m40llm_kvcache_create(m40llm_kvcache **out, m40llm_context *ctx,
                           const m40llm_kvcache_options *opts) {
   if (!out) return FAIL(INVALID_ARGUMENT, "out is NULL");
   if (!ctx) return FAIL(INVALID_ARGUMENT, "ctx is NULL");
-  size_t bytes;
+  size_t bytes = 0;
   int rc = check_options(opts, &bytes);
   if (rc != M40LLM_OK) return rc;
   if (ctx->backend == M40LLM_BACKEND_CUDA && opts->head_dim % 8 != 0)
