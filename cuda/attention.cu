@@ -79,6 +79,7 @@ constexpr int split_smem_floats(int gt, int cols, int head_dim) {
 template <int GT, int COLS>
 __global__ void __launch_bounds__(kAttnThreads, kAttnMinBlocksPerSm)
     attn_split_kernel(const AttnArgs a, const m40llm_attn_plan plan) {
+  constexpr int KB = k_batch(GT);
   extern __shared__ float smem[];
   __shared__ float s_max[GT], s_sum[GT], s_alpha[GT];
 
@@ -133,25 +134,35 @@ __global__ void __launch_bounds__(kAttnThreads, kAttnMinBlocksPerSm)
       for (int g = 0; g < GT; g++) acc[g] = 0.0f;
       if (r < rows) {
         const __half *krow = K + (size_t)(t0 + r) * D;
-        // Larger head tiles keep 8 more accumulators live; unrolling them spills under 64 regs.
-#pragma unroll(GT >= 4 ? 1 : 2)
-        for (int c = k_lane; c < chunks; c += kKLanes) {
-          float kf[8];
-          load_halves<8>(krow + c * 8, kf);
+        // All of a batch's loads go out before any math: latency, not bandwidth, bounds a
+        // thread that waits on one 16-byte chunk at a time.
+        for (int c0 = k_lane; c0 < chunks; c0 += kKLanes * KB) {
+          uint4 raw[KB];
 #pragma unroll
-          for (int g = 0; g < GT; g++) {
-            const float4 qa = *reinterpret_cast<const float4 *>(sq + g * D + c * 8);
-            const float4 qb = *reinterpret_cast<const float4 *>(sq + g * D + c * 8 + 4);
-            float s = acc[g];
-            s = fmaf(qa.x, kf[0], s);
-            s = fmaf(qa.y, kf[1], s);
-            s = fmaf(qa.z, kf[2], s);
-            s = fmaf(qa.w, kf[3], s);
-            s = fmaf(qb.x, kf[4], s);
-            s = fmaf(qb.y, kf[5], s);
-            s = fmaf(qb.z, kf[6], s);
-            s = fmaf(qb.w, kf[7], s);
-            acc[g] = s;
+          for (int j = 0; j < KB; j++)
+            if (c0 + j * kKLanes < chunks)
+              raw[j] = __ldg(reinterpret_cast<const uint4 *>(krow + (c0 + j * kKLanes) * 8));
+#pragma unroll
+          for (int j = 0; j < KB; j++) {
+            const int c = c0 + j * kKLanes;
+            if (c >= chunks) break;
+            float kf[8];
+            widen8(raw[j], kf);
+#pragma unroll
+            for (int g = 0; g < GT; g++) {
+              const float4 qa = *reinterpret_cast<const float4 *>(sq + g * D + c * 8);
+              const float4 qb = *reinterpret_cast<const float4 *>(sq + g * D + c * 8 + 4);
+              float s = acc[g];
+              s = fmaf(qa.x, kf[0], s);
+              s = fmaf(qa.y, kf[1], s);
+              s = fmaf(qa.z, kf[2], s);
+              s = fmaf(qa.w, kf[3], s);
+              s = fmaf(qb.x, kf[4], s);
+              s = fmaf(qb.y, kf[5], s);
+              s = fmaf(qb.z, kf[6], s);
+              s = fmaf(qb.w, kf[7], s);
+              acc[g] = s;
+            }
           }
         }
       }

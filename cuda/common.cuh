@@ -69,6 +69,17 @@ __device__ __forceinline__ void load_halves(const __half *p, float (&f)[N]) {
   }
 }
 
+// Widens 8 halves already in a register quad (from a 16-byte load) to FP32.
+__device__ __forceinline__ void widen8(const uint4 &raw, float (&f)[8]) {
+  const __half2 *h = reinterpret_cast<const __half2 *>(&raw);
+#pragma unroll
+  for (int i = 0; i < 4; i++) {
+    const float2 t = __half22float2(h[i]);
+    f[2 * i] = t.x;
+    f[2 * i + 1] = t.y;
+  }
+}
+
 __device__ __forceinline__ float warp_max(float x) {
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, off));

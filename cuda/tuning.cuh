@@ -5,6 +5,11 @@
 constexpr int kAttnThreads = 128;  // 4 warps
 constexpr int kAttnTile = 128;     // positions per tile: one per thread in the score pass
 constexpr int kKLanes = 4;         // lanes sharing one K row in the score pass (64 B per quad)
+// 16-byte K loads a lane issues before using any: as many as registers allow without spilling
+// at 64 per thread (larger head tiles hold more accumulators).
+__host__ __device__ constexpr int k_batch(int group_tile) {
+  return group_tile <= 2 ? 2 : 1;
+}
 constexpr int kAttnMinBlocksPerSm = 8;  // caps registers at 64/thread: 50% occupancy on sm_52
 
 // Query heads per block: one K/V head's group is done in tiles of this many heads.
@@ -25,9 +30,9 @@ struct AttnTuning {
 };
 
 constexpr AttnTuning kAttnTuning[] = {
-    {9, 2, 256},  // Hopper: 132 SMs want many blocks; partials are cheap next to 4.8 TB/s
-    {7, 2, 256},  // Volta .. Ada
-    {0, 2, 256},  // Maxwell (M40: 24 SMs), Pascal
+    {9, 2, 128},  // Hopper: 132 SMs want many blocks; partials are cheap next to 4.8 TB/s
+    {7, 2, 128},  // Volta .. Ada
+    {0, 2, 128},  // Maxwell (M40: 24 SMs), Pascal
 };
 
 inline const AttnTuning &attn_tuning(int cc_major) {
