@@ -136,6 +136,7 @@ __global__ void __launch_bounds__(kAttnThreads, kAttnMinBlocksPerSm)
         const __half *krow = K + (size_t)(t0 + r) * D;
         // All of a batch's loads go out before any math: latency, not bandwidth, bounds a
         // thread that waits on one 16-byte chunk at a time.
+#pragma unroll 1
         for (int c0 = k_lane; c0 < chunks; c0 += kKLanes * KB) {
           uint4 raw[KB];
 #pragma unroll
@@ -145,7 +146,7 @@ __global__ void __launch_bounds__(kAttnThreads, kAttnMinBlocksPerSm)
 #pragma unroll
           for (int j = 0; j < KB; j++) {
             const int c = c0 + j * kKLanes;
-            if (c >= chunks) break;
+            if (c >= chunks) continue;
             float kf[8];
             widen8(raw[j], kf);
 #pragma unroll
@@ -217,8 +218,9 @@ __global__ void __launch_bounds__(kAttnThreads, kAttnMinBlocksPerSm)
 #pragma unroll
         for (int i = 0; i < COLS; i++) o[g][i] *= alpha;
       }
-      // 16 halves of V in flight per thread whatever the column count.
-#pragma unroll(16 / COLS)
+      // 8 to 16 halves of V in flight per thread (x kLoadDepth); more rows would also hoist
+      // their weight loads, which runs 8-head tiles out of registers.
+#pragma unroll(kLoadDepth * (COLS >= 4 ? 16 / COLS : GT >= 8 ? 4 : 8))
       for (int r = rg; r < rows; r += row_groups) {
         float vf[COLS];
         load_halves<COLS>(V + (size_t)(t0 + r) * D + col, vf);

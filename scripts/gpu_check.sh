@@ -53,7 +53,7 @@ for s in $steps; do
   case $s in
     native) run_step native native ;;
     ptx52) run_step ptx52 run_all .gpu-carry/ptx52 ;;
-    rust) run_step rust run_all .gpu-carry/rust ;;
+    rust) run_step rust bash .gpu-carry/rust/run_all.sh ;;
     sanitize) run_step sanitize sanitize ;;
     bench) run_step bench bash bench/run_gpu.sh "$out" ;;
     *) echo "unknown step $s"; exit 2 ;;

@@ -31,7 +31,8 @@ if [ "$what" = all ] || [ "$what" = rust ]; then
   cd "$root/rust"
   cargo fmt --all -- --check
   cargo clippy --workspace --all-targets -- -D warnings
-  bash scripts/check_bindings.sh
+  RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps
+  bash scripts/regen_bindings.sh --check
   bash scripts/check_package.sh
   cargo test --workspace
 fi

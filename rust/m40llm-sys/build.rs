@@ -1,0 +1,486 @@
+//! Builds the m40llm C/CUDA library from `c/sources.txt` (the list CMake reads too).
+//!
+//! Writes only into `OUT_DIR`. Never probes a GPU. Environment variables read (each one is
+//! declared with `rerun-if-env-changed`):
+//!
+//! * `NVCC` — path of the nvcc to use (else `CUDA_PATH`/`CUDA_HOME`/`CUDA_ROOT` `/bin/nvcc`,
+//!   `/usr/local/cuda/bin/nvcc`, then `nvcc` on `PATH`).
+//! * `NVCC_CCBIN` — host compiler for nvcc (else, for nvcc < 12: the Debian `g++` wrapper next to
+//!   the real nvcc binary, then `g++-11`, `g++-10`, `g++-9`, `clang++-14` on `PATH`).
+//! * `M40LLM_CUDA_ARCHS` — architectures, comma/semicolon/space separated. `52` = sm_52 SASS +
+//!   compute_52 PTX; `sm_52` or `52-real` = SASS only; `compute_52` or `52-virtual` = PTX only.
+//!   Default `52` (the Tesla M40; newer GPUs JIT-compile the PTX).
+//! * `M40LLM_NO_CUDA=1` — build the CPU-only library even when a toolkit is installed.
+//! * `DOCS_RS` — set: build nothing (docs need only the committed bindings).
+
+use std::env;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+const ENV_VARS: &[&str] = &[
+    "NVCC",
+    "NVCC_CCBIN",
+    "CUDA_PATH",
+    "CUDA_HOME",
+    "CUDA_ROOT",
+    "PATH",
+    "M40LLM_CUDA_ARCHS",
+    "M40LLM_NO_CUDA",
+    "DOCS_RS",
+];
+
+const SETUP_HELP: &str =
+    "install a CUDA toolkit that can target sm_52 (CUDA 11.8; on Debian/Ubuntu \
+    run scripts/setup.sh from the m40llm repository, which installs nvidia-cuda-toolkit and \
+    g++-11), or point NVCC (or CUDA_PATH) at an existing nvcc";
+
+fn main() {
+    for var in ENV_VARS {
+        println!("cargo:rerun-if-env-changed={var}");
+    }
+    println!("cargo:rerun-if-changed=build.rs");
+
+    let manifest_dir =
+        PathBuf::from(env::var_os("CARGO_MANIFEST_DIR").expect("CARGO_MANIFEST_DIR"));
+    // The crate sees the repository's c/ and cuda/ through the symlinks rust/m40llm-sys/c and
+    // rust/m40llm-sys/cuda (followed by `cargo package`, so a packaged crate holds real copies).
+    let root = manifest_dir.clone();
+    let include_dir = root.join("c").join("include");
+    println!("cargo:include={}", include_dir.display());
+
+    #[cfg(feature = "regenerate-bindings")]
+    generate_bindings(&include_dir);
+
+    if env::var_os("DOCS_RS").is_some() {
+        println!("cargo:cuda=0");
+        return;
+    }
+
+    let sources = read_sources(&root);
+    emit_rerun_for_tree(&root, &sources);
+
+    let want_cuda = cfg!(feature = "cuda");
+    let no_cuda = env_flag("M40LLM_NO_CUDA");
+    if want_cuda && no_cuda {
+        panic!("m40llm-sys: the `cuda` feature is enabled but M40LLM_NO_CUDA=1 disables CUDA");
+    }
+
+    let toolkit = if no_cuda { None } else { find_toolkit() };
+    let out_dir = PathBuf::from(env::var_os("OUT_DIR").expect("OUT_DIR"));
+    let target_arch = env::var("CARGO_CFG_TARGET_ARCH").unwrap_or_default();
+
+    let mut c_build = cc::Build::new();
+    c_build
+        .std("c11")
+        .include(root.join("c/include"))
+        .include(root.join("c/src"))
+        .include(root.join("cuda"))
+        .warnings(true)
+        .extra_warnings(true);
+
+    match toolkit {
+        None => {
+            if want_cuda {
+                panic!(
+                    "m40llm-sys: the `cuda` feature is enabled but no CUDA toolkit (nvcc) was \
+                     found: {SETUP_HELP}."
+                );
+            }
+            if !no_cuda {
+                println!(
+                    "cargo:warning=m40llm-sys: no CUDA toolkit found, building the CPU backend \
+                     only (enable the `cuda` feature to make this an error; to get CUDA, \
+                     {SETUP_HELP})"
+                );
+            }
+            for s in sources
+                .iter()
+                .filter(|s| s.group == "common" || s.group == "nocuda")
+            {
+                c_build.file(&s.path);
+            }
+            c_build.compile("m40llm");
+            println!("cargo:cuda=0");
+        }
+        Some(tk) => {
+            let archs_spec = env::var("M40LLM_CUDA_ARCHS")
+                .ok()
+                .filter(|s| !s.trim().is_empty())
+                .unwrap_or_else(|| default_archs(&tk.nvcc));
+            let gencode = parse_archs(&archs_spec).unwrap_or_else(|e| {
+                panic!("m40llm-sys: bad M40LLM_CUDA_ARCHS={archs_spec:?}: {e}");
+            });
+            let ccbin = find_ccbin(&tk);
+
+            // cc's CUDA mode runs the nvcc named by NVCC. Build scripts run single-threaded,
+            // so setting it for this process is fine.
+            env::set_var("NVCC", &tk.nvcc);
+
+            // Each .cu file is compiled on its own (whole-program, no relocatable device
+            // code), exactly like CMake's default. That keeps PTX-only builds JIT-loadable.
+            let mut cu_objects = Vec::new();
+            for (i, s) in sources.iter().filter(|s| s.group == "cuda").enumerate() {
+                let mut b = cc::Build::new();
+                b.cuda(true)
+                    .cudart("none")
+                    .ccbin(false)
+                    .debug(false) // cc would pass -G, which disables device optimisation
+                    .opt_level(3)
+                    .out_dir(out_dir.join(format!("cu{i}")))
+                    .include(root.join("c/include"))
+                    .include(root.join("c/src"))
+                    .include(root.join("cuda"))
+                    .define("M40LLM_HAVE_CUDA", "1")
+                    .flag("-std=c++17");
+                if let Some(cc) = &ccbin {
+                    b.flag("-ccbin")
+                        .flag(cc.to_str().expect("utf-8 ccbin path"));
+                }
+                for g in &gencode {
+                    b.flag(g);
+                }
+                b.file(&s.path);
+                cu_objects.extend(b.compile_intermediates());
+            }
+
+            c_build.define("M40LLM_HAVE_CUDA", "1");
+            for s in sources.iter().filter(|s| s.group == "common") {
+                c_build.file(&s.path);
+            }
+            c_build.objects(&cu_objects);
+            c_build.compile("m40llm");
+
+            let lib_dir = find_cudart_dir(&tk, &target_arch).unwrap_or_else(|| {
+                panic!(
+                    "m40llm-sys: found nvcc at {} but no libcudart_static.a next to it \
+                     (looked in lib64, targets/*/lib, /usr/lib/<arch>-linux-gnu)",
+                    tk.nvcc.display()
+                )
+            });
+            println!("cargo:rustc-link-search=native={}", lib_dir.display());
+            println!("cargo:rustc-link-lib=static=cudart_static");
+            println!("cargo:rustc-link-lib=dylib=dl");
+            println!("cargo:rustc-link-lib=dylib=rt");
+            println!("cargo:rustc-link-lib=dylib=pthread");
+            // nvcc's host side is C++ (g++): its objects may need the C++ runtime.
+            println!("cargo:rustc-link-lib=dylib=stdc++");
+            println!("cargo:cuda=1");
+            println!("cargo:cuda_archs={archs_spec}");
+        }
+    }
+    println!("cargo:rustc-link-lib=dylib=m");
+}
+
+fn env_flag(name: &str) -> bool {
+    matches!(
+        env::var(name).as_deref(),
+        Ok("1") | Ok("true") | Ok("yes") | Ok("on")
+    )
+}
+
+struct Source {
+    group: String,
+    path: PathBuf,
+}
+
+fn read_sources(root: &Path) -> Vec<Source> {
+    let list = root.join("c").join("sources.txt");
+    println!("cargo:rerun-if-changed={}", list.display());
+    let text = fs::read_to_string(&list)
+        .unwrap_or_else(|e| panic!("m40llm-sys: cannot read {}: {e}", list.display()));
+    let mut out = Vec::new();
+    for (n, line) in text.lines().enumerate() {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let (group, path) = line
+            .split_once(char::is_whitespace)
+            .unwrap_or_else(|| panic!("{}:{}: expected \"GROUP PATH\"", list.display(), n + 1));
+        let group = group.to_string();
+        if !matches!(group.as_str(), "common" | "cuda" | "nocuda") {
+            panic!("{}:{}: unknown group {group:?}", list.display(), n + 1);
+        }
+        let path = root.join(path.trim());
+        if !path.is_file() {
+            panic!(
+                "{}:{}: missing source {}",
+                list.display(),
+                n + 1,
+                path.display()
+            );
+        }
+        out.push(Source { group, path });
+    }
+    out
+}
+
+fn emit_rerun_for_tree(root: &Path, sources: &[Source]) {
+    for s in sources {
+        println!("cargo:rerun-if-changed={}", s.path.display());
+    }
+    println!(
+        "cargo:rerun-if-changed={}",
+        root.join("c/include/m40llm.h").display()
+    );
+    for dir in [root.join("c/src"), root.join("cuda")] {
+        // The directory itself, so added files re-run the build too.
+        println!("cargo:rerun-if-changed={}", dir.display());
+        let Ok(entries) = fs::read_dir(&dir) else {
+            continue;
+        };
+        let mut headers: Vec<PathBuf> = entries
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| matches!(p.extension().and_then(|e| e.to_str()), Some("h" | "cuh")))
+            .collect();
+        headers.sort();
+        for h in headers {
+            println!("cargo:rerun-if-changed={}", h.display());
+        }
+    }
+}
+
+struct Toolkit {
+    /// The nvcc to invoke (may be a wrapper script, as Debian's /usr/bin/nvcc is).
+    nvcc: PathBuf,
+    /// The nvcc binary behind wrappers and symlinks.
+    real_nvcc: PathBuf,
+    major: u32,
+}
+
+fn find_toolkit() -> Option<Toolkit> {
+    let mut candidates: Vec<PathBuf> = Vec::new();
+    if let Some(p) = env::var_os("NVCC").filter(|p| !p.is_empty()) {
+        let p = PathBuf::from(p);
+        if !is_executable(&p) {
+            panic!("m40llm-sys: NVCC={} is not an executable file", p.display());
+        }
+        candidates.push(p);
+    }
+    for var in ["CUDA_PATH", "CUDA_HOME", "CUDA_ROOT"] {
+        if let Some(r) = env::var_os(var).filter(|p| !p.is_empty()) {
+            candidates.push(PathBuf::from(r).join("bin").join("nvcc"));
+        }
+    }
+    candidates.push(PathBuf::from("/usr/local/cuda/bin/nvcc"));
+    if let Some(p) = which("nvcc") {
+        candidates.push(p);
+    }
+    let nvcc = candidates.into_iter().find(|p| is_executable(p))?;
+    let out = Command::new(&nvcc)
+        .arg("--version")
+        .output()
+        .unwrap_or_else(|e| panic!("m40llm-sys: cannot run {} --version: {e}", nvcc.display()));
+    if !out.status.success() {
+        panic!("m40llm-sys: {} --version failed", nvcc.display());
+    }
+    let text = String::from_utf8_lossy(&out.stdout);
+    let major = text
+        .split("release ")
+        .nth(1)
+        .and_then(|r| r.split('.').next())
+        .and_then(|m| m.trim().parse::<u32>().ok())
+        .unwrap_or_else(|| panic!("m40llm-sys: cannot parse the version of {}", nvcc.display()));
+    let real_nvcc = resolve_wrapper(&nvcc);
+    Some(Toolkit {
+        nvcc,
+        real_nvcc,
+        major,
+    })
+}
+
+/// Follows symlinks and one level of `exec /path/to/nvcc "$@"` shell wrapper (Debian's
+/// /usr/bin/nvcc) to the real nvcc binary.
+fn resolve_wrapper(nvcc: &Path) -> PathBuf {
+    let canon = fs::canonicalize(nvcc).unwrap_or_else(|_| nvcc.to_path_buf());
+    let Ok(bytes) = fs::read(&canon) else {
+        return canon;
+    };
+    if bytes.len() > 4096 || !bytes.starts_with(b"#!") {
+        return canon;
+    }
+    let text = String::from_utf8_lossy(&bytes);
+    for line in text.lines() {
+        let mut words = line.split_whitespace();
+        if words.next() == Some("exec") {
+            if let Some(target) = words.next() {
+                let target = Path::new(target.trim_matches('"'));
+                if target.is_absolute()
+                    && target.file_name() == Some("nvcc".as_ref())
+                    && is_executable(target)
+                {
+                    return fs::canonicalize(target).unwrap_or_else(|_| target.to_path_buf());
+                }
+            }
+        }
+    }
+    canon
+}
+
+fn find_ccbin(tk: &Toolkit) -> Option<PathBuf> {
+    if let Some(p) = env::var_os("NVCC_CCBIN").filter(|p| !p.is_empty()) {
+        return Some(PathBuf::from(p));
+    }
+    if tk.major >= 12 {
+        return None;
+    }
+    // Debian's toolkit ships a g++ wrapper next to the real nvcc that picks a supported GCC.
+    if let Some(dir) = tk.real_nvcc.parent() {
+        let general = [
+            Path::new("/usr/bin"),
+            Path::new("/usr/local/bin"),
+            Path::new("/bin"),
+        ];
+        let wrapper = dir.join("g++");
+        if !general.contains(&dir) && is_executable(&wrapper) {
+            return Some(wrapper);
+        }
+    }
+    for name in ["g++-11", "g++-10", "g++-9", "clang++-14"] {
+        if let Some(p) = which(name) {
+            return Some(p);
+        }
+    }
+    println!(
+        "cargo:warning=m40llm-sys: nvcc {} may reject the default host compiler; set NVCC_CCBIN \
+         to g++-11 or older",
+        tk.major
+    );
+    None
+}
+
+/// The default: sm_52 SASS + compute_52 PTX, or the lowest architecture this nvcc can build
+/// when it can no longer target the M40.
+fn default_archs(nvcc: &Path) -> String {
+    let Ok(out) = Command::new(nvcc).arg("--list-gpu-arch").output() else {
+        return "52".into();
+    };
+    if !out.status.success() {
+        return "52".into();
+    }
+    let text = String::from_utf8_lossy(&out.stdout);
+    let mut archs: Vec<u32> = text
+        .split_whitespace()
+        .filter_map(|w| w.strip_prefix("compute_"))
+        .filter_map(|n| n.parse().ok())
+        .collect();
+    archs.sort_unstable();
+    if archs.is_empty() || archs.contains(&52) {
+        return "52".into();
+    }
+    println!(
+        "cargo:warning=m40llm-sys: this CUDA toolkit cannot build sm_52 (the M40); building for \
+         sm_{0}. Use CUDA 11.8 for M40 support or set M40LLM_CUDA_ARCHS.",
+        archs[0]
+    );
+    archs[0].to_string()
+}
+
+/// Turns an architecture list into nvcc `-gencode` flags (see the module docs for the format).
+fn parse_archs(spec: &str) -> Result<Vec<String>, String> {
+    let mut flags = Vec::new();
+    for item in spec.split([',', ';', ' ', '\t']).filter(|s| !s.is_empty()) {
+        let num = |s: &str| -> Result<u32, String> {
+            s.parse::<u32>().map_err(|_| {
+                format!("{item:?} is not NN, sm_NN, compute_NN, NN-real or NN-virtual")
+            })
+        };
+        let (n, sass, ptx) = if let Some(n) = item.strip_prefix("sm_") {
+            (num(n)?, true, false)
+        } else if let Some(n) = item.strip_prefix("compute_") {
+            (num(n)?, false, true)
+        } else if let Some(n) = item.strip_suffix("-real") {
+            (num(n)?, true, false)
+        } else if let Some(n) = item.strip_suffix("-virtual") {
+            (num(n)?, false, true)
+        } else {
+            (num(item)?, true, true)
+        };
+        let code = match (sass, ptx) {
+            (true, true) => format!("[sm_{n},compute_{n}]"),
+            (true, false) => format!("sm_{n}"),
+            _ => format!("compute_{n}"),
+        };
+        flags.push(format!("-gencode=arch=compute_{n},code={code}"));
+    }
+    if flags.is_empty() {
+        return Err("no architecture given".into());
+    }
+    Ok(flags)
+}
+
+fn find_cudart_dir(tk: &Toolkit, target_arch: &str) -> Option<PathBuf> {
+    let mut roots: Vec<PathBuf> = Vec::new();
+    for var in ["CUDA_PATH", "CUDA_HOME", "CUDA_ROOT"] {
+        if let Some(r) = env::var_os(var).filter(|p| !p.is_empty()) {
+            roots.push(PathBuf::from(r));
+        }
+    }
+    for nvcc in [&tk.real_nvcc, &tk.nvcc] {
+        if let Some(root) = nvcc.parent().and_then(Path::parent) {
+            roots.push(root.to_path_buf());
+        }
+    }
+    roots.push(PathBuf::from("/usr/local/cuda"));
+    let mut dirs: Vec<PathBuf> = Vec::new();
+    for r in &roots {
+        dirs.push(r.join("lib64"));
+        dirs.push(
+            r.join("targets")
+                .join(format!("{target_arch}-linux"))
+                .join("lib"),
+        );
+        dirs.push(r.join("lib"));
+    }
+    // Debian/Ubuntu packages (nvidia-cuda-toolkit) install into the multiarch directory.
+    dirs.push(PathBuf::from(format!("/usr/lib/{target_arch}-linux-gnu")));
+    dirs.into_iter()
+        .find(|d| d.join("libcudart_static.a").is_file())
+}
+
+fn which(name: &str) -> Option<PathBuf> {
+    let path = env::var_os("PATH")?;
+    env::split_paths(&path)
+        .map(|d| d.join(name))
+        .find(|p| is_executable(p))
+}
+
+fn is_executable(p: &Path) -> bool {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        fs::metadata(p)
+            .map(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+            .unwrap_or(false)
+    }
+    #[cfg(not(unix))]
+    {
+        p.is_file()
+    }
+}
+
+#[cfg(feature = "regenerate-bindings")]
+fn generate_bindings(include_dir: &Path) {
+    let header = include_dir.join("m40llm.h");
+    let bindings = bindgen::Builder::default()
+        .header(header.to_str().expect("utf-8 path"))
+        .allowlist_function("m40llm_.*")
+        .allowlist_type("m40llm_.*")
+        .allowlist_var("M40LLM_.*")
+        .rust_target(bindgen::RustTarget::stable(70, 0).expect("rust target"))
+        .use_core()
+        .prepend_enum_name(false)
+        .merge_extern_blocks(true)
+        .layout_tests(false)
+        .derive_default(true)
+        .derive_debug(true)
+        .generate_comments(true)
+        .formatter(bindgen::Formatter::Prettyplease)
+        .raw_line("// Generated by bindgen from c/include/m40llm.h. Do not edit:")
+        .raw_line("// run rust/scripts/regen_bindings.sh instead.")
+        .generate()
+        .expect("bindgen failed on c/include/m40llm.h");
+    let out = PathBuf::from(env::var_os("OUT_DIR").expect("OUT_DIR")).join("bindings.rs");
+    bindings.write_to_file(&out).expect("write bindings");
+}

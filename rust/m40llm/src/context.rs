@@ -1,0 +1,333 @@
+//! Contexts: one backend (CPU, or one CUDA device and stream).
+
+use std::ffi::{c_void, CStr};
+use std::fmt;
+use std::marker::PhantomData;
+use std::ptr::{self, NonNull};
+
+use m40llm_sys as sys;
+
+use crate::error::{check, Error, Result};
+
+/// Which backend a [`Context`] runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Backend {
+    /// CUDA when a usable GPU exists, else the CPU. A created context never reports `Auto`.
+    #[default]
+    Auto,
+    /// The CUDA backend: buffers live in GPU memory and work is queued on a CUDA stream.
+    Cuda,
+    /// The CPU backend: buffers live in host memory and every call completes before returning.
+    Cpu,
+}
+
+impl Backend {
+    fn to_raw(self) -> i32 {
+        (match self {
+            Backend::Auto => sys::M40LLM_BACKEND_AUTO,
+            Backend::Cuda => sys::M40LLM_BACKEND_CUDA,
+            Backend::Cpu => sys::M40LLM_BACKEND_CPU,
+        }) as i32
+    }
+
+    fn from_raw(raw: i32) -> Backend {
+        match raw as u32 {
+            sys::M40LLM_BACKEND_CUDA => Backend::Cuda,
+            sys::M40LLM_BACKEND_CPU => Backend::Cpu,
+            _ => Backend::Auto,
+        }
+    }
+}
+
+impl fmt::Display for Backend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Backend::Auto => "auto",
+            Backend::Cuda => "cuda",
+            Backend::Cpu => "cpu",
+        })
+    }
+}
+
+/// Options for creating a [`Context`]; see [`Context::builder`].
+#[derive(Debug, Clone)]
+pub struct ContextBuilder {
+    backend: Backend,
+    device: u32,
+    stream: *mut c_void,
+}
+
+impl Default for ContextBuilder {
+    fn default() -> Self {
+        ContextBuilder {
+            backend: Backend::Auto,
+            device: 0,
+            stream: ptr::null_mut(),
+        }
+    }
+}
+
+impl ContextBuilder {
+    /// Defaults: [`Backend::Auto`], device 0, a stream the context creates.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Picks the backend.
+    pub fn backend(mut self, backend: Backend) -> Self {
+        self.backend = backend;
+        self
+    }
+
+    /// Picks the CUDA device ordinal (ignored by the CPU backend).
+    pub fn device(mut self, device: u32) -> Self {
+        self.device = device;
+        self
+    }
+
+    /// Makes the context queue its work on the caller's `cudaStream_t` instead of one it creates
+    /// (null restores the default). Only valid with the CUDA backend.
+    ///
+    /// # Safety
+    /// `stream` must be null or a valid `cudaStream_t` of the chosen device that stays alive
+    /// until the context (and every cache and buffer made from it) has been dropped.
+    pub unsafe fn cuda_stream(mut self, stream: *mut c_void) -> Self {
+        self.stream = stream;
+        self
+    }
+
+    /// Creates the context.
+    pub fn build(self) -> Result<Context> {
+        let device = i32::try_from(self.device)
+            .map_err(|_| Error::out_of_range(format!("device {} is too large", self.device)))?;
+        let mut opts = sys::m40llm_context_options::default();
+        // SAFETY: opts is a valid, writable options struct.
+        check(unsafe {
+            sys::m40llm_context_options_init(&mut opts, sys::M40LLM_CONTEXT_OPTIONS_VERSION)
+        })?;
+        opts.backend = self.backend.to_raw();
+        opts.device = device;
+        opts.cuda_stream = self.stream;
+        let mut raw = ptr::null_mut();
+        // SAFETY: valid out pointer and options; the stream's validity is the caller's promise
+        // (ContextBuilder::cuda_stream is unsafe).
+        check(unsafe { sys::m40llm_context_create(&mut raw, &opts) })?;
+        let raw = NonNull::new(raw)
+            .ok_or_else(|| Error::invalid("m40llm_context_create returned null"))?;
+        let mut ctx = Context {
+            raw,
+            backend: Backend::Auto,
+            device: None,
+            _not_sync: PhantomData,
+        };
+        let info = ctx.device_info()?;
+        ctx.backend = info.backend;
+        ctx.device = info.device;
+        Ok(ctx)
+    }
+}
+
+/// A backend plus, for CUDA, one device and one stream. Owns the scratch memory of attention.
+///
+/// Everything made from a context ([`KvCache`](crate::KvCache), [`DeviceBuffer`](crate::DeviceBuffer)) borrows it,
+/// so the compiler makes sure they are dropped first.
+///
+/// # Threads
+/// `Context` is [`Send`] but not [`Sync`]. The C library requires that calls on a context and
+/// on everything made from it never run concurrently, while distinct contexts are independent.
+/// Moving a context to another thread is fine (every call then happens there, one at a time;
+/// the library selects the context's device on each call), but sharing `&Context` between
+/// threads would allow concurrent calls, so it is not allowed. Because `&Context` is not `Send`,
+/// caches and buffers (which hold one) stay on the thread of their context as well. Use one
+/// context per thread to work in parallel.
+///
+/// # Ordering
+/// With the CUDA backend, appends, attention, reads into device buffers, memsets and
+/// device-to-device copies are queued on the context's stream and may return before the GPU
+/// has finished; copies to or from host memory wait. Errors raised by queued work surface at
+/// the next call that synchronizes ([`Context::synchronize`] or a host copy).
+///
+/// ```
+/// use m40llm::{Backend, Context};
+/// let ctx = Context::new(Backend::Cpu)?;
+/// assert_eq!(ctx.backend(), Backend::Cpu);
+/// println!("{}", ctx.device_info()?);
+/// ctx.synchronize()?;
+/// # Ok::<(), m40llm::Error>(())
+/// ```
+pub struct Context {
+    raw: NonNull<sys::m40llm_context>,
+    backend: Backend,
+    device: Option<u32>,
+    _not_sync: PhantomData<std::cell::Cell<()>>,
+}
+
+// SAFETY: see the "Threads" section above. The C library permits using a context from any
+// thread as long as calls are not concurrent; owning it (by value) guarantees that. `Sync` is
+// deliberately not implemented (PhantomData<Cell<()>>).
+unsafe impl Send for Context {}
+
+impl Context {
+    /// A context on the given backend (CUDA device 0 for CUDA or Auto).
+    pub fn new(backend: Backend) -> Result<Context> {
+        ContextBuilder::new().backend(backend).build()
+    }
+
+    /// A context on the CPU backend (always available).
+    pub fn cpu() -> Result<Context> {
+        Context::new(Backend::Cpu)
+    }
+
+    /// A context on CUDA device `device`. Fails with [`Status::NoDevice`](crate::Status) when
+    /// there is no usable GPU or the library was built without CUDA.
+    pub fn cuda(device: u32) -> Result<Context> {
+        ContextBuilder::new()
+            .backend(Backend::Cuda)
+            .device(device)
+            .build()
+    }
+
+    /// Options beyond [`Context::new`]: device ordinal, caller-owned CUDA stream.
+    pub fn builder() -> ContextBuilder {
+        ContextBuilder::new()
+    }
+
+    /// The backend in use ([`Backend::Cuda`] or [`Backend::Cpu`], never `Auto`).
+    pub fn backend(&self) -> Backend {
+        self.backend
+    }
+
+    /// The CUDA device ordinal, or `None` for the CPU backend.
+    pub fn device(&self) -> Option<u32> {
+        self.device
+    }
+
+    /// Describes the backend and device (free memory is read at the time of the call).
+    pub fn device_info(&self) -> Result<DeviceInfo> {
+        let mut info = sys::m40llm_device_info {
+            version: sys::M40LLM_DEVICE_INFO_VERSION,
+            ..Default::default()
+        };
+        // SAFETY: valid out struct with its version set; valid context.
+        check(unsafe { sys::m40llm_context_device_info(&mut info, self.raw.as_ptr()) })?;
+        // SAFETY: the library NUL-terminates name; the array is 256 chars and we bound the read.
+        let name_bytes: Vec<u8> = info
+            .name
+            .iter()
+            .take_while(|&&c| c != 0)
+            .map(|&c| c as u8)
+            .collect();
+        let name = String::from_utf8_lossy(&name_bytes).into_owned();
+        let backend = Backend::from_raw(info.backend);
+        Ok(DeviceInfo {
+            backend,
+            device: u32::try_from(info.device).ok(),
+            name,
+            compute_capability: (backend == Backend::Cuda).then_some((
+                info.compute_major.max(0) as u32,
+                info.compute_minor.max(0) as u32,
+            )),
+            multiprocessors: info.multiprocessors.max(0) as u32,
+            total_memory: info.total_memory,
+            free_memory: info.free_memory,
+        })
+    }
+
+    /// Blocks until all work queued on the context is done and reports errors raised by it.
+    pub fn synchronize(&self) -> Result<()> {
+        // SAFETY: valid context; not Sync, so no concurrent call.
+        check(unsafe { sys::m40llm_context_synchronize(self.raw.as_ptr()) })
+    }
+
+    /// The context's `cudaStream_t` (null for the CPU backend), for ordering your own CUDA work
+    /// with the context's.
+    pub fn cuda_stream(&self) -> *mut c_void {
+        // SAFETY: valid context.
+        unsafe { sys::m40llm_context_cuda_stream(self.raw.as_ptr()) }
+    }
+
+    /// The raw handle, for calling `m40llm_sys` directly. It stays owned by `self`.
+    pub fn as_raw(&self) -> *mut sys::m40llm_context {
+        self.raw.as_ptr()
+    }
+
+    pub(crate) fn same_as(&self, other: &Context) -> bool {
+        self.raw == other.raw
+    }
+}
+
+impl Drop for Context {
+    fn drop(&mut self) {
+        // SAFETY: owned handle; every cache and buffer borrowing it is gone (borrowck).
+        unsafe { sys::m40llm_context_destroy(self.raw.as_ptr()) }
+    }
+}
+
+impl fmt::Debug for Context {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Context")
+            .field("backend", &self.backend)
+            .field("device", &self.device)
+            .field("raw", &self.raw)
+            .finish()
+    }
+}
+
+/// What [`Context::device_info`] reports.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct DeviceInfo {
+    /// [`Backend::Cuda`] or [`Backend::Cpu`].
+    pub backend: Backend,
+    /// CUDA device ordinal; `None` for the CPU backend.
+    pub device: Option<u32>,
+    /// GPU name, or `"CPU"`.
+    pub name: String,
+    /// Compute capability `(major, minor)`; `None` for the CPU backend.
+    pub compute_capability: Option<(u32, u32)>,
+    /// Streaming multiprocessor count; 0 for the CPU backend.
+    pub multiprocessors: u32,
+    /// Bytes of device memory; 0 for the CPU backend.
+    pub total_memory: usize,
+    /// Bytes of device memory free when queried; 0 for the CPU backend.
+    pub free_memory: usize,
+}
+
+impl fmt::Display for DeviceInfo {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match (self.device, self.compute_capability) {
+            (Some(dev), Some((major, minor))) => write!(
+                f,
+                "CUDA device {dev}: {} (sm_{major}{minor}, {} SMs, {:.1}/{:.1} GiB free)",
+                self.name,
+                self.multiprocessors,
+                self.free_memory as f64 / (1u64 << 30) as f64,
+                self.total_memory as f64 / (1u64 << 30) as f64
+            ),
+            _ => write!(f, "{} backend", self.name),
+        }
+    }
+}
+
+/// Number of usable CUDA devices: 0 when the library was built without CUDA or when no
+/// driver or GPU is present (not an error).
+pub fn cuda_device_count() -> Result<usize> {
+    let mut n = 0;
+    // SAFETY: valid out pointer.
+    check(unsafe { sys::m40llm_cuda_device_count(&mut n) })?;
+    Ok(n.max(0) as usize)
+}
+
+/// Whether the linked library was built with the CUDA backend.
+pub fn built_with_cuda() -> bool {
+    // SAFETY: no arguments, no state.
+    unsafe { sys::m40llm_built_with_cuda() != 0 }
+}
+
+/// Version of the linked C library, `"MAJOR.MINOR.PATCH"`.
+pub fn library_version() -> &'static str {
+    // SAFETY: static NUL-terminated string.
+    unsafe { CStr::from_ptr(sys::m40llm_version_string()) }
+        .to_str()
+        .unwrap_or("")
+}

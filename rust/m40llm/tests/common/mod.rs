@@ -1,0 +1,273 @@
+//! Shared test helpers: a small seeded RNG, the float64 reference attention, error metrics and
+//! the GPU gate.
+#![allow(dead_code)]
+
+use std::io::Write;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use m40llm::{built_with_cuda, cuda_device_count, f16, Context};
+
+/// SplitMix64: tiny, fast, and its stream never changes across crate versions, so a printed
+/// seed reproduces a failure forever.
+pub struct Rng(u64);
+
+impl Rng {
+    /// A fresh seed per run (or `M40LLM_TEST_SEED`), printed so failures can be reproduced.
+    pub fn fresh(test: &str) -> Rng {
+        let seed = std::env::var("M40LLM_TEST_SEED")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| {
+                let t = SystemTime::now().duration_since(UNIX_EPOCH).unwrap();
+                t.as_nanos() as u64 ^ (test.len() as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15)
+            });
+        println!("{test}: seed {seed} (rerun with M40LLM_TEST_SEED={seed})");
+        Rng(seed)
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in [0, 1).
+    pub fn uniform(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    /// Standard normal (Box-Muller).
+    pub fn normal(&mut self) -> f64 {
+        let u1 = self.uniform().max(1e-300);
+        let u2 = self.uniform();
+        (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()
+    }
+
+    pub fn normal_vec(&mut self, n: usize, std: f64) -> Vec<f32> {
+        (0..n).map(|_| (self.normal() * std) as f32).collect()
+    }
+
+    pub fn below(&mut self, n: usize) -> usize {
+        (self.next_u64() % n as u64) as usize
+    }
+}
+
+/// Shape of a reference problem.
+#[derive(Clone, Copy, Debug)]
+pub struct Shape {
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+}
+
+/// Float64 attention of one query row over positions stored as FP16:
+/// k and v are [len][n_kv_heads][head_dim] (already FP16-rounded), q is [n_heads][head_dim].
+pub fn reference_attention(s: Shape, k: &[f16], v: &[f16], q: &[f32], scale: f64) -> Vec<f64> {
+    let (h, kvh, d) = (s.n_heads, s.n_kv_heads, s.head_dim);
+    let len = k.len() / (kvh * d);
+    let group = h / kvh;
+    let mut out = vec![0.0f64; h * d];
+    if len == 0 {
+        return out;
+    }
+    for head in 0..h {
+        let g = head / group;
+        let qh = &q[head * d..(head + 1) * d];
+        let scores: Vec<f64> = (0..len)
+            .map(|t| {
+                let kt = &k[(t * kvh + g) * d..(t * kvh + g + 1) * d];
+                scale
+                    * qh.iter()
+                        .zip(kt)
+                        .map(|(&a, &b)| a as f64 * b.to_f64())
+                        .sum::<f64>()
+            })
+            .collect();
+        let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let w: Vec<f64> = scores.iter().map(|&x| (x - m).exp()).collect();
+        let z: f64 = w.iter().sum();
+        for (t, wt) in w.iter().enumerate() {
+            let vt = &v[(t * kvh + g) * d..(t * kvh + g + 1) * d];
+            for (o, &x) in out[head * d..(head + 1) * d].iter_mut().zip(vt) {
+                *o += wt / z * x.to_f64();
+            }
+        }
+    }
+    out
+}
+
+/// ||got - want||_2 / ||want||_2 (absolute when want is all zeros).
+pub fn rel_l2(got: &[f32], want: &[f64]) -> f64 {
+    assert_eq!(got.len(), want.len());
+    let num: f64 = got
+        .iter()
+        .zip(want)
+        .map(|(&g, &w)| (g as f64 - w).powi(2))
+        .sum();
+    let den: f64 = want.iter().map(|w| w * w).sum();
+    if den == 0.0 {
+        num.sqrt()
+    } else {
+        (num / den).sqrt()
+    }
+}
+
+pub const TOL: f64 = 1e-5;
+
+/// What the library stores for FP32 input: round to nearest even.
+pub fn to_f16(x: &[f32]) -> Vec<f16> {
+    x.iter().map(|&v| f16::from_f32(v)).collect()
+}
+
+/// The default scale, computed as the library does (FP32).
+pub fn default_scale(head_dim: usize) -> f64 {
+    (1.0f32 / (head_dim as f32).sqrt()) as f64
+}
+
+/// A CUDA context on device 0, or None (after printing "skipped: no CUDA device") when this
+/// build or machine has none. With M40LLM_REQUIRE_GPU=1 a missing GPU fails the test instead.
+pub fn gpu_context(test: &str) -> Option<Context> {
+    let require = std::env::var("M40LLM_REQUIRE_GPU")
+        .map(|v| v == "1")
+        .unwrap_or(false);
+    let count = cuda_device_count().unwrap_or(0);
+    if !built_with_cuda() || count == 0 {
+        let why = if built_with_cuda() {
+            "no CUDA device".to_string()
+        } else {
+            "no CUDA device (m40llm was built without CUDA)".to_string()
+        };
+        if require {
+            panic!("{test}: M40LLM_REQUIRE_GPU=1 but {why}");
+        }
+        // Written past the test harness's capture so it is always visible.
+        let line = format!("{test}: skipped: {why}\n");
+        let _ = std::io::stderr().write_all(line.as_bytes());
+        return None;
+    }
+    let ctx = Context::cuda(0).expect("creating a CUDA context on device 0");
+    println!("{test}: {}", ctx.device_info().expect("device info"));
+    Some(ctx)
+}
+
+/// Fills a cache (2 layers; layer 0 gets unrelated data to catch layer mix-ups) with random
+/// sequences of the given lengths, appended in random-sized chunks (FP32 or FP16 input), then
+/// checks single-sequence and batched attention of layer 1 against the float64 reference.
+/// Returns the worst relative L2 error seen.
+pub fn check_attention_case(
+    ctx: &Context,
+    rng: &mut Rng,
+    s: Shape,
+    lens: &[usize],
+    f16_input: bool,
+    scale: Option<f32>,
+) -> f64 {
+    use m40llm::{DeviceBuffer, KvCache, KvCacheConfig};
+
+    let max_len = lens.iter().copied().max().unwrap_or(0).max(1);
+    let cfg = KvCacheConfig::new(2, s.n_heads, s.head_dim)
+        .kv_heads(s.n_kv_heads)
+        .max_seqs(lens.len())
+        .max_seq_len(max_len);
+    let mut kv = KvCache::new(ctx, &cfg).expect("create cache");
+    let row = cfg.kv_row_len();
+    let mut k_host: Vec<Vec<f16>> = vec![Vec::new(); lens.len()];
+    let mut v_host: Vec<Vec<f16>> = vec![Vec::new(); lens.len()];
+    for (seq, &len) in lens.iter().enumerate() {
+        // Layer 0: a few junk tokens.
+        let junk = len.min(3);
+        if junk > 0 {
+            let j = DeviceBuffer::from_slice(ctx, &rng.normal_vec(junk * row, 5.0)).unwrap();
+            kv.append(0, seq, &j, &j).unwrap();
+        }
+        let mut done = 0;
+        while done < len {
+            let n = if rng.below(3) == 0 {
+                1
+            } else {
+                1 + rng.below(len - done)
+            }
+            .min(len - done);
+            let k = rng.normal_vec(n * row, 1.0);
+            let v = rng.normal_vec(n * row, 1.0);
+            let (k16, v16) = (to_f16(&k), to_f16(&v));
+            let appended = if f16_input {
+                let kb = DeviceBuffer::from_slice(ctx, &k16).unwrap();
+                let vb = DeviceBuffer::from_slice(ctx, &v16).unwrap();
+                kv.append(1, seq, &kb, &vb).unwrap()
+            } else {
+                let kb = DeviceBuffer::from_slice(ctx, &k).unwrap();
+                let vb = DeviceBuffer::from_slice(ctx, &v).unwrap();
+                kv.append(1, seq, &kb, &vb).unwrap()
+            };
+            assert_eq!(appended, n);
+            k_host[seq].extend_from_slice(&k16);
+            v_host[seq].extend_from_slice(&v16);
+            done += n;
+        }
+        assert_eq!(kv.seq_len(1, seq).unwrap(), len);
+        assert_eq!(kv.seq_len(0, seq).unwrap(), junk);
+    }
+    // The stored FP16 must be exactly the round-to-nearest-even of the input.
+    for (seq, &len) in lens.iter().enumerate() {
+        if len > 0 {
+            let (k, v) = kv.read_to_host(1, seq, 0, len).unwrap();
+            assert!(k == k_host[seq], "K read back differs for seq {seq}");
+            assert!(v == v_host[seq], "V read back differs for seq {seq}");
+        }
+    }
+
+    let scale_ref = scale
+        .map(|x| x as f64)
+        .unwrap_or_else(|| default_scale(s.head_dim));
+    let qrow = cfg.q_row_len();
+    let mut worst = 0.0f64;
+
+    // Single-sequence attention.
+    for seq in 0..lens.len() {
+        let q = rng.normal_vec(qrow, 1.0);
+        let qb = DeviceBuffer::from_slice(ctx, &q).unwrap();
+        let mut out = DeviceBuffer::<f32>::zeros(ctx, qrow).unwrap();
+        kv.attention(1, seq, &qb, &mut out, scale).unwrap();
+        let got = out.to_vec().unwrap();
+        let want = reference_attention(s, &k_host[seq], &v_host[seq], &q, scale_ref);
+        let e = rel_l2(&got, &want);
+        assert!(
+            e <= TOL,
+            "single seq {seq} len {}: rel L2 {e:e} > {TOL:e} ({s:?})",
+            lens[seq]
+        );
+        worst = worst.max(e);
+    }
+
+    // Batched attention over every sequence in a shuffled order, with one id repeated.
+    let mut ids: Vec<usize> = (0..lens.len()).collect();
+    for i in (1..ids.len()).rev() {
+        ids.swap(i, rng.below(i + 1));
+    }
+    ids.push(ids[0]);
+    let q = rng.normal_vec(ids.len() * qrow, 1.0);
+    let qb = DeviceBuffer::from_slice(ctx, &q).unwrap();
+    let mut out = DeviceBuffer::<f32>::zeros(ctx, ids.len() * qrow).unwrap();
+    kv.attention_batch(1, &ids, &qb, &mut out, scale).unwrap();
+    let got = out.to_vec().unwrap();
+    for (i, &seq) in ids.iter().enumerate() {
+        let want = reference_attention(
+            s,
+            &k_host[seq],
+            &v_host[seq],
+            &q[i * qrow..(i + 1) * qrow],
+            scale_ref,
+        );
+        let e = rel_l2(&got[i * qrow..(i + 1) * qrow], &want);
+        assert!(
+            e <= TOL,
+            "batched row {i} (seq {seq}, len {}): rel L2 {e:e} > {TOL:e} ({s:?})",
+            lens[seq]
+        );
+        worst = worst.max(e);
+    }
+    worst
+}

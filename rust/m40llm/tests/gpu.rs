@@ -1,0 +1,206 @@
+//! The CUDA backend against a float64 reference, on fresh random data (seed printed; set
+//! M40LLM_TEST_SEED to replay). Without a GPU each test prints "skipped: no CUDA device" and
+//! passes; M40LLM_REQUIRE_GPU=1 makes that a failure.
+
+mod common;
+
+use common::{check_attention_case, gpu_context, Rng, Shape};
+use m40llm::{f16, Backend, Context, DeviceBuffer, KvCache, KvCacheConfig, Status};
+
+const LENS: [usize; 5] = [1, 31, 33, 257, 4099];
+
+fn run_single_lengths(test: &str, head_dim: usize, n_heads: usize, n_kv_heads: usize) {
+    let Some(ctx) = gpu_context(test) else { return };
+    let mut rng = Rng::fresh(test);
+    let s = Shape {
+        n_heads,
+        n_kv_heads,
+        head_dim,
+    };
+    for len in LENS {
+        let e = check_attention_case(&ctx, &mut rng, s, &[len], false, None);
+        println!("{test}: len {len}: worst rel L2 {e:e}");
+    }
+    ctx.synchronize().unwrap();
+}
+
+#[test]
+fn mha_head_dim_64() {
+    run_single_lengths("mha_head_dim_64", 64, 8, 8);
+}
+
+#[test]
+fn mha_head_dim_128() {
+    run_single_lengths("mha_head_dim_128", 128, 8, 8);
+}
+
+#[test]
+fn gqa4_head_dim_64() {
+    run_single_lengths("gqa4_head_dim_64", 64, 16, 4);
+}
+
+#[test]
+fn gqa4_head_dim_128() {
+    run_single_lengths("gqa4_head_dim_128", 128, 32, 8);
+}
+
+#[test]
+fn batched_ragged() {
+    let Some(ctx) = gpu_context("batched_ragged") else {
+        return;
+    };
+    let mut rng = Rng::fresh("batched_ragged");
+    for head_dim in [64, 128] {
+        for (n_heads, n_kv_heads) in [(8, 8), (32, 8)] {
+            let s = Shape {
+                n_heads,
+                n_kv_heads,
+                head_dim,
+            };
+            // Ragged lengths including every required one, an empty sequence and a
+            // single-token one; FP32 input with the default scale, then FP16 input with an
+            // explicit scale.
+            let lens = [4099, 0, 1, 31, 33, 257, 2, 1000, 64, 65];
+            let e = check_attention_case(&ctx, &mut rng, s, &lens, false, None);
+            println!("batched_ragged: {s:?}: worst rel L2 {e:e}");
+            let e = check_attention_case(&ctx, &mut rng, s, &lens, true, Some(0.05));
+            println!("batched_ragged (f16 input): {s:?}: worst rel L2 {e:e}");
+        }
+    }
+}
+
+#[test]
+fn batch_larger_than_one_launch() {
+    // More sequences than one kernel launch carries (the library splits the batch).
+    let Some(ctx) = gpu_context("batch_larger_than_one_launch") else {
+        return;
+    };
+    let mut rng = Rng::fresh("batch_larger_than_one_launch");
+    let s = Shape {
+        n_heads: 8,
+        n_kv_heads: 2,
+        head_dim: 64,
+    };
+    let lens: Vec<usize> = (0..300).map(|_| rng.below(80)).collect();
+    let e = check_attention_case(&ctx, &mut rng, s, &lens, false, None);
+    println!("batch_larger_than_one_launch: worst rel L2 {e:e}");
+}
+
+#[test]
+fn gpu_matches_cpu_backend_bitwise_storage() {
+    // Both backends round FP32 to FP16 the same way (round to nearest even) and run the same
+    // sequence operations.
+    let Some(gpu) = gpu_context("gpu_matches_cpu_backend_bitwise_storage") else {
+        return;
+    };
+    let cpu = Context::new(Backend::Cpu).unwrap();
+    let mut rng = Rng::fresh("gpu_matches_cpu_backend_bitwise_storage");
+    let cfg = KvCacheConfig::new(2, 8, 64)
+        .kv_heads(2)
+        .max_seqs(3)
+        .max_seq_len(300);
+    let mut data = rng.normal_vec(200 * cfg.kv_row_len(), 3.0);
+    // Include values that round in interesting ways: ties, subnormals, overflow to inf.
+    data[..6].copy_from_slice(&[
+        65520.0,
+        -65504.0,
+        1e-7,
+        5.9604645e-8,
+        2.9802322e-8,
+        1.0009766,
+    ]);
+    let mut caches = Vec::new();
+    for ctx in [&gpu, &cpu] {
+        let mut kv = KvCache::new(ctx, &cfg).unwrap();
+        let k = DeviceBuffer::from_slice(ctx, &data).unwrap();
+        kv.append(1, 0, &k, &k).unwrap();
+        kv.fork(2, 0).unwrap();
+        kv.truncate(2, 150).unwrap();
+        kv.append(
+            1,
+            2,
+            &k.slice(..10 * cfg.kv_row_len()),
+            &k.slice(..10 * cfg.kv_row_len()),
+        )
+        .unwrap();
+        caches.push(kv);
+    }
+    for seq in [0, 2] {
+        let n = caches[0].seq_len(1, seq).unwrap();
+        assert_eq!(n, caches[1].seq_len(1, seq).unwrap());
+        let a = caches[0].read_to_host(1, seq, 0, n).unwrap();
+        let b = caches[1].read_to_host(1, seq, 0, n).unwrap();
+        let same =
+            a.0.iter()
+                .zip(&b.0)
+                .all(|(x, y)| x.to_bits() == y.to_bits());
+        assert!(same, "GPU and CPU stored different FP16 for seq {seq}");
+    }
+    assert_eq!(
+        caches[0].read_to_host(1, 0, 0, 1).unwrap().0[0],
+        f16::INFINITY
+    );
+}
+
+#[test]
+fn errors_and_device_info() {
+    let Some(ctx) = gpu_context("errors_and_device_info") else {
+        return;
+    };
+    let info = ctx.device_info().unwrap();
+    assert_eq!(info.backend, Backend::Cuda);
+    assert_eq!(info.device, Some(0));
+    assert!(info.compute_capability.unwrap().0 >= 5);
+    assert!(info.total_memory > 0 && info.multiprocessors > 0);
+    assert!(!ctx.cuda_stream().is_null());
+    // The CUDA backend needs head_dim % 8 == 0.
+    let e = KvCache::new(&ctx, &KvCacheConfig::new(1, 2, 12)).unwrap_err();
+    assert_eq!(e.status(), Status::Unsupported);
+    // Wrong sizes are caught before any kernel runs; the context stays usable.
+    let cfg = KvCacheConfig::new(1, 4, 64).max_seq_len(4);
+    let mut kv = KvCache::new(&ctx, &cfg).unwrap();
+    let small = DeviceBuffer::<f32>::zeros(&ctx, 10).unwrap();
+    assert_eq!(
+        kv.append(0, 0, &small, &small).unwrap_err().status(),
+        Status::InvalidArgument
+    );
+    let mut out = DeviceBuffer::<f32>::zeros(&ctx, cfg.q_row_len()).unwrap();
+    assert_eq!(
+        kv.attention(0, 0, &small, &mut out, None)
+            .unwrap_err()
+            .status(),
+        Status::InvalidArgument
+    );
+    let k = DeviceBuffer::<f32>::zeros(&ctx, 5 * cfg.kv_row_len()).unwrap();
+    assert_eq!(
+        kv.append(0, 0, &k, &k).unwrap_err().status(),
+        Status::Capacity
+    );
+    ctx.synchronize().unwrap();
+}
+
+#[test]
+fn contexts_on_several_threads() {
+    // Distinct contexts are independent; a context may move to another thread.
+    if gpu_context("contexts_on_several_threads").is_none() {
+        return;
+    }
+    let handles: Vec<_> = (0..4)
+        .map(|t| {
+            let ctx = Context::cuda(0).unwrap();
+            std::thread::spawn(move || {
+                let mut rng = Rng::fresh(&format!("contexts_on_several_threads[{t}]"));
+                let s = Shape {
+                    n_heads: 8,
+                    n_kv_heads: 2,
+                    head_dim: 64,
+                };
+                check_attention_case(&ctx, &mut rng, s, &[300, 7], t % 2 == 1, None)
+            })
+        })
+        .collect();
+    for h in handles {
+        let e = h.join().unwrap();
+        assert!(e <= common::TOL);
+    }
+}
