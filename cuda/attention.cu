@@ -218,9 +218,9 @@ __global__ void __launch_bounds__(kAttnThreads, kAttnMinBlocksPerSm)
 #pragma unroll
         for (int i = 0; i < COLS; i++) o[g][i] *= alpha;
       }
-      // 8 to 16 halves of V in flight per thread (x kLoadDepth); more rows would also hoist
-      // their weight loads, which runs 8-head tiles out of registers.
-#pragma unroll(kLoadDepth * (COLS >= 4 ? 16 / COLS : GT >= 8 ? 4 : 8))
+      // 8 to 16 halves of V in flight per thread; more rows would also hoist their weight
+      // loads, which runs 8-head tiles out of registers.
+#pragma unroll(COLS >= 4 ? 16 / COLS : GT >= 8 ? 4 : 8)
       for (int r = rg; r < rows; r += row_groups) {
         float vf[COLS];
         load_halves<COLS>(V + (size_t)(t0 + r) * D + col, vf);

@@ -1,18 +1,10 @@
 // Every tuning knob of the attention kernels, per architecture, in one place.
 #pragma once
 
-// Per-architecture code generation (device passes only see their own __CUDA_ARCH__).
-// sm_52..sm_6x: 8 resident blocks (64 registers/thread, 50% occupancy) hide the M40's latency at
-// its 288 GB/s. sm_70+: the register file is as large but bandwidth x latency is ~20x the M40's,
-// so the kernels trade occupancy for loads in flight: 128 registers, whole K rows and twice the V
-// rows issued before use.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 700
+// 8 resident blocks (64 registers/thread, 50% occupancy on sm_52). Measured on an H200 (bench/
+// RESULTS.md): 4 blocks with 128 registers and deeper load batches ran 25-35% slower there, so
+// every architecture keeps the M40's budget.
 constexpr int kAttnMinBlocksPerSm = 8;
-constexpr int kLoadDepth = 1;
-#else
-constexpr int kAttnMinBlocksPerSm = 4;
-constexpr int kLoadDepth = 2;
-#endif
 
 // Compile-time shape of the split kernel (same on every GPU: it must fit sm_52's limits).
 constexpr int kAttnThreads = 128;  // 4 warps
@@ -21,7 +13,7 @@ constexpr int kKLanes = 4;         // lanes sharing one K row in the score pass 
 // 16-byte K loads a lane issues before using any: as many as registers allow without spilling
 // (larger head tiles hold more accumulators).
 __host__ __device__ constexpr int k_batch(int group_tile) {
-  return kLoadDepth > 1 ? (group_tile >= 8 ? 2 : 4) : group_tile == 1 ? 2 : 1;
+  return group_tile == 1 ? 2 : 1;
 }
 
 
