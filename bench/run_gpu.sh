@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# One unattended entry point for the GPU machine: builds natively (sm_90, Release), runs
+# bench/compare.py (bench_attention + sdpa_bench.py over the same grid), plots, and copies the
+# results to OUTDIR.
+#
+#   bench/run_gpu.sh OUTDIR [compare.py options, e.g. --quick or --batch 1,8]
+#
+# OUTDIR gets (5 files): compare.md, compare.json (both raw results inside), bench_plot.png
+# (if matplotlib is there), bench_log.txt (everything printed), build_log.txt.
+# Environment: M40LLM_BENCH_BUILD (build dir, default /tmp/m40llm-bench-build),
+#              CUDA_ARCHS (default 90), BENCH_TOTAL_S (whole script's time, default 540).
+set -uo pipefail
+if [ $# -lt 1 ]; then
+  echo "usage: $0 OUTDIR [compare.py options]" >&2
+  exit 2
+fi
+OUTDIR=$1
+shift
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+BUILD=${M40LLM_BENCH_BUILD:-/tmp/m40llm-bench-build}
+ARCHS=${CUDA_ARCHS:-90}
+WORK=$(mktemp -d /tmp/m40llm-bench-XXXXXX)
+mkdir -p "$OUTDIR"
+export PYTHONUNBUFFERED=1
+if ! command -v nvcc >/dev/null && [ -x /usr/local/cuda/bin/nvcc ]; then export PATH=/usr/local/cuda/bin:$PATH; fi
+LOG="$OUTDIR/bench_log.txt"
+BLOG="$OUTDIR/build_log.txt"
+: >"$BLOG"
+
+say() { echo "run_gpu: $*" | tee -a "$LOG"; }
+: >"$LOG"
+say "start $(date -u +%FT%TZ) in $ROOT"
+{ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem --format=csv 2>&1
+  command -v nvcc >/dev/null && nvcc --version | tail -2
+  cmake --version | head -1
+  python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' 2>&1
+  python3 -c 'import matplotlib; print("matplotlib", matplotlib.__version__)' 2>&1 | tail -1
+} 2>&1 | tee -a "$LOG"
+
+# Build: Release first; if that fails (e.g. -Werror on an optimizer-only warning in the C code),
+# retry once with CMake's default build type so the benchmark still runs (noted in the log).
+build() {  # $1 = build type ("" for CMake's default)
+  rm -rf "$BUILD"
+  local bt=()
+  [ -n "$1" ] && bt=(-DCMAKE_BUILD_TYPE="$1")
+  cmake -S "$ROOT" -B "$BUILD" -G Ninja -DCMAKE_CUDA_ARCHITECTURES="$ARCHS" "${bt[@]}" \
+    -DM40LLM_BUILD_TESTS=OFF -DM40LLM_BUILD_EXAMPLES=OFF >>"$BLOG" 2>&1 &&
+    cmake --build "$BUILD" --target bench_attention >>"$BLOG" 2>&1
+}
+BUILD_TYPE=Release
+if ! build Release; then
+  say "Release build FAILED (see build_log.txt); retrying with the default build type"
+  tail -30 "$BLOG" | tee -a "$LOG"
+  BUILD_TYPE=default
+  if ! build ""; then
+    say "build FAILED again; no m40llm results"
+    tail -40 "$BLOG" | tee -a "$LOG"
+    BUILD_TYPE=failed
+  fi
+fi
+say "build: $BUILD_TYPE (CUDA architectures $ARCHS)"
+BIN="$BUILD/bench/bench_attention"
+
+# Both benchmarks share what is left of BENCH_TOTAL_S (default 540 s, for a 600 s command limit);
+# each writes its JSON after every shape, so a timeout still leaves partial results.
+LEFT=$(( ${BENCH_TOTAL_S:-540} - SECONDS - 15 ))
+[ $LEFT -lt 60 ] && LEFT=60
+say "benchmarks get ${LEFT} s"
+CMP=(python3 "$ROOT/bench/compare.py" --outdir "$WORK" --total-timeout "$LEFT")
+if [ -x "$BIN" ]; then
+  CMP+=(--bin "$BIN")
+else
+  # No binary: still run the PyTorch side so the call is not wasted.
+  echo '{"tool": "bench_attention", "shapes": [], "note": "build failed"}' >"$WORK/m40llm-empty.json"
+  CMP+=(--m40-json "$WORK/m40llm-empty.json")
+fi
+"${CMP[@]}" "$@" 2>&1 | tee -a "$LOG"
+say "compare exit ${PIPESTATUS[0]}"
+
+if [ -f "$WORK/compare.json" ]; then
+  python3 "$ROOT/bench/plot.py" "$WORK/compare.json" "$OUTDIR/bench_plot.png" 2>&1 | tee -a "$LOG"
+  cp "$WORK/compare.json" "$WORK/compare.md" "$OUTDIR/"
+else
+  # compare.py died before writing: keep whatever raw JSON exists.
+  for f in m40llm.json sdpa.json; do [ -f "$WORK/$f" ] && cp "$WORK/$f" "$OUTDIR/"; done
+fi
+say "done $(date -u +%FT%TZ); files: $(cd "$OUTDIR" && ls | tr '\n' ' ')"
