@@ -1,0 +1,491 @@
+/* The CUDA backend against the float64 reference and against the CPU backend.
+ *
+ * Exits 77 (skipped) when the library has no CUDA backend or no GPU is visible, unless
+ * M40LLM_REQUIRE_GPU=1, which turns that into a failure.
+ * M40LLM_TEST_GPU_BACKEND=cpu runs every case on the CPU backend instead (to check the test
+ * itself on a machine without a GPU; the CUDA-only checks are then skipped).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifdef T_HAVE_CUDART
+#include <cuda_runtime_api.h>
+#endif
+
+#include "test_util.h"
+
+static m40llm_context *dev; /* the context under test */
+static m40llm_context *cpu; /* the CPU backend, for lockstep comparisons */
+static int on_cuda;
+
+static int skip_or_fail(const char *why) {
+  const char *req = getenv("M40LLM_REQUIRE_GPU");
+  if (req && strcmp(req, "1") == 0) {
+    T_CHECKF(0, "M40LLM_REQUIRE_GPU=1 but %s", why);
+    return t_finish();
+  }
+  t_skip("the GPU tests: %s", why);
+  t_finish();
+  return 77;
+}
+
+static float *random_q(size_t n) {
+  float *q = malloc(n * sizeof(float));
+  if (!T_CHECK(q != NULL)) return NULL;
+  t_fill_uniform(q, n, -3.0f, 3.0f);
+  return q;
+}
+
+static float pick_scale(int i) { return (i & 1) ? t_rand_float(0.03f, 0.2f) : 0.0f; }
+
+/* ---- The CUDA context itself ---------------------------------------------------------------- */
+
+static void test_cuda_context(int count) {
+  t_set_case("CUDA device info");
+  m40llm_device_info info = M40LLM_DEVICE_INFO_INIT;
+  if (T_OK(m40llm_context_device_info(&info, dev))) {
+    T_CHECK(info.backend == M40LLM_BACKEND_CUDA);
+    T_CHECK(info.device == 0);
+    T_CHECK(memchr(info.name, '\0', sizeof info.name) != NULL && info.name[0] != '\0');
+    T_CHECK(info.compute_major >= 5 && info.compute_minor >= 0);
+    T_CHECK(info.multiprocessors > 0);
+    T_CHECK(info.total_memory > 0 && info.free_memory > 0 &&
+            info.free_memory <= info.total_memory);
+    printf("device: %s, sm_%d%d, %d SMs, %.1f GiB (%.1f GiB free), %d device(s)\n", info.name,
+           info.compute_major, info.compute_minor, info.multiprocessors,
+           (double)info.total_memory / 1073741824.0, (double)info.free_memory / 1073741824.0,
+           count);
+  }
+  T_CHECK(m40llm_context_cuda_stream(dev) != NULL);
+  T_OK(m40llm_context_synchronize(dev));
+
+  t_set_case("CUDA context creation");
+  m40llm_context_options o = M40LLM_CONTEXT_OPTIONS_INIT;
+  m40llm_context *sentinel = (m40llm_context *)&o, *c = sentinel;
+  o.backend = M40LLM_BACKEND_CUDA;
+  o.device = count;
+  T_FAIL_WITH(m40llm_context_create(&c, &o), M40LLM_ERR_OUT_OF_RANGE, "device");
+  o.device = -1;
+  T_FAIL_WITH(m40llm_context_create(&c, &o), M40LLM_ERR_OUT_OF_RANGE, "device");
+  T_CHECK(c == sentinel);
+  /* AUTO picks CUDA; a second context works beside the first and goes away cleanly */
+  c = NULL;
+  if (T_OK(m40llm_context_create(&c, NULL))) {
+    m40llm_device_info i2 = M40LLM_DEVICE_INFO_INIT;
+    if (T_OK(m40llm_context_device_info(&i2, c))) T_CHECK(i2.backend == M40LLM_BACKEND_CUDA);
+    T_CHECK(m40llm_context_cuda_stream(c) != m40llm_context_cuda_stream(dev));
+    t_kv kv;
+    if (t_kv_create(&kv, c, 1, 4, 2, 64, 2, 64) == M40LLM_OK) {
+      T_OK(t_kv_append_random(&kv, 0, 0, 50, 1.0f));
+      float *q = random_q(4 * 64);
+      const int32_t id = 0;
+      if (q) t_kv_check_attention(&kv, 0, &id, 1, q, 0.0f, 1e-5, 1, NULL);
+      free(q);
+      t_kv_destroy(&kv);
+    }
+    m40llm_context_destroy(c);
+  }
+
+  /* head_dim must be a multiple of 8 on CUDA; the CPU takes any in 1..256 */
+  t_set_case("CUDA head_dim not a multiple of 8");
+  const int bad_dims[] = {1, 4, 12, 20, 100, 250};
+  for (size_t i = 0; i < sizeof bad_dims / sizeof bad_dims[0]; i++) {
+    m40llm_kvcache_options ko = M40LLM_KVCACHE_OPTIONS_INIT;
+    ko.n_layers = 1;
+    ko.n_heads = 4;
+    ko.n_kv_heads = 2;
+    ko.head_dim = bad_dims[i];
+    ko.max_seqs = 1;
+    ko.max_seq_len = 16;
+    m40llm_kvcache *kc = NULL;
+    T_FAIL_WITH(m40llm_kvcache_create(&kc, dev, &ko), M40LLM_ERR_UNSUPPORTED, "head_dim");
+    T_CHECK(kc == NULL);
+    if (T_OK(m40llm_kvcache_create(&kc, cpu, &ko))) m40llm_kvcache_destroy(kc);
+  }
+}
+
+#ifdef T_HAVE_CUDART
+/* A stream the caller owns (non-blocking, so nothing orders it with the legacy stream). */
+static void test_user_stream(void) {
+  t_set_case("caller's CUDA stream");
+  cudaStream_t s = NULL;
+  if (!T_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) == cudaSuccess)) return;
+  m40llm_context_options o = M40LLM_CONTEXT_OPTIONS_INIT;
+  o.backend = M40LLM_BACKEND_CUDA;
+  o.cuda_stream = (void *)s;
+  m40llm_context *c = NULL;
+  if (T_OK(m40llm_context_create(&c, &o))) {
+    T_CHECK(m40llm_context_cuda_stream(c) == (void *)s);
+    t_kv kv;
+    if (t_kv_create(&kv, c, 2, 8, 2, 128, 3, 3000) == M40LLM_OK) {
+      T_OK(t_kv_append_random(&kv, 1, 0, 2500, 1.0f));
+      T_OK(t_kv_append_random(&kv, 1, 2, 17, 1.0f));
+      T_OK(t_kv_fork(&kv, 1, 0));
+      T_OK(t_kv_truncate(&kv, 1, 1999));
+      t_kv_check_contents(&kv);
+      const int32_t ids[4] = {0, 1, 2, 1};
+      float *q = random_q(4 * 8 * 128);
+      if (q) t_kv_check_attention(&kv, 1, ids, 4, q, 0.0f, 1e-5, 1, NULL);
+      free(q);
+      t_kv_destroy(&kv);
+    }
+    T_OK(m40llm_context_synchronize(c));
+    m40llm_context_destroy(c);
+  }
+  T_CHECK(cudaStreamDestroy(s) == cudaSuccess);
+}
+#endif
+
+/* ---- Shapes x lengths ------------------------------------------------------------------------- */
+
+static void shuffle(int32_t *a, int n) {
+  for (int i = n - 1; i > 0; i--) {
+    int j = t_rand_int(0, i);
+    int32_t t = a[i];
+    a[i] = a[j];
+    a[j] = t;
+  }
+}
+
+static void test_shape_sweep(void) {
+  static const int dims[] = {64, 80, 128, 256};
+  static const int heads[][2] = {{8, 8}, {16, 4}, {32, 4}, {12, 4}, {28, 4}, {8, 1}};
+  int config = 0;
+  for (size_t di = 0; di < sizeof dims / sizeof dims[0]; di++) {
+    for (size_t hi = 0; hi < sizeof heads / sizeof heads[0]; hi++, config++) {
+      const int hd = dims[di], nh = heads[hi][0], nkv = heads[hi][1];
+      const int max_seqs = 9, max_len = 5000;
+      t_kv kv;
+      t_set_case("sweep %d/%d heads, head_dim %d: setup", nh, nkv, hd);
+      if (t_kv_create(&kv, dev, 2, nh, nkv, hd, max_seqs, max_len) != M40LLM_OK) continue;
+      const int lens[9] = {1, 2, 31, 33, 255, 257, 4099, t_rand_int(1, max_len), 0};
+      for (int s = 0; s < max_seqs; s++) {
+        if (lens[s]) T_OK(t_kv_append_random(&kv, 1, s, lens[s], 1.0f));
+        if (s % 3 != 2) T_OK(t_kv_append_random(&kv, 0, s, t_rand_int(1, 40), 1.0f));
+      }
+      t_set_case("sweep %d/%d heads, head_dim %d: contents", nh, nkv, hd);
+      t_kv_check_contents(&kv);
+
+      int32_t ids[12];
+      for (int s = 0; s < max_seqs; s++) ids[s] = s;
+      for (int r = max_seqs; r < 12; r++) ids[r] = t_rand_int(0, max_seqs - 1);
+      shuffle(ids, 12);
+      const size_t stride = (size_t)nh * (size_t)hd;
+      float *q = random_q(12 * stride);
+      if (q) {
+        const float scale = pick_scale(config);
+        t_set_case("sweep %d/%d heads, head_dim %d, scale %g: layer 1 batch", nh, nkv, hd,
+                   (double)scale);
+        t_kv_check_attention(&kv, 1, ids, 12, q, scale, 1e-5, 1, NULL);
+        t_set_case("sweep %d/%d heads, head_dim %d, scale %g: layer 0 batch", nh, nkv, hd,
+                   (double)scale);
+        t_kv_check_attention(&kv, 0, ids, 12, q, scale, 1e-5, 1, NULL);
+        /* single calls on the long, the random, the length-1 and the empty sequence */
+        const int32_t singles[4] = {6, 7, 0, 8};
+        t_set_case("sweep %d/%d heads, head_dim %d, scale %g: single", nh, nkv, hd,
+                   (double)scale);
+        t_kv_check_attention(&kv, 1, singles, 4, q, scale, 1e-5, 0, NULL);
+      }
+      free(q);
+      t_kv_destroy(&kv);
+    }
+  }
+  t_set_case("");
+}
+
+/* Every head_dim the CUDA backend takes has its own thread layout: the multiples of 8 that are
+ * not powers of two, and groups that leave a partial tile of query heads. Lengths straddle the
+ * 128-position tiles. */
+static void test_head_dim_sweep(void) {
+  static const int dims[] = {8,   16,  24,  40,  56,  72,  88,  96,  104, 112,
+                             120, 136, 144, 160, 192, 200, 224, 240, 248};
+  static const int heads[][2] = {{4, 4}, {12, 4}, {10, 1}, {16, 2}};
+  int n = 0;
+  for (size_t di = 0; di < sizeof dims / sizeof dims[0]; di++) {
+    for (size_t hi = 0; hi < sizeof heads / sizeof heads[0]; hi++, n++) {
+      const int hd = dims[di], nh = heads[hi][0], nkv = heads[hi][1];
+      t_kv kv;
+      t_set_case("head_dim sweep %d/%d heads, head_dim %d: setup", nh, nkv, hd);
+      if (t_kv_create(&kv, dev, 1, nh, nkv, hd, 5, 600) != M40LLM_OK) continue;
+      const int lens[5] = {1, 128, 129, t_rand_int(130, 600), 0};
+      for (int s = 0; s < 5; s++)
+        if (lens[s]) T_OK(t_kv_append_random(&kv, 0, s, lens[s], 1.0f));
+      const int32_t ids[6] = {3, 0, 4, 1, 2, 3};
+      float *q = random_q(6 * (size_t)nh * (size_t)hd);
+      if (q) {
+        const float scale = pick_scale(n);
+        t_set_case("head_dim sweep %d/%d heads, head_dim %d, scale %g", nh, nkv, hd,
+                   (double)scale);
+        t_kv_check_attention(&kv, 0, ids, 6, q, scale, 1e-5, 1, NULL);
+        t_kv_check_attention(&kv, 0, ids, 1, q, scale, 1e-5, 0, NULL);
+      }
+      free(q);
+      if (n % 7 == 0) t_kv_check_contents(&kv);
+      t_kv_destroy(&kv);
+    }
+  }
+  t_set_case("");
+}
+
+/* A launch whose rows alone fill the GPU, so sequences of hundreds of positions are not split,
+ * followed by a launch of two rows that are. */
+static void test_wide_batch(void) {
+  t_kv kv;
+  t_set_case("wide batch: setup");
+  if (t_kv_create(&kv, dev, 1, 32, 32, 128, 4, 1500) != M40LLM_OK) return;
+  const int lens[4] = {700, 1500, 1, 0};
+  for (int s = 0; s < 4; s++)
+    if (lens[s]) T_OK(t_kv_append_random(&kv, 0, s, lens[s], 1.0f));
+  int32_t ids[130];
+  for (int i = 0; i < 130; i++) ids[i] = i < 4 ? i : t_rand_int(0, 3);
+  float *q = random_q(130 * 32 * 128);
+  if (q) {
+    t_set_case("wide batch: 130 rows of 32/32 heads");
+    t_kv_check_attention(&kv, 0, ids, 130, q, 0.0f, 1e-5, 1, NULL);
+  }
+  free(q);
+  t_kv_destroy(&kv);
+}
+
+/* ---- Long contexts ----------------------------------------------------------------------------- */
+
+static void long_case(int nh, int nkv, int hd, int len, float scale) {
+  t_kv kv;
+  t_set_case("long context %d/%d heads, head_dim %d, length %d: setup", nh, nkv, hd, len);
+  if (t_kv_create(&kv, dev, 1, nh, nkv, hd, 2, len + 64) != M40LLM_OK) return;
+  T_OK(t_kv_append_random(&kv, 0, 0, len, 1.0f));
+  T_OK(t_kv_append_random(&kv, 0, 1, 3, 1.0f));
+  const int32_t ids[3] = {0, 1, 0};
+  float *q = random_q(3 * (size_t)nh * (size_t)hd);
+  if (q) {
+    t_set_case("long context %d/%d heads, head_dim %d, length %d, scale %g", nh, nkv, hd, len,
+               (double)scale);
+    t_kv_check_attention(&kv, 0, ids, 3, q, scale, 2e-5, 1, NULL);
+    t_kv_check_attention(&kv, 0, ids, 1, q, scale, 2e-5, 0, NULL);
+  }
+  free(q);
+  /* the stored data is still exact that far out */
+  t_set_case("long context %d/%d heads, head_dim %d, length %d: contents", nh, nkv, hd, len);
+  t_kv_check_contents(&kv);
+  t_kv_destroy(&kv);
+}
+
+static void test_long_contexts(void) {
+  long_case(8, 2, 128, 32768 + t_rand_int(0, 300), 0.0f);
+  long_case(16, 1, 64, 65536 + t_rand_int(1, 1000), t_rand_float(0.05f, 0.15f));
+  long_case(4, 4, 256, 32769, 0.0f);
+  long_case(28, 4, 80, 9000 + t_rand_int(0, 1000), 0.0f);
+}
+
+/* ---- Batches ---------------------------------------------------------------------------------- */
+
+static void test_ragged_batch(void) {
+  t_kv kv;
+  t_set_case("ragged batch: setup");
+  if (t_kv_create(&kv, dev, 1, 32, 8, 128, 5, 4099) != M40LLM_OK) return;
+  const int lens[5] = {1, 33, 257, 4099, 0};
+  for (int s = 0; s < 5; s++)
+    if (lens[s]) T_OK(t_kv_append_random(&kv, 0, s, lens[s], 1.0f));
+  const int32_t ids[10] = {0, 1, 2, 3, 4, 3, 4, 0, 3, 1};
+  float *q = random_q(10 * 32 * 128);
+  if (q) {
+    for (int i = 0; i < 2; i++) {
+      t_set_case("ragged batch {1, 33, 257, 4099, 0} + repeats, scale %s", i ? "explicit" : "0");
+      const float scale = i ? 0.07f : 0.0f;
+      t_kv_check_attention(&kv, 0, ids, 10, q, scale, 1e-5, 1, NULL);
+      t_kv_check_attention(&kv, 0, ids, 5, q, scale, 1e-5, 0, NULL);
+    }
+  }
+  free(q);
+  t_kv_destroy(&kv);
+}
+
+/* More rows than one launch takes, ids in random order with many repeats. */
+static void test_big_batch(void) {
+  t_kv kv;
+  t_set_case("big batch: setup");
+  if (t_kv_create(&kv, dev, 2, 8, 2, 64, 6, 700) != M40LLM_OK) return;
+  for (int s = 0; s < 6; s++) {
+    if (s != 4) T_OK(t_kv_append_random(&kv, 1, s, t_rand_int(1, 700), 1.0f));
+    T_OK(t_kv_append_random(&kv, 0, s, t_rand_int(1, 10), 1.0f));
+  }
+  const int n = 300;
+  int32_t ids[300];
+  for (int i = 0; i < n; i++) ids[i] = t_rand_int(0, 5);
+  float *q = random_q((size_t)n * 8 * 64);
+  if (q) {
+    t_set_case("big batch: %d rows", n);
+    t_kv_check_attention(&kv, 1, ids, n, q, 0.0f, 1e-5, 1, NULL);
+    t_kv_check_attention(&kv, 0, ids, 129, q, 0.0f, 1e-5, 1, NULL);
+  }
+  free(q);
+  t_kv_destroy(&kv);
+}
+
+/* ---- Lockstep with the CPU backend --------------------------------------------------------- */
+
+static int both_append(t_kv *g, t_kv *c, int layer, int seq, int n, int use_f32) {
+  const size_t elems = (size_t)n * g->model.row;
+  float *k = malloc(elems * sizeof(float)), *v = malloc(elems * sizeof(float));
+  uint16_t *hk = malloc(elems * sizeof(uint16_t)), *hv = malloc(elems * sizeof(uint16_t));
+  int sg = M40LLM_ERR_OUT_OF_MEMORY, sc = M40LLM_ERR_OUT_OF_MEMORY;
+  if (k && v && hk && hv) {
+    t_fill_uniform(k, elems, -1.5f, 1.5f);
+    t_fill_uniform(v, elems, -1.5f, 1.5f);
+    if (use_f32) {
+      sg = t_kv_append_f32(g, layer, seq, k, v, n);
+      sc = t_kv_append_f32(c, layer, seq, k, v, n);
+    } else {
+      for (size_t i = 0; i < elems; i++) {
+        hk[i] = t_f32_to_f16(k[i]);
+        hv[i] = t_f32_to_f16(v[i]);
+      }
+      sg = t_kv_append_f16(g, layer, seq, hk, hv, n);
+      sc = t_kv_append_f16(c, layer, seq, hk, hv, n);
+    }
+  }
+  free(k);
+  free(v);
+  free(hk);
+  free(hv);
+  T_CHECKF(sg == sc, "append: device returned %d, CPU %d", sg, sc);
+  return sg;
+}
+
+static void compare_backends(t_kv *g, t_kv *c, const char *when) {
+  const int nh = g->opts.n_heads, hd = g->opts.head_dim, ms = g->opts.max_seqs;
+  const size_t stride = (size_t)nh * (size_t)hd;
+  int32_t ids[8];
+  int n = 0;
+  for (int s = 0; s < ms; s++) ids[n++] = s;
+  ids[n++] = t_rand_int(0, ms - 1);
+  float *q = random_q((size_t)n * stride);
+  float *og = malloc((size_t)n * stride * sizeof(float));
+  float *oc = malloc((size_t)n * stride * sizeof(float));
+  if (q && og && oc) {
+    for (int l = 0; l < g->opts.n_layers; l++) {
+      t_set_case("lockstep with CPU backend, %s, layer %d", when, l);
+      float scale = pick_scale(l);
+      t_kv_check_attention(g, l, ids, n, q, scale, 1e-5, 1, og);
+      t_kv_check_attention(c, l, ids, n, q, scale, 1e-5, 1, oc);
+      double num = 0.0, den = 0.0;
+      for (size_t i = 0; i < (size_t)n * stride; i++) {
+        double d = (double)og[i] - (double)oc[i];
+        num += d * d;
+        den += (double)oc[i] * oc[i];
+      }
+      T_CHECKF(num <= 1e-10 * den, "device and CPU attention differ: rel L2 %g",
+               den > 0 ? sqrt(num / den) : sqrt(num));
+    }
+  }
+  free(q);
+  free(og);
+  free(oc);
+  t_set_case("lockstep with CPU backend, %s: contents", when);
+  t_kv_check_contents(g);
+  t_kv_check_contents(c);
+}
+
+static void test_lockstep(void) {
+  t_kv g, c;
+  const int n_layers = 3, nh = 12, nkv = 4, hd = 64, ms = 4, max_len = 1500;
+  t_set_case("lockstep with CPU backend: setup");
+  if (t_kv_create(&g, dev, n_layers, nh, nkv, hd, ms, max_len) != M40LLM_OK) return;
+  if (t_kv_create(&c, cpu, n_layers, nh, nkv, hd, ms, max_len) != M40LLM_OK) {
+    t_kv_destroy(&g);
+    return;
+  }
+  for (int step = 0; step < 60; step++) {
+    const int op = t_rand_int(0, 9);
+    const int seq = t_rand_int(0, ms - 1);
+    t_set_case("lockstep with CPU backend, step %d, op %d", step, op);
+    if (op <= 5) {
+      const int layer = t_rand_int(0, n_layers - 1);
+      const int len = t_model_len(&g.model, layer, seq);
+      const int room = max_len - len;
+      if (room == 0 || op == 5) {
+        /* past capacity on both: nothing changes */
+        T_STATUS(both_append(&g, &c, layer, seq, room + t_rand_int(1, 5), op & 1),
+                 M40LLM_ERR_CAPACITY);
+      } else {
+        int n = t_rand_int(1, room < 300 ? room : 300);
+        T_OK(both_append(&g, &c, layer, seq, n, op & 1));
+      }
+    } else if (op == 6) {
+      int src = t_rand_int(0, ms - 1);
+      if (src == seq) src = (src + 1) % ms;
+      int sg = t_kv_fork(&g, seq, src), sc = t_kv_fork(&c, seq, src);
+      T_OK(sg);
+      T_OK(sc);
+    } else if (op <= 8) {
+      int new_len = t_rand_int(0, 1600);
+      T_OK(t_kv_truncate(&g, seq, new_len));
+      T_OK(t_kv_truncate(&c, seq, new_len));
+    } else {
+      T_OK(t_kv_reset(&g, seq));
+      T_OK(t_kv_reset(&c, seq));
+    }
+    if (step % 15 == 14) {
+      char when[64];
+      snprintf(when, sizeof when, "after step %d", step);
+      compare_backends(&g, &c, when);
+    }
+  }
+  T_OK(m40llm_context_synchronize(dev));
+  t_kv_destroy(&g);
+  t_kv_destroy(&c);
+  t_set_case("");
+}
+
+int main(void) {
+  t_rng_init();
+  const char *backend_env = getenv("M40LLM_TEST_GPU_BACKEND");
+  const int force_cpu = backend_env && strcmp(backend_env, "cpu") == 0;
+  int count = 0;
+  if (!force_cpu) {
+    if (!m40llm_built_with_cuda()) return skip_or_fail("m40llm was built without the CUDA backend");
+    if (!T_OK(m40llm_cuda_device_count(&count))) return t_finish();
+    if (count == 0) return skip_or_fail("no CUDA device is visible");
+  } else {
+    printf("M40LLM_TEST_GPU_BACKEND=cpu: running the GPU cases on the CPU backend\n");
+  }
+
+  m40llm_context_options o = M40LLM_CONTEXT_OPTIONS_INIT;
+  o.backend = force_cpu ? M40LLM_BACKEND_CPU : M40LLM_BACKEND_CUDA;
+  t_set_case("create contexts");
+  if (!T_OK(m40llm_context_create(&dev, &o))) return t_finish();
+  o.backend = M40LLM_BACKEND_CPU;
+  if (!T_OK(m40llm_context_create(&cpu, &o))) {
+    m40llm_context_destroy(dev);
+    return t_finish();
+  }
+  on_cuda = !force_cpu;
+
+  if (on_cuda) {
+    test_cuda_context(count);
+#ifdef T_HAVE_CUDART
+    test_user_stream();
+#endif
+  }
+  t_cases_error_paths(dev);
+  t_cases_sequence_ops(dev);
+  t_cases_fp16_rounding(dev);
+  t_cases_attention_basic(dev);
+  test_shape_sweep();
+  test_head_dim_sweep();
+  test_ragged_batch();
+  test_wide_batch();
+  test_big_batch();
+  test_long_contexts();
+  test_lockstep();
+
+  t_set_case("final synchronize");
+  T_OK(m40llm_context_synchronize(dev));
+  m40llm_context_destroy(cpu);
+  m40llm_context_destroy(dev);
+  t_set_case("");
+  return t_finish();
+}

@@ -1,0 +1,147 @@
+/*
+ * Shared helpers of the m40llm C tests: assertions with counters, a seeded RNG, an independent
+ * FP16 converter, a float64 reference attention, and a host-side model of a KV cache that the
+ * tests drive in lockstep with the library.
+ *
+ * Nothing here calls library internals: only the public header.
+ */
+#ifndef M40LLM_TEST_UTIL_H
+#define M40LLM_TEST_UTIL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "m40llm.h"
+
+/* ---- Assertions ------------------------------------------------------------------------------ */
+
+extern long t_passed;
+extern long t_failed;
+extern long t_skipped;
+
+/* Names what is being tested; printed with every failure until the next call. */
+void t_set_case(const char *fmt, ...);
+
+/* Counts a pass or a failure; on failure prints file:line, the message, the current case and
+ * m40llm_last_error_message(). Returns ok, so callers can bail out: if (!T_OK(...)) return; */
+int t_check(int ok, const char *file, int line, const char *fmt, ...);
+int t_check_status(int got, int want, const char *file, int line, const char *expr);
+int t_check_errmsg(const char *want_substring, const char *file, int line);
+int t_check_failure(int got, int want, const char *substr, const char *file, int line,
+                    const char *expr);
+
+#define T_CHECK(cond) t_check(!!(cond), __FILE__, __LINE__, "%s", #cond)
+#define T_CHECKF(cond, ...) t_check(!!(cond), __FILE__, __LINE__, __VA_ARGS__)
+#define T_STATUS(expr, want) t_check_status((expr), (want), __FILE__, __LINE__, #expr)
+#define T_OK(expr) T_STATUS(expr, M40LLM_OK)
+/* The call must fail with `want` and m40llm_last_error_message() must contain `substr`. */
+#define T_FAIL_WITH(expr, want, substr) \
+  t_check_failure((expr), (want), (substr), __FILE__, __LINE__, #expr)
+#define T_INT_EQ(a, b)                                                    \
+  t_check((long long)(a) == (long long)(b), __FILE__, __LINE__, "%s == %s (%lld vs %lld)", #a, #b, \
+          (long long)(a), (long long)(b))
+
+void t_skip(const char *fmt, ...);
+
+/* Prints "N passed, N failed[, N skipped]" and returns the exit code (0 iff none failed). */
+int t_finish(void);
+
+/* ---- RNG ------------------------------------------------------------------------------------- */
+
+/* Seeds from env M40LLM_TEST_SEED or from the clock, and prints the seed. */
+void t_rng_init(void);
+uint64_t t_rand_u64(void);
+double t_rand_unit(void);               /* [0, 1) */
+float t_rand_float(float lo, float hi); /* [lo, hi) */
+int t_rand_int(int lo, int hi);         /* [lo, hi] */
+void t_fill_uniform(float *x, size_t n, float lo, float hi);
+
+/* ---- FP16 (own implementation, round to nearest even) ---------------------------------------- */
+
+uint16_t t_f32_to_f16(float f);
+float t_f16_to_f32(uint16_t h);
+int t_f16_is_nan(uint16_t h);
+float t_f32_from_bits(uint32_t u);
+uint32_t t_f32_bits(float f);
+
+/* ---- Reference attention --------------------------------------------------------------------- */
+
+/* out[h][d] (float64) = softmax_t(scale * q[h] . K[t][g]) V[t][g][d], g = h / (n_heads/n_kv_heads);
+ * k, v are [len][n_kv_heads][head_dim] FP16 bits; q is [n_heads][head_dim]; scale 0 means
+ * 1/sqrt(head_dim); len 0 gives zeros. */
+void t_ref_attention(double *out, const float *q, const uint16_t *k, const uint16_t *v, int len,
+                     int n_heads, int n_kv_heads, int head_dim, float scale);
+
+/* ||got - ref||_2 / ||ref||_2; the absolute norm of the difference when ref is all zero; NaN or
+ * inf when got holds a non-finite value. */
+double t_rel_l2(const float *got, const double *ref, size_t n);
+
+/* 1 if every byte of p is `byte`. */
+int t_all_bytes(const void *p, size_t n, unsigned char byte);
+
+/* ---- Host model of a KV cache ------------------------------------------------------------------ */
+
+typedef struct t_model {
+  int n_layers, max_seqs, n_kv_heads, head_dim, max_seq_len;
+  size_t row;   /* n_kv_heads * head_dim: elements per position */
+  uint16_t *k;  /* [layer][seq][pos][kv_head][dim] */
+  uint16_t *v;
+  int *len;     /* [layer][seq] */
+} t_model;
+
+int t_model_init(t_model *m, const m40llm_kvcache_options *o);
+void t_model_free(t_model *m);
+uint16_t *t_model_k(const t_model *m, int layer, int seq); /* position 0 of (layer, seq) */
+uint16_t *t_model_v(const t_model *m, int layer, int seq);
+int t_model_len(const t_model *m, int layer, int seq);
+void t_model_append(t_model *m, int layer, int seq, const uint16_t *k, const uint16_t *v, int n);
+void t_model_truncate(t_model *m, int seq, int new_len);
+void t_model_reset(t_model *m, int seq);
+void t_model_fork(t_model *m, int dst, int src);
+
+/* A library cache, the context it lives on, and the model it must match. */
+typedef struct t_kv {
+  m40llm_context *ctx;
+  m40llm_kvcache *cache;
+  m40llm_kvcache_options opts;
+  t_model model;
+} t_kv;
+
+/* Creates the cache on ctx and its model; reports failures and returns the status. */
+int t_kv_create(t_kv *kv, m40llm_context *ctx, int n_layers, int n_heads, int n_kv_heads,
+                int head_dim, int max_seqs, int max_seq_len);
+void t_kv_destroy(t_kv *kv);
+
+/* Append host data through backend buffers; on success the model follows. Returns the status. */
+int t_kv_append_f32(t_kv *kv, int layer, int seq, const float *k, const float *v, int n);
+int t_kv_append_f16(t_kv *kv, int layer, int seq, const uint16_t *k, const uint16_t *v, int n);
+/* Appends n random positions (values in [-amp, amp]) in random chunks, alternating f32/f16
+ * appends. Returns the status of the first failing append (checked as OK). */
+int t_kv_append_random(t_kv *kv, int layer, int seq, int n, float amp);
+
+int t_kv_truncate(t_kv *kv, int seq, int new_len);
+int t_kv_reset(t_kv *kv, int seq);
+int t_kv_fork(t_kv *kv, int dst, int src);
+
+/* Checks every (layer, seq) length and the FP16 contents, bit-exact, against the model. */
+void t_kv_check_contents(t_kv *kv);
+
+/* Runs attention (batch call when use_batch, else one call per id) on the library, output
+ * poisoned with 0xFF first, and compares every row with the float64 reference over the model.
+ * q is host [n_ids][n_heads][head_dim]. When got_out is not NULL it receives the host copy of
+ * the output. Returns the largest relative L2 error seen (NaN if any). */
+double t_kv_check_attention(t_kv *kv, int layer, const int32_t *ids, int n_ids, const float *q,
+                            float scale, double tol, int use_batch, float *got_out);
+
+/* Backend-neutral buffer helpers (report failures). */
+void *t_dev_alloc(m40llm_context *ctx, size_t bytes);
+void *t_dev_upload(m40llm_context *ctx, const void *host, size_t bytes);
+int t_dev_download(m40llm_context *ctx, void *host, const void *dev, size_t bytes);
+
+/* The error-path and sequence-semantics cases, run on any context (CPU or CUDA). */
+void t_cases_error_paths(m40llm_context *ctx);
+void t_cases_sequence_ops(m40llm_context *ctx);
+void t_cases_attention_basic(m40llm_context *ctx);
+void t_cases_fp16_rounding(m40llm_context *ctx);
+
+#endif /* M40LLM_TEST_UTIL_H */
