@@ -62,30 +62,38 @@ __device__ __forceinline__ void load_weights(const float *p, float (&w)[GT]) {
   }
 }
 
-// Shared memory of the split kernel, in floats: q and the score tile while looping, then the
-// per-row-group output partials for the final reduction.
+// Shared memory of the split kernel, in floats: q [GT][D] and the weight tile [T][GT] while
+// looping, then the per-row-group output partials [row_groups][GT][D] for the final reduction.
 __host__ __device__ constexpr int pv_row_groups(int head_dim, int cols) {
   return kAttnThreads / (head_dim / cols);
 }
 
-constexpr int split_smem_floats(int gt, int cols, int head_dim) {
-  return gt * (head_dim + kAttnTile) > pv_row_groups(head_dim, cols) * gt * head_dim
-             ? gt * (head_dim + kAttnTile)
-             : pv_row_groups(head_dim, cols) * gt * head_dim;
+constexpr int split_smem_floats(int gt, int dmax, int head_dim) {
+  return gt * (head_dim + tile_rows(gt, dmax)) >
+                 pv_row_groups(head_dim, pv_columns(gt)) * gt * head_dim
+             ? gt * (head_dim + tile_rows(gt, dmax))
+             : pv_row_groups(head_dim, pv_columns(gt)) * gt * head_dim;
 }
 
-// GT: query heads per block (power of two <= kMaxGroupTile); heads past the group are zero-q
-// and never written. COLS: V columns per thread in the output pass (pv_columns).
-template <int GT, int COLS>
+// GT: query heads per block (power of two <= kMaxGroupTile); heads past the group get a zero q
+// and are never written. DMAX: head_dim class (head_dim <= DMAX, a multiple of 8).
+template <int GT, int DMAX>
 __global__ void __launch_bounds__(kAttnThreads, kAttnMinBlocksPerSm)
     attn_split_kernel(const AttnArgs a, const m40llm_attn_plan plan) {
-  constexpr int KB = k_batch(GT);
+  constexpr int T = tile_rows(GT, DMAX);      // positions per tile
+  constexpr int LPR = kAttnThreads / T;       // lanes per K row in the score pass (2..16)
+  constexpr int KC = DMAX / 8 / LPR;          // 16-byte K chunks per lane, at most
+  constexpr int COLS = pv_columns(GT);        // V columns per thread in the output pass
+  constexpr int VR = T * DMAX / (kAttnThreads * COLS);  // V rows per thread, at most
+  constexpr int NS = (T + 31) / 32;           // scores per lane in the softmax pass
+  using VRaw = typename HalfVec<COLS>::Raw;
+  static_assert(LPR >= 2 && LPR <= 32 && KC >= 1, "tile shape");
+
   extern __shared__ float smem[];
   __shared__ float s_max[GT], s_sum[GT], s_alpha[GT];
-
   const int D = a.head_dim;
-  float *sq = smem;               // [GT][D]
-  float *sp = smem + GT * D;      // [kAttnTile][GT]: a row's weights for every head together
+  float *sq = smem;           // [GT][D], pre-scaled into the log2 domain
+  float *sp = smem + GT * D;  // [T][GT]: a position's weights for every head together
   const int tid = threadIdx.x;
 
   const int split = blockIdx.x;
@@ -109,10 +117,10 @@ __global__ void __launch_bounds__(kAttnThreads, kAttnMinBlocksPerSm)
     s_sum[tid] = 0.0f;
   }
 
-  // Score pass: kKLanes lanes per K row, each lane a strided share of its 16-byte chunks.
-  const int k_row = tid / kKLanes, k_lane = tid % kKLanes;
+  // Score pass: LPR lanes per K row, each with up to KC 16-byte chunks of it.
+  const int k_row = tid / LPR, k_lane = tid % LPR;
   const int chunks = D / 8;
-  // Output pass: COLS columns per thread, row groups walk the tile's rows.
+  // Output pass: COLS columns per thread; row groups stride over the tile's positions.
   const int pv_tpr = D / COLS;
   const int row_groups = kAttnThreads / pv_tpr;
   const int rg = tid / pv_tpr;
@@ -124,83 +132,82 @@ __global__ void __launch_bounds__(kAttnThreads, kAttnMinBlocksPerSm)
 #pragma unroll
     for (int i = 0; i < COLS; i++) o[g][i] = 0.0f;
 
-  for (int t0 = p_begin; t0 < p_end; t0 += kAttnTile) {
-    const int rows = min(kAttnTile, p_end - t0);
+  for (int t0 = p_begin; t0 < p_end; t0 += T) {
+    const int rows = min(T, p_end - t0);
+    // Every load of the tile goes out before anything waits on one: one memory latency per
+    // tile instead of one per row batch.
+    uint4 kraw[KC];
+    const __half *krow = K + (size_t)(t0 + k_row) * D;
+#pragma unroll
+    for (int j = 0; j < KC; j++)
+      if (k_row < rows && k_lane + j * LPR < chunks) kraw[j] = load_raw<8>(krow + (k_lane + j * LPR) * 8);
+    VRaw vraw[VR];
+#pragma unroll
+    for (int i = 0; i < VR; i++) {
+      const int r = rg + i * row_groups;
+      if (pv_active && r < rows) vraw[i] = load_raw<COLS>(V + (size_t)(t0 + r) * D + col);
+    }
     __syncthreads();  // q is staged, and the previous tile's weights are consumed
 
-    for (int r = k_row; r < kAttnTile; r += kAttnThreads / kKLanes) {
-      float acc[GT];
+    float acc[GT];
 #pragma unroll
-      for (int g = 0; g < GT; g++) acc[g] = 0.0f;
-      if (r < rows) {
-        const __half *krow = K + (size_t)(t0 + r) * D;
-        // All of a batch's loads go out before any math: latency, not bandwidth, bounds a
-        // thread that waits on one 16-byte chunk at a time.
-#pragma unroll 1
-        for (int c0 = k_lane; c0 < chunks; c0 += kKLanes * KB) {
-          uint4 raw[KB];
+    for (int g = 0; g < GT; g++) acc[g] = 0.0f;
 #pragma unroll
-          for (int j = 0; j < KB; j++)
-            if (c0 + j * kKLanes < chunks)
-              raw[j] = __ldg(reinterpret_cast<const uint4 *>(krow + (c0 + j * kKLanes) * 8));
+    for (int j = 0; j < KC; j++) {
+      const int c = k_lane + j * LPR;
+      if (k_row < rows && c < chunks) {
+        float kf[8];
+        widen<8>(kraw[j], kf);
 #pragma unroll
-          for (int j = 0; j < KB; j++) {
-            const int c = c0 + j * kKLanes;
-            if (c >= chunks) continue;
-            float kf[8];
-            widen8(raw[j], kf);
-#pragma unroll
-            for (int g = 0; g < GT; g++) {
-              const float4 qa = *reinterpret_cast<const float4 *>(sq + g * D + c * 8);
-              const float4 qb = *reinterpret_cast<const float4 *>(sq + g * D + c * 8 + 4);
-              float s = acc[g];
-              s = fmaf(qa.x, kf[0], s);
-              s = fmaf(qa.y, kf[1], s);
-              s = fmaf(qa.z, kf[2], s);
-              s = fmaf(qa.w, kf[3], s);
-              s = fmaf(qb.x, kf[4], s);
-              s = fmaf(qb.y, kf[5], s);
-              s = fmaf(qb.z, kf[6], s);
-              s = fmaf(qb.w, kf[7], s);
-              acc[g] = s;
-            }
-          }
+        for (int g = 0; g < GT; g++) {
+          const float4 qa = *reinterpret_cast<const float4 *>(sq + g * D + c * 8);
+          const float4 qb = *reinterpret_cast<const float4 *>(sq + g * D + c * 8 + 4);
+          float s = acc[g];
+          s = fmaf(qa.x, kf[0], s);
+          s = fmaf(qa.y, kf[1], s);
+          s = fmaf(qa.z, kf[2], s);
+          s = fmaf(qa.w, kf[3], s);
+          s = fmaf(qb.x, kf[4], s);
+          s = fmaf(qb.y, kf[5], s);
+          s = fmaf(qb.z, kf[6], s);
+          s = fmaf(qb.w, kf[7], s);
+          acc[g] = s;
         }
       }
+    }
 #pragma unroll
-      for (int g = 0; g < GT; g++) {
+    for (int g = 0; g < GT; g++) {
 #pragma unroll
-        for (int off = 1; off < kKLanes; off <<= 1)
-          acc[g] += __shfl_xor_sync(0xffffffffu, acc[g], off);
-      }
-      if (k_lane == 0) {
+      for (int off = 1; off < LPR; off <<= 1) acc[g] += __shfl_xor_sync(0xffffffffu, acc[g], off);
+    }
+    if (k_lane == 0) {
 #pragma unroll
-        for (int g = 0; g < GT; g++) sp[r * GT + g] = r < rows ? acc[g] : -INFINITY;
-      }
+      for (int g = 0; g < GT; g++) sp[k_row * GT + g] = k_row < rows ? acc[g] : -INFINITY;
     }
     __syncthreads();
 
     // Online softmax over the tile: one warp per query head.
     const int lane = tid & 31;
     for (int g = tid >> 5; g < GT; g += kAttnThreads / 32) {
-      float s[kAttnTile / 32];
+      float s[NS];
       float tile_max = -INFINITY;
 #pragma unroll
-      for (int j = 0; j < kAttnTile / 32; j++) {
-        s[j] = sp[(lane + 32 * j) * GT + g];
+      for (int j = 0; j < NS; j++) {
+        const int r = lane + 32 * j;
+        s[j] = r < T ? sp[r * GT + g] : -INFINITY;
         tile_max = fmaxf(tile_max, s[j]);
       }
       tile_max = warp_max(tile_max);
       const float m_old = s_max[g];
-      const float m_new = fmaxf(m_old, tile_max);
-      // m_new is finite: every tile has at least one real row.
+      const float m_new = fmaxf(m_old, tile_max);  // finite: every tile has a real row
       const float alpha = exp2f(m_old - m_new);
       float sum = 0.0f;
 #pragma unroll
-      for (int j = 0; j < kAttnTile / 32; j++) {
+      for (int j = 0; j < NS; j++) {
+        const int r = lane + 32 * j;
         s[j] = exp2f(s[j] - m_new);
         sum += s[j];
-        sp[(lane + 32 * j) * GT + g] = s[j];
+        if (r < T) sp[r * GT + g] = s[j];
       }
       sum = warp_sum(sum);
       if (lane == 0) {
@@ -218,18 +225,19 @@ __global__ void __launch_bounds__(kAttnThreads, kAttnMinBlocksPerSm)
 #pragma unroll
         for (int i = 0; i < COLS; i++) o[g][i] *= alpha;
       }
-      // 8 to 16 halves of V in flight per thread; more rows would also hoist their weight
-      // loads, which runs 8-head tiles out of registers.
-#pragma unroll(COLS >= 4 ? 16 / COLS : GT >= 8 ? 4 : 8)
-      for (int r = rg; r < rows; r += row_groups) {
-        float vf[COLS];
-        load_halves<COLS>(V + (size_t)(t0 + r) * D + col, vf);
-        float w[GT];
-        load_weights<GT>(sp + r * GT, w);
 #pragma unroll
-        for (int g = 0; g < GT; g++) {
+      for (int i = 0; i < VR; i++) {
+        const int r = rg + i * row_groups;
+        if (r < rows) {
+          float vf[COLS];
+          widen<COLS>(vraw[i], vf);
+          float w[GT];
+          load_weights<GT>(sp + r * GT, w);
 #pragma unroll
-          for (int i = 0; i < COLS; i++) o[g][i] = fmaf(w[g], vf[i], o[g][i]);
+          for (int g = 0; g < GT; g++) {
+#pragma unroll
+            for (int c = 0; c < COLS; c++) o[g][c] = fmaf(w[g], vf[c], o[g][c]);
+          }
         }
       }
     }
@@ -264,29 +272,64 @@ __global__ void __launch_bounds__(kAttnThreads, kAttnMinBlocksPerSm)
   }
 }
 
+__device__ __forceinline__ float block_reduce(float x, float *scratch, bool is_max) {
+  x = is_max ? warp_max(x) : warp_sum(x);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  __syncthreads();  // scratch may still be read from the previous reduction
+  if (lane == 0) scratch[warp] = x;
+  __syncthreads();
+  x = scratch[0];
+  for (int w = 1; w < kAttnThreads / 32; w++) x = is_max ? fmaxf(x, scratch[w]) : x + scratch[w];
+  return x;
+}
+
 // One block per (item, query head); items with a single split were finished by the split
-// kernel. Each split holds at least one position, so every partial max is finite.
+// kernel. Each split holds at least one position, so every partial max is finite. The splits'
+// weights go through shared memory in chunks so each thread's loads of partial outputs are
+// independent of one another.
+constexpr int kCombineChunk = 1024;
+
 __global__ void __launch_bounds__(kAttnThreads)
     attn_combine_kernel(const AttnArgs a, const m40llm_attn_plan plan) {
-  const int item = blockIdx.x, h = blockIdx.y;
+  __shared__ float s_w[kCombineChunk];
+  __shared__ float scratch[kAttnThreads / 32];
+  const int item = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
   const int first = plan.split_begin[item];
   const int n = plan.split_begin[item + 1] - first;
   if (n == 1) return;
   float m = -INFINITY;
-  for (int s = 0; s < n; s++) m = fmaxf(m, a.part_m[(size_t)(first + s) * a.n_heads + h]);
+  for (int s = tid; s < n; s += kAttnThreads)
+    m = fmaxf(m, a.part_m[(size_t)(first + s) * a.n_heads + h]);
+  m = block_reduce(m, scratch, true);
   float l = 0.0f;
-  for (int s = 0; s < n; s++) {
+  for (int s = tid; s < n; s += kAttnThreads) {
     const size_t p = (size_t)(first + s) * a.n_heads + h;
     l += exp2f(a.part_m[p] - m) * a.part_l[p];
   }
+  const float inv_l = 1.0f / block_reduce(l, scratch, false);
+
   const int D = a.head_dim;
-  for (int d = threadIdx.x; d < D; d += kAttnThreads) {
-    float acc = 0.0f;
-    for (int s = 0; s < n; s++) {
-      const size_t p = (size_t)(first + s) * a.n_heads + h;
-      acc = fmaf(exp2f(a.part_m[p] - m), a.part_o[p * D + d], acc);
+  float acc[2] = {0.0f, 0.0f};  // head_dim <= 256 = 2 x kAttnThreads
+  for (int s0 = 0; s0 < n; s0 += kCombineChunk) {
+    const int cn = min(kCombineChunk, n - s0);
+    __syncthreads();  // the previous chunk's weights are consumed
+    for (int s = tid; s < cn; s += kAttnThreads)
+      s_w[s] = exp2f(a.part_m[(size_t)(first + s0 + s) * a.n_heads + h] - m) * inv_l;
+    __syncthreads();
+#pragma unroll
+    for (int k = 0; k < 2; k++) {
+      const int d = tid + k * kAttnThreads;
+      if (d >= D) break;
+      const float *po = a.part_o + ((size_t)(first + s0) * a.n_heads + h) * D + d;
+      const size_t stride = (size_t)a.n_heads * D;
+#pragma unroll 8
+      for (int s = 0; s < cn; s++) acc[k] = fmaf(s_w[s], po[s * stride], acc[k]);
     }
-    a.out[((size_t)item * a.n_heads + h) * D + d] = acc / l;
+  }
+#pragma unroll
+  for (int k = 0; k < 2; k++) {
+    const int d = tid + k * kAttnThreads;
+    if (d < D) a.out[((size_t)item * a.n_heads + h) * D + d] = acc[k];
   }
 }
 
@@ -298,18 +341,32 @@ int group_tile_for(int group) {
 
 int log2_small(int x) { return x >= 8 ? 3 : x >= 4 ? 2 : x >= 2 ? 1 : 0; }
 
-size_t split_smem_bytes(int gt, int head_dim) {
-  return split_smem_floats(gt, pv_columns(gt, head_dim), head_dim) * sizeof(float);
+int dmax_for(int head_dim) {
+  for (int dmax : kHeadDimClasses)
+    if (head_dim <= dmax) return dmax;
+  return 256;
 }
 
-// The instances the dispatcher can pick: (GT, pv_columns(GT, head_dim)) for head_dim <= 256.
+size_t split_smem_bytes(int gt, int head_dim) {
+  return split_smem_floats(gt, dmax_for(head_dim), head_dim) * sizeof(float);
+}
+
+int split_tile_rows(int gt, int head_dim) { return tile_rows(gt, dmax_for(head_dim)); }
+
 using SplitKernel = void (*)(AttnArgs, m40llm_attn_plan);
+template <int GT>
+SplitKernel split_kernel_for_dmax(int dmax) {
+  return dmax == 64 ? attn_split_kernel<GT, 64>
+                    : dmax == 128 ? attn_split_kernel<GT, 128> : attn_split_kernel<GT, 256>;
+}
+
 SplitKernel split_kernel_for(int gt, int head_dim) {
+  const int dmax = dmax_for(head_dim);
   switch (gt) {
-    case 1: return attn_split_kernel<1, 8>;
-    case 2: return attn_split_kernel<2, 4>;
-    case 4: return attn_split_kernel<4, 2>;
-    default: return head_dim > 128 ? attn_split_kernel<8, 2> : attn_split_kernel<8, 1>;
+    case 1: return split_kernel_for_dmax<1>(dmax);
+    case 2: return split_kernel_for_dmax<2>(dmax);
+    case 4: return split_kernel_for_dmax<4>(dmax);
+    default: return split_kernel_for_dmax<8>(dmax);
   }
 }
 
@@ -375,9 +432,10 @@ extern "C" int m40llm_cuda_attention(const m40llm_kvcache *c, int layer, const i
   int target = 0;
   int rc = target_blocks(st, gt, o->head_dim, &target);
   if (rc != M40LLM_OK) return rc;
-  const AttnTuning &tune = attn_tuning(st->cc_major);
   m40llm_attn_plan plan;
-  m40llm_attn_plan_build(&plan, seq_ids, lens, n_seqs, units, target, tune.min_chunk, kAttnTile);
+  const int tile = split_tile_rows(gt, o->head_dim);
+  const int min_chunk = kSplitRowsPerHead * gt > tile ? kSplitRowsPerHead * gt : tile;
+  m40llm_attn_plan_build(&plan, seq_ids, lens, n_seqs, units, target, min_chunk, tile);
 
   AttnArgs a;
   const size_t layer_offset = m40llm_kv_offset(o, layer, 0, 0, 0);

@@ -39,10 +39,9 @@ int m40llm_cuda_error(cudaError_t err, const char *what);
     if (m40llm_err_ != cudaSuccess) return m40llm_cuda_error(m40llm_err_, "launching " kernel); \
   } while (0)
 
+// N consecutive halves as one load: N * 2 bytes, aligned to that.
 template <int N>
 struct HalfVec;
-template <>
-struct HalfVec<1> { using Raw = unsigned short; };
 template <>
 struct HalfVec<2> { using Raw = unsigned int; };
 template <>
@@ -50,30 +49,18 @@ struct HalfVec<4> { using Raw = uint2; };
 template <>
 struct HalfVec<8> { using Raw = uint4; };
 
-// Loads N consecutive halves (N * 2 bytes, aligned to that) through the read-only path and
-// widens them to FP32.
+// Issues the load through the read-only path; the value is used later, after other loads.
 template <int N>
-__device__ __forceinline__ void load_halves(const __half *p, float (&f)[N]) {
-  using Raw = typename HalfVec<N>::Raw;
-  const Raw raw = __ldg(reinterpret_cast<const Raw *>(p));
-  if constexpr (N == 1) {
-    f[0] = __half2float(__ushort_as_half(raw));
-  } else {
-    const __half2 *h = reinterpret_cast<const __half2 *>(&raw);
-#pragma unroll
-    for (int i = 0; i < N / 2; i++) {
-      const float2 t = __half22float2(h[i]);
-      f[2 * i] = t.x;
-      f[2 * i + 1] = t.y;
-    }
-  }
+__device__ __forceinline__ typename HalfVec<N>::Raw load_raw(const __half *p) {
+  return __ldg(reinterpret_cast<const typename HalfVec<N>::Raw *>(p));
 }
 
-// Widens 8 halves already in a register quad (from a 16-byte load) to FP32.
-__device__ __forceinline__ void widen8(const uint4 &raw, float (&f)[8]) {
+// Widens N halves held in registers to FP32.
+template <int N>
+__device__ __forceinline__ void widen(const typename HalfVec<N>::Raw &raw, float (&f)[N]) {
   const __half2 *h = reinterpret_cast<const __half2 *>(&raw);
 #pragma unroll
-  for (int i = 0; i < 4; i++) {
+  for (int i = 0; i < N / 2; i++) {
     const float2 t = __half22float2(h[i]);
     f[2 * i] = t.x;
     f[2 * i + 1] = t.y;

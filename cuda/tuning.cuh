@@ -1,43 +1,47 @@
-// Every tuning knob of the attention kernels, per architecture, in one place.
+// Every tuning knob of the attention kernels in one place.
 #pragma once
 
-// 8 resident blocks (64 registers/thread, 50% occupancy on sm_52). Measured on an H200 (bench/
-// RESULTS.md): 4 blocks with 128 registers and deeper load batches ran 25-35% slower there, so
-// every architecture keeps the M40's budget.
+// Threads per block, on every GPU. 8 resident blocks = 64 registers/thread = 50% occupancy on
+// sm_52. Measured on an H200: 4 blocks x 128 registers with deeper per-thread load batches ran
+// 25-35% slower, so every architecture keeps the M40's budget.
+constexpr int kAttnThreads = 128;
 constexpr int kAttnMinBlocksPerSm = 8;
 
-// Compile-time shape of the split kernel (same on every GPU: it must fit sm_52's limits).
-constexpr int kAttnThreads = 128;  // 4 warps
-constexpr int kAttnTile = 128;     // positions per tile: one per thread in the score pass
-constexpr int kKLanes = 4;         // lanes sharing one K row in the score pass (64 B per quad)
-// 16-byte K loads a lane issues before using any: as many as registers allow without spilling
-// (larger head tiles hold more accumulators).
-__host__ __device__ constexpr int k_batch(int group_tile) {
-  return group_tile == 1 ? 2 : 1;
-}
-
-
-// Query heads per block: one K/V head's group is done in tiles of this many heads.
+// Query heads per block: one K/V head's group is done in tiles of up to this many heads.
 constexpr int kMaxGroupTile = 8;
 
-// Columns of V per thread in the output pass: fewer for larger head tiles so the FP32
-// accumulators (tile x columns) stay at 8 registers, which keeps sm_52 at 64 without spills;
-// but at least head_dim / kAttnThreads so one pass of the block covers a row.
-constexpr int pv_columns(int group_tile, int head_dim) {
-  return 8 / group_tile >= (head_dim + 127) / 128 ? 8 / group_tile : (head_dim + 127) / 128;
+// Head-dim classes the split kernel is compiled for; a cache uses the smallest that fits.
+constexpr int kHeadDimClasses[] = {64, 128, 256};
+
+// Positions per tile. Decode attention is latency-bound unless every thread issues all its
+// loads for a tile at once, so a tile is sized to one register batch per thread: 32 bytes of K
+// and 32 of V (16 at 8 heads per block, whose accumulators need the registers). 64 + 64 bytes
+// spilled at sm_52's 64 registers.
+__host__ __device__ constexpr int tile_rows(int group_tile, int dmax) {
+  return (group_tile >= 8 ? 1024 : 2048) / dmax;
 }
 
-// Run-time split-K heuristics.
+// Columns of V per thread in the output pass: accumulators (heads x columns) stay at 8-16
+// registers, and a row is covered by at most kAttnThreads threads.
+__host__ __device__ constexpr int pv_columns(int group_tile) {
+  return group_tile == 1 ? 8 : group_tile == 2 ? 4 : 2;
+}
+
+// A split writes and the combine reads back (head_dim + 2) floats per query head, about
+// 2 x heads / positions of the split's K/V bytes: at least this many positions per query head
+// keeps that near 6%.
+constexpr int kSplitRowsPerHead = 32;
+
+// Run-time split-K heuristics, per architecture.
 struct AttnTuning {
   int min_cc_major;  // first architecture the row applies to
   int waves;         // target blocks = SMs x resident blocks per SM x waves
-  int min_chunk;     // never split a sequence into pieces shorter than this
 };
 
 constexpr AttnTuning kAttnTuning[] = {
-    {9, 2, 128},  // Hopper: 132 SMs want many blocks; partials are cheap next to 4.8 TB/s
-    {7, 2, 128},  // Volta .. Ada
-    {0, 2, 128},  // Maxwell (M40: 24 SMs), Pascal
+    {9, 2},  // Hopper: 132 SMs; a second wave absorbs ragged lengths
+    {7, 2},  // Volta .. Ada
+    {0, 2},  // Maxwell (M40: 24 SMs), Pascal
 };
 
 inline const AttnTuning &attn_tuning(int cc_major) {
