@@ -4,6 +4,9 @@
  * M40LLM_REQUIRE_GPU=1, which turns that into a failure.
  * M40LLM_TEST_GPU_BACKEND=cpu runs every case on the CPU backend instead (to check the test
  * itself on a machine without a GPU; the CUDA-only checks are then skipped).
+ * M40LLM_TEST_SMALL=1 keeps every kind of case but drops the long contexts (4099 positions and
+ * more) and most of the head_dim sweep, for compute-sanitizer runs (scripts/gpu_check.sh), where
+ * kernels run 10-100x slower.
  */
 #include <math.h>
 #include <stdint.h>
@@ -20,6 +23,7 @@
 static m40llm_context *dev; /* the context under test */
 static m40llm_context *cpu; /* the CPU backend, for lockstep comparisons */
 static int on_cuda;
+static int small; /* M40LLM_TEST_SMALL=1 */
 
 static int skip_or_fail(const char *why) {
   const char *req = getenv("M40LLM_REQUIRE_GPU");
@@ -120,11 +124,12 @@ static void test_user_stream(void) {
   if (T_OK(m40llm_context_create(&c, &o))) {
     T_CHECK(m40llm_context_cuda_stream(c) == (void *)s);
     t_kv kv;
-    if (t_kv_create(&kv, c, 2, 8, 2, 128, 3, 3000) == M40LLM_OK) {
-      T_OK(t_kv_append_random(&kv, 1, 0, 2500, 1.0f));
+    const int len = small ? 700 : 2500;
+    if (t_kv_create(&kv, c, 2, 8, 2, 128, 3, len + 500) == M40LLM_OK) {
+      T_OK(t_kv_append_random(&kv, 1, 0, len, 1.0f));
       T_OK(t_kv_append_random(&kv, 1, 2, 17, 1.0f));
       T_OK(t_kv_fork(&kv, 1, 0));
-      T_OK(t_kv_truncate(&kv, 1, 1999));
+      T_OK(t_kv_truncate(&kv, 1, len - 501));
       t_kv_check_contents(&kv);
       const int32_t ids[4] = {0, 1, 2, 1};
       float *q = random_q(4 * 8 * 128);
@@ -157,11 +162,12 @@ static void test_shape_sweep(void) {
   for (size_t di = 0; di < sizeof dims / sizeof dims[0]; di++) {
     for (size_t hi = 0; hi < sizeof heads / sizeof heads[0]; hi++, config++) {
       const int hd = dims[di], nh = heads[hi][0], nkv = heads[hi][1];
-      const int max_seqs = 9, max_len = 5000;
+      /* small: seq 6 gets 600 positions instead of 4099, and the random one at most 700 */
+      const int max_seqs = 9, max_len = small ? 700 : 5000;
       t_kv kv;
       t_set_case("sweep %d/%d heads, head_dim %d: setup", nh, nkv, hd);
       if (t_kv_create(&kv, dev, 2, nh, nkv, hd, max_seqs, max_len) != M40LLM_OK) continue;
-      const int lens[9] = {1, 2, 31, 33, 255, 257, 4099, t_rand_int(1, max_len), 0};
+      const int lens[9] = {1, 2, 31, 33, 255, 257, small ? 600 : 4099, t_rand_int(1, max_len), 0};
       for (int s = 0; s < max_seqs; s++) {
         if (lens[s]) T_OK(t_kv_append_random(&kv, 1, s, lens[s], 1.0f));
         if (s % 3 != 2) T_OK(t_kv_append_random(&kv, 0, s, t_rand_int(1, 40), 1.0f));
@@ -200,11 +206,15 @@ static void test_shape_sweep(void) {
  * not powers of two, and groups that leave a partial tile of query heads. Lengths straddle the
  * 128-position tiles. */
 static void test_head_dim_sweep(void) {
-  static const int dims[] = {8,   16,  24,  40,  56,  72,  88,  96,  104, 112,
-                             120, 136, 144, 160, 192, 200, 224, 240, 248};
+  static const int all_dims[] = {8,   16,  24,  40,  56,  72,  88,  96,  104, 112,
+                                 120, 136, 144, 160, 192, 200, 224, 240, 248};
+  static const int small_dims[] = {8, 24, 120, 136, 248};
   static const int heads[][2] = {{4, 4}, {12, 4}, {10, 1}, {16, 2}};
+  const int *dims = small ? small_dims : all_dims;
+  const size_t n_dims = small ? sizeof small_dims / sizeof small_dims[0]
+                              : sizeof all_dims / sizeof all_dims[0];
   int n = 0;
-  for (size_t di = 0; di < sizeof dims / sizeof dims[0]; di++) {
+  for (size_t di = 0; di < n_dims; di++) {
     for (size_t hi = 0; hi < sizeof heads / sizeof heads[0]; hi++, n++) {
       const int hd = dims[di], nh = heads[hi][0], nkv = heads[hi][1];
       t_kv kv;
@@ -235,8 +245,9 @@ static void test_head_dim_sweep(void) {
 static void test_wide_batch(void) {
   t_kv kv;
   t_set_case("wide batch: setup");
-  if (t_kv_create(&kv, dev, 1, 32, 32, 128, 4, 1500) != M40LLM_OK) return;
-  const int lens[4] = {700, 1500, 1, 0};
+  const int max_len = small ? 300 : 1500;
+  if (t_kv_create(&kv, dev, 1, 32, 32, 128, 4, max_len) != M40LLM_OK) return;
+  const int lens[4] = {small ? 130 : 700, max_len, 1, 0};
   for (int s = 0; s < 4; s++)
     if (lens[s]) T_OK(t_kv_append_random(&kv, 0, s, lens[s], 1.0f));
   int32_t ids[130];
@@ -285,15 +296,17 @@ static void test_long_contexts(void) {
 static void test_ragged_batch(void) {
   t_kv kv;
   t_set_case("ragged batch: setup");
-  if (t_kv_create(&kv, dev, 1, 32, 8, 128, 5, 4099) != M40LLM_OK) return;
-  const int lens[5] = {1, 33, 257, 4099, 0};
+  const int longest = small ? 1025 : 4099;
+  if (t_kv_create(&kv, dev, 1, 32, 8, 128, 5, longest) != M40LLM_OK) return;
+  const int lens[5] = {1, 33, 257, longest, 0};
   for (int s = 0; s < 5; s++)
     if (lens[s]) T_OK(t_kv_append_random(&kv, 0, s, lens[s], 1.0f));
   const int32_t ids[10] = {0, 1, 2, 3, 4, 3, 4, 0, 3, 1};
   float *q = random_q(10 * 32 * 128);
   if (q) {
     for (int i = 0; i < 2; i++) {
-      t_set_case("ragged batch {1, 33, 257, 4099, 0} + repeats, scale %s", i ? "explicit" : "0");
+      t_set_case("ragged batch {1, 33, 257, %d, 0} + repeats, scale %s", longest,
+                 i ? "explicit" : "0");
       const float scale = i ? 0.07f : 0.0f;
       t_kv_check_attention(&kv, 0, ids, 10, q, scale, 1e-5, 1, NULL);
       t_kv_check_attention(&kv, 0, ids, 5, q, scale, 1e-5, 0, NULL);
@@ -307,9 +320,10 @@ static void test_ragged_batch(void) {
 static void test_big_batch(void) {
   t_kv kv;
   t_set_case("big batch: setup");
-  if (t_kv_create(&kv, dev, 2, 8, 2, 64, 6, 700) != M40LLM_OK) return;
+  const int max_len = small ? 300 : 700;
+  if (t_kv_create(&kv, dev, 2, 8, 2, 64, 6, max_len) != M40LLM_OK) return;
   for (int s = 0; s < 6; s++) {
-    if (s != 4) T_OK(t_kv_append_random(&kv, 1, s, t_rand_int(1, 700), 1.0f));
+    if (s != 4) T_OK(t_kv_append_random(&kv, 1, s, t_rand_int(1, max_len), 1.0f));
     T_OK(t_kv_append_random(&kv, 0, s, t_rand_int(1, 10), 1.0f));
   }
   const int n = 300;
@@ -391,7 +405,7 @@ static void compare_backends(t_kv *g, t_kv *c, const char *when) {
 
 static void test_lockstep(void) {
   t_kv g, c;
-  const int n_layers = 3, nh = 12, nkv = 4, hd = 64, ms = 4, max_len = 1500;
+  const int n_layers = 3, nh = 12, nkv = 4, hd = 64, ms = 4, max_len = small ? 600 : 1500;
   t_set_case("lockstep with CPU backend: setup");
   if (t_kv_create(&g, dev, n_layers, nh, nkv, hd, ms, max_len) != M40LLM_OK) return;
   if (t_kv_create(&c, cpu, n_layers, nh, nkv, hd, ms, max_len) != M40LLM_OK) {
@@ -411,7 +425,8 @@ static void test_lockstep(void) {
         T_STATUS(both_append(&g, &c, layer, seq, room + t_rand_int(1, 5), op & 1),
                  M40LLM_ERR_CAPACITY);
       } else {
-        int n = t_rand_int(1, room < 300 ? room : 300);
+        const int most = max_len / 5;
+        int n = t_rand_int(1, room < most ? room : most);
         T_OK(both_append(&g, &c, layer, seq, n, op & 1));
       }
     } else if (op == 6) {
@@ -421,7 +436,7 @@ static void test_lockstep(void) {
       T_OK(sg);
       T_OK(sc);
     } else if (op <= 8) {
-      int new_len = t_rand_int(0, 1600);
+      int new_len = t_rand_int(0, max_len + max_len / 15);
       T_OK(t_kv_truncate(&g, seq, new_len));
       T_OK(t_kv_truncate(&c, seq, new_len));
     } else {
@@ -444,6 +459,9 @@ int main(void) {
   t_rng_init();
   const char *backend_env = getenv("M40LLM_TEST_GPU_BACKEND");
   const int force_cpu = backend_env && strcmp(backend_env, "cpu") == 0;
+  const char *small_env = getenv("M40LLM_TEST_SMALL");
+  small = small_env && strcmp(small_env, "1") == 0;
+  if (small) printf("small mode (M40LLM_TEST_SMALL=1): no long contexts, a few head_dims\n");
   int count = 0;
   if (!force_cpu) {
     if (!m40llm_built_with_cuda()) return skip_or_fail("m40llm was built without the CUDA backend");
@@ -479,7 +497,7 @@ int main(void) {
   test_ragged_batch();
   test_wide_batch();
   test_big_batch();
-  test_long_contexts();
+  if (!small) test_long_contexts();
   test_lockstep();
 
   t_set_case("final synchronize");
