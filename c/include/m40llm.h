@@ -170,14 +170,17 @@ typedef struct m40llm_kvcache_options {
   int head_dim;     /* 1..256; the CUDA backend needs a multiple of 8 */
   int max_seqs;     /* sequence slots, >= 1 */
   int max_seq_len;  /* positions per sequence, >= 1 */
-  int format;       /* m40llm_kv_format */
+  int format;       /* m40llm_kv_format; any other value: M40LLM_ERR_UNSUPPORTED */
 } m40llm_kvcache_options;
 #define M40LLM_KVCACHE_OPTIONS_INIT \
   { M40LLM_KVCACHE_OPTIONS_VERSION, 0, 0, 0, 0, 0, 0, M40LLM_KV_F16 }
 /** Fills *opts with the defaults of the given version (all sizes zero, FP16). */
 int m40llm_kvcache_options_init(m40llm_kvcache_options *opts, unsigned version);
 
-/** Bytes of backend memory a cache with these options holds (K plus V), without allocating. */
+/** Bytes of backend memory a cache with these options holds (K plus V), without allocating.
+ *  Options whose size overflows size_t fail with M40LLM_ERR_OUT_OF_MEMORY (as does
+ *  m40llm_kvcache_create, and m40llm_malloc for any size it cannot allocate); an unknown format
+ *  fails with M40LLM_ERR_UNSUPPORTED. On failure *out_bytes is left unchanged. */
 int m40llm_kvcache_bytes_needed(size_t *out_bytes, const m40llm_kvcache_options *opts);
 
 /** Allocates a cache on ctx's backend, every sequence empty. The cache borrows ctx: destroy it
@@ -194,7 +197,7 @@ int m40llm_kvcache_seq_len(int *out_len, const m40llm_kvcache *cache, int layer,
 /** Empties seq in every layer. */
 int m40llm_kvcache_seq_reset(m40llm_kvcache *cache, int seq);
 /** Keeps the first new_len positions of seq in every layer (layers already shorter keep their
- *  length). new_len >= 0. */
+ *  length). new_len >= 0; a negative new_len fails with M40LLM_ERR_INVALID_ARGUMENT. */
 int m40llm_kvcache_seq_truncate(m40llm_kvcache *cache, int seq, int new_len);
 /** Makes dst_seq a copy of src_seq in every layer (contents and lengths); dst's old contents are
  *  dropped. dst_seq != src_seq. */
@@ -205,11 +208,14 @@ int m40llm_kvcache_seq_fork(m40llm_kvcache *cache, int dst_seq, int src_seq);
  *  nothing, if the length would pass max_seq_len. */
 int m40llm_kvcache_append_f32(m40llm_kvcache *cache, int layer, int seq, const float *k,
                               const float *v, int n_tokens);
-/** As m40llm_kvcache_append_f32 with k and v already FP16 (binary16 bit patterns). */
+/** As m40llm_kvcache_append_f32 with k and v already FP16 (binary16 bit patterns), stored
+ *  unchanged: NaN payloads, infinities and subnormals included. */
 int m40llm_kvcache_append_f16(m40llm_kvcache *cache, int layer, int seq, const uint16_t *k,
                               const uint16_t *v, int n_tokens);
 /** Copies positions [pos, pos + n_tokens) of (layer, seq) out as FP16 into k_out and v_out,
- *  [n_tokens][n_kv_heads][head_dim] in backend memory. Either output may be NULL to skip it. */
+ *  [n_tokens][n_kv_heads][head_dim] in backend memory. Either output may be NULL to skip it; both
+ *  NULL, or n_tokens < 1, fails with M40LLM_ERR_INVALID_ARGUMENT. A range outside
+ *  [0, seq_len) fails with M40LLM_ERR_OUT_OF_RANGE. */
 int m40llm_kvcache_read_f16(uint16_t *k_out, uint16_t *v_out, const m40llm_kvcache *cache,
                             int layer, int seq, int pos, int n_tokens);
 
@@ -217,14 +223,19 @@ int m40llm_kvcache_read_f16(uint16_t *k_out, uint16_t *v_out, const m40llm_kvcac
 
 /** Attention of one new query token against every cached position of (layer, seq):
  *  out[h] = softmax(scale * q[h] . K[g]^T) V[g] with g = h / (n_heads / n_kv_heads).
- *  q and out are [n_heads][head_dim] FP32 in backend memory and must not overlap. scale 0 means
- *  1/sqrt(head_dim). A sequence with no positions yields zeros. Arithmetic is FP32 throughout. */
+ *  q and out are [n_heads][head_dim] FP32 in backend memory and must not overlap (overlapping
+ *  buffers fail with M40LLM_ERR_INVALID_ARGUMENT). scale 0 means 1/sqrt(head_dim); any other
+ *  finite scale, negative ones included, is used as given; a NaN or infinite scale fails with
+ *  M40LLM_ERR_INVALID_ARGUMENT. A sequence with no positions yields zeros. Arithmetic is FP32 on
+ *  the CUDA backend; the CPU backend (the reference) accumulates in float64 and rounds the
+ *  result to FP32. */
 int m40llm_kvcache_attn_last_token_f32q(float *out, m40llm_kvcache *cache, int layer, int seq,
                                         const float *q, float scale);
 
 /** The same for n_seqs (>= 1) sequences at once, one launch over their ragged lengths.
  *  seq_ids is a host array of n_seqs sequence indices (repeats allowed); q and out are
- *  [n_seqs][n_heads][head_dim] FP32 in backend memory, row i belonging to seq_ids[i]. */
+ *  [n_seqs][n_heads][head_dim] FP32 in backend memory, row i belonging to seq_ids[i]; the whole
+ *  of q and the whole of out must not overlap. Scale and errors as for the single call. */
 int m40llm_kvcache_attn_batch_f32q(float *out, m40llm_kvcache *cache, int layer,
                                    const int32_t *seq_ids, int n_seqs, const float *q,
                                    float scale);

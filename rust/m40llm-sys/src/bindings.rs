@@ -175,7 +175,10 @@ extern "C" {
         opts: *mut m40llm_kvcache_options,
         version: ::core::ffi::c_uint,
     ) -> ::core::ffi::c_int;
-    /// Bytes of backend memory a cache with these options holds (K plus V), without allocating.
+    /** Bytes of backend memory a cache with these options holds (K plus V), without allocating.
+  Options whose size overflows size_t fail with M40LLM_ERR_OUT_OF_MEMORY (as does
+  m40llm_kvcache_create, and m40llm_malloc for any size it cannot allocate); an unknown format
+  fails with M40LLM_ERR_UNSUPPORTED. On failure *out_bytes is left unchanged.*/
     pub fn m40llm_kvcache_bytes_needed(
         out_bytes: *mut usize,
         opts: *const m40llm_kvcache_options,
@@ -207,7 +210,7 @@ extern "C" {
         seq: ::core::ffi::c_int,
     ) -> ::core::ffi::c_int;
     /** Keeps the first new_len positions of seq in every layer (layers already shorter keep their
-  length). new_len >= 0.*/
+  length). new_len >= 0; a negative new_len fails with M40LLM_ERR_INVALID_ARGUMENT.*/
     pub fn m40llm_kvcache_seq_truncate(
         cache: *mut m40llm_kvcache,
         seq: ::core::ffi::c_int,
@@ -231,7 +234,8 @@ extern "C" {
         v: *const f32,
         n_tokens: ::core::ffi::c_int,
     ) -> ::core::ffi::c_int;
-    /// As m40llm_kvcache_append_f32 with k and v already FP16 (binary16 bit patterns).
+    /** As m40llm_kvcache_append_f32 with k and v already FP16 (binary16 bit patterns), stored
+  unchanged: NaN payloads, infinities and subnormals included.*/
     pub fn m40llm_kvcache_append_f16(
         cache: *mut m40llm_kvcache,
         layer: ::core::ffi::c_int,
@@ -241,7 +245,9 @@ extern "C" {
         n_tokens: ::core::ffi::c_int,
     ) -> ::core::ffi::c_int;
     /** Copies positions [pos, pos + n_tokens) of (layer, seq) out as FP16 into k_out and v_out,
-  [n_tokens][n_kv_heads][head_dim] in backend memory. Either output may be NULL to skip it.*/
+  [n_tokens][n_kv_heads][head_dim] in backend memory. Either output may be NULL to skip it; both
+  NULL, or n_tokens < 1, fails with M40LLM_ERR_INVALID_ARGUMENT. A range outside
+  [0, seq_len) fails with M40LLM_ERR_OUT_OF_RANGE.*/
     pub fn m40llm_kvcache_read_f16(
         k_out: *mut u16,
         v_out: *mut u16,
@@ -253,8 +259,12 @@ extern "C" {
     ) -> ::core::ffi::c_int;
     /** Attention of one new query token against every cached position of (layer, seq):
   out[h] = softmax(scale * q[h] . K[g]^T) V[g] with g = h / (n_heads / n_kv_heads).
-  q and out are [n_heads][head_dim] FP32 in backend memory and must not overlap. scale 0 means
-  1/sqrt(head_dim). A sequence with no positions yields zeros. Arithmetic is FP32 throughout.*/
+  q and out are [n_heads][head_dim] FP32 in backend memory and must not overlap (overlapping
+  buffers fail with M40LLM_ERR_INVALID_ARGUMENT). scale 0 means 1/sqrt(head_dim); any other
+  finite scale, negative ones included, is used as given; a NaN or infinite scale fails with
+  M40LLM_ERR_INVALID_ARGUMENT. A sequence with no positions yields zeros. Arithmetic is FP32 on
+  the CUDA backend; the CPU backend (the reference) accumulates in float64 and rounds the
+  result to FP32.*/
     pub fn m40llm_kvcache_attn_last_token_f32q(
         out: *mut f32,
         cache: *mut m40llm_kvcache,
@@ -265,7 +275,8 @@ extern "C" {
     ) -> ::core::ffi::c_int;
     /** The same for n_seqs (>= 1) sequences at once, one launch over their ragged lengths.
   seq_ids is a host array of n_seqs sequence indices (repeats allowed); q and out are
-  [n_seqs][n_heads][head_dim] FP32 in backend memory, row i belonging to seq_ids[i].*/
+  [n_seqs][n_heads][head_dim] FP32 in backend memory, row i belonging to seq_ids[i]; the whole
+  of q and the whole of out must not overlap. Scale and errors as for the single call.*/
     pub fn m40llm_kvcache_attn_batch_f32q(
         out: *mut f32,
         cache: *mut m40llm_kvcache,
