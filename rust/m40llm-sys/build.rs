@@ -463,6 +463,9 @@ fn is_executable(p: &Path) -> bool {
 #[cfg(feature = "regenerate-bindings")]
 fn generate_bindings(include_dir: &Path) {
     let header = include_dir.join("m40llm.h");
+    // Also under DOCS_RS, where main() returns before declaring the source tree: without this a
+    // cached build-script run would hand regen_bindings.sh bindings of an older header.
+    println!("cargo:rerun-if-changed={}", header.display());
     let bindings = bindgen::Builder::default()
         .header(header.to_str().expect("utf-8 path"))
         .allowlist_function("m40llm_.*")
