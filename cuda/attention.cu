@@ -69,9 +69,8 @@ __host__ __device__ constexpr int pv_row_groups(int head_dim, int cols) {
 }
 
 constexpr int split_smem_floats(int gt, int dmax, int head_dim) {
-  return gt * (head_dim + tile_rows(gt, dmax)) >
-                 pv_row_groups(head_dim, pv_columns(gt)) * gt * head_dim
-             ? gt * (head_dim + tile_rows(gt, dmax))
+  return gt * (dmax + tile_rows(gt, dmax)) > pv_row_groups(head_dim, pv_columns(gt)) * gt * head_dim
+             ? gt * (dmax + tile_rows(gt, dmax))
              : pv_row_groups(head_dim, pv_columns(gt)) * gt * head_dim;
 }
 
@@ -92,8 +91,11 @@ __global__ void __launch_bounds__(kAttnThreads, kAttnMinBlocksPerSm)
   extern __shared__ float smem[];
   __shared__ float s_max[GT], s_sum[GT], s_alpha[GT];
   const int D = a.head_dim;
-  float *sq = smem;           // [GT][D], pre-scaled into the log2 domain
-  float *sp = smem + GT * D;  // [T][GT]: a position's weights for every head together
+  // q, pre-scaled into the log2 domain, as [GT][2][DMAX / 8][4]: dims 0-3 of every 8-dim chunk,
+  // then dims 4-7, so the lanes of a K row read consecutive 16-byte words (no bank conflicts),
+  // at compile-time offsets.
+  float *sq = smem;
+  float *sp = smem + GT * DMAX;  // [T][GT]: a position's weights for every head together
   const int tid = threadIdx.x;
 
   const int split = blockIdx.x;
@@ -111,7 +113,10 @@ __global__ void __launch_bounds__(kAttnThreads, kAttnMinBlocksPerSm)
   const __half *V = a.v + base;
 
   const float *q = a.q + ((size_t)item * a.n_heads + h0) * D;
-  for (int i = tid; i < GT * D; i += kAttnThreads) sq[i] = i < nh * D ? q[i] * a.q_scale : 0.0f;
+  for (int i = tid; i < GT * D; i += kAttnThreads) {
+    const int g = i / D, d = i % D;
+    sq[g * DMAX + (d & 4 ? DMAX / 2 : 0) + (d >> 3) * 4 + (d & 3)] = g < nh ? q[i] * a.q_scale : 0.0f;
+  }
   if (tid < GT) {
     s_max[tid] = -INFINITY;
     s_sum[tid] = 0.0f;
@@ -132,21 +137,25 @@ __global__ void __launch_bounds__(kAttnThreads, kAttnMinBlocksPerSm)
 #pragma unroll
     for (int i = 0; i < COLS; i++) o[g][i] = 0.0f;
 
-  for (int t0 = p_begin; t0 < p_end; t0 += T) {
+  // Per-thread cursors, advanced a tile at a time: the loop body computes no 64-bit products.
+  const size_t tile_step = (size_t)T * D;
+  const int v_step = row_groups * D;
+  const __half *kp = K + (size_t)(p_begin + k_row) * D + k_lane * 8;
+  const __half *vp = V + (size_t)(p_begin + rg) * D + col;
+  const float *qp = sq + k_lane * 4;
+
+  for (int t0 = p_begin; t0 < p_end; t0 += T, kp += tile_step, vp += tile_step) {
     const int rows = min(T, p_end - t0);
     // Every load of the tile goes out before anything waits on one: one memory latency per
     // tile instead of one per row batch.
     uint4 kraw[KC];
-    const __half *krow = K + (size_t)(t0 + k_row) * D;
 #pragma unroll
     for (int j = 0; j < KC; j++)
-      if (k_row < rows && k_lane + j * LPR < chunks) kraw[j] = load_raw<8>(krow + (k_lane + j * LPR) * 8);
+      if (k_row < rows && k_lane + j * LPR < chunks) kraw[j] = load_raw<8>(kp + j * LPR * 8);
     VRaw vraw[VR];
 #pragma unroll
-    for (int i = 0; i < VR; i++) {
-      const int r = rg + i * row_groups;
-      if (pv_active && r < rows) vraw[i] = load_raw<COLS>(V + (size_t)(t0 + r) * D + col);
-    }
+    for (int i = 0; i < VR; i++)
+      if (pv_active && rg + i * row_groups < rows) vraw[i] = load_raw<COLS>(vp + i * v_step);
     __syncthreads();  // q is staged, and the previous tile's weights are consumed
 
     float acc[GT];
@@ -160,8 +169,8 @@ __global__ void __launch_bounds__(kAttnThreads, kAttnMinBlocksPerSm)
         widen<8>(kraw[j], kf);
 #pragma unroll
         for (int g = 0; g < GT; g++) {
-          const float4 qa = *reinterpret_cast<const float4 *>(sq + g * D + c * 8);
-          const float4 qb = *reinterpret_cast<const float4 *>(sq + g * D + c * 8 + 4);
+          const float4 qa = *reinterpret_cast<const float4 *>(qp + g * DMAX + j * LPR * 4);
+          const float4 qb = *reinterpret_cast<const float4 *>(qp + g * DMAX + DMAX / 2 + j * LPR * 4);
           float s = acc[g];
           s = fmaf(qa.x, kf[0], s);
           s = fmaf(qa.y, kf[1], s);

@@ -8,13 +8,13 @@ arch=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -n1 | tr 
 cmake -S . -B build-native -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES="$arch" \
   -DM40LLM_BUILD_TESTS=OFF -DM40LLM_BUILD_EXAMPLES=OFF >/dev/null && cmake --build build-native >/dev/null || exit 1
 bin=build-native/bench/bench_attention
-shapes=(--shape 32,32,32,128,8192 --shape 32,32,8,128,8192 --shape 1,32,8,128,2048)
-"$bin" "${shapes[@]}" --no-check --json "$out/quick.json" | tail -n 8
-for s in 32,32,32,128,8192 32,32,8,128,8192 1,32,8,128,2048; do
+shapes=${SHAPES:-32,32,32,128,8192 32,32,8,128,8192 1,32,8,128,2048}
+for s in $shapes; do
   ncu --kernel-name regex:attn_ --launch-skip 20 --launch-count 2 \
-    --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
+    --section SpeedOfLight --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
+    --section ComputeWorkloadAnalysis --section WarpStateStats --section InstructionStats \
     --section Occupancy --section SchedulerStats --section LaunchStats \
     "$bin" --shape "$s" --no-check --no-graph --sample-ms 0.05 > "$out/ncu_${s//,/_}.txt" 2>&1
-  grep -E "attn_|Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Warp Cycles Per Issued|Stall|Issued Warp|No Eligible|Registers Per|Block Limit" \
-    "$out/ncu_${s//,/_}.txt" | head -40
+  grep -E "attn_|Duration|DRAM Throughput|Warp Cycles Per Issued|Issued Warp|Shared|Bank|Pipe|stalled|Executed Ipc" \
+    "$out/ncu_${s//,/_}.txt" | head -60
 done
