@@ -342,31 +342,11 @@ static void test_big_batch(void) {
 /* ---- Lockstep with the CPU backend --------------------------------------------------------- */
 
 static int both_append(t_kv *g, t_kv *c, int layer, int seq, int n, int use_f32) {
-  const size_t elems = (size_t)n * g->model.row;
-  float *k = malloc(elems * sizeof(float)), *v = malloc(elems * sizeof(float));
-  uint16_t *hk = malloc(elems * sizeof(uint16_t)), *hv = malloc(elems * sizeof(uint16_t));
-  int sg = M40LLM_ERR_OUT_OF_MEMORY, sc = M40LLM_ERR_OUT_OF_MEMORY;
-  if (k && v && hk && hv) {
-    t_fill_uniform(k, elems, -1.5f, 1.5f);
-    t_fill_uniform(v, elems, -1.5f, 1.5f);
-    if (use_f32) {
-      sg = t_kv_append_f32(g, layer, seq, k, v, n);
-      sc = t_kv_append_f32(c, layer, seq, k, v, n);
-    } else {
-      for (size_t i = 0; i < elems; i++) {
-        hk[i] = t_f32_to_f16(k[i]);
-        hv[i] = t_f32_to_f16(v[i]);
-      }
-      sg = t_kv_append_f16(g, layer, seq, hk, hv, n);
-      sc = t_kv_append_f16(c, layer, seq, hk, hv, n);
-    }
-  }
-  free(k);
-  free(v);
-  free(hk);
-  free(hv);
-  T_CHECKF(sg == sc, "append: device returned %d, CPU %d", sg, sc);
-  return sg;
+  t_kv *const kvs[2] = {g, c};
+  int st[2];
+  t_kv_append_same_random(kvs, st, 2, layer, seq, n, 1.5f, use_f32);
+  T_CHECKF(st[0] == st[1], "append: device returned %d, CPU %d", st[0], st[1]);
+  return st[0];
 }
 
 static void compare_backends(t_kv *g, t_kv *c, const char *when) {

@@ -462,34 +462,40 @@ int t_kv_append_f32(t_kv *kv, int layer, int seq, const float *k, const float *v
   return st;
 }
 
+void t_kv_append_same_random(t_kv *const *kvs, int *status, int n_kvs, int layer, int seq, int n,
+                             float amp, int use_f32) {
+  const size_t elems = (size_t)n * kvs[0]->model.row;
+  float *k = malloc(elems * sizeof(float));
+  float *v = malloc(elems * sizeof(float));
+  uint16_t *hk = malloc(elems * sizeof(uint16_t));
+  uint16_t *hv = malloc(elems * sizeof(uint16_t));
+  for (int i = 0; i < n_kvs; i++) status[i] = M40LLM_ERR_OUT_OF_MEMORY;
+  if (k && v && hk && hv) {
+    t_fill_uniform(k, elems, -amp, amp);
+    t_fill_uniform(v, elems, -amp, amp);
+    if (!use_f32) {
+      for (size_t i = 0; i < elems; i++) {
+        hk[i] = t_f32_to_f16(k[i]);
+        hv[i] = t_f32_to_f16(v[i]);
+      }
+    }
+    for (int i = 0; i < n_kvs; i++)
+      status[i] = use_f32 ? t_kv_append_f32(kvs[i], layer, seq, k, v, n)
+                          : t_kv_append_f16(kvs[i], layer, seq, hk, hv, n);
+  }
+  free(k);
+  free(v);
+  free(hk);
+  free(hv);
+}
+
 int t_kv_append_random(t_kv *kv, int layer, int seq, int n, float amp) {
   int done = 0, use_f32 = (int)(t_rand_u64() & 1);
   while (done < n) {
     int left = n - done;
     int chunk = left <= 3 ? left : t_rand_int(1, left / 2 + 1);
-    size_t elems = (size_t)chunk * kv->model.row;
-    float *k = malloc(elems * sizeof(float));
-    float *v = malloc(elems * sizeof(float));
-    uint16_t *hk = malloc(elems * sizeof(uint16_t));
-    uint16_t *hv = malloc(elems * sizeof(uint16_t));
-    int st = M40LLM_ERR_OUT_OF_MEMORY;
-    if (k && v && hk && hv) {
-      t_fill_uniform(k, elems, -amp, amp);
-      t_fill_uniform(v, elems, -amp, amp);
-      if (use_f32) {
-        st = t_kv_append_f32(kv, layer, seq, k, v, chunk);
-      } else {
-        for (size_t i = 0; i < elems; i++) {
-          hk[i] = t_f32_to_f16(k[i]);
-          hv[i] = t_f32_to_f16(v[i]);
-        }
-        st = t_kv_append_f16(kv, layer, seq, hk, hv, chunk);
-      }
-    }
-    free(k);
-    free(v);
-    free(hk);
-    free(hv);
+    int st;
+    t_kv_append_same_random(&kv, &st, 1, layer, seq, chunk, amp, use_f32);
     if (!T_OK(st)) return st;
     done += chunk;
     use_f32 = !use_f32;

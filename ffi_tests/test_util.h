@@ -118,6 +118,12 @@ int t_kv_append_f16(t_kv *kv, int layer, int seq, const uint16_t *k, const uint1
 /* Appends n random positions (values in [-amp, amp]) in random chunks, alternating f32/f16
  * appends. Returns the status of the first failing append (checked as OK). */
 int t_kv_append_random(t_kv *kv, int layer, int seq, int n, float amp);
+/* Appends the same n random positions (values in [-amp, amp]) to (layer, seq) of each of the
+ * n_kvs caches (all of one row size), one append_f32 call each, or append_f16 of the values
+ * rounded here. status[i] gets cache i's status (unchecked); M40LLM_ERR_OUT_OF_MEMORY for all
+ * when the host buffers cannot be had. */
+void t_kv_append_same_random(t_kv *const *kvs, int *status, int n_kvs, int layer, int seq, int n,
+                             float amp, int use_f32);
 
 int t_kv_truncate(t_kv *kv, int seq, int new_len);
 int t_kv_reset(t_kv *kv, int seq);
