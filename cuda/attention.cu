@@ -281,6 +281,7 @@ __global__ void __launch_bounds__(kAttnThreads, kAttnMinBlocksPerSm)
   }
 }
 
+template <int WARPS>
 __device__ __forceinline__ float block_reduce(float x, float *scratch, bool is_max) {
   x = is_max ? warp_max(x) : warp_sum(x);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -288,57 +289,86 @@ __device__ __forceinline__ float block_reduce(float x, float *scratch, bool is_m
   if (lane == 0) scratch[warp] = x;
   __syncthreads();
   x = scratch[0];
-  for (int w = 1; w < kAttnThreads / 32; w++) x = is_max ? fmaxf(x, scratch[w]) : x + scratch[w];
+#pragma unroll
+  for (int w = 1; w < WARPS; w++) x = is_max ? fmaxf(x, scratch[w]) : x + scratch[w];
   return x;
 }
 
 // One block per (item, query head); items with a single split were finished by the split
-// kernel. Each split holds at least one position, so every partial max is finite. The splits'
-// weights go through shared memory in chunks so each thread's loads of partial outputs are
-// independent of one another.
+// kernel. Each split holds at least one position, so every partial max is finite. Each warp
+// takes every 8th split, lanes covering the head's dims 4 at a time, so a block keeps 8 warps x
+// 16 bytes per lane in flight; the splits' weights go through shared memory in chunks.
+constexpr int kCombineThreads = 256;
+constexpr int kCombineWarps = kCombineThreads / 32;
 constexpr int kCombineChunk = 1024;
 
-__global__ void __launch_bounds__(kAttnThreads)
+__global__ void __launch_bounds__(kCombineThreads)
     attn_combine_kernel(const AttnArgs a, const m40llm_attn_plan plan) {
   __shared__ float s_w[kCombineChunk];
-  __shared__ float scratch[kAttnThreads / 32];
+  __shared__ float scratch[kCombineWarps];
+  __shared__ float4 s_acc[kCombineWarps][64];  // head_dim <= 256 = 64 float4
   const int item = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
+  const int warp = tid >> 5, lane = tid & 31;
   const int first = plan.split_begin[item];
   const int n = plan.split_begin[item + 1] - first;
   if (n == 1) return;
   float m = -INFINITY;
-  for (int s = tid; s < n; s += kAttnThreads)
+  for (int s = tid; s < n; s += kCombineThreads)
     m = fmaxf(m, a.part_m[(size_t)(first + s) * a.n_heads + h]);
-  m = block_reduce(m, scratch, true);
+  m = block_reduce<kCombineWarps>(m, scratch, true);
   float l = 0.0f;
-  for (int s = tid; s < n; s += kAttnThreads) {
+  for (int s = tid; s < n; s += kCombineThreads) {
     const size_t p = (size_t)(first + s) * a.n_heads + h;
     l += exp2f(a.part_m[p] - m) * a.part_l[p];
   }
-  const float inv_l = 1.0f / block_reduce(l, scratch, false);
+  const float inv_l = 1.0f / block_reduce<kCombineWarps>(l, scratch, false);
 
-  const int D = a.head_dim;
-  float acc[2] = {0.0f, 0.0f};  // head_dim <= 256 = 2 x kAttnThreads
+  const int D4 = a.head_dim / 4;
+  const size_t split_stride = (size_t)a.n_heads * D4;  // in float4
+  float4 acc[2] = {make_float4(0.f, 0.f, 0.f, 0.f), make_float4(0.f, 0.f, 0.f, 0.f)};
   for (int s0 = 0; s0 < n; s0 += kCombineChunk) {
     const int cn = min(kCombineChunk, n - s0);
     __syncthreads();  // the previous chunk's weights are consumed
-    for (int s = tid; s < cn; s += kAttnThreads)
+    for (int s = tid; s < cn; s += kCombineThreads)
       s_w[s] = exp2f(a.part_m[(size_t)(first + s0 + s) * a.n_heads + h] - m) * inv_l;
     __syncthreads();
+    const float4 *po = reinterpret_cast<const float4 *>(a.part_o) +
+                       ((size_t)(first + s0) * a.n_heads + h) * D4;
+#pragma unroll 4
+    for (int s = warp; s < cn; s += kCombineWarps) {
+      const float w = s_w[s];
 #pragma unroll
-    for (int k = 0; k < 2; k++) {
-      const int d = tid + k * kAttnThreads;
-      if (d >= D) break;
-      const float *po = a.part_o + ((size_t)(first + s0) * a.n_heads + h) * D + d;
-      const size_t stride = (size_t)a.n_heads * D;
-#pragma unroll 8
-      for (int s = 0; s < cn; s++) acc[k] = fmaf(s_w[s], po[s * stride], acc[k]);
+      for (int k = 0; k < 2; k++) {
+        const int d4 = lane + 32 * k;
+        if (d4 < D4) {
+          const float4 v = po[s * split_stride + d4];
+          acc[k].x = fmaf(w, v.x, acc[k].x);
+          acc[k].y = fmaf(w, v.y, acc[k].y);
+          acc[k].z = fmaf(w, v.z, acc[k].z);
+          acc[k].w = fmaf(w, v.w, acc[k].w);
+        }
+      }
     }
   }
 #pragma unroll
-  for (int k = 0; k < 2; k++) {
-    const int d = tid + k * kAttnThreads;
-    if (d < D) a.out[((size_t)item * a.n_heads + h) * D + d] = acc[k];
+  for (int k = 0; k < 2; k++)
+    if (lane + 32 * k < D4) s_acc[warp][lane + 32 * k] = acc[k];
+  __syncthreads();
+  for (int d4 = tid; d4 < D4; d4 += kCombineThreads) {
+    float4 t = s_acc[0][d4];
+#pragma unroll
+    for (int w = 1; w < kCombineWarps; w++) {
+      t.x += s_acc[w][d4].x;
+      t.y += s_acc[w][d4].y;
+      t.z += s_acc[w][d4].z;
+      t.w += s_acc[w][d4].w;
+    }
+    // out is the caller's: only 4-byte alignment is promised.
+    float *dst = a.out + ((size_t)item * a.n_heads + h) * a.head_dim + d4 * 4;
+    dst[0] = t.x;
+    dst[1] = t.y;
+    dst[2] = t.z;
+    dst[3] = t.w;
   }
 }
 
@@ -474,7 +504,7 @@ extern "C" int m40llm_cuda_attention(const m40llm_kvcache *c, int layer, const i
   split_kernel_for(gt, o->head_dim)<<<grid, kAttnThreads, smem, st->stream>>>(a, plan);
   M40LLM_CUDA_CHECK_LAUNCH("attn_split_kernel");
   if (plan.max_splits > 1) {
-    attn_combine_kernel<<<dim3((unsigned)n_seqs, (unsigned)o->n_heads), kAttnThreads, 0,
+    attn_combine_kernel<<<dim3((unsigned)n_seqs, (unsigned)o->n_heads), kCombineThreads, 0,
                           st->stream>>>(a, plan);
     M40LLM_CUDA_CHECK_LAUNCH("attn_combine_kernel");
   }

@@ -15,10 +15,16 @@ constexpr int kHeadDimClasses[] = {64, 128, 256};
 
 // Positions per tile. Decode attention is latency-bound unless every thread issues all its
 // loads for a tile at once, so a tile is sized to one register batch per thread: 32 bytes of K
-// and 32 of V (16 at 8 heads per block, whose accumulators need the registers). 64 + 64 bytes
-// spilled at sm_52's 64 registers.
+// and 32 of V (64 + 64 spilled at 64 registers; 16 + 16 at 8 heads ran 25% slower on an
+// H200). sm_5x/6x batch 16 + 16 for tiles of 2+ heads: the M40's bandwidth x latency is ~7 KB
+// per SM, well under 8 blocks x 128 threads x 32 B, and 32 + 32 spills there. The host pass
+// (no __CUDA_ARCH__) gets the largest value, which sizes shared memory for every device pass.
 __host__ __device__ constexpr int tile_rows(int group_tile, int dmax) {
-  return (group_tile >= 8 ? 1024 : 2048) / dmax;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 700
+  return (group_tile >= 2 ? 1024 : 2048) / dmax;
+#else
+  return (void)group_tile, 2048 / dmax;
+#endif
 }
 
 // Columns of V per thread in the output pass: accumulators (heads x columns) stay at 8-16
@@ -28,20 +34,27 @@ __host__ __device__ constexpr int pv_columns(int group_tile) {
 }
 
 // A split writes and the combine reads back (head_dim + 2) floats per query head, about
-// 2 x heads / positions of the split's K/V bytes: at least this many positions per query head
-// keeps that near 6%.
-constexpr int kSplitRowsPerHead = 32;
+// 2 x heads / positions of the split's K/V bytes, and pays a block's start and end: at least
+// this many positions per query head keeps that near 3% (H200: 32 was slower at batch 1).
+constexpr int kSplitRowsPerHead = 64;
 
 // Run-time split-K heuristics, per architecture.
+// Blocks the split heuristic aims for, in waves of resident blocks: 2 balances ragged and
+// uneven work (H200: 1 wave lost 6% at batch 32). A build may override it to tune
+// (-DM40LLM_ATTN_WAVES=N in CMAKE_CUDA_FLAGS; scripts/perf_quick.sh compares builds).
+#ifndef M40LLM_ATTN_WAVES
+#define M40LLM_ATTN_WAVES 2
+#endif
+
 struct AttnTuning {
   int min_cc_major;  // first architecture the row applies to
   int waves;         // target blocks = SMs x resident blocks per SM x waves
 };
 
 constexpr AttnTuning kAttnTuning[] = {
-    {9, 2},  // Hopper: 132 SMs; a second wave absorbs ragged lengths
-    {7, 2},  // Volta .. Ada
-    {0, 2},  // Maxwell (M40: 24 SMs), Pascal
+    {9, M40LLM_ATTN_WAVES},  // Hopper: 132 SMs
+    {7, M40LLM_ATTN_WAVES},  // Volta .. Ada
+    {0, M40LLM_ATTN_WAVES},  // Maxwell (M40: 24 SMs), Pascal
 };
 
 inline const AttnTuning &attn_tuning(int cc_major) {
