@@ -219,6 +219,7 @@ __global__ void __launch_bounds__(kAttnThreads, kAttnMinBlocksPerSm)
         if (r < T) sp[r * GT + g] = s[j];
       }
       sum = warp_sum(sum);
+      __syncwarp();  // every lane has read s_max[g] before lane 0 replaces it (shuffles don't fence)
       if (lane == 0) {
         s_max[g] = m_new;
         s_sum[g] = s_sum[g] * alpha + sum;
