@@ -475,7 +475,8 @@ extern "C" int m40llm_cuda_attention(const m40llm_kvcache *c, int layer, const i
   m40llm_attn_plan plan;
   const int tile = split_tile_rows(gt, o->head_dim);
   const int min_chunk = kSplitRowsPerHead * gt > tile ? kSplitRowsPerHead * gt : tile;
-  m40llm_attn_plan_build(&plan, seq_ids, lens, n_seqs, units, target, min_chunk, tile);
+  m40llm_attn_plan_build(&plan, seq_ids, lens, n_seqs, units, target, st->sm_count, min_chunk,
+                         tile);
 
   AttnArgs a;
   const size_t layer_offset = m40llm_kv_offset(o, layer, 0, 0, 0);

@@ -1,7 +1,8 @@
 #include "attention_plan.h"
 
 void m40llm_attn_plan_build(m40llm_attn_plan *plan, const int32_t *seq_ids, const int32_t *lens,
-                            int n_items, int units, int target_blocks, int min_chunk, int tile) {
+                            int n_items, int units, int target_blocks, int min_blocks,
+                            int min_chunk, int tile) {
   int64_t total_len = 0;
   int32_t max_len = 1;
   for (int i = 0; i < n_items; i++) {
@@ -12,6 +13,9 @@ void m40llm_attn_plan_build(m40llm_attn_plan *plan, const int32_t *seq_ids, cons
   if ((int64_t)n_items * units < target_blocks && total_len > 0) {
     /* Enough splits that all items together make about target_blocks blocks. */
     int64_t want = (total_len * units + target_blocks - 1) / target_blocks;
+    /* Small problems: min_chunk must not leave SMs idle. */
+    const int64_t fill = (total_len * units + min_blocks - 1) / min_blocks;
+    if (fill < min_chunk) min_chunk = (int)fill;
     if (want < min_chunk) want = min_chunk;
     want = (want + tile - 1) / tile * tile;
     if (want < chunk) chunk = want;

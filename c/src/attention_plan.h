@@ -23,10 +23,12 @@ typedef struct m40llm_attn_plan {
 } m40llm_attn_plan;
 
 /* units: blocks per (item, split), i.e. KV heads times query-head chunks. target_blocks: how
- * many blocks fill the GPU. Items are split only when items x units falls short of that, never
- * into pieces under min_chunk positions, and chunks are whole multiples of tile. */
+ * many blocks fill the GPU. Items are split only when items x units falls short of that, into
+ * pieces of at least min_chunk positions unless that would leave fewer than min_blocks blocks
+ * (one per SM), and chunks are whole multiples of tile. */
 void m40llm_attn_plan_build(m40llm_attn_plan *plan, const int32_t *seq_ids, const int32_t *lens,
-                            int n_items, int units, int target_blocks, int min_chunk, int tile);
+                            int n_items, int units, int target_blocks, int min_blocks,
+                            int min_chunk, int tile);
 
 #ifdef __cplusplus
 }
