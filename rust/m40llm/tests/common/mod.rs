@@ -126,6 +126,12 @@ pub fn default_scale(head_dim: usize) -> f64 {
     (1.0f32 / (head_dim as f32).sqrt()) as f64
 }
 
+/// Whether this build has CUDA and the machine a CUDA device.
+#[allow(dead_code)] // used by gpu.rs only
+pub fn gpu_present() -> bool {
+    built_with_cuda() && cuda_device_count().unwrap_or(0) > 0
+}
+
 /// A CUDA context on device 0, or None (after printing "skipped: no CUDA device") when this
 /// build or machine has none. With M40LLM_REQUIRE_GPU=1 a missing GPU fails the test instead.
 pub fn gpu_context(test: &str) -> Option<Context> {
