@@ -176,13 +176,7 @@ impl<'ctx, T: Element> DeviceBuffer<'ctx, T> {
     /// # Panics
     /// If the range is out of bounds or decreasing, as slicing a Rust slice would.
     pub fn slice(&self, range: impl RangeBounds<usize>) -> DeviceSlice<'_, T> {
-        let (start, len) = sub_range(range, self.len);
-        DeviceSlice {
-            ptr: self.ptr.wrapping_add(start),
-            len,
-            ctx: self.ctx,
-            _marker: PhantomData,
-        }
+        DeviceSlice::of(self.ptr, self.len, self.ctx, range)
     }
 
     /// A mutable view of `range` of the elements.
@@ -190,13 +184,7 @@ impl<'ctx, T: Element> DeviceBuffer<'ctx, T> {
     /// # Panics
     /// If the range is out of bounds or decreasing.
     pub fn slice_mut(&mut self, range: impl RangeBounds<usize>) -> DeviceSliceMut<'_, T> {
-        let (start, len) = sub_range(range, self.len);
-        DeviceSliceMut {
-            ptr: self.ptr.wrapping_add(start),
-            len,
-            ctx: self.ctx,
-            _marker: PhantomData,
-        }
+        DeviceSliceMut::of(self.ptr, self.len, self.ctx, range)
     }
 }
 
@@ -238,6 +226,17 @@ impl<T: Element> Clone for DeviceSlice<'_, T> {
 impl<T: Element> Copy for DeviceSlice<'_, T> {}
 
 impl<'a, T: Element> DeviceSlice<'a, T> {
+    /// The view of `range` within `len` elements at `ptr` (panics like slicing a Rust slice).
+    fn of(ptr: *const T, len: usize, ctx: &'a Context, range: impl RangeBounds<usize>) -> Self {
+        let (start, len) = sub_range(range, len);
+        DeviceSlice {
+            ptr: ptr.wrapping_add(start),
+            len,
+            ctx,
+            _marker: PhantomData,
+        }
+    }
+
     /// A view of memory that this crate did not allocate (e.g. your own `cudaMalloc`).
     ///
     /// # Safety
@@ -278,13 +277,7 @@ impl<'a, T: Element> DeviceSlice<'a, T> {
     /// # Panics
     /// If the range is out of bounds or decreasing.
     pub fn slice(&self, range: impl RangeBounds<usize>) -> DeviceSlice<'a, T> {
-        let (start, len) = sub_range(range, self.len);
-        DeviceSlice {
-            ptr: self.ptr.wrapping_add(start),
-            len,
-            ctx: self.ctx,
-            _marker: PhantomData,
-        }
+        DeviceSlice::of(self.ptr, self.len, self.ctx, range)
     }
 }
 
@@ -297,6 +290,17 @@ pub struct DeviceSliceMut<'a, T: Element> {
 }
 
 impl<'a, T: Element> DeviceSliceMut<'a, T> {
+    /// The writable view of `range` within `len` elements at `ptr` (panics like slicing).
+    fn of(ptr: *mut T, len: usize, ctx: &'a Context, range: impl RangeBounds<usize>) -> Self {
+        let (start, len) = sub_range(range, len);
+        DeviceSliceMut {
+            ptr: ptr.wrapping_add(start),
+            len,
+            ctx,
+            _marker: PhantomData,
+        }
+    }
+
     /// A writable view of memory that this crate did not allocate.
     ///
     /// # Safety
@@ -335,13 +339,7 @@ impl<'a, T: Element> DeviceSliceMut<'a, T> {
     /// # Panics
     /// If the range is out of bounds or decreasing.
     pub fn slice(&self, range: impl RangeBounds<usize>) -> DeviceSlice<'_, T> {
-        let (start, len) = sub_range(range, self.len);
-        DeviceSlice {
-            ptr: self.ptr.wrapping_add(start),
-            len,
-            ctx: self.ctx,
-            _marker: PhantomData,
-        }
+        DeviceSlice::of(self.ptr, self.len, self.ctx, range)
     }
 
     /// A narrower writable view (reborrowing this one).
@@ -349,13 +347,7 @@ impl<'a, T: Element> DeviceSliceMut<'a, T> {
     /// # Panics
     /// If the range is out of bounds or decreasing.
     pub fn slice_mut(&mut self, range: impl RangeBounds<usize>) -> DeviceSliceMut<'_, T> {
-        let (start, len) = sub_range(range, self.len);
-        DeviceSliceMut {
-            ptr: self.ptr.wrapping_add(start),
-            len,
-            ctx: self.ctx,
-            _marker: PhantomData,
-        }
+        DeviceSliceMut::of(self.ptr, self.len, self.ctx, range)
     }
 }
 
