@@ -373,10 +373,20 @@ __global__ void __launch_bounds__(kCombineThreads)
   }
 }
 
-int group_tile_for(int group) {
-  int gt = 1;
-  while (gt < group && gt < kMaxGroupTile) gt <<= 1;
-  return gt;
+// How a cache's query heads map onto blocks: each K/V head's group of query heads in tiles of
+// gt (a power of two up to kMaxGroupTile), units blocks per (sequence, split).
+struct Grouping {
+  int group, gt, head_tiles, units;
+};
+
+Grouping grouping_for(const m40llm_kvcache_options *o) {
+  Grouping g;
+  g.group = o->n_heads / o->n_kv_heads;
+  g.gt = 1;
+  while (g.gt < g.group && g.gt < kMaxGroupTile) g.gt <<= 1;
+  g.head_tiles = (g.group + g.gt - 1) / g.gt;
+  g.units = o->n_kv_heads * g.head_tiles;
+  return g;
 }
 
 int log2_small(int x) { return x >= 8 ? 3 : x >= 4 ? 2 : x >= 2 ? 1 : 0; }
@@ -418,7 +428,7 @@ int target_blocks(m40llm_cuda_state *st, int gt, int head_dim, int *out) {
         &occ, split_kernel_for(gt, head_dim), kAttnThreads, split_smem_bytes(gt, head_dim)));
     if (occ < 1) occ = 1;
   }
-  *out = st->sm_count * occ * attn_tuning(st->cc_major).waves;
+  *out = st->sm_count * occ * kAttnWaves;
   return M40LLM_OK;
 }
 
@@ -445,15 +455,13 @@ size_t partial_bytes(int splits, int n_heads, int head_dim) {
 extern "C" int m40llm_cuda_reserve_for(m40llm_kvcache *c) {
   M40LLM_CUDA_ENTER(c->ctx);
   const m40llm_kvcache_options *o = &c->opts;
-  const int group = o->n_heads / o->n_kv_heads;
-  const int gt = group_tile_for(group);
-  const int units = o->n_kv_heads * ((group + gt - 1) / gt);
+  const Grouping g = grouping_for(o);
   int target = 0;
-  int rc = target_blocks(c->ctx->cuda, gt, o->head_dim, &target);
+  int rc = target_blocks(c->ctx->cuda, g.gt, o->head_dim, &target);
   if (rc != M40LLM_OK) return rc;
   // The plan splits only while items x units < target, into chunks of at least total/target
   // positions per unit, so a launch never has more than 2 * target / units + 1 splits.
-  const int max_splits = 2 * ((target + units - 1) / units) + 1;
+  const int max_splits = 2 * ((target + g.units - 1) / g.units) + 1;
   return ensure_workspace(c->ctx, partial_bytes(max_splits, o->n_heads, o->head_dim));
 }
 
@@ -464,18 +472,15 @@ extern "C" int m40llm_cuda_attention(const m40llm_kvcache *c, int layer, const i
   M40LLM_CUDA_ENTER(ctx);
   m40llm_cuda_state *st = ctx->cuda;
   const m40llm_kvcache_options *o = &c->opts;
-  const int group = o->n_heads / o->n_kv_heads;
-  const int gt = group_tile_for(group);
-  const int head_tiles = (group + gt - 1) / gt;
-  const int units = o->n_kv_heads * head_tiles;
+  const Grouping g = grouping_for(o);
 
   int target = 0;
-  int rc = target_blocks(st, gt, o->head_dim, &target);
+  int rc = target_blocks(st, g.gt, o->head_dim, &target);
   if (rc != M40LLM_OK) return rc;
   m40llm_attn_plan plan;
-  const int tile = split_tile_rows(gt, o->head_dim);
-  const int min_chunk = kSplitRowsPerHead * gt > tile ? kSplitRowsPerHead * gt : tile;
-  m40llm_attn_plan_build(&plan, seq_ids, lens, n_seqs, units, target, st->sm_count, min_chunk,
+  const int tile = split_tile_rows(g.gt, o->head_dim);
+  const int min_chunk = kSplitRowsPerHead * g.gt > tile ? kSplitRowsPerHead * g.gt : tile;
+  m40llm_attn_plan_build(&plan, seq_ids, lens, n_seqs, g.units, target, st->sm_count, min_chunk,
                          tile);
 
   AttnArgs a;
@@ -496,14 +501,14 @@ extern "C" int m40llm_cuda_attention(const m40llm_kvcache *c, int layer, const i
   a.seq_stride = (size_t)o->n_kv_heads * o->max_seq_len * o->head_dim;
   a.head_stride = (size_t)o->max_seq_len * o->head_dim;
   a.n_heads = o->n_heads;
-  a.group = group;
-  a.head_tiles = head_tiles;
+  a.group = g.group;
+  a.head_tiles = g.head_tiles;
   a.head_dim = o->head_dim;
   a.q_scale = scale * kLog2e;
 
-  const dim3 grid((unsigned)plan.total_splits, (unsigned)units);
-  const size_t smem = split_smem_bytes(gt, o->head_dim);
-  split_kernel_for(gt, o->head_dim)<<<grid, kAttnThreads, smem, st->stream>>>(a, plan);
+  const dim3 grid((unsigned)plan.total_splits, (unsigned)g.units);
+  const size_t smem = split_smem_bytes(g.gt, o->head_dim);
+  split_kernel_for(g.gt, o->head_dim)<<<grid, kAttnThreads, smem, st->stream>>>(a, plan);
   M40LLM_CUDA_CHECK_LAUNCH("attn_split_kernel");
   if (plan.max_splits > 1) {
     attn_combine_kernel<<<dim3((unsigned)n_seqs, (unsigned)o->n_heads), kCombineThreads, 0,

@@ -41,8 +41,6 @@ extern "C" int m40llm_cuda_init(m40llm_context *ctx, int device, void *user_stre
   if (user_stream) st->stream = static_cast<cudaStream_t>(user_stream);
   st->owns_stream = user_stream == nullptr;
   st->sm_count = prop.multiProcessorCount;
-  st->cc_major = prop.major;
-  st->cc_minor = prop.minor;
   ctx->cuda = st;
   return M40LLM_OK;
 }

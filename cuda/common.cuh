@@ -12,8 +12,6 @@ struct m40llm_cuda_state {
   cudaStream_t stream;
   bool owns_stream;
   int sm_count;
-  int cc_major;
-  int cc_minor;
   void *workspace;  // split-K partials, grown only by m40llm_cuda_reserve_for or a larger call
   size_t workspace_bytes;
   int occupancy[4][33];  // resident attention blocks per SM, by [log2 group tile][head_dim / 8]

@@ -38,27 +38,11 @@ __host__ __device__ constexpr int pv_columns(int group_tile) {
 // this many positions per query head keeps that near 3% (H200: 32 was slower at batch 1).
 constexpr int kSplitRowsPerHead = 64;
 
-// Run-time split-K heuristics, per architecture.
-// Blocks the split heuristic aims for, in waves of resident blocks: 2 balances ragged and
-// uneven work (H200: 1 wave lost 6% at batch 32). A build may override it to tune
+// Blocks the split heuristic aims for, in waves of resident blocks (resident blocks per SM are
+// measured per kernel and GPU): 2 balances ragged and uneven work (H200: 1 wave lost 6% at
+// batch 32). The per-architecture differences live in tile_rows. A build may override it to tune
 // (-DM40LLM_ATTN_WAVES=N in CMAKE_CUDA_FLAGS; scripts/perf_quick.sh compares builds).
 #ifndef M40LLM_ATTN_WAVES
 #define M40LLM_ATTN_WAVES 2
 #endif
-
-struct AttnTuning {
-  int min_cc_major;  // first architecture the row applies to
-  int waves;         // target blocks = SMs x resident blocks per SM x waves
-};
-
-constexpr AttnTuning kAttnTuning[] = {
-    {9, M40LLM_ATTN_WAVES},  // Hopper: 132 SMs
-    {7, M40LLM_ATTN_WAVES},  // Volta .. Ada
-    {0, M40LLM_ATTN_WAVES},  // Maxwell (M40: 24 SMs), Pascal
-};
-
-inline const AttnTuning &attn_tuning(int cc_major) {
-  for (const AttnTuning &t : kAttnTuning)
-    if (cc_major >= t.min_cc_major) return t;
-  return kAttnTuning[sizeof kAttnTuning / sizeof kAttnTuning[0] - 1];
-}
+constexpr int kAttnWaves = M40LLM_ATTN_WAVES;
