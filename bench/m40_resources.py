@@ -9,7 +9,8 @@ predicted M40 time of every shape of the benchmark grid from the bytes-moved mod
 PTXAS_LOG is the build output of a compile with -Xptxas=-v (bench/resources.sh makes it); every
 entry function ptxas reports is parsed. Block sizes come from --block, else from the source
 (__launch_bounds__ or the <<<grid, threads>>> launch, constants resolved), else --default-block.
-REGEX patterns match the demangled kernel name.
+REGEX patterns match the demangled kernel name. Kernels the M40 never runs (NOT_ON_SM52) are
+listed apart, not counted as M40 kernels.
 """
 import argparse
 import glob
@@ -194,6 +195,11 @@ def parse_patterns(items):
         out.append((re.compile(pat), int(val)))
     return out
 
+# Kernels compiled for every architecture but launched only on newer GPUs: their sm_52 image is
+# an empty body.
+NOT_ON_SM52 = {"attn_mma_kernel": "tensor cores (sm_80+): the host launches it only where this build "
+                                  "has an sm_80+ image of it"}
+
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -234,6 +240,8 @@ def main():
         k["dyn_smem"] = next((v for rx, v in dyn if rx.search(d) or rx.search(k["name"])), 0)
         k.update(occupancy(k["regs"], k["smem"] + k["dyn_smem"], th))
         k["source"] = os.path.relpath(k["source"]) if k["source"] and os.path.exists(k["source"]) else k["source"]
+    skipped = sorted({base_name(k["name"]) for k in kernels if base_name(k["name"]) in NOT_ON_SM52})
+    kernels = [k for k in kernels if base_name(k["name"]) not in NOT_ON_SM52]
 
     shapes = grid.full_grid()
     eff = args.efficiency
@@ -274,6 +282,8 @@ def main():
                  f"{100 * k['occupancy']:.0f}% | {k['limiter']} | {k['smem_headroom_per_block']} |")
     spills = [k["name"] for k in kernels if k["spill_stores"] or k["spill_loads"] or k["stack"]]
     L.append("")
+    for name in skipped:
+        L.append(f"Not listed: `{name}`, {NOT_ON_SM52[name]}.\n")
     L.append("Spills or stack frames: " + (", ".join(f"`{n}`" for n in spills) if spills else "none") + ".\n")
     L.append("## Predicted M40 time per shape (bytes-moved model)\n")
     L.append(f"bytes = K/V read (2 x 2 B x batch x n_kv_heads x ctx x head_dim) + FP32 Q read + FP32 out "

@@ -7,43 +7,16 @@
 //   query heads (GQA). A sequence with one split writes its output directly; otherwise the
 //   block writes (max, sum, unnormalised output) partials.
 // combine kernel: merges a sequence's partials with the online-softmax rule.
+// The host side picks the split kernel per cache: this FP32 one, or for GQA on sm_80+ builds the
+// tensor-core one in attention_mma.cu, which writes the same partials.
 //
 // Scores live in the log2 domain (q is pre-multiplied by scale * log2(e)) so exp is exp2f.
 #include <math.h>
 
-#include "attention_plan.h"
-#include "common.cuh"
+#include "attention.cuh"
 #include "tuning.cuh"
 
 namespace {
-
-struct AttnArgs {
-  const __half *k;  // this layer's K: [seq][kv_head][pos][dim]
-  const __half *v;
-  const float *q;   // [item][n_heads][head_dim]
-  float *out;       // [item][n_heads][head_dim]
-  float *part_o;    // [split][n_heads][head_dim]
-  float *part_m;    // [split][n_heads]
-  float *part_l;    // [split][n_heads]
-  size_t seq_stride;   // elements between sequences of one layer
-  size_t head_stride;  // elements between K/V heads of one sequence
-  int n_heads;
-  int group;        // query heads per K/V head
-  int head_tiles;   // blocks per K/V head along grid y
-  int head_dim;
-  float q_scale;    // scale * log2(e)
-};
-
-constexpr float kLog2e = 1.4426950408889634f;
-
-__device__ __forceinline__ int find_item(const m40llm_attn_plan &plan, int split) {
-  int lo = 0, hi = plan.n_items - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (plan.split_begin[mid] <= split) lo = mid; else hi = mid - 1;
-  }
-  return lo;
-}
 
 // A row's softmax weights for all GT heads, in as few shared loads as alignment allows.
 template <int GT>
@@ -85,6 +58,7 @@ __global__ void __launch_bounds__(kAttnThreads, kAttnMinBlocksPerSm)
   constexpr int COLS = pv_columns(GT);        // V columns per thread in the output pass
   constexpr int VR = T * DMAX / (kAttnThreads * COLS);  // V rows per thread, at most
   constexpr int NS = (T + 31) / 32;           // scores per lane in the softmax pass
+  constexpr int GH = heads_per_pass(GT);      // heads a score or output pass takes at once
   using VRaw = typename HalfVec<COLS>::Raw;
   static_assert(LPR >= 2 && LPR <= 32 && KC >= 1, "tile shape");
 
@@ -98,21 +72,12 @@ __global__ void __launch_bounds__(kAttnThreads, kAttnMinBlocksPerSm)
   float *sp = smem + GT * DMAX;  // [T][GT]: a position's weights for every head together
   const int tid = threadIdx.x;
 
-  const int split = blockIdx.x;
-  const int item = find_item(plan, split);
-  const int n_splits = plan.split_begin[item + 1] - plan.split_begin[item];
-  const int p_begin = (split - plan.split_begin[item]) * plan.chunk;
-  const int p_end = min(plan.len[item], p_begin + plan.chunk);
+  const SplitBlock b = split_block(a, plan, GT);
+  const int p_begin = b.p_begin, p_end = b.p_end, nh = b.nh;
+  const __half *K = b.k;
+  const __half *V = b.v;
 
-  const int kvh = blockIdx.y / a.head_tiles;
-  const int h0 = kvh * a.group + (blockIdx.y % a.head_tiles) * GT;
-  const int nh = min(GT, (kvh + 1) * a.group - h0);
-
-  const size_t base = (size_t)plan.seq[item] * a.seq_stride + (size_t)kvh * a.head_stride;
-  const __half *K = a.k + base;
-  const __half *V = a.v + base;
-
-  const float *q = a.q + ((size_t)item * a.n_heads + h0) * D;
+  const float *q = a.q + ((size_t)b.item * a.n_heads + b.h0) * D;
   for (int i = tid; i < GT * D; i += kAttnThreads) {
     const int g = i / D, d = i % D;
     sq[g * DMAX + (d & 4 ? DMAX / 2 : 0) + (d >> 3) * 4 + (d & 3)] = g < nh ? q[i] * a.q_scale : 0.0f;
@@ -158,40 +123,44 @@ __global__ void __launch_bounds__(kAttnThreads, kAttnMinBlocksPerSm)
       if (pv_active && rg + i * row_groups < rows) vraw[i] = load_raw<COLS>(vp + i * v_step);
     __syncthreads();  // q is staged, and the previous tile's weights are consumed
 
-    float acc[GT];
 #pragma unroll
-    for (int g = 0; g < GT; g++) acc[g] = 0.0f;
+    for (int g0 = 0; g0 < GT; g0 += GH) {
+      float acc[GH];
 #pragma unroll
-    for (int j = 0; j < KC; j++) {
-      const int c = k_lane + j * LPR;
-      if (k_row < rows && c < chunks) {
-        float kf[8];
-        widen<8>(kraw[j], kf);
+      for (int g = 0; g < GH; g++) acc[g] = 0.0f;
 #pragma unroll
-        for (int g = 0; g < GT; g++) {
-          const float4 qa = *reinterpret_cast<const float4 *>(qp + g * DMAX + j * LPR * 4);
-          const float4 qb = *reinterpret_cast<const float4 *>(qp + g * DMAX + DMAX / 2 + j * LPR * 4);
-          float s = acc[g];
-          s = fmaf(qa.x, kf[0], s);
-          s = fmaf(qa.y, kf[1], s);
-          s = fmaf(qa.z, kf[2], s);
-          s = fmaf(qa.w, kf[3], s);
-          s = fmaf(qb.x, kf[4], s);
-          s = fmaf(qb.y, kf[5], s);
-          s = fmaf(qb.z, kf[6], s);
-          s = fmaf(qb.w, kf[7], s);
-          acc[g] = s;
+      for (int j = 0; j < KC; j++) {
+        const int c = k_lane + j * LPR;
+        if (k_row < rows && c < chunks) {
+          float kf[8];
+          widen<8>(kraw[j], kf);
+#pragma unroll
+          for (int g = 0; g < GH; g++) {
+            const float *qg = qp + (g0 + g) * DMAX + j * LPR * 4;
+            const float4 qa = *reinterpret_cast<const float4 *>(qg);
+            const float4 qb = *reinterpret_cast<const float4 *>(qg + DMAX / 2);
+            float s = acc[g];
+            s = fmaf(qa.x, kf[0], s);
+            s = fmaf(qa.y, kf[1], s);
+            s = fmaf(qa.z, kf[2], s);
+            s = fmaf(qa.w, kf[3], s);
+            s = fmaf(qb.x, kf[4], s);
+            s = fmaf(qb.y, kf[5], s);
+            s = fmaf(qb.z, kf[6], s);
+            s = fmaf(qb.w, kf[7], s);
+            acc[g] = s;
+          }
         }
       }
-    }
 #pragma unroll
-    for (int g = 0; g < GT; g++) {
+      for (int g = 0; g < GH; g++) {
 #pragma unroll
-      for (int off = 1; off < LPR; off <<= 1) acc[g] += __shfl_xor_sync(0xffffffffu, acc[g], off);
-    }
-    if (k_lane == 0) {
+        for (int off = 1; off < LPR; off <<= 1) acc[g] += __shfl_xor_sync(0xffffffffu, acc[g], off);
+      }
+      if (k_lane == 0) {
 #pragma unroll
-      for (int g = 0; g < GT; g++) sp[k_row * GT + g] = k_row < rows ? acc[g] : -INFINITY;
+        for (int g = 0; g < GH; g++) sp[k_row * GT + g0 + g] = k_row < rows ? acc[g] : -INFINITY;
+      }
     }
     __syncthreads();
 
@@ -241,12 +210,15 @@ __global__ void __launch_bounds__(kAttnThreads, kAttnMinBlocksPerSm)
         if (r < rows) {
           float vf[COLS];
           widen<COLS>(vraw[i], vf);
-          float w[GT];
-          load_weights<GT>(sp + r * GT, w);
 #pragma unroll
-          for (int g = 0; g < GT; g++) {
+          for (int g0 = 0; g0 < GT; g0 += GH) {
+            float w[GH];
+            load_weights<GH>(sp + r * GT + g0, w);
 #pragma unroll
-            for (int c = 0; c < COLS; c++) o[g][c] = fmaf(w[g], vf[c], o[g][c]);
+            for (int g = 0; g < GH; g++) {
+#pragma unroll
+              for (int c = 0; c < COLS; c++) o[g0 + g][c] = fmaf(w[g], vf[c], o[g0 + g][c]);
+            }
           }
         }
       }
@@ -262,23 +234,14 @@ __global__ void __launch_bounds__(kAttnThreads, kAttnMinBlocksPerSm)
       for (int i = 0; i < COLS; i++) red[(rg * GT + g) * D + col + i] = o[g][i];
   }
   __syncthreads();
-  for (int idx = tid; idx < nh * D; idx += kAttnThreads) {
+  // The block's coordinates again rather than kept in registers through the loop (on sm_52 they
+  // would be spilled).
+  const SplitBlock fin = split_block(a, plan, GT);
+  for (int idx = tid; idx < fin.nh * D; idx += kAttnThreads) {
     const int g = idx / D, d = idx % D;
     float acc = 0.0f;
     for (int r = 0; r < row_groups; r++) acc += red[(r * GT + g) * D + d];
-    const int h = h0 + g;
-    if (n_splits == 1) {
-      // Zero sum means no positions: the documented output is zeros.
-      const float l = s_sum[g];
-      a.out[((size_t)item * a.n_heads + h) * D + d] = l > 0.0f ? acc / l : 0.0f;
-    } else {
-      const size_t p = (size_t)split * a.n_heads + h;
-      a.part_o[p * D + d] = acc;
-      if (d == 0) {
-        a.part_m[p] = s_max[g];
-        a.part_l[p] = s_sum[g];
-      }
-    }
+    store_split_result(a, fin, fin.h0 + g, d, acc, s_max[g], s_sum[g]);
   }
 }
 
@@ -401,9 +364,6 @@ size_t split_smem_bytes(int gt, int head_dim) {
   return split_smem_floats(gt, dmax_for(head_dim), head_dim) * sizeof(float);
 }
 
-int split_tile_rows(int gt, int head_dim) { return tile_rows(gt, dmax_for(head_dim)); }
-
-using SplitKernel = void (*)(AttnArgs, m40llm_attn_plan);
 template <int GT>
 SplitKernel split_kernel_for_dmax(int dmax) {
   return dmax == 64 ? attn_split_kernel<GT, 64>
@@ -420,15 +380,52 @@ SplitKernel split_kernel_for(int gt, int head_dim) {
   }
 }
 
-// Blocks of the split kernel that fill the GPU once: SMs x resident blocks x waves.
-int target_blocks(m40llm_cuda_state *st, int gt, int head_dim, int *out) {
-  int &occ = st->occupancy[log2_small(gt)][head_dim / 8];
-  if (occ == 0) {
-    M40LLM_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-        &occ, split_kernel_for(gt, head_dim), kAttnThreads, split_smem_bytes(gt, head_dim)));
-    if (occ < 1) occ = 1;
+// The split kernel a cache's launches use, with its block shape and how many blocks fill the GPU.
+struct SplitPass {
+  SplitKernel kernel;
+  int threads;
+  size_t smem;
+  int tile;    // positions a block consumes per step: split chunks are multiples of it
+  int target;  // SMs x resident blocks x waves
+};
+
+// The tensor-core kernel, where the group is big enough for it to pay and this build has it
+// compiled for sm_80+ (a compute_52-only build runs the FP32 kernel on every GPU).
+int mma_kernel_if_usable(m40llm_cuda_state *st, const Grouping &g, int head_dim, SplitKernel *out) {
+  *out = nullptr;
+  const SplitKernel k = attn_mma_kernel_for(head_dim);
+  if (!k || st->cc_major < 8 || g.group < kMmaMinGroup) return M40LLM_OK;
+  signed char &usable = st->mma_usable[head_dim / 32];
+  if (usable == 0) {
+    cudaFuncAttributes attr;
+    M40LLM_CUDA_TRY(cudaFuncGetAttributes(&attr, k));
+    usable = attr.ptxVersion >= 80 ? 1 : -1;
   }
-  *out = st->sm_count * occ * kAttnWaves;
+  if (usable > 0) *out = k;
+  return M40LLM_OK;
+}
+
+int split_pass_for(m40llm_cuda_state *st, const m40llm_kvcache_options *o, const Grouping &g,
+                   SplitPass *out) {
+  SplitKernel mma = nullptr;
+  int rc = mma_kernel_if_usable(st, g, o->head_dim, &mma);
+  if (rc != M40LLM_OK) return rc;
+  int *occ;
+  if (mma) {
+    *out = SplitPass{mma, kMmaThreads, 0, kMmaRows * kMmaWarps, 0};
+    occ = &st->occupancy_mma[o->head_dim / 32];
+  } else {
+    *out = SplitPass{split_kernel_for(g.gt, o->head_dim), kAttnThreads,
+                     split_smem_bytes(g.gt, o->head_dim), tile_rows(g.gt, dmax_for(o->head_dim)),
+                     0};
+    occ = &st->occupancy[log2_small(g.gt)][o->head_dim / 8];
+  }
+  if (*occ == 0) {
+    M40LLM_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(occ, out->kernel, out->threads,
+                                                                  out->smem));
+    if (*occ < 1) *occ = 1;
+  }
+  out->target = st->sm_count * *occ * (mma ? kMmaWaves : kAttnWaves);
   return M40LLM_OK;
 }
 
@@ -456,12 +453,11 @@ extern "C" int m40llm_cuda_reserve_for(m40llm_kvcache *c) {
   M40LLM_CUDA_ENTER(c->ctx);
   const m40llm_kvcache_options *o = &c->opts;
   const Grouping g = grouping_for(o);
-  int target = 0;
-  int rc = target_blocks(c->ctx->cuda, g.gt, o->head_dim, &target);
+  SplitPass pass;
+  const int rc = split_pass_for(c->ctx->cuda, o, g, &pass);
   if (rc != M40LLM_OK) return rc;
-  // The plan splits only while items x units < target, into chunks of at least total/target
-  // positions per unit, so a launch never has more than 2 * target / units + 1 splits.
-  const int max_splits = 2 * ((target + g.units - 1) / g.units) + 1;
+  // The bound attention_plan.h promises.
+  const int max_splits = 3 * ((pass.target + g.units - 1) / g.units) + 1;
   return ensure_workspace(c->ctx, partial_bytes(max_splits, o->n_heads, o->head_dim));
 }
 
@@ -474,14 +470,13 @@ extern "C" int m40llm_cuda_attention(const m40llm_kvcache *c, int layer, const i
   const m40llm_kvcache_options *o = &c->opts;
   const Grouping g = grouping_for(o);
 
-  int target = 0;
-  int rc = target_blocks(st, g.gt, o->head_dim, &target);
+  SplitPass pass;
+  int rc = split_pass_for(st, o, g, &pass);
   if (rc != M40LLM_OK) return rc;
   m40llm_attn_plan plan;
-  const int tile = split_tile_rows(g.gt, o->head_dim);
-  const int min_chunk = kSplitRowsPerHead * g.gt > tile ? kSplitRowsPerHead * g.gt : tile;
-  m40llm_attn_plan_build(&plan, seq_ids, lens, n_seqs, g.units, target, st->sm_count, min_chunk,
-                         tile);
+  const int min_chunk = kSplitRowsPerHead * g.gt > pass.tile ? kSplitRowsPerHead * g.gt : pass.tile;
+  m40llm_attn_plan_build(&plan, seq_ids, lens, n_seqs, g.units, pass.target, st->sm_count,
+                         min_chunk, pass.tile);
 
   AttnArgs a;
   const size_t layer_offset = m40llm_kv_offset(o, layer, 0, 0, 0);
@@ -507,8 +502,7 @@ extern "C" int m40llm_cuda_attention(const m40llm_kvcache *c, int layer, const i
   a.q_scale = scale * kLog2e;
 
   const dim3 grid((unsigned)plan.total_splits, (unsigned)g.units);
-  const size_t smem = split_smem_bytes(g.gt, o->head_dim);
-  split_kernel_for(g.gt, o->head_dim)<<<grid, kAttnThreads, smem, st->stream>>>(a, plan);
+  pass.kernel<<<grid, pass.threads, pass.smem, st->stream>>>(a, plan);
   M40LLM_CUDA_CHECK_LAUNCH("attn_split_kernel");
   if (plan.max_splits > 1) {
     attn_combine_kernel<<<dim3((unsigned)n_seqs, (unsigned)o->n_heads), kCombineThreads, 0,

@@ -1,5 +1,6 @@
 // The CUDA backend's host side: devices, the context's stream, memory, and the copies behind
-// read and fork. Kernels live in append.cu and attention.cu.
+// read and fork. Kernels live in append.cu, attention.cu and
+// attention_mma.cu.
 #include <stdio.h>
 #include <string.h>
 
@@ -41,6 +42,7 @@ extern "C" int m40llm_cuda_init(m40llm_context *ctx, int device, void *user_stre
   if (user_stream) st->stream = static_cast<cudaStream_t>(user_stream);
   st->owns_stream = user_stream == nullptr;
   st->sm_count = prop.multiProcessorCount;
+  st->cc_major = prop.major;
   ctx->cuda = st;
   return M40LLM_OK;
 }

@@ -12,9 +12,12 @@ struct m40llm_cuda_state {
   cudaStream_t stream;
   bool owns_stream;
   int sm_count;
+  int cc_major;
   void *workspace;  // split-K partials, grown only by m40llm_cuda_reserve_for or a larger call
   size_t workspace_bytes;
   int occupancy[4][33];  // resident attention blocks per SM, by [log2 group tile][head_dim / 8]
+  int occupancy_mma[5];  // the same for the tensor-core kernel, by head_dim / 32
+  signed char mma_usable[5];  // whether this build runs it here, by head_dim / 32: 0 = not asked
 };
 
 // Turns a CUDA error into a status with detail. Clears the error if it is not sticky, so the

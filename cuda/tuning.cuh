@@ -27,6 +27,17 @@ __host__ __device__ constexpr int tile_rows(int group_tile, int dmax) {
 #endif
 }
 
+// Query heads a thread takes at once in the score and output passes, over the same K or V
+// registers: 8 heads at once spill in the 64-register budget (sm_5x/6x: 4 bytes, whose tiles
+// are smaller; sm_70+: 16 bytes, reloaded every tile).
+__host__ __device__ constexpr int heads_per_pass(int group_tile) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 700
+  return group_tile > 4 ? 4 : group_tile;
+#else
+  return group_tile > 2 ? 2 : group_tile;
+#endif
+}
+
 // Columns of V per thread in the output pass: accumulators (heads x columns) stay at 8-16
 // registers, and a row is covered by at most kAttnThreads threads.
 __host__ __device__ constexpr int pv_columns(int group_tile) {
@@ -39,10 +50,39 @@ __host__ __device__ constexpr int pv_columns(int group_tile) {
 constexpr int kSplitRowsPerHead = 64;
 
 // Blocks the split heuristic aims for, in waves of resident blocks (resident blocks per SM are
-// measured per kernel and GPU): 2 balances ragged and uneven work (H200: 1 wave lost 6% at
-// batch 32). The per-architecture differences live in tile_rows. A build may override it to tune
-// (-DM40LLM_ATTN_WAVES=N in CMAKE_CUDA_FLAGS; scripts/perf_quick.sh compares builds).
+// measured per kernel and GPU). The FP32 kernel keeps 8 blocks per SM, and a single wave then
+// leaves some SMs a block short while the others set the pace (H100, B8 32/32 L8K: 78% of copy
+// at 1 wave, 98% at 2). The tensor-core kernel keeps 2 per SM, where one wave of even splits
+// was as fast or faster at every shape measured (B1 32/8 L32K: 81% against 76%). A build may
+// override either to tune (-DM40LLM_ATTN_WAVES=N or -DM40LLM_MMA_WAVES=N in CMAKE_CUDA_FLAGS;
+// scripts/perf_quick.sh compares builds).
 #ifndef M40LLM_ATTN_WAVES
 #define M40LLM_ATTN_WAVES 2
 #endif
+#ifndef M40LLM_MMA_WAVES
+#define M40LLM_MMA_WAVES 1
+#endif
 constexpr int kAttnWaves = M40LLM_ATTN_WAVES;
+constexpr int kMmaWaves = M40LLM_MMA_WAVES;
+
+// The tensor-core split kernel (sm_80+ builds, attention_mma.cu): warps per block, each taking
+// kMmaRows positions per step, and the smallest group that uses it. MHA stays on the FP32
+// kernel, which is already bandwidth-bound there (H100, B32 32/32 L8K: 98% of copy against 95%
+// on tensor cores); from 2 query heads per K/V head on, the FP32 kernel runs out of issue
+// slots before it runs out of bandwidth (B8 64/8 L8K: 50% against 85%).
+constexpr int kMmaWarps = 4;
+constexpr int kMmaThreads = 32 * kMmaWarps;
+constexpr int kMmaRows = 16;
+// Resident blocks the register budget is set for, by head_dim. 3 (170 registers) spills from
+// head_dim 96 on: 112 B at 128, which ran 7-10% slower than 2 blocks on an H100 (override:
+// -DM40LLM_MMA_BLOCKS_WIDE=N).
+#ifndef M40LLM_MMA_BLOCKS_WIDE
+#define M40LLM_MMA_BLOCKS_WIDE 2
+#endif
+__host__ __device__ constexpr int mma_min_blocks(int head_dim) {
+  return head_dim > 64 ? M40LLM_MMA_BLOCKS_WIDE : 3;
+}
+#ifndef M40LLM_MMA_MIN_GROUP
+#define M40LLM_MMA_MIN_GROUP 2
+#endif
+constexpr int kMmaMinGroup = M40LLM_MMA_MIN_GROUP;

@@ -632,10 +632,10 @@ done:
  * 0/0 (negative); all-negative scores also catch a max taken on a float's bits as an int. Ramps
  * from -100 to +100 along the positions catch a running max that is not carried (FP32 exp
  * overflows past 88.7) and split-K parts whose maxima differ by far more than that. */
-static void attention_extreme_logits(m40llm_context *ctx) {
-  const int n_heads = 4, n_kv = 2, hd = 16, len = 24, ramp = 1000;
+static void attention_extreme_logits(m40llm_context *ctx, int n_heads, int n_kv, int hd) {
+  const int len = 24, ramp = 1000;
   t_kv kv;
-  t_set_case("attention extreme logits: setup");
+  t_set_case("attention extreme logits %d/%d heads, head_dim %d: setup", n_heads, n_kv, hd);
   if (t_kv_create(&kv, ctx, 1, n_heads, n_kv, hd, 6, ramp) != M40LLM_OK) return;
   const size_t row = (size_t)n_kv * hd;
   float *k = malloc((size_t)ramp * row * sizeof(float));
@@ -658,7 +658,8 @@ static void attention_extreme_logits(m40llm_context *ctx) {
    * underflows to zero below -103.9 */
   const float offsets[3] = {100.0f, -110.0f, -140.0f};
   for (int oi = 0; oi < 3; oi++) {
-    t_set_case("attention extreme logits: offset %g", (double)offsets[oi]);
+    t_set_case("attention extreme logits %d/%d heads, head_dim %d: offset %g", n_heads, n_kv, hd,
+               (double)offsets[oi]);
     t_fill_uniform(q, 3 * (size_t)n_heads * hd, -1.0f, 1.0f);
     for (int r = 0; r < 3 * n_heads; r++) q[r * hd] = offsets[oi];
     const int32_t ids[3] = {0, 1, 2};
@@ -666,7 +667,8 @@ static void attention_extreme_logits(m40llm_context *ctx) {
     t_kv_check_attention(&kv, 0, ids, 3, q, 1.0f, 1e-4, 1, NULL);
     t_kv_check_attention(&kv, 0, ids, 3, q, 1.0f, 1e-4, 0, NULL);
   }
-  t_set_case("attention extreme logits: ramps from -100 to +100");
+  t_set_case("attention extreme logits %d/%d heads, head_dim %d: ramps from -100 to +100",
+             n_heads, n_kv, hd);
   {
     t_fill_uniform(q, 6 * (size_t)n_heads * hd, -1.0f, 1.0f);
     for (int r = 0; r < 6 * n_heads; r++) q[r * hd] = 100.0f;
@@ -675,7 +677,7 @@ static void attention_extreme_logits(m40llm_context *ctx) {
     t_kv_check_attention(&kv, 0, ids, 3, q, 1.0f, 1e-4, 0, NULL);
   }
   /* one position dominating: q along one key, scaled up */
-  t_set_case("attention peaked softmax");
+  t_set_case("attention peaked softmax %d/%d heads, head_dim %d", n_heads, n_kv, hd);
   for (int h = 0; h < n_heads; h++) {
     const int g = h / (n_heads / n_kv), t = t_rand_int(0, len - 1);
     const uint16_t *kt = t_model_k(&kv.model, 0, 1) + (size_t)t * row + (size_t)g * hd;
@@ -697,7 +699,8 @@ void t_cases_attention_basic(m40llm_context *ctx) {
   attention_shape(ctx, 8, 2, 16);
   attention_shape(ctx, 4, 1, 64);
   attention_shape(ctx, 6, 3, 32);
-  attention_extreme_logits(ctx);
+  attention_extreme_logits(ctx, 4, 2, 16);
+  attention_extreme_logits(ctx, 16, 2, 128); /* the tensor-core kernel on sm_80+ */
   t_set_case("");
 }
 

@@ -17,6 +17,11 @@ void m40llm_attn_plan_build(m40llm_attn_plan *plan, const int32_t *seq_ids, cons
     const int64_t fill = (total_len * units + min_blocks - 1) / min_blocks;
     if (fill < min_chunk) min_chunk = (int)fill;
     if (want < min_chunk) want = min_chunk;
+    /* The longest item in the nearest whole number of even pieces (so a batch of equal lengths
+     * has no short last split that idles its SM): at least 2/3 of want, a whole number of tiles. */
+    int64_t pieces = (2 * (int64_t)max_len + want) / (2 * want);
+    if (pieces < 1) pieces = 1;
+    want = (max_len + pieces - 1) / pieces;
     want = (want + tile - 1) / tile * tile;
     if (want < chunk) chunk = want;
   }

@@ -25,7 +25,8 @@ typedef struct m40llm_attn_plan {
 /* units: blocks per (item, split), i.e. KV heads times query-head chunks. target_blocks: how
  * many blocks fill the GPU. Items are split only when items x units falls short of that, into
  * pieces of at least min_chunk positions unless that would leave fewer than min_blocks blocks
- * (one per SM), and chunks are whole multiples of tile. */
+ * (one per SM), and chunks are whole multiples of tile that cut the longest item evenly. A plan
+ * has fewer than 3 * ceil(target_blocks / units) + 1 splits. */
 void m40llm_attn_plan_build(m40llm_attn_plan *plan, const int32_t *seq_ids, const int32_t *lens,
                             int n_items, int units, int target_blocks, int min_blocks,
                             int min_chunk, int tile);

@@ -262,9 +262,13 @@ extern "C" {
   q and out are [n_heads][head_dim] FP32 in backend memory and must not overlap (overlapping
   buffers fail with M40LLM_ERR_INVALID_ARGUMENT). scale 0 means 1/sqrt(head_dim); any other
   finite scale, negative ones included, is used as given; a NaN or infinite scale fails with
-  M40LLM_ERR_INVALID_ARGUMENT. A sequence with no positions yields zeros. Arithmetic is FP32 on
-  the CUDA backend; the CPU backend (the reference) accumulates in float64 and rounds the
-  result to FP32.*/
+  M40LLM_ERR_INVALID_ARGUMENT. A sequence with no positions yields zeros. The CUDA backend
+  accumulates in FP32. Its arithmetic is FP32 too, except for caches with 2+ query heads per
+  K/V head and head_dim 32, 64, 96 or 128 on sm_80+ GPUs, when the library was built with an
+  sm_80+ architecture: there, tensor cores multiply FP16 K/V by q and by the softmax weights,
+  each passed as two FP16 terms (hi + lo, 22 significant bits), with the products exact and
+  the sums in FP32. Both paths agree with the reference to about 1e-6 (relative L2). The CPU
+  backend (the reference) accumulates in float64 and rounds the result to FP32.*/
     pub fn m40llm_kvcache_attn_last_token_f32q(
         out: *mut f32,
         cache: *mut m40llm_kvcache,

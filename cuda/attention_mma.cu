@@ -1,0 +1,252 @@
+// The split pass on tensor cores (sm_80+): same blocks, partials and combine as the FP32 kernel
+// in attention.cu, for GQA groups, where FP32 FMAs (one per query head per K/V element) run out
+// of issue slots before the memory does. mma.m16n8k16 multiplies FP16 exactly and accumulates
+// in FP32; the FP32 operands (q, and the softmax weights p) each go in as two FP16 terms,
+// x = hi + lo, which carries 22 of FP32's 24 significand bits. q is scaled by a power of two
+// first so that both terms stay normal FP16 numbers.
+//
+// A warp takes 16 positions per step. Matrix rows are query heads (8 of the 16 used), so the
+// scores' accumulator fragment is the weights' input fragment as is:
+//   S[head][pos] = Q[head][:] . K[pos][:]   (A = Q, B = K^T: a K row is a B column)
+//   O[head][:]  += P[head][pos] V[pos][:]    (A = P, B = V: a B register pairs two positions,
+//                                             which movmatrix makes from two V rows)
+// The dims of a 16-byte K load are dealt to k indices in a fixed permutation, the same for Q,
+// so every load is one 16-byte word per lane and the dot product is unchanged.
+#include "attention.cuh"
+#include "tuning.cuh"
+
+#include <stdint.h>
+
+namespace {
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+
+// D[rows 0-7] = A B + C for a 16x8x16 product whose A rows 8-15 are zero: those rows of the
+// result are zero and are dropped, so they take no accumulator registers.
+__device__ __forceinline__ void mma_rows0to7(float (&c)[2], uint32_t a0, uint32_t a2, uint32_t b0,
+                                             uint32_t b1) {
+  asm volatile(
+      "{\n.reg .f32 zero, d2, d3;\nmov.f32 zero, 0f00000000;\n"
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,d2,d3}, {%2,%3,%4,%3}, "
+      "{%5,%6}, {%0,%1,zero,zero};\n}"
+      : "+f"(c[0]), "+f"(c[1])
+      : "r"(a0), "r"(0u), "r"(a2), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t transpose8x8(uint32_t x) {
+  uint32_t y;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(y) : "r"(x));
+  return y;
+}
+
+__device__ __forceinline__ uint32_t bits(__half2 h) { return *reinterpret_cast<uint32_t *>(&h); }
+
+// (x0, x1) as FP16 pairs hi + lo.
+__device__ __forceinline__ void split_pair(float x0, float x1, uint32_t &hi, uint32_t &lo) {
+  const __half2 h = __floats2half2_rn(x0, x1);
+  const float2 hf = __half22float2(h);
+  hi = bits(h);
+  lo = bits(__floats2half2_rn(x0 - hf.x, x1 - hf.y));
+}
+
+__device__ __forceinline__ uint32_t word(const uint4 &v, int i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+// One 16-position step of K or V rows for this lane: rows 8j + g, 16 bytes of every 32-dim
+// chunk. Rows past the end (rows <= 0: no step) read as zeros: their weight is 0, and
+// 0 x garbage could be NaN.
+template <int NC>
+__device__ __forceinline__ void load_step(uint4 (&r)[2][NC], const __half *p, int rows, int g) {
+#pragma unroll
+  for (int j = 0; j < 2; j++) {
+    const bool ok = 8 * j + g < rows;
+#pragma unroll
+    for (int c = 0; c < NC; c++)
+      r[j][c] = ok ? load_raw<8>(p + (size_t)8 * j * 32 * NC + 32 * c) : make_uint4(0, 0, 0, 0);
+  }
+}
+
+#endif
+
+// NC: head_dim / 32. Lane (g, t) = (lane / 4, lane % 4) holds query head g and, of every
+// 32-dim chunk c, dims 32c + 8t .. 32c + 8t + 7: of q, of the output, and of the K and V rows
+// it loads (rows 8j + g of a 16-position step).
+template <int NC>
+__global__ void __launch_bounds__(kMmaThreads, mma_min_blocks(32 * NC))
+    attn_mma_kernel(const AttnArgs a, const m40llm_attn_plan plan) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  constexpr int D = 32 * NC;
+  constexpr int G = kMaxGroupTile;
+  static_assert(G == 8, "query heads fill rows 0-7 of the MMA");
+  // The warps' results, merged at the end: output [warp][head][dim], max and sum [warp][head].
+  __shared__ float s_o[kMmaWarps][G][D];
+  __shared__ float s_m[kMmaWarps][G], s_l[kMmaWarps][G];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const SplitBlock b = split_block(a, plan, G);
+
+  // K and V are double-buffered by halves: the next step's K loads go out once the scores are
+  // taken, its V loads once the output is updated, so a warp always has loads in flight. The
+  // first step's go out before q is read.
+  constexpr int kStep = kMmaRows * kMmaWarps;
+  const size_t row_offset = (size_t)(b.p_begin + kMmaRows * warp + g) * D + 8 * t;
+  const __half *kp = b.k + row_offset;
+  const __half *vp = b.v + row_offset;
+  int p0 = b.p_begin + kMmaRows * warp;
+  uint4 kr[2][NC], vr[2][NC];
+  load_step<NC>(kr, kp, b.p_end - p0, g);
+  load_step<NC>(vr, vp, b.p_end - p0, g);
+
+  // q in the log2 domain, then scaled by 2^e so its largest magnitude is near 2^13.
+  float qf[NC][8];
+  float qmax = 0.0f;
+  {
+    const float *qrow = a.q + ((size_t)b.item * a.n_heads + b.h0 + g) * D + 8 * t;
+#pragma unroll
+    for (int c = 0; c < NC; c++)
+#pragma unroll
+      for (int j = 0; j < 8; j++) {
+        qf[c][j] = g < b.nh ? qrow[32 * c + j] * a.q_scale : 0.0f;
+        qmax = fmaxf(qmax, fabsf(qf[c][j]));
+      }
+  }
+  qmax = warp_max(qmax);
+  int e = 0;
+  if (qmax > 0.0f && qmax <= 3.0e38f) frexpf(qmax, &e);
+  const int shift = max(-126, min(126, 13 - e));
+  const float up = ldexpf(1.0f, shift), down = ldexpf(1.0f, -shift);
+  // A fragments, k step (c, h): a0 = dims 32c + 8t + 4h + {0, 1}, a2 = the next two, kept in
+  // shared memory as word 2h + r of [c][lane] (registers go to loads in flight instead).
+  __shared__ uint4 s_qhi[NC][32], s_qlo[NC][32];
+  if (warp == 0) {
+#pragma unroll
+    for (int c = 0; c < NC; c++) {
+      uint32_t hi[4], lo[4];
+#pragma unroll
+      for (int w = 0; w < 4; w++) split_pair(qf[c][2 * w] * up, qf[c][2 * w + 1] * up, hi[w], lo[w]);
+      s_qhi[c][lane] = make_uint4(hi[0], hi[1], hi[2], hi[3]);
+      s_qlo[c][lane] = make_uint4(lo[0], lo[1], lo[2], lo[3]);
+    }
+  }
+  __syncthreads();
+
+  float m_run = -INFINITY, l_run = 0.0f;  // over this warp's positions; l per lane
+  float o[NC][4][2];  // dims 32c + 8t + 2i + {0, 1}
+#pragma unroll
+  for (int c = 0; c < NC; c++)
+#pragma unroll
+    for (int i = 0; i < 4; i++) o[c][i][0] = o[c][i][1] = 0.0f;
+
+  for (; p0 < b.p_end; p0 += kStep) {
+    const int rows = min(kMmaRows, b.p_end - p0);
+    const int next_rows = b.p_end - (p0 + kStep);
+
+    // Scores: lane (g, t) gets heads g, positions 8j + 2t + {0, 1}.
+    float s[2][2];
+#pragma unroll
+    for (int j = 0; j < 2; j++) {
+      s[j][0] = s[j][1] = 0.0f;
+#pragma unroll
+      for (int c = 0; c < NC; c++) {
+        const uint4 qh = s_qhi[c][lane], ql = s_qlo[c][lane];
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+          const uint32_t b0 = word(kr[j][c], 2 * h), b1 = word(kr[j][c], 2 * h + 1);
+          mma_rows0to7(s[j], word(ql, 2 * h), word(ql, 2 * h + 1), b0, b1);
+          mma_rows0to7(s[j], word(qh, 2 * h), word(qh, 2 * h + 1), b0, b1);
+        }
+      }
+    }
+
+    // Online softmax; the 4 lanes of a head hold its 16 scores.
+    float tile_max = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < 2; j++)
+#pragma unroll
+      for (int x = 0; x < 2; x++) {
+        s[j][x] = 8 * j + 2 * t + x < rows ? s[j][x] * down : -INFINITY;
+        tile_max = fmaxf(tile_max, s[j][x]);
+      }
+    tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
+    tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+    const float m_new = fmaxf(m_run, tile_max);  // finite: every step has a real row
+    const float alpha = exp2f(m_run - m_new);
+    m_run = m_new;
+    float sum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 2; j++)
+#pragma unroll
+      for (int x = 0; x < 2; x++) {
+        s[j][x] = exp2f(s[j][x] - m_new);
+        sum += s[j][x];
+      }
+    l_run = l_run * alpha + sum;
+    kp += (size_t)kStep * D;
+    load_step<NC>(kr, kp, next_rows, g);
+    uint32_t p_hi[2], p_lo[2];  // A fragment: positions 2t + {0, 1}, then 8 + 2t + {0, 1}
+    split_pair(s[0][0], s[0][1], p_hi[0], p_lo[0]);
+    split_pair(s[1][0], s[1][1], p_hi[1], p_lo[1]);
+
+    // Output: B column n of n-tile (c, i) is dim 32c + 8(n / 2) + 2i + n % 2, so the result
+    // lands in this lane as dims 32c + 8t + 2i + {0, 1}.
+#pragma unroll
+    for (int c = 0; c < NC; c++)
+#pragma unroll
+      for (int i = 0; i < 4; i++) {
+        o[c][i][0] *= alpha;
+        o[c][i][1] *= alpha;
+        const uint32_t b0 = transpose8x8(word(vr[0][c], i));
+        const uint32_t b1 = transpose8x8(word(vr[1][c], i));
+        mma_rows0to7(o[c][i], p_lo[0], p_lo[1], b0, b1);
+        mma_rows0to7(o[c][i], p_hi[0], p_hi[1], b0, b1);
+      }
+    vp += (size_t)kStep * D;
+    load_step<NC>(vr, vp, next_rows, g);
+  }
+
+  l_run += __shfl_xor_sync(0xffffffffu, l_run, 1);
+  l_run += __shfl_xor_sync(0xffffffffu, l_run, 2);
+  if (t == 0) {
+    s_m[warp][g] = m_run;
+    s_l[warp][g] = l_run;
+  }
+#pragma unroll
+  for (int c = 0; c < NC; c++) {
+    float4 *dst = reinterpret_cast<float4 *>(&s_o[warp][g][32 * c + 8 * t]);
+    dst[0] = make_float4(o[c][0][0], o[c][0][1], o[c][1][0], o[c][1][1]);
+    dst[1] = make_float4(o[c][2][0], o[c][2][1], o[c][3][0], o[c][3][1]);
+  }
+  __syncthreads();
+
+  // Merge the warps (a warp past the split's end has max -inf and weight 0).
+  for (int idx = threadIdx.x; idx < b.nh * D; idx += kMmaThreads) {
+    const int hh = idx / D, d = idx % D;
+    float m = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kMmaWarps; w++) m = fmaxf(m, s_m[w][hh]);
+    float acc = 0.0f, l = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kMmaWarps; w++) {
+      const float wt = s_m[w][hh] == -INFINITY ? 0.0f : exp2f(s_m[w][hh] - m);
+      acc = fmaf(wt, s_o[w][hh][d], acc);
+      l = fmaf(wt, s_l[w][hh], l);
+    }
+    store_split_result(a, b, b.h0 + hh, d, acc, m, l);
+  }
+#else
+  (void)a, (void)plan;  // compiled for an older GPU: the host never launches this image
+#endif
+}
+
+}  // namespace
+
+SplitKernel attn_mma_kernel_for(int head_dim) {
+  switch (head_dim) {
+    case 32: return attn_mma_kernel<1>;
+    case 64: return attn_mma_kernel<2>;
+    case 96: return attn_mma_kernel<3>;
+    case 128: return attn_mma_kernel<4>;
+    default: return nullptr;
+  }
+}

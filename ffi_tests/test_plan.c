@@ -1,0 +1,70 @@
+/* The split-K plan (c/src/attention_plan.c), host logic only: on random batches, every item's
+ * positions are covered by non-empty splits of whole tiles, the split count stays under the
+ * bound the workspace is reserved for, and the longest item is cut evenly. */
+#include <stdint.h>
+
+#include "attention_plan.h"
+#include "test_util.h"
+
+static void check_plan(const int32_t *lens, int n, int units, int target, int min_blocks,
+                       int min_chunk, int tile) {
+  int32_t ids[M40LLM_PLAN_MAX_ITEMS];
+  for (int i = 0; i < n; i++) ids[i] = (i * 7) % 300;
+  m40llm_attn_plan p;
+  m40llm_attn_plan_build(&p, ids, lens, n, units, target, min_blocks, min_chunk, tile);
+  int32_t max_len = 1;
+  for (int i = 0; i < n; i++)
+    if (lens[i] > max_len) max_len = lens[i];
+  const int split = (int64_t)n * units < target;
+  T_CHECKF(p.n_items == n && p.chunk >= 1, "n_items %d, chunk %d", p.n_items, p.chunk);
+  T_CHECKF(split ? p.chunk % tile == 0 || p.chunk == max_len : p.chunk == max_len,
+           "chunk %d, tile %d, longest %d", p.chunk, tile, max_len);
+  int max_splits = 1;
+  for (int i = 0; i < n; i++) {
+    const int s = p.split_begin[i + 1] - p.split_begin[i];
+    if (s > max_splits) max_splits = s;
+    T_CHECKF(p.seq[i] == ids[i] && p.len[i] == lens[i], "item %d copied", i);
+    /* ceil(len / chunk) splits, at least one: the last one holds a position */
+    const int want = lens[i] > 0 ? (int)(((int64_t)lens[i] + p.chunk - 1) / p.chunk) : 1;
+    T_CHECKF(s == want, "item %d (len %d, chunk %d): %d splits, expected %d", i, lens[i], p.chunk,
+             s, want);
+  }
+  T_CHECKF(p.split_begin[0] == 0 && p.total_splits == p.split_begin[n] &&
+               p.max_splits == max_splits,
+           "totals %d / %d, max %d / %d", p.total_splits, p.split_begin[n], p.max_splits,
+           max_splits);
+  const int bound = 3 * ((target + units - 1) / units) + 1;
+  T_CHECKF(!split || p.total_splits < bound, "%d splits, bound %d (n %d, units %d, target %d)",
+           p.total_splits, bound, n, units, target);
+  /* even pieces: the longest item's last split is short by at most one tile per split */
+  const int pieces = (int)(((int64_t)max_len + p.chunk - 1) / p.chunk);
+  const int64_t last = max_len - (int64_t)(pieces - 1) * p.chunk;
+  T_CHECKF(pieces == 1 || last >= (int64_t)p.chunk - (int64_t)pieces * tile,
+           "longest %d in %d pieces of %d: last %lld", max_len, pieces, p.chunk, (long long)last);
+}
+
+int main(void) {
+  t_rng_init();
+  static const int tiles[] = {8, 16, 32, 64, 128, 256};
+  int32_t lens[M40LLM_PLAN_MAX_ITEMS];
+  for (int iter = 0; iter < 20000; iter++) {
+    t_set_case("random plan %d", iter);
+    const int n = t_rand_int(1, M40LLM_PLAN_MAX_ITEMS);
+    const int max_len = t_rand_int(0, 3) == 0 ? t_rand_int(1, 600) : t_rand_int(1, 300000);
+    const int equal = t_rand_int(0, 2) == 0;
+    for (int i = 0; i < n; i++) lens[i] = equal ? max_len : t_rand_int(0, max_len);
+    const int tile = tiles[t_rand_int(0, 5)];
+    check_plan(lens, n, t_rand_int(1, 64), t_rand_int(1, 4000), t_rand_int(1, 200),
+               tile * t_rand_int(1, 8), tile);
+  }
+  /* the case the even cut is for: 32 x 8K on 8 units, 528 blocks */
+  t_set_case("32 x 8192, 8 units");
+  for (int i = 0; i < 32; i++) lens[i] = 8192;
+  m40llm_attn_plan p;
+  int32_t ids[32] = {0};
+  m40llm_attn_plan_build(&p, ids, lens, 32, 8, 528, 132, 512, 64);
+  T_CHECKF(p.chunk == 4096 && p.total_splits == 64, "chunk %d, %d splits", p.chunk,
+           p.total_splits);
+  t_set_case("");
+  return t_finish();
+}
