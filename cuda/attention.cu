@@ -72,6 +72,7 @@ __global__ void __launch_bounds__(kAttnThreads, kAttnMinBlocksPerSm)
   float *sp = smem + GT * DMAX;  // [T][GT]: a position's weights for every head together
   const int tid = threadIdx.x;
 
+  allow_dependent_launch();
   const SplitBlock b = split_block(a, plan, GT);
   const int p_begin = b.p_begin, p_end = b.p_end, nh = b.nh;
   const __half *K = b.k;
@@ -276,6 +277,7 @@ __global__ void __launch_bounds__(kCombineThreads)
   const int first = plan.split_begin[item];
   const int n = plan.split_begin[item + 1] - first;
   if (n == 1) return;
+  wait_for_prerequisite_grid();
   float m = -INFINITY;
   for (int s = tid; s < n; s += kCombineThreads)
     m = fmaxf(m, a.part_m[(size_t)(first + s) * a.n_heads + h]);
@@ -405,6 +407,39 @@ int mma_kernel_if_usable(m40llm_cuda_state *st, const Grouping &g, int head_dim,
   return M40LLM_OK;
 }
 
+// Whether the combine kernel may start before the split kernel ends: sm_90+, and this build's
+// combine image there has the wait (a compute_52-only build's has not).
+int combine_may_overlap(m40llm_cuda_state *st, bool *out) {
+  if (st->combine_pdl == 0) {
+    st->combine_pdl = -1;
+    if (st->cc_major >= 9) {
+      cudaFuncAttributes attr;
+      M40LLM_CUDA_TRY(cudaFuncGetAttributes(&attr, attn_combine_kernel));
+      if (attr.ptxVersion >= 90) st->combine_pdl = 1;
+    }
+  }
+  *out = st->combine_pdl > 0;
+  return M40LLM_OK;
+}
+
+int launch_combine(m40llm_cuda_state *st, const AttnArgs &a, const m40llm_attn_plan &plan,
+                   int n_seqs, int n_heads) {
+  bool overlap = false;
+  const int rc = combine_may_overlap(st, &overlap);
+  if (rc != M40LLM_OK) return rc;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3((unsigned)n_seqs, (unsigned)n_heads);
+  cfg.blockDim = dim3(kCombineThreads);
+  cfg.stream = st->stream;
+  cudaLaunchAttribute attr;
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = overlap ? 1 : 0;
+  M40LLM_CUDA_TRY(cudaLaunchKernelEx(&cfg, attn_combine_kernel, a, plan));
+  return M40LLM_OK;
+}
+
 int split_pass_for(m40llm_cuda_state *st, const m40llm_kvcache_options *o, const Grouping &g,
                    SplitPass *out) {
   SplitKernel mma = nullptr;
@@ -504,10 +539,6 @@ extern "C" int m40llm_cuda_attention(const m40llm_kvcache *c, int layer, const i
   const dim3 grid((unsigned)plan.total_splits, (unsigned)g.units);
   pass.kernel<<<grid, pass.threads, pass.smem, st->stream>>>(a, plan);
   M40LLM_CUDA_CHECK_LAUNCH("attn_split_kernel");
-  if (plan.max_splits > 1) {
-    attn_combine_kernel<<<dim3((unsigned)n_seqs, (unsigned)o->n_heads), kCombineThreads, 0,
-                          st->stream>>>(a, plan);
-    M40LLM_CUDA_CHECK_LAUNCH("attn_combine_kernel");
-  }
+  if (plan.max_splits > 1) return launch_combine(st, a, plan, n_seqs, o->n_heads);
   return M40LLM_OK;
 }

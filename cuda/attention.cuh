@@ -74,6 +74,22 @@ __device__ __forceinline__ void store_split_result(const AttnArgs &a, const Spli
   }
 }
 
+// Programmatic dependent launch (sm_90+): a split kernel lets the combine kernel's launch begin
+// while its own blocks run, and the combine kernel waits for the split kernel's results before
+// reading them, so the combine launch costs no gap. Below sm_90 both are no-ops, and the host
+// uses it only where the combine kernel's image has the wait.
+__device__ __forceinline__ void allow_dependent_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;");
+#endif
+}
+
+__device__ __forceinline__ void wait_for_prerequisite_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 // The tensor-core split kernel for this head_dim, or null where it does not apply (head_dim
 // not a multiple of 32 up to 128). Whether it can run is for the caller to ask the runtime.
 SplitKernel attn_mma_kernel_for(int head_dim);

@@ -84,6 +84,7 @@ __global__ void __launch_bounds__(kMmaThreads, mma_min_blocks(32 * NC))
   __shared__ float s_m[kMmaWarps][G], s_l[kMmaWarps][G];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
+  allow_dependent_launch();
   const SplitBlock b = split_block(a, plan, G);
 
   // K and V are double-buffered by halves: the next step's K loads go out once the scores are

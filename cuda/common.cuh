@@ -18,6 +18,7 @@ struct m40llm_cuda_state {
   int occupancy[4][33];  // resident attention blocks per SM, by [log2 group tile][head_dim / 8]
   int occupancy_mma[5];  // the same for the tensor-core kernel, by head_dim / 32
   signed char mma_usable[5];  // whether this build runs it here, by head_dim / 32: 0 = not asked
+  signed char combine_pdl;    // whether the combine launch may overlap the split kernel: 0 = not asked
 };
 
 // Turns a CUDA error into a status with detail. Clears the error if it is not sticky, so the
