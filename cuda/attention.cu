@@ -246,31 +246,17 @@ __global__ void __launch_bounds__(kAttnThreads, kAttnMinBlocksPerSm)
   }
 }
 
-template <int WARPS>
-__device__ __forceinline__ float block_reduce(float x, float *scratch, bool is_max) {
-  x = is_max ? warp_max(x) : warp_sum(x);
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  __syncthreads();  // scratch may still be read from the previous reduction
-  if (lane == 0) scratch[warp] = x;
-  __syncthreads();
-  x = scratch[0];
-#pragma unroll
-  for (int w = 1; w < WARPS; w++) x = is_max ? fmaxf(x, scratch[w]) : x + scratch[w];
-  return x;
-}
-
 // One block per (item, query head); items with a single split were finished by the split
-// kernel. Each split holds at least one position, so every partial max is finite. Each warp
-// takes every 8th split, lanes covering the head's dims 4 at a time, so a block keeps 8 warps x
-// 16 bytes per lane in flight; the splits' weights go through shared memory in chunks.
+// kernel. Each warp merges every 8th split with the online-softmax rule, lanes covering the
+// head's dims 4 at a time; no load waits on another's result, so a warp's loads go out together
+// and the merge costs one memory round trip. The warps' (max, sum, output) then merge in shared
+// memory. Each split holds at least one position, so every partial max is finite.
 constexpr int kCombineThreads = 256;
 constexpr int kCombineWarps = kCombineThreads / 32;
-constexpr int kCombineChunk = 1024;
 
 __global__ void __launch_bounds__(kCombineThreads)
     attn_combine_kernel(const AttnArgs a, const m40llm_attn_plan plan) {
-  __shared__ float s_w[kCombineChunk];
-  __shared__ float scratch[kCombineWarps];
+  __shared__ float s_m[kCombineWarps], s_l[kCombineWarps];
   __shared__ float4 s_acc[kCombineWarps][64];  // head_dim <= 256 = 64 float4
   const int item = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
   const int warp = tid >> 5, lane = tid & 31;
@@ -278,63 +264,68 @@ __global__ void __launch_bounds__(kCombineThreads)
   const int n = plan.split_begin[item + 1] - first;
   if (n == 1) return;
   wait_for_prerequisite_grid();
-  float m = -INFINITY;
-  for (int s = tid; s < n; s += kCombineThreads)
-    m = fmaxf(m, a.part_m[(size_t)(first + s) * a.n_heads + h]);
-  m = block_reduce<kCombineWarps>(m, scratch, true);
-  float l = 0.0f;
-  for (int s = tid; s < n; s += kCombineThreads) {
-    const size_t p = (size_t)(first + s) * a.n_heads + h;
-    l += exp2f(a.part_m[p] - m) * a.part_l[p];
-  }
-  const float inv_l = 1.0f / block_reduce<kCombineWarps>(l, scratch, false);
 
   const int D4 = a.head_dim / 4;
-  const size_t split_stride = (size_t)a.n_heads * D4;  // in float4
+  const float4 *po = reinterpret_cast<const float4 *>(a.part_o);
+  float m = -INFINITY, l = 0.0f;
   float4 acc[2] = {make_float4(0.f, 0.f, 0.f, 0.f), make_float4(0.f, 0.f, 0.f, 0.f)};
-  for (int s0 = 0; s0 < n; s0 += kCombineChunk) {
-    const int cn = min(kCombineChunk, n - s0);
-    __syncthreads();  // the previous chunk's weights are consumed
-    for (int s = tid; s < cn; s += kCombineThreads)
-      s_w[s] = exp2f(a.part_m[(size_t)(first + s0 + s) * a.n_heads + h] - m) * inv_l;
-    __syncthreads();
-    const float4 *po = reinterpret_cast<const float4 *>(a.part_o) +
-                       ((size_t)(first + s0) * a.n_heads + h) * D4;
 #pragma unroll 4
-    for (int s = warp; s < cn; s += kCombineWarps) {
-      const float w = s_w[s];
+  for (int s = warp; s < n; s += kCombineWarps) {
+    const size_t p = (size_t)(first + s) * a.n_heads + h;
+    const float ms = a.part_m[p], ls = a.part_l[p];
+    float4 v[2];
 #pragma unroll
-      for (int k = 0; k < 2; k++) {
-        const int d4 = lane + 32 * k;
-        if (d4 < D4) {
-          const float4 v = po[s * split_stride + d4];
-          acc[k].x = fmaf(w, v.x, acc[k].x);
-          acc[k].y = fmaf(w, v.y, acc[k].y);
-          acc[k].z = fmaf(w, v.z, acc[k].z);
-          acc[k].w = fmaf(w, v.w, acc[k].w);
-        }
+    for (int k = 0; k < 2; k++)
+      if (lane + 32 * k < D4) v[k] = po[p * D4 + lane + 32 * k];
+    const float m_new = fmaxf(m, ms);
+    const float alpha = exp2f(m - m_new), w = exp2f(ms - m_new);
+    m = m_new;
+    l = fmaf(l, alpha, w * ls);
+#pragma unroll
+    for (int k = 0; k < 2; k++) {
+      if (lane + 32 * k < D4) {
+        acc[k].x = fmaf(acc[k].x, alpha, w * v[k].x);
+        acc[k].y = fmaf(acc[k].y, alpha, w * v[k].y);
+        acc[k].z = fmaf(acc[k].z, alpha, w * v[k].z);
+        acc[k].w = fmaf(acc[k].w, alpha, w * v[k].w);
       }
     }
+  }
+  if (lane == 0) {
+    s_m[warp] = m;
+    s_l[warp] = l;
   }
 #pragma unroll
   for (int k = 0; k < 2; k++)
     if (lane + 32 * k < D4) s_acc[warp][lane + 32 * k] = acc[k];
   __syncthreads();
-  for (int d4 = tid; d4 < D4; d4 += kCombineThreads) {
-    float4 t = s_acc[0][d4];
+
+  // A warp without splits has max -inf and weight 0.
+  float wt[kCombineWarps];
+  float mx = -INFINITY, sum = 0.0f;
 #pragma unroll
-    for (int w = 1; w < kCombineWarps; w++) {
-      t.x += s_acc[w][d4].x;
-      t.y += s_acc[w][d4].y;
-      t.z += s_acc[w][d4].z;
-      t.w += s_acc[w][d4].w;
+  for (int w = 0; w < kCombineWarps; w++) mx = fmaxf(mx, s_m[w]);
+#pragma unroll
+  for (int w = 0; w < kCombineWarps; w++) {
+    wt[w] = s_m[w] == -INFINITY ? 0.0f : exp2f(s_m[w] - mx);
+    sum = fmaf(wt[w], s_l[w], sum);
+  }
+  const float inv_l = 1.0f / sum;
+  for (int d4 = tid; d4 < D4; d4 += kCombineThreads) {
+    float4 t = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int w = 0; w < kCombineWarps; w++) {
+      t.x = fmaf(wt[w], s_acc[w][d4].x, t.x);
+      t.y = fmaf(wt[w], s_acc[w][d4].y, t.y);
+      t.z = fmaf(wt[w], s_acc[w][d4].z, t.z);
+      t.w = fmaf(wt[w], s_acc[w][d4].w, t.w);
     }
     // out is the caller's: only 4-byte alignment is promised.
     float *dst = a.out + ((size_t)item * a.n_heads + h) * a.head_dim + d4 * 4;
-    dst[0] = t.x;
-    dst[1] = t.y;
-    dst[2] = t.z;
-    dst[3] = t.w;
+    dst[0] = t.x * inv_l;
+    dst[1] = t.y * inv_l;
+    dst[2] = t.z * inv_l;
+    dst[3] = t.w * inv_l;
   }
 }
 
