@@ -28,13 +28,14 @@ __host__ __device__ constexpr int tile_rows(int group_tile, int dmax) {
 }
 
 // Query heads a thread takes at once in the score and output passes, over the same K or V
-// registers: 8 heads at once spill in the 64-register budget (sm_5x/6x: 4 bytes, whose tiles
-// are smaller; sm_70+: 16 bytes, reloaded every tile).
+// registers. All 8 of an 8-head tile at once spill in the 64-register budget (sm_5x/6x: 4 bytes;
+// sm_70+, whose tiles are larger: 16 bytes, reloaded every tile), so those take passes of 4 and
+// 2; smaller tiles take all their heads at once.
 __host__ __device__ constexpr int heads_per_pass(int group_tile) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 700
   return group_tile > 4 ? 4 : group_tile;
 #else
-  return group_tile > 2 ? 2 : group_tile;
+  return group_tile > 4 ? 2 : group_tile;
 #endif
 }
 
