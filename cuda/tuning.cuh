@@ -47,8 +47,13 @@ __host__ __device__ constexpr int pv_columns(int group_tile) {
 
 // A split writes and the combine reads back (head_dim + 2) floats per query head, about
 // 2 x heads / positions of the split's K/V bytes, and pays a block's start and end: at least
-// this many positions per query head keeps that near 3% (H200: 32 was slower at batch 1).
-constexpr int kSplitRowsPerHead = 64;
+// this many positions per query head keeps that near 3% (H200: 32 was slower at batch 1; H100:
+// 32 and 16 each won and lost about 10% on different small shapes, bench/RESULTS.md). A build
+// may override it: -DM40LLM_SPLIT_ROWS_PER_HEAD=N.
+#ifndef M40LLM_SPLIT_ROWS_PER_HEAD
+#define M40LLM_SPLIT_ROWS_PER_HEAD 64
+#endif
+constexpr int kSplitRowsPerHead = M40LLM_SPLIT_ROWS_PER_HEAD;
 
 // Blocks the split heuristic aims for, in waves of resident blocks (resident blocks per SM are
 // measured per kernel and GPU). The FP32 kernel keeps 8 blocks per SM, and a single wave then

@@ -261,6 +261,57 @@ static void test_wide_batch(void) {
   t_kv_destroy(&kv);
 }
 
+/* Split launches share the context's scratch (partials, workspace) between caches and calls.
+ * Two caches with different head layouts (32/8 and 12/12 heads) and split counts take turns on
+ * one context; every call is checked against the reference and must repeat the first call's
+ * output bit for bit (no state leaks from one launch into the next). */
+static void test_repeated_split_calls(void) {
+  t_kv a, b;
+  t_set_case("repeated split calls: setup");
+  if (t_kv_create(&a, dev, 1, 32, 8, 128, 3, 3000) != M40LLM_OK) return;
+  if (t_kv_create(&b, dev, 1, 12, 12, 64, 2, 5000) != M40LLM_OK) {
+    t_kv_destroy(&a);
+    return;
+  }
+  T_OK(t_kv_append_random(&a, 0, 0, 2999, 1.0f));
+  T_OK(t_kv_append_random(&a, 0, 1, 700, 1.0f));
+  T_OK(t_kv_append_random(&a, 0, 2, 33, 1.0f));
+  T_OK(t_kv_append_random(&b, 0, 0, 4097, 1.0f));
+  T_OK(t_kv_append_random(&b, 0, 1, 257, 1.0f));
+  const int32_t ids_a[3] = {0, 1, 2}, ids_b[2] = {1, 0};
+  const size_t na = 3 * 32 * 128, nb = 2 * 12 * 64;
+  float *qa = random_q(na), *qb = random_q(nb);
+  float *first_a = malloc(na * sizeof(float)), *got_a = malloc(na * sizeof(float));
+  float *first_b = malloc(nb * sizeof(float)), *got_b = malloc(nb * sizeof(float));
+  if (qa && qb && first_a && got_a && first_b && got_b) {
+    for (int rep = 0; rep < 4; rep++) {
+      t_set_case("repeated split calls: 32/8 heads, 3 sequences, call %d", rep);
+      t_kv_check_attention(&a, 0, ids_a, 3, qa, 0.0f, 1e-5, 1, rep ? got_a : first_a);
+      t_set_case("repeated split calls: 12/12 heads, 2 sequences, call %d", rep);
+      t_kv_check_attention(&b, 0, ids_b, 2, qb, 0.0f, 1e-5, 1, rep ? got_b : first_b);
+      /* one sequence alone: all its splits in one launch, other counters untouched */
+      t_set_case("repeated split calls: 32/8 heads, 1 sequence, call %d", rep);
+      t_kv_check_attention(&a, 0, ids_a, 1, qa, 0.0f, 1e-5, 1, NULL);
+      if (rep) {
+        t_set_case("repeated split calls: call %d repeats call 0", rep);
+        T_CHECKF(memcmp(first_a, got_a, na * sizeof(float)) == 0, "32/8 output changed");
+        T_CHECKF(memcmp(first_b, got_b, nb * sizeof(float)) == 0, "12/12 output changed");
+      }
+    }
+  } else {
+    T_CHECKF(0, "host allocation failed");
+  }
+  free(qa);
+  free(qb);
+  free(first_a);
+  free(got_a);
+  free(first_b);
+  free(got_b);
+  t_kv_destroy(&a);
+  t_kv_destroy(&b);
+  t_set_case("");
+}
+
 /* ---- Long contexts ----------------------------------------------------------------------------- */
 
 static void long_case(int nh, int nkv, int hd, int len, float scale) {
@@ -477,6 +528,7 @@ int main(void) {
   test_ragged_batch();
   test_wide_batch();
   test_big_batch();
+  test_repeated_split_calls();
   if (!small) test_long_contexts();
   test_lockstep();
 
