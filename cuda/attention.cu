@@ -388,7 +388,7 @@ int mma_kernel_if_usable(m40llm_cuda_state *st, const Grouping &g, int head_dim,
   *out = nullptr;
   const SplitKernel k = attn_mma_kernel_for(head_dim);
   if (!k || st->cc_major < 8 || g.group < kMmaMinGroup) return M40LLM_OK;
-  signed char &usable = st->mma_usable[head_dim / 32];
+  signed char &usable = st->mma_usable[head_dim / 16];
   if (usable == 0) {
     cudaFuncAttributes attr;
     M40LLM_CUDA_TRY(cudaFuncGetAttributes(&attr, k));
@@ -439,7 +439,7 @@ int split_pass_for(m40llm_cuda_state *st, const m40llm_kvcache_options *o, const
   int *occ;
   if (mma) {
     *out = SplitPass{mma, kMmaThreads, 0, kMmaRows * kMmaWarps, 0};
-    occ = &st->occupancy_mma[o->head_dim / 32];
+    occ = &st->occupancy_mma[o->head_dim / 16];
   } else {
     *out = SplitPass{split_kernel_for(g.gt, o->head_dim), kAttnThreads,
                      split_smem_bytes(g.gt, o->head_dim), tile_rows(g.gt, dmax_for(o->head_dim)),

@@ -91,5 +91,5 @@ __device__ __forceinline__ void wait_for_prerequisite_grid() {
 }
 
 // The tensor-core split kernel for this head_dim, or null where it does not apply (head_dim
-// not a multiple of 32 up to 128). Whether it can run is for the caller to ask the runtime.
+// not a multiple of 16 from 32 to 128). Whether it can run is for the caller to ask the runtime.
 SplitKernel attn_mma_kernel_for(int head_dim);

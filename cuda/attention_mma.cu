@@ -11,7 +11,8 @@
 //   O[head][:]  += P[head][pos] V[pos][:]    (A = P, B = V: a B register pairs two positions,
 //                                             which movmatrix makes from two V rows)
 // The dims of a 16-byte K load are dealt to k indices in a fixed permutation, the same for Q,
-// so every load is one 16-byte word per lane and the dot product is unchanged.
+// so every load is one 16-byte word per lane and the dot product is unchanged. A head_dim of
+// 32 NC + 16 ends with a 16-dim tail: one k step, 8 bytes per lane.
 #include "attention.cuh"
 #include "tuning.cuh"
 
@@ -53,30 +54,41 @@ __device__ __forceinline__ uint32_t word(const uint4 &v, int i) {
   return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
 
-// One 16-position step of K or V rows for this lane: rows 8j + g, 16 bytes of every 32-dim
-// chunk. Rows past the end (rows <= 0: no step) read as zeros: their weight is 0, and
-// 0 x garbage could be NaN.
-template <int NC>
-__device__ __forceinline__ void load_step(uint4 (&r)[2][NC], const __half *p, int rows, int g) {
+// One 16-position step of K or V rows (D halves each) for this lane: rows 8j + g, 16 bytes of
+// every 32-dim chunk and 8 of the tail (p points at the lane's first chunk). Rows past the end
+// (rows <= 0: no step) read as zeros: their weight is 0, and 0 x garbage could be NaN.
+template <int NC, int TAIL>
+struct Step {
+  uint4 c[2][NC];
+  uint2 t[2];  // dims 32 NC + 4t .. 32 NC + 4t + 3 (unused without a tail)
+};
+
+template <int NC, int TAIL>
+__device__ __forceinline__ void load_step(Step<NC, TAIL> &r, const __half *p, int rows, int g,
+                                          int t) {
+  constexpr int D = 32 * NC + 16 * TAIL;
 #pragma unroll
   for (int j = 0; j < 2; j++) {
     const bool ok = 8 * j + g < rows;
 #pragma unroll
     for (int c = 0; c < NC; c++)
-      r[j][c] = ok ? load_raw<8>(p + (size_t)8 * j * 32 * NC + 32 * c) : make_uint4(0, 0, 0, 0);
+      r.c[j][c] = ok ? load_raw<8>(p + (size_t)8 * j * D + 32 * c) : make_uint4(0, 0, 0, 0);
+    if (TAIL)
+      r.t[j] = ok ? load_raw<4>(p + (size_t)8 * j * D + 32 * NC - 4 * t) : make_uint2(0, 0);
   }
 }
 
 #endif
 
-// NC: head_dim / 32. Lane (g, t) = (lane / 4, lane % 4) holds query head g and, of every
-// 32-dim chunk c, dims 32c + 8t .. 32c + 8t + 7: of q, of the output, and of the K and V rows
-// it loads (rows 8j + g of a 16-position step).
-template <int NC>
-__global__ void __launch_bounds__(kMmaThreads, mma_min_blocks(32 * NC))
+// head_dim = 32 NC + 16 TAIL. Lane (g, t) = (lane / 4, lane % 4) holds query head g and, of
+// every 32-dim chunk c, dims 32c + 8t .. 32c + 8t + 7, and of the tail dims 32 NC + 4t ..
+// 32 NC + 4t + 3: of q, of the output, and of the K and V rows it loads (rows 8j + g of a
+// 16-position step).
+template <int NC, int TAIL>
+__global__ void __launch_bounds__(kMmaThreads, mma_min_blocks(32 * NC + 16 * TAIL))
     attn_mma_kernel(const AttnArgs a, const m40llm_attn_plan plan) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  constexpr int D = 32 * NC;
+  constexpr int D = 32 * NC + 16 * TAIL;
   constexpr int G = kMaxGroupTile;
   static_assert(G == 8, "query heads fill rows 0-7 of the MMA");
   // The warps' results, merged at the end: output [warp][head][dim], max and sum [warp][head].
@@ -95,22 +107,27 @@ __global__ void __launch_bounds__(kMmaThreads, mma_min_blocks(32 * NC))
   const __half *kp = b.k + row_offset;
   const __half *vp = b.v + row_offset;
   int p0 = b.p_begin + kMmaRows * warp;
-  uint4 kr[2][NC], vr[2][NC];
-  load_step<NC>(kr, kp, b.p_end - p0, g);
-  load_step<NC>(vr, vp, b.p_end - p0, g);
+  Step<NC, TAIL> kr, vr;
+  load_step(kr, kp, b.p_end - p0, g, t);
+  load_step(vr, vp, b.p_end - p0, g, t);
 
   // q in the log2 domain, then scaled by 2^e so its largest magnitude is near 2^13.
-  float qf[NC][8];
+  float qf[NC][8], qt[4];
   float qmax = 0.0f;
   {
-    const float *qrow = a.q + ((size_t)b.item * a.n_heads + b.h0 + g) * D + 8 * t;
+    const float *qrow = a.q + ((size_t)b.item * a.n_heads + b.h0 + g) * D;
 #pragma unroll
     for (int c = 0; c < NC; c++)
 #pragma unroll
       for (int j = 0; j < 8; j++) {
-        qf[c][j] = g < b.nh ? qrow[32 * c + j] * a.q_scale : 0.0f;
+        qf[c][j] = g < b.nh ? qrow[32 * c + 8 * t + j] * a.q_scale : 0.0f;
         qmax = fmaxf(qmax, fabsf(qf[c][j]));
       }
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+      qt[j] = TAIL && g < b.nh ? qrow[32 * NC + 4 * t + j] * a.q_scale : 0.0f;
+      qmax = fmaxf(qmax, fabsf(qt[j]));
+    }
   }
   qmax = warp_max(qmax);
   int e = 0;
@@ -119,7 +136,9 @@ __global__ void __launch_bounds__(kMmaThreads, mma_min_blocks(32 * NC))
   const float up = ldexpf(1.0f, shift), down = ldexpf(1.0f, -shift);
   // A fragments, k step (c, h): a0 = dims 32c + 8t + 4h + {0, 1}, a2 = the next two, kept in
   // shared memory as word 2h + r of [c][lane] (registers go to loads in flight instead).
+  // The tail's k step: a0 = dims 32 NC + 4t + {0, 1}, a2 = the next two.
   __shared__ uint4 s_qhi[NC][32], s_qlo[NC][32];
+  __shared__ uint2 s_qthi[32], s_qtlo[32];
   if (warp == 0) {
 #pragma unroll
     for (int c = 0; c < NC; c++) {
@@ -129,15 +148,24 @@ __global__ void __launch_bounds__(kMmaThreads, mma_min_blocks(32 * NC))
       s_qhi[c][lane] = make_uint4(hi[0], hi[1], hi[2], hi[3]);
       s_qlo[c][lane] = make_uint4(lo[0], lo[1], lo[2], lo[3]);
     }
+    if (TAIL) {
+      uint32_t hi[2], lo[2];
+#pragma unroll
+      for (int w = 0; w < 2; w++) split_pair(qt[2 * w] * up, qt[2 * w + 1] * up, hi[w], lo[w]);
+      s_qthi[lane] = make_uint2(hi[0], hi[1]);
+      s_qtlo[lane] = make_uint2(lo[0], lo[1]);
+    }
   }
   __syncthreads();
 
   float m_run = -INFINITY, l_run = 0.0f;  // over this warp's positions; l per lane
   float o[NC][4][2];  // dims 32c + 8t + 2i + {0, 1}
+  float ot[2][2];     // the tail's dims 32 NC + 4t + 2i + {0, 1}
 #pragma unroll
   for (int c = 0; c < NC; c++)
 #pragma unroll
     for (int i = 0; i < 4; i++) o[c][i][0] = o[c][i][1] = 0.0f;
+  ot[0][0] = ot[0][1] = ot[1][0] = ot[1][1] = 0.0f;
 
   for (; p0 < b.p_end; p0 += kStep) {
     const int rows = min(kMmaRows, b.p_end - p0);
@@ -153,10 +181,15 @@ __global__ void __launch_bounds__(kMmaThreads, mma_min_blocks(32 * NC))
         const uint4 qh = s_qhi[c][lane], ql = s_qlo[c][lane];
 #pragma unroll
         for (int h = 0; h < 2; h++) {
-          const uint32_t b0 = word(kr[j][c], 2 * h), b1 = word(kr[j][c], 2 * h + 1);
+          const uint32_t b0 = word(kr.c[j][c], 2 * h), b1 = word(kr.c[j][c], 2 * h + 1);
           mma_rows0to7(s[j], word(ql, 2 * h), word(ql, 2 * h + 1), b0, b1);
           mma_rows0to7(s[j], word(qh, 2 * h), word(qh, 2 * h + 1), b0, b1);
         }
+      }
+      if (TAIL) {
+        const uint2 qh = s_qthi[lane], ql = s_qtlo[lane];
+        mma_rows0to7(s[j], ql.x, ql.y, kr.t[j].x, kr.t[j].y);
+        mma_rows0to7(s[j], qh.x, qh.y, kr.t[j].x, kr.t[j].y);
       }
     }
 
@@ -184,7 +217,7 @@ __global__ void __launch_bounds__(kMmaThreads, mma_min_blocks(32 * NC))
       }
     l_run = l_run * alpha + sum;
     kp += (size_t)kStep * D;
-    load_step<NC>(kr, kp, next_rows, g);
+    load_step(kr, kp, next_rows, g, t);
     uint32_t p_hi[2], p_lo[2];  // A fragment: positions 2t + {0, 1}, then 8 + 2t + {0, 1}
     split_pair(s[0][0], s[0][1], p_hi[0], p_lo[0]);
     split_pair(s[1][0], s[1][1], p_hi[1], p_lo[1]);
@@ -197,13 +230,24 @@ __global__ void __launch_bounds__(kMmaThreads, mma_min_blocks(32 * NC))
       for (int i = 0; i < 4; i++) {
         o[c][i][0] *= alpha;
         o[c][i][1] *= alpha;
-        const uint32_t b0 = transpose8x8(word(vr[0][c], i));
-        const uint32_t b1 = transpose8x8(word(vr[1][c], i));
+        const uint32_t b0 = transpose8x8(word(vr.c[0][c], i));
+        const uint32_t b1 = transpose8x8(word(vr.c[1][c], i));
         mma_rows0to7(o[c][i], p_lo[0], p_lo[1], b0, b1);
         mma_rows0to7(o[c][i], p_hi[0], p_hi[1], b0, b1);
       }
+    if (TAIL) {
+#pragma unroll
+      for (int i = 0; i < 2; i++) {
+        ot[i][0] *= alpha;
+        ot[i][1] *= alpha;
+        const uint32_t b0 = transpose8x8(i ? vr.t[0].y : vr.t[0].x);
+        const uint32_t b1 = transpose8x8(i ? vr.t[1].y : vr.t[1].x);
+        mma_rows0to7(ot[i], p_lo[0], p_lo[1], b0, b1);
+        mma_rows0to7(ot[i], p_hi[0], p_hi[1], b0, b1);
+      }
+    }
     vp += (size_t)kStep * D;
-    load_step<NC>(vr, vp, next_rows, g);
+    load_step(vr, vp, next_rows, g, t);
   }
 
   l_run += __shfl_xor_sync(0xffffffffu, l_run, 1);
@@ -218,6 +262,9 @@ __global__ void __launch_bounds__(kMmaThreads, mma_min_blocks(32 * NC))
     dst[0] = make_float4(o[c][0][0], o[c][0][1], o[c][1][0], o[c][1][1]);
     dst[1] = make_float4(o[c][2][0], o[c][2][1], o[c][3][0], o[c][3][1]);
   }
+  if (TAIL)
+    *reinterpret_cast<float4 *>(&s_o[warp][g][32 * NC + 4 * t]) =
+        make_float4(ot[0][0], ot[0][1], ot[1][0], ot[1][1]);
   __syncthreads();
 
   // Merge the warps (a warp past the split's end has max -inf and weight 0).
@@ -244,10 +291,13 @@ __global__ void __launch_bounds__(kMmaThreads, mma_min_blocks(32 * NC))
 
 SplitKernel attn_mma_kernel_for(int head_dim) {
   switch (head_dim) {
-    case 32: return attn_mma_kernel<1>;
-    case 64: return attn_mma_kernel<2>;
-    case 96: return attn_mma_kernel<3>;
-    case 128: return attn_mma_kernel<4>;
+    case 32: return attn_mma_kernel<1, 0>;
+    case 48: return attn_mma_kernel<1, 1>;
+    case 64: return attn_mma_kernel<2, 0>;
+    case 80: return attn_mma_kernel<2, 1>;
+    case 96: return attn_mma_kernel<3, 0>;
+    case 112: return attn_mma_kernel<3, 1>;
+    case 128: return attn_mma_kernel<4, 0>;
     default: return nullptr;
   }
 }

@@ -16,8 +16,8 @@ struct m40llm_cuda_state {
   void *workspace;  // split-K partials, grown only by m40llm_cuda_reserve_for or a larger call
   size_t workspace_bytes;
   int occupancy[4][33];  // resident attention blocks per SM, by [log2 group tile][head_dim / 8]
-  int occupancy_mma[5];  // the same for the tensor-core kernel, by head_dim / 32
-  signed char mma_usable[5];  // whether this build runs it here, by head_dim / 32: 0 = not asked
+  int occupancy_mma[9];  // the same for the tensor-core kernel, by head_dim / 16
+  signed char mma_usable[9];  // whether this build runs it here, by head_dim / 16: 0 = not asked
   signed char combine_pdl;    // whether the combine launch may overlap the split kernel: 0 = not asked
 };
 

@@ -701,6 +701,7 @@ void t_cases_attention_basic(m40llm_context *ctx) {
   attention_shape(ctx, 6, 3, 32);
   attention_extreme_logits(ctx, 4, 2, 16);
   attention_extreme_logits(ctx, 16, 2, 128); /* the tensor-core kernel on sm_80+ */
+  attention_extreme_logits(ctx, 12, 4, 80);  /* the same with a 16-dim tail */
   t_set_case("");
 }
 
