@@ -54,6 +54,8 @@ def add_filter_args(p):
     p.add_argument("--ctx", default="", help="filter, e.g. 512,2K,128K")
     p.add_argument("--heads", default="", help="filter, e.g. 32/32,32/8")
     p.add_argument("--dim", default="", help="filter, e.g. 128")
+    p.add_argument("--shape", action="append", default=[], metavar="B,H,Hkv,D,L",
+                   help="this shape instead of the grid (repeatable; filters still apply)")
 
 
 def filter_argv(args):
@@ -65,11 +67,14 @@ def filter_argv(args):
         v = getattr(args, name)
         if v:
             out += ["--" + name, v]
+    for s in args.shape:  # as plain integers: bench_attention does not read "32K"
+        out += ["--shape", ",".join(str(x) for x in parse_list(s))]
     return out
 
 
 def select(args, base=None):
-    base = full_grid(args.quick) if base is None else base
+    if base is None:
+        base = [tuple(parse_list(s)) for s in args.shape] if args.shape else full_grid(args.quick)
     bs, ls, ds, hs = parse_list(args.batch), parse_list(args.ctx), parse_list(args.dim), parse_heads(args.heads)
     return [s for s in base
             if (not bs or s[0] in bs) and (not ls or s[4] in ls) and (not ds or s[3] in ds)

@@ -54,6 +54,8 @@ __device__ __forceinline__ uint32_t word(const uint4 &v, int i) {
   return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
 
+__device__ __forceinline__ uint32_t word(const uint2 &v, int i) { return i == 0 ? v.x : v.y; }
+
 // One 16-position step of K or V rows (D halves each) for this lane: rows 8j + g, 16 bytes of
 // every 32-dim chunk and 8 of the tail (p points at the lane's first chunk). Rows past the end
 // (rows <= 0: no step) read as zeros: their weight is 0, and 0 x garbage could be NaN.
@@ -240,8 +242,8 @@ __global__ void __launch_bounds__(kMmaThreads, mma_min_blocks(32 * NC + 16 * TAI
       for (int i = 0; i < 2; i++) {
         ot[i][0] *= alpha;
         ot[i][1] *= alpha;
-        const uint32_t b0 = transpose8x8(i ? vr.t[0].y : vr.t[0].x);
-        const uint32_t b1 = transpose8x8(i ? vr.t[1].y : vr.t[1].x);
+        const uint32_t b0 = transpose8x8(word(vr.t[0], i));
+        const uint32_t b1 = transpose8x8(word(vr.t[1], i));
         mma_rows0to7(ot[i], p_lo[0], p_lo[1], b0, b1);
         mma_rows0to7(ot[i], p_hi[0], p_hi[1], b0, b1);
       }

@@ -261,10 +261,10 @@ static void test_wide_batch(void) {
   t_kv_destroy(&kv);
 }
 
-/* Split launches share the context's scratch (partials, workspace) between caches and calls.
- * Two caches with different head layouts (32/8 and 12/12 heads) and split counts take turns on
- * one context; every call is checked against the reference and must repeat the first call's
- * output bit for bit (no state leaks from one launch into the next). */
+/* Split launches share the context's split-K scratch between caches and calls. Two caches with
+ * different head layouts (32/8 and 12/12 heads) and split counts take turns on one context;
+ * every call is checked against the reference and must repeat the first call's output bit for
+ * bit (no state leaks from one launch into the next). */
 static void test_repeated_split_calls(void) {
   t_kv a, b;
   t_set_case("repeated split calls: setup");
@@ -289,7 +289,7 @@ static void test_repeated_split_calls(void) {
       t_kv_check_attention(&a, 0, ids_a, 3, qa, 0.0f, 1e-5, 1, rep ? got_a : first_a);
       t_set_case("repeated split calls: 12/12 heads, 2 sequences, call %d", rep);
       t_kv_check_attention(&b, 0, ids_b, 2, qb, 0.0f, 1e-5, 1, rep ? got_b : first_b);
-      /* one sequence alone: all its splits in one launch, other counters untouched */
+      /* one sequence alone in between: a different split layout over the same scratch */
       t_set_case("repeated split calls: 32/8 heads, 1 sequence, call %d", rep);
       t_kv_check_attention(&a, 0, ids_a, 1, qa, 0.0f, 1e-5, 1, NULL);
       if (rep) {
