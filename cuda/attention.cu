@@ -380,21 +380,66 @@ struct SplitPass {
   size_t smem;
   int tile;    // positions a block consumes per step: split chunks are multiples of it
   int target;  // SMs x resident blocks x waves
+  int stages;  // AttnArgs::stages
 };
 
-// The tensor-core kernel, where the group is big enough for it to pay and this build has it
-// compiled for sm_80+ (a compute_52-only build runs the FP32 kernel on every GPU).
-int mma_kernel_if_usable(m40llm_cuda_state *st, const Grouping &g, int head_dim, SplitKernel *out) {
-  *out = nullptr;
-  const SplitKernel k = attn_mma_kernel_for(head_dim);
-  if (!k || st->cc_major < 8 || g.group < kMmaMinGroup) return M40LLM_OK;
-  signed char &usable = st->mma_usable[head_dim / 16];
-  if (usable == 0) {
+// The tensor-core kernel's dynamic shared memory: its warps' outputs for the merge, or, where
+// it stages K/V steps, that many steps per warp, which the outputs reuse after the loop.
+size_t mma_smem_bytes(int head_dim, int stages) {
+  const size_t outputs = (size_t)kMmaWarps * kMaxGroupTile * head_dim * sizeof(float);
+  const size_t staged = (size_t)stages * kMmaWarps * 2 * kMmaRows * head_dim * sizeof(__half);
+  return staged > outputs ? staged : outputs;
+}
+
+// Steps per warp a staged image keeps in flight: as many as fit with mma_min_blocks() blocks
+// on an SM, from 2 (fewer resident blocks rather than no overlap) up to kMmaMaxStages; 0 where
+// not even one fits in a block.
+int mma_stages_for(const m40llm_cuda_state *st, int head_dim, size_t static_smem) {
+  const size_t step = mma_smem_bytes(head_dim, 1);
+  const size_t block_max = st->smem_per_block - static_smem;
+  const size_t per_block = st->smem_per_sm / mma_min_blocks(head_dim);
+  const size_t share = per_block > st->smem_reserved_per_block + static_smem
+                           ? per_block - st->smem_reserved_per_block - static_smem
+                           : 0;
+  int stages = (int)(share / step);
+  if (stages < 2) stages = 2;
+  if (stages > kMmaMaxStages) stages = kMmaMaxStages;
+  while (stages > 0 && mma_smem_bytes(head_dim, stages) > block_max) stages--;
+  return stages;
+}
+
+// The tensor-core kernel, staged or not, where this build has it for this GPU (sm_80+; a
+// compute_52-only build runs the FP32 kernel on every GPU, and only sm_90+ images stage). The
+// first call per kernel sizes its shared memory and asks its occupancy. No kernel: null.
+int mma_pass(m40llm_cuda_state *st, int head_dim, bool staged, SplitPass *out) {
+  *out = SplitPass{nullptr, kMmaThreads, 0, kMmaRows * kMmaWarps, 0, 0};
+  const SplitKernel k = attn_mma_kernel_for(head_dim, staged);
+  if (!k || st->cc_major < (staged ? 9 : 8) || (staged && !M40LLM_MMA_BULK_BUILT))
+    return M40LLM_OK;
+  auto &info = st->mma[staged][head_dim / 16];
+  if (info.usable == 0) {
     cudaFuncAttributes attr;
     M40LLM_CUDA_TRY(cudaFuncGetAttributes(&attr, k));
-    usable = attr.ptxVersion >= 80 ? 1 : -1;
+    const int stages = staged ? mma_stages_for(st, head_dim, attr.sharedSizeBytes) : 0;
+    if (attr.ptxVersion < (staged ? 90 : 80) || (staged && stages == 0)) {
+      info.usable = -1;
+      return M40LLM_OK;
+    }
+    const size_t smem = mma_smem_bytes(head_dim, stages);
+    M40LLM_CUDA_TRY(
+        cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    int occ = 0;
+    M40LLM_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, k, kMmaThreads, smem));
+    info.usable = 1;
+    info.stages = (signed char)stages;
+    info.smem = (int)smem;
+    info.occupancy = occ > 1 ? occ : 1;
   }
-  if (usable > 0) *out = k;
+  if (info.usable < 0) return M40LLM_OK;
+  out->kernel = k;
+  out->smem = (size_t)info.smem;
+  out->stages = info.stages;
+  out->target = st->sm_count * info.occupancy * kMmaWaves;
   return M40LLM_OK;
 }
 
@@ -431,27 +476,33 @@ int launch_combine(m40llm_cuda_state *st, const AttnArgs &a, const m40llm_attn_p
   return M40LLM_OK;
 }
 
-int split_pass_for(m40llm_cuda_state *st, const m40llm_kvcache_options *o, const Grouping &g,
-                   SplitPass *out) {
-  SplitKernel mma = nullptr;
-  int rc = mma_kernel_if_usable(st, g, o->head_dim, &mma);
-  if (rc != M40LLM_OK) return rc;
-  int *occ;
-  if (mma) {
-    *out = SplitPass{mma, kMmaThreads, 0, kMmaRows * kMmaWarps, 0};
-    occ = &st->occupancy_mma[o->head_dim / 16];
-  } else {
-    *out = SplitPass{split_kernel_for(g.gt, o->head_dim), kAttnThreads,
-                     split_smem_bytes(g.gt, o->head_dim), tile_rows(g.gt, dmax_for(o->head_dim)),
-                     0};
-    occ = &st->occupancy[log2_small(g.gt)][o->head_dim / 8];
+// The split passes for a cache: the tensor-core kernel for GQA groups where this build and GPU
+// have it, else the FP32 kernel. From kMmaStagedMinDim on, where they can, the tensor-core
+// kernel stages K/V; plans whose splits are too short for that to pay take `direct`, the same
+// kernel loading through registers (without staging, direct is the pass itself).
+int split_passes_for(m40llm_cuda_state *st, const m40llm_kvcache_options *o, const Grouping &g,
+                     SplitPass *pass, SplitPass *direct) {
+  if (g.group >= kMmaMinGroup) {
+    int rc = mma_pass(st, o->head_dim, false, direct);
+    if (rc == M40LLM_OK && direct->kernel && o->head_dim >= kMmaStagedMinDim)
+      rc = mma_pass(st, o->head_dim, true, pass);
+    if (rc != M40LLM_OK) return rc;
+    if (direct->kernel) {
+      if (o->head_dim < kMmaStagedMinDim || !pass->kernel) *pass = *direct;
+      return M40LLM_OK;
+    }
   }
-  if (*occ == 0) {
-    M40LLM_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(occ, out->kernel, out->threads,
-                                                                  out->smem));
-    if (*occ < 1) *occ = 1;
+  *pass = SplitPass{split_kernel_for(g.gt, o->head_dim), kAttnThreads,
+                    split_smem_bytes(g.gt, o->head_dim), tile_rows(g.gt, dmax_for(o->head_dim)),
+                    0, 0};
+  int &occ = st->occupancy[log2_small(g.gt)][o->head_dim / 8];
+  if (occ == 0) {
+    M40LLM_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, pass->kernel,
+                                                                  pass->threads, pass->smem));
+    if (occ < 1) occ = 1;
   }
-  out->target = st->sm_count * *occ * (mma ? kMmaWaves : kAttnWaves);
+  pass->target = st->sm_count * occ * kAttnWaves;
+  *direct = *pass;
   return M40LLM_OK;
 }
 
@@ -479,11 +530,12 @@ extern "C" int m40llm_cuda_reserve_for(m40llm_kvcache *c) {
   M40LLM_CUDA_ENTER(c->ctx);
   const m40llm_kvcache_options *o = &c->opts;
   const Grouping g = grouping_for(o);
-  SplitPass pass;
-  const int rc = split_pass_for(c->ctx->cuda, o, g, &pass);
+  SplitPass pass, direct;
+  const int rc = split_passes_for(c->ctx->cuda, o, g, &pass, &direct);
   if (rc != M40LLM_OK) return rc;
-  // The bound attention_plan.h promises.
-  const int max_splits = 3 * ((pass.target + g.units - 1) / g.units) + 1;
+  // The bound attention_plan.h promises, for either pass's plans.
+  const int target = pass.target > direct.target ? pass.target : direct.target;
+  const int max_splits = 3 * ((target + g.units - 1) / g.units) + 1;
   return ensure_workspace(c->ctx, partial_bytes(max_splits, o->n_heads, o->head_dim));
 }
 
@@ -496,13 +548,18 @@ extern "C" int m40llm_cuda_attention(const m40llm_kvcache *c, int layer, const i
   const m40llm_kvcache_options *o = &c->opts;
   const Grouping g = grouping_for(o);
 
-  SplitPass pass;
-  int rc = split_pass_for(st, o, g, &pass);
+  SplitPass pass, direct;
+  int rc = split_passes_for(st, o, g, &pass, &direct);
   if (rc != M40LLM_OK) return rc;
   m40llm_attn_plan plan;
   const int min_chunk = kSplitRowsPerHead * g.gt > pass.tile ? kSplitRowsPerHead * g.gt : pass.tile;
   m40llm_attn_plan_build(&plan, seq_ids, lens, n_seqs, g.units, pass.target, st->sm_count,
                          min_chunk, pass.tile);
+  if (pass.stages > 0 && plan.chunk < kMmaStagedMinSteps * pass.tile) {
+    pass = direct;  // as many blocks as it fits: its splits are no longer
+    m40llm_attn_plan_build(&plan, seq_ids, lens, n_seqs, g.units, pass.target, st->sm_count,
+                           min_chunk, pass.tile);
+  }
 
   AttnArgs a;
   const size_t layer_offset = m40llm_kv_offset(o, layer, 0, 0, 0);
@@ -526,6 +583,7 @@ extern "C" int m40llm_cuda_attention(const m40llm_kvcache *c, int layer, const i
   a.head_tiles = g.head_tiles;
   a.head_dim = o->head_dim;
   a.q_scale = scale * kLog2e;
+  a.stages = pass.stages;
 
   const dim3 grid((unsigned)plan.total_splits, (unsigned)g.units);
   pass.kernel<<<grid, pass.threads, pass.smem, st->stream>>>(a, plan);

@@ -5,6 +5,7 @@
 
 #include "attention_plan.h"
 #include "common.cuh"
+#include "tuning.cuh"
 
 struct AttnArgs {
   const __half *k;  // this layer's K: [seq][kv_head][pos][dim]
@@ -21,6 +22,7 @@ struct AttnArgs {
   int head_tiles;   // blocks per K/V head along grid y
   int head_dim;
   float q_scale;    // scale * log2(e)
+  int stages;       // tensor-core kernel: K/V steps each warp stages in shared memory (0: none)
 };
 
 using SplitKernel = void (*)(AttnArgs, m40llm_attn_plan);
@@ -90,6 +92,16 @@ __device__ __forceinline__ void wait_for_prerequisite_grid() {
 #endif
 }
 
+// Whether this compiler builds the tensor-core kernel's sm_90+ images with K/V steps staged in
+// shared memory by bulk copies (PTX 8.0: CUDA 12+).
+#if defined(__CUDACC_VER_MAJOR__) && __CUDACC_VER_MAJOR__ >= 12 && M40LLM_MMA_BULK
+#define M40LLM_MMA_BULK_BUILT 1
+#else
+#define M40LLM_MMA_BULK_BUILT 0
+#endif
+
 // The tensor-core split kernel for this head_dim, or null where it does not apply (head_dim
-// not a multiple of 16 from 32 to 128). Whether it can run is for the caller to ask the runtime.
-SplitKernel attn_mma_kernel_for(int head_dim);
+// not a multiple of 16 from 32 to 128). Staged: its sm_90+ images (M40LLM_MMA_BULK_BUILT)
+// stage K/V in shared memory, AttnArgs::stages steps per warp; elsewhere it is the same as the
+// kernel that loads through registers. Whether it can run is for the caller to ask the runtime.
+SplitKernel attn_mma_kernel_for(int head_dim, bool staged);

@@ -18,6 +18,8 @@
 
 #include <stdint.h>
 
+#include <type_traits>
+
 namespace {
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
@@ -65,7 +67,14 @@ struct Step {
   uint2 t[2];  // dims 32 NC + 4t .. 32 NC + 4t + 3 (unused without a tail)
 };
 
-template <int NC, int TAIL>
+// N halves from global memory (read-only path) or from a step staged in shared memory.
+template <bool kShared, int N>
+__device__ __forceinline__ typename HalfVec<N>::Raw load_halves(const __half *p) {
+  if constexpr (kShared) return *reinterpret_cast<const typename HalfVec<N>::Raw *>(p);
+  else return load_raw<N>(p);
+}
+
+template <bool kShared, int NC, int TAIL>
 __device__ __forceinline__ void load_step(Step<NC, TAIL> &r, const __half *p, int rows, int g,
                                           int t) {
   constexpr int D = 32 * NC + 16 * TAIL;
@@ -74,44 +83,191 @@ __device__ __forceinline__ void load_step(Step<NC, TAIL> &r, const __half *p, in
     const bool ok = 8 * j + g < rows;
 #pragma unroll
     for (int c = 0; c < NC; c++)
-      r.c[j][c] = ok ? load_raw<8>(p + (size_t)8 * j * D + 32 * c) : make_uint4(0, 0, 0, 0);
+      r.c[j][c] = ok ? load_halves<kShared, 8>(p + (size_t)8 * j * D + 32 * c) : make_uint4(0, 0, 0, 0);
     if (TAIL)
-      r.t[j] = ok ? load_raw<4>(p + (size_t)8 * j * D + 32 * NC - 4 * t) : make_uint2(0, 0);
+      r.t[j] = ok ? load_halves<kShared, 4>(p + (size_t)8 * j * D + 32 * NC - 4 * t) : make_uint2(0, 0);
   }
 }
 
+#endif
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && M40LLM_MMA_BULK_BUILT
+#define M40LLM_MMA_STAGED_HERE 1
+
+__device__ __forceinline__ uint32_t smem_addr(const void *p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// A warp's transaction barrier for one staging slot: one arrival (its lane 0, which also
+// announces the bytes to come), completed when the copy engine has written them.
+__device__ __forceinline__ void barrier_init(uint64_t *bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(bar)) : "memory");
+}
+
+// Makes initialised barriers visible to the copy engine.
+__device__ __forceinline__ void barrier_init_fence() {
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+
+__device__ __forceinline__ void barrier_expect(uint64_t *bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)),
+               "r"(bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void barrier_wait(uint64_t *bar, uint32_t parity) {
+  uint32_t done;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n}"
+        : "=r"(done)
+        : "r"(smem_addr(bar)), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+
+__device__ __forceinline__ void bulk_copy(void *dst, const void *src, uint32_t bytes,
+                                          uint64_t *bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+      ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar))
+      : "memory");
+}
+#endif
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+// Where a warp's K/V steps come from. Each holds the current step's rows in k and v, and is
+// called at three points of the kernel's loop over steps (p0: the step's first position):
+//   before_scores(p0)  k holds the step's K rows after it
+//   after_scores(p0)   v holds its V rows after it; k is free
+//   after_output(p0)   v is free
+// Rows p_end and on read as zeros.
+
+// Loads through registers: K and V are double-buffered by halves. The next step's K loads go
+// out once the scores are taken, its V loads once the output is updated, so a warp always has
+// loads in flight; the first step's go out at construction, before q is read.
+template <int NC, int TAIL>
+struct RegisterSteps {
+  static constexpr int D = 32 * NC + 16 * TAIL;
+  static constexpr int kStep = kMmaRows * kMmaWarps;
+  Step<NC, TAIL> k, v;
+  const __half *kp, *vp;  // this lane's first element of the step in k and v
+  int p_end, g, t;
+
+  __device__ RegisterSteps(const SplitBlock &b, int p0, int lane, void * /*smem*/, int /*stages*/)
+      : p_end(b.p_end), g(lane >> 2), t(lane & 3) {
+    const size_t offset = (size_t)(p0 + g) * D + 8 * t;
+    kp = b.k + offset;
+    vp = b.v + offset;
+    load_step<false>(k, kp, p_end - p0, g, t);
+    load_step<false>(v, vp, p_end - p0, g, t);
+  }
+  __device__ void before_scores(int) {}
+  __device__ void after_scores(int p0) {
+    kp += (size_t)kStep * D;
+    load_step<false>(k, kp, p_end - (p0 + kStep), g, t);
+  }
+  __device__ void after_output(int p0) {
+    vp += (size_t)kStep * D;
+    load_step<false>(v, vp, p_end - (p0 + kStep), g, t);
+  }
+};
+
+// sm_90: the copy engine stages steps n, n + 1, .. of a warp in its slots n % stages of shared
+// memory (slot [stage][warp]: the step's K rows, then its V rows, as in memory). Lane 0 asks
+// for a step's K and V as soon as its slot is free, so up to `stages` steps are in flight and
+// hold no registers; the first ones go out at construction, before q is read.
+template <int NC, int TAIL>
+struct StagedSteps;
+
+#if M40LLM_MMA_STAGED_HERE
+template <int NC, int TAIL>
+struct StagedSteps {
+  static constexpr int D = 32 * NC + 16 * TAIL;
+  static constexpr int kStep = kMmaRows * kMmaWarps;
+  static constexpr int kSlotHalves = 2 * kMmaRows * D;
+  Step<NC, TAIL> k, v;
+  const __half *kg, *vg;  // the sequence's K and V rows
+  __half *slots;          // this warp's slot 0
+  uint64_t *bars;         // this warp's barriers, one per slot: [stage][warp]
+  int p_end, stages, lane, slot = 0;
+  uint32_t parity = 0;
+
+  __device__ StagedSteps(const SplitBlock &b, int p0, int lane_, void *smem, int stages_)
+      : kg(b.k), vg(b.v), p_end(b.p_end), stages(stages_), lane(lane_) {
+    __shared__ uint64_t s_bar[kMmaMaxStages][kMmaWarps];
+    const int warp = threadIdx.x >> 5;
+    slots = static_cast<__half *>(smem) + (size_t)warp * kSlotHalves;
+    bars = &s_bar[0][warp];
+    if (lane == 0) {
+      for (int s = 0; s < stages; s++) barrier_init(bar(s));
+      barrier_init_fence();
+      for (int s = 0; s < stages; s++) request(s, p0 + s * kStep);
+    }
+  }
+  __device__ uint64_t *bar(int s) const { return bars + s * kMmaWarps; }
+  __device__ __half *slot_rows(int s) const { return slots + (size_t)s * kMmaWarps * kSlotHalves; }
+  // Lane 0: positions p .. p + 15 into slot s.
+  __device__ void request(int s, int p) {
+    const int rows = min(kMmaRows, p_end - p);
+    if (rows <= 0) return;
+    const uint32_t bytes = (uint32_t)(rows * D * sizeof(__half));
+    barrier_expect(bar(s), 2 * bytes);
+    bulk_copy(slot_rows(s), kg + (size_t)p * D, bytes, bar(s));
+    bulk_copy(slot_rows(s) + kMmaRows * D, vg + (size_t)p * D, bytes, bar(s));
+  }
+  __device__ void before_scores(int p0) {
+    barrier_wait(bar(slot), parity);
+    const int g = lane >> 2, t = lane & 3;
+    load_step<true>(k, slot_rows(slot) + g * D + 8 * t, p_end - p0, g, t);
+  }
+  __device__ void after_scores(int p0) {
+    const int g = lane >> 2, t = lane & 3;
+    load_step<true>(v, slot_rows(slot) + (kMmaRows + g) * D + 8 * t, p_end - p0, g, t);
+  }
+  __device__ void after_output(int p0) {
+    __syncwarp();  // every lane's reads of the slot are done (the MMAs consumed them)
+    if (lane == 0) request(slot, p0 + stages * kStep);
+    if (++slot == stages) {
+      slot = 0;
+      parity ^= 1;
+    }
+  }
+};
+#endif
 #endif
 
 // head_dim = 32 NC + 16 TAIL. Lane (g, t) = (lane / 4, lane % 4) holds query head g and, of
 // every 32-dim chunk c, dims 32c + 8t .. 32c + 8t + 7, and of the tail dims 32 NC + 4t ..
 // 32 NC + 4t + 3: of q, of the output, and of the K and V rows it loads (rows 8j + g of a
 // 16-position step).
-template <int NC, int TAIL>
+//
+// Dynamic shared memory: the staged kernel's slots (StagedSteps), then, after the loop, the
+// warps' outputs [warp][head][dim] for the merge; mma_smem_bytes() gives its size.
+template <int NC, int TAIL, bool STAGED>
 __global__ void __launch_bounds__(kMmaThreads, mma_min_blocks(32 * NC + 16 * TAIL))
     attn_mma_kernel(const AttnArgs a, const m40llm_attn_plan plan) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   constexpr int D = 32 * NC + 16 * TAIL;
   constexpr int G = kMaxGroupTile;
   static_assert(G == 8, "query heads fill rows 0-7 of the MMA");
-  // The warps' results, merged at the end: output [warp][head][dim], max and sum [warp][head].
-  __shared__ float s_o[kMmaWarps][G][D];
+#if M40LLM_MMA_STAGED_HERE
+  constexpr bool kStaged = STAGED;
+#else
+  constexpr bool kStaged = false;  // the host launches the staged kernel only where it is
+#endif
+  using Steps = std::conditional_t<kStaged, StagedSteps<NC, TAIL>, RegisterSteps<NC, TAIL>>;
+  extern __shared__ uint4 s_dyn[];
   __shared__ float s_m[kMmaWarps][G], s_l[kMmaWarps][G];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
   allow_dependent_launch();
   const SplitBlock b = split_block(a, plan, G);
 
-  // K and V are double-buffered by halves: the next step's K loads go out once the scores are
-  // taken, its V loads once the output is updated, so a warp always has loads in flight. The
-  // first step's go out before q is read.
   constexpr int kStep = kMmaRows * kMmaWarps;
-  const size_t row_offset = (size_t)(b.p_begin + kMmaRows * warp + g) * D + 8 * t;
-  const __half *kp = b.k + row_offset;
-  const __half *vp = b.v + row_offset;
   int p0 = b.p_begin + kMmaRows * warp;
-  Step<NC, TAIL> kr, vr;
-  load_step(kr, kp, b.p_end - p0, g, t);
-  load_step(vr, vp, b.p_end - p0, g, t);
+  Steps src(b, p0, lane, s_dyn, a.stages);
 
   // q in the log2 domain, then scaled by 2^e so its largest magnitude is near 2^13.
   float qf[NC][8], qt[4];
@@ -171,7 +327,7 @@ __global__ void __launch_bounds__(kMmaThreads, mma_min_blocks(32 * NC + 16 * TAI
 
   for (; p0 < b.p_end; p0 += kStep) {
     const int rows = min(kMmaRows, b.p_end - p0);
-    const int next_rows = b.p_end - (p0 + kStep);
+    src.before_scores(p0);
 
     // Scores: lane (g, t) gets heads g, positions 8j + 2t + {0, 1}.
     float s[2][2];
@@ -183,15 +339,15 @@ __global__ void __launch_bounds__(kMmaThreads, mma_min_blocks(32 * NC + 16 * TAI
         const uint4 qh = s_qhi[c][lane], ql = s_qlo[c][lane];
 #pragma unroll
         for (int h = 0; h < 2; h++) {
-          const uint32_t b0 = word(kr.c[j][c], 2 * h), b1 = word(kr.c[j][c], 2 * h + 1);
+          const uint32_t b0 = word(src.k.c[j][c], 2 * h), b1 = word(src.k.c[j][c], 2 * h + 1);
           mma_rows0to7(s[j], word(ql, 2 * h), word(ql, 2 * h + 1), b0, b1);
           mma_rows0to7(s[j], word(qh, 2 * h), word(qh, 2 * h + 1), b0, b1);
         }
       }
       if (TAIL) {
         const uint2 qh = s_qthi[lane], ql = s_qtlo[lane];
-        mma_rows0to7(s[j], ql.x, ql.y, kr.t[j].x, kr.t[j].y);
-        mma_rows0to7(s[j], qh.x, qh.y, kr.t[j].x, kr.t[j].y);
+        mma_rows0to7(s[j], ql.x, ql.y, src.k.t[j].x, src.k.t[j].y);
+        mma_rows0to7(s[j], qh.x, qh.y, src.k.t[j].x, src.k.t[j].y);
       }
     }
 
@@ -218,8 +374,7 @@ __global__ void __launch_bounds__(kMmaThreads, mma_min_blocks(32 * NC + 16 * TAI
         sum += s[j][x];
       }
     l_run = l_run * alpha + sum;
-    kp += (size_t)kStep * D;
-    load_step(kr, kp, next_rows, g, t);
+    src.after_scores(p0);
     uint32_t p_hi[2], p_lo[2];  // A fragment: positions 2t + {0, 1}, then 8 + 2t + {0, 1}
     split_pair(s[0][0], s[0][1], p_hi[0], p_lo[0]);
     split_pair(s[1][0], s[1][1], p_hi[1], p_lo[1]);
@@ -232,8 +387,8 @@ __global__ void __launch_bounds__(kMmaThreads, mma_min_blocks(32 * NC + 16 * TAI
       for (int i = 0; i < 4; i++) {
         o[c][i][0] *= alpha;
         o[c][i][1] *= alpha;
-        const uint32_t b0 = transpose8x8(word(vr.c[0][c], i));
-        const uint32_t b1 = transpose8x8(word(vr.c[1][c], i));
+        const uint32_t b0 = transpose8x8(word(src.v.c[0][c], i));
+        const uint32_t b1 = transpose8x8(word(src.v.c[1][c], i));
         mma_rows0to7(o[c][i], p_lo[0], p_lo[1], b0, b1);
         mma_rows0to7(o[c][i], p_hi[0], p_hi[1], b0, b1);
       }
@@ -242,14 +397,13 @@ __global__ void __launch_bounds__(kMmaThreads, mma_min_blocks(32 * NC + 16 * TAI
       for (int i = 0; i < 2; i++) {
         ot[i][0] *= alpha;
         ot[i][1] *= alpha;
-        const uint32_t b0 = transpose8x8(word(vr.t[0], i));
-        const uint32_t b1 = transpose8x8(word(vr.t[1], i));
+        const uint32_t b0 = transpose8x8(word(src.v.t[0], i));
+        const uint32_t b1 = transpose8x8(word(src.v.t[1], i));
         mma_rows0to7(ot[i], p_lo[0], p_lo[1], b0, b1);
         mma_rows0to7(ot[i], p_hi[0], p_hi[1], b0, b1);
       }
     }
-    vp += (size_t)kStep * D;
-    load_step(vr, vp, next_rows, g, t);
+    src.after_output(p0);
   }
 
   l_run += __shfl_xor_sync(0xffffffffu, l_run, 1);
@@ -258,6 +412,8 @@ __global__ void __launch_bounds__(kMmaThreads, mma_min_blocks(32 * NC + 16 * TAI
     s_m[warp][g] = m_run;
     s_l[warp][g] = l_run;
   }
+  if constexpr (kStaged) __syncthreads();  // the outputs take the slots: no warp may read them
+  float(*s_o)[G][D] = reinterpret_cast<float(*)[G][D]>(s_dyn);
 #pragma unroll
   for (int c = 0; c < NC; c++) {
     float4 *dst = reinterpret_cast<float4 *>(&s_o[warp][g][32 * c + 8 * t]);
@@ -289,17 +445,22 @@ __global__ void __launch_bounds__(kMmaThreads, mma_min_blocks(32 * NC + 16 * TAI
 #endif
 }
 
-}  // namespace
-
-SplitKernel attn_mma_kernel_for(int head_dim) {
+template <bool STAGED>
+SplitKernel mma_kernel_for(int head_dim) {
   switch (head_dim) {
-    case 32: return attn_mma_kernel<1, 0>;
-    case 48: return attn_mma_kernel<1, 1>;
-    case 64: return attn_mma_kernel<2, 0>;
-    case 80: return attn_mma_kernel<2, 1>;
-    case 96: return attn_mma_kernel<3, 0>;
-    case 112: return attn_mma_kernel<3, 1>;
-    case 128: return attn_mma_kernel<4, 0>;
+    case 32: return attn_mma_kernel<1, 0, STAGED>;
+    case 48: return attn_mma_kernel<1, 1, STAGED>;
+    case 64: return attn_mma_kernel<2, 0, STAGED>;
+    case 80: return attn_mma_kernel<2, 1, STAGED>;
+    case 96: return attn_mma_kernel<3, 0, STAGED>;
+    case 112: return attn_mma_kernel<3, 1, STAGED>;
+    case 128: return attn_mma_kernel<4, 0, STAGED>;
     default: return nullptr;
   }
+}
+
+}  // namespace
+
+SplitKernel attn_mma_kernel_for(int head_dim, bool staged) {
+  return staged ? mma_kernel_for<true>(head_dim) : mma_kernel_for<false>(head_dim);
 }

@@ -43,6 +43,9 @@ extern "C" int m40llm_cuda_init(m40llm_context *ctx, int device, void *user_stre
   st->owns_stream = user_stream == nullptr;
   st->sm_count = prop.multiProcessorCount;
   st->cc_major = prop.major;
+  st->smem_per_sm = prop.sharedMemPerMultiprocessor;
+  st->smem_per_block = prop.sharedMemPerBlockOptin;
+  st->smem_reserved_per_block = prop.reservedSharedMemPerBlock;
   ctx->cuda = st;
   return M40LLM_OK;
 }

@@ -13,11 +13,16 @@ struct m40llm_cuda_state {
   bool owns_stream;
   int sm_count;
   int cc_major;
+  size_t smem_per_sm, smem_per_block, smem_reserved_per_block;  // shared memory, in bytes
   void *workspace;  // split-K partials, grown only by m40llm_cuda_reserve_for or a larger call
   size_t workspace_bytes;
   int occupancy[4][33];  // resident attention blocks per SM, by [log2 group tile][head_dim / 8]
-  int occupancy_mma[9];  // the same for the tensor-core kernel, by head_dim / 16
-  signed char mma_usable[9];  // whether this build runs it here, by head_dim / 16: 0 = not asked
+  struct {
+    signed char usable;  // whether this build runs it here: 0 = not asked yet, 1 yes, -1 no
+    signed char stages;  // K/V steps per warp it stages in shared memory (0: in registers)
+    int smem;            // its dynamic shared memory, in bytes
+    int occupancy;       // resident blocks per SM
+  } mma[2][9];  // the tensor-core kernels, by [staged][head_dim / 16]
   signed char combine_pdl;    // whether the combine launch may overlap the split kernel: 0 = not asked
 };
 

@@ -79,15 +79,43 @@ constexpr int kMmaWaves = M40LLM_MMA_WAVES;
 constexpr int kMmaWarps = 4;
 constexpr int kMmaThreads = 32 * kMmaWarps;
 constexpr int kMmaRows = 16;
-// Resident blocks the register budget is set for, by head_dim. 3 (170 registers) spills from
-// head_dim 96 on: 112 B at 128, which ran 7-10% slower than 2 blocks on an H100 (override:
-// -DM40LLM_MMA_BLOCKS_WIDE=N).
+// Resident blocks the register budget (and the staged kernel's shared memory) is set for, by
+// head_dim. 3 (170 registers) spills from head_dim 96 on: 112 B at 128, which ran 7-10% slower
+// than 2 blocks on an H100. The staged kernel needs ~120 registers, but 3 of its blocks leave
+// room for 2 steps each, which ran 12% slower at head_dim 128 (override:
+// -DM40LLM_MMA_BLOCKS_WIDE=N, and -DM40LLM_MMA_BLOCKS_NARROW=N up to head_dim 64).
 #ifndef M40LLM_MMA_BLOCKS_WIDE
 #define M40LLM_MMA_BLOCKS_WIDE 2
 #endif
+#ifndef M40LLM_MMA_BLOCKS_NARROW
+#define M40LLM_MMA_BLOCKS_NARROW 3
+#endif
 __host__ __device__ constexpr int mma_min_blocks(int head_dim) {
-  return head_dim > 64 ? M40LLM_MMA_BLOCKS_WIDE : 3;
+  return head_dim > 64 ? M40LLM_MMA_BLOCKS_WIDE : M40LLM_MMA_BLOCKS_NARROW;
 }
+// sm_90+, built with CUDA 12+: each warp of the tensor-core kernel has its next K/V steps
+// copied into shared memory by the bulk-copy (TMA) engine, as many steps deep as fit beside the
+// resident blocks, up to kMmaMaxStages. Loads in flight then hold no registers and cost one
+// instruction per 16 rows. -DM40LLM_MMA_BULK=0 keeps them in registers, as on sm_80/89.
+#ifndef M40LLM_MMA_BULK
+#define M40LLM_MMA_BULK 1
+#endif
+#ifndef M40LLM_MMA_STAGES
+#define M40LLM_MMA_STAGES 4
+#endif
+constexpr int kMmaMaxStages = M40LLM_MMA_STAGES;
+// Where staging pays (H100, against loads through registers): from head_dim 80 on (B32 32/8
+// L8K: D80 74% -> 95% of copy, D128 94% -> 98%; D64 fell from 94% to 80% and stays on
+// registers), and for splits of at least this many steps per warp (a bulk copy's first bytes
+// arrive later than a load's: B1 32/8 D128 L512, 4 steps, 6.1 -> 6.5 us).
+#ifndef M40LLM_MMA_STAGED_MIN_DIM
+#define M40LLM_MMA_STAGED_MIN_DIM 80
+#endif
+#ifndef M40LLM_MMA_STAGED_MIN_STEPS
+#define M40LLM_MMA_STAGED_MIN_STEPS 8
+#endif
+constexpr int kMmaStagedMinDim = M40LLM_MMA_STAGED_MIN_DIM;
+constexpr int kMmaStagedMinSteps = M40LLM_MMA_STAGED_MIN_STEPS;
 #ifndef M40LLM_MMA_MIN_GROUP
 #define M40LLM_MMA_MIN_GROUP 2
 #endif

@@ -342,6 +342,14 @@ static void test_long_contexts(void) {
   long_case(28, 4, 80, 9000 + t_rand_int(0, 1000), 0.0f);
 }
 
+/* Splits of 512+ positions run the tensor-core kernel with K/V staged in shared memory on sm_90
+ * (head_dim 80+): a long sequence, batched with a 3-position one that ends inside a step. Runs
+ * in small mode too, so that compute-sanitizer sees the bulk copies. */
+static void test_long_gqa_splits(void) {
+  long_case(32, 8, 112, 16384 + t_rand_int(1, 999), 0.0f);
+  if (!small) long_case(64, 8, 128, 40000 + t_rand_int(1, 999), 0.0f);
+}
+
 /* ---- Batches ---------------------------------------------------------------------------------- */
 
 static void test_ragged_batch(void) {
@@ -530,6 +538,7 @@ int main(void) {
   test_big_batch();
   test_repeated_split_calls();
   if (!small) test_long_contexts();
+  test_long_gqa_splits();
   test_lockstep();
 
   t_set_case("final synchronize");
