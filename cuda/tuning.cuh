@@ -105,9 +105,11 @@ __host__ __device__ constexpr int mma_min_blocks(int head_dim) {
 #endif
 constexpr int kMmaMaxStages = M40LLM_MMA_STAGES;
 // Where staging pays (H100, against loads through registers): from head_dim 80 on (B32 32/8
-// L8K: D80 74% -> 95% of copy, D128 94% -> 98%; D64 fell from 94% to 80% and stays on
-// registers), and for splits of at least this many steps per warp (a bulk copy's first bytes
-// arrive later than a load's: B1 32/8 D128 L512, 4 steps, 6.1 -> 6.5 us).
+// L8K: D80 74% -> 95% of copy, D128 94% -> 98%), and for splits of at least this many steps
+// per warp (a bulk copy's first bytes arrive later than a load's: B1 32/8 D128 L512, 4 steps,
+// 6.1 -> 6.5 us). D64 fell from 94% to 80%: its slots leave room for 3 blocks per SM where the
+// register kernel fits 4, and B32's 512 blocks then took 1.29 waves instead of 0.97; sized for
+// 4 blocks (3 steps), it only matched registers.
 #ifndef M40LLM_MMA_STAGED_MIN_DIM
 #define M40LLM_MMA_STAGED_MIN_DIM 80
 #endif
