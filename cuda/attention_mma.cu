@@ -152,7 +152,7 @@ struct RegisterSteps {
   static constexpr int D = 32 * NC + 16 * TAIL;
   static constexpr int kStep = kMmaRows * kMmaWarps;
   Step<NC, TAIL> k, v;
-  const __half *kp, *vp;  // this lane's first element of the step in k and v
+  const __half *kp, *vp;  // this lane's first K and V element of the step in flight
   int p_end, g, t;
 
   __device__ RegisterSteps(const SplitBlock &b, int p0, int lane, void * /*smem*/, int /*stages*/)
