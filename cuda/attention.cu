@@ -412,7 +412,7 @@ int mma_stages_for(const m40llm_cuda_state *st, int head_dim, size_t static_smem
 // compute_52-only build runs the FP32 kernel on every GPU, and only sm_90+ images stage). The
 // first call per kernel sizes its shared memory and asks its occupancy. No kernel: null.
 int mma_pass(m40llm_cuda_state *st, int head_dim, bool staged, SplitPass *out) {
-  *out = SplitPass{nullptr, kMmaThreads, 0, kMmaRows * kMmaWarps, 0, 0};
+  *out = SplitPass{nullptr, kMmaThreads, 0, kMmaBlockRows, 0, 0};
   const SplitKernel k = attn_mma_kernel_for(head_dim, staged);
   if (!k || st->cc_major < (staged ? 9 : 8) || (staged && !M40LLM_MMA_BULK_BUILT))
     return M40LLM_OK;

@@ -150,7 +150,6 @@ __device__ __forceinline__ void bulk_copy(void *dst, const void *src, uint32_t b
 template <int NC, int TAIL>
 struct RegisterSteps {
   static constexpr int D = 32 * NC + 16 * TAIL;
-  static constexpr int kStep = kMmaRows * kMmaWarps;
   Step<NC, TAIL> k, v;
   const __half *kp, *vp;  // this lane's first K and V element of the step in flight
   int p_end, g, t;
@@ -165,12 +164,12 @@ struct RegisterSteps {
   }
   __device__ void before_scores(int) {}
   __device__ void after_scores(int p0) {
-    kp += (size_t)kStep * D;
-    load_step<false>(k, kp, p_end - (p0 + kStep), g, t);
+    kp += (size_t)kMmaBlockRows * D;
+    load_step<false>(k, kp, p_end - (p0 + kMmaBlockRows), g, t);
   }
   __device__ void after_output(int p0) {
-    vp += (size_t)kStep * D;
-    load_step<false>(v, vp, p_end - (p0 + kStep), g, t);
+    vp += (size_t)kMmaBlockRows * D;
+    load_step<false>(v, vp, p_end - (p0 + kMmaBlockRows), g, t);
   }
 };
 
@@ -185,7 +184,6 @@ struct StagedSteps;
 template <int NC, int TAIL>
 struct StagedSteps {
   static constexpr int D = 32 * NC + 16 * TAIL;
-  static constexpr int kStep = kMmaRows * kMmaWarps;
   static constexpr int kSlotHalves = 2 * kMmaRows * D;
   Step<NC, TAIL> k, v;
   const __half *kg, *vg;  // the sequence's K and V rows
@@ -203,7 +201,7 @@ struct StagedSteps {
     if (lane == 0) {
       for (int s = 0; s < stages; s++) barrier_init(bar(s));
       barrier_init_fence();
-      for (int s = 0; s < stages; s++) request(s, p0 + s * kStep);
+      for (int s = 0; s < stages; s++) request(s, p0 + s * kMmaBlockRows);
     }
   }
   __device__ uint64_t *bar(int s) const { return bars + s * kMmaWarps; }
@@ -228,7 +226,7 @@ struct StagedSteps {
   }
   __device__ void after_output(int p0) {
     __syncwarp();  // every lane's reads of the slot are done (the MMAs consumed them)
-    if (lane == 0) request(slot, p0 + stages * kStep);
+    if (lane == 0) request(slot, p0 + stages * kMmaBlockRows);
     if (++slot == stages) {
       slot = 0;
       parity ^= 1;
@@ -265,7 +263,6 @@ __global__ void __launch_bounds__(kMmaThreads, mma_min_blocks(32 * NC + 16 * TAI
   allow_dependent_launch();
   const SplitBlock b = split_block(a, plan, G);
 
-  constexpr int kStep = kMmaRows * kMmaWarps;
   int p0 = b.p_begin + kMmaRows * warp;
   Steps src(b, p0, lane, s_dyn, a.stages);
 
@@ -325,7 +322,7 @@ __global__ void __launch_bounds__(kMmaThreads, mma_min_blocks(32 * NC + 16 * TAI
     for (int i = 0; i < 4; i++) o[c][i][0] = o[c][i][1] = 0.0f;
   ot[0][0] = ot[0][1] = ot[1][0] = ot[1][1] = 0.0f;
 
-  for (; p0 < b.p_end; p0 += kStep) {
+  for (; p0 < b.p_end; p0 += kMmaBlockRows) {
     const int rows = min(kMmaRows, b.p_end - p0);
     src.before_scores(p0);
 

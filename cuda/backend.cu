@@ -1,6 +1,5 @@
 // The CUDA backend's host side: devices, the context's stream, memory, and the copies behind
-// read and fork. Kernels live in append.cu, attention.cu and
-// attention_mma.cu.
+// read and fork. Kernels live in append.cu, attention.cu and attention_mma.cu.
 #include <stdio.h>
 #include <string.h>
 

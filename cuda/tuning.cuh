@@ -79,6 +79,7 @@ constexpr int kMmaWaves = M40LLM_MMA_WAVES;
 constexpr int kMmaWarps = 4;
 constexpr int kMmaThreads = 32 * kMmaWarps;
 constexpr int kMmaRows = 16;
+constexpr int kMmaBlockRows = kMmaRows * kMmaWarps;  // positions a block's warps take per step
 // Resident blocks the register budget (and the staged kernel's shared memory) is set for, by
 // head_dim. 3 (170 registers) spills from head_dim 96 on: 112 B at 128, which ran 7-10% slower
 // than 2 blocks on an H100. The staged kernel needs ~120 registers, but 3 of its blocks leave
