@@ -477,18 +477,19 @@ int launch_combine(m40llm_cuda_state *st, const AttnArgs &a, const m40llm_attn_p
 }
 
 // The split passes for a cache: the tensor-core kernel for GQA groups where this build and GPU
-// have it, else the FP32 kernel. From kMmaStagedMinDim on, where they can, the tensor-core
-// kernel stages K/V; plans whose splits are too short for that to pay take `direct`, the same
-// kernel loading through registers (without staging, direct is the pass itself).
+// have it, else the FP32 kernel. At head_dims kMmaStagedMinDim..kMmaStagedMaxDim, where they
+// can, the tensor-core kernel stages K/V; plans whose splits are too short for that to pay take
+// `direct`, the same kernel loading through registers (without staging, direct is the pass
+// itself).
 int split_passes_for(m40llm_cuda_state *st, const m40llm_kvcache_options *o, const Grouping &g,
                      SplitPass *pass, SplitPass *direct) {
   if (g.group >= kMmaMinGroup) {
+    const bool stage = o->head_dim >= kMmaStagedMinDim && o->head_dim <= kMmaStagedMaxDim;
     int rc = mma_pass(st, o->head_dim, false, direct);
-    if (rc == M40LLM_OK && direct->kernel && o->head_dim >= kMmaStagedMinDim)
-      rc = mma_pass(st, o->head_dim, true, pass);
+    if (rc == M40LLM_OK && direct->kernel && stage) rc = mma_pass(st, o->head_dim, true, pass);
     if (rc != M40LLM_OK) return rc;
     if (direct->kernel) {
-      if (o->head_dim < kMmaStagedMinDim || !pass->kernel) *pass = *direct;
+      if (!stage || !pass->kernel) *pass = *direct;
       return M40LLM_OK;
     }
   }

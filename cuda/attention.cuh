@@ -76,6 +76,30 @@ __device__ __forceinline__ void store_split_result(const AttnArgs &a, const Spli
   }
 }
 
+// The same result split in two, for a kernel that normalises the output itself: a head's
+// (max, sum), stored only where the sequence has several splits, and 4 dims of its output
+// (normalised with one split, else unnormalised), d a multiple of 4.
+__device__ __forceinline__ void store_split_stats(const AttnArgs &a, const SplitBlock &b, int h,
+                                                  float m, float l) {
+  const size_t p = (size_t)b.split * a.n_heads + h;
+  a.part_m[p] = m;
+  a.part_l[p] = l;
+}
+
+__device__ __forceinline__ void store_split_out4(const AttnArgs &a, const SplitBlock &b, int h,
+                                                 int d, float4 o) {
+  if (b.n_splits == 1) {
+    float *dst = a.out + ((size_t)b.item * a.n_heads + h) * a.head_dim + d;  // 4-byte aligned
+    dst[0] = o.x;
+    dst[1] = o.y;
+    dst[2] = o.z;
+    dst[3] = o.w;
+  } else {
+    // The workspace is the library's: rows of head_dim (a multiple of 4) floats, 16-byte aligned.
+    reinterpret_cast<float4 *>(a.part_o + ((size_t)b.split * a.n_heads + h) * a.head_dim)[d / 4] = o;
+  }
+}
+
 // Programmatic dependent launch (sm_90+): a split kernel lets the combine kernel's launch begin
 // while its own blocks run, and the combine kernel waits for the split kernel's results before
 // reading them, so the combine launch costs no gap. Below sm_90 both are no-ops, and the host

@@ -5,8 +5,10 @@
 // x = hi + lo, which carries 22 of FP32's 24 significand bits. q is scaled by a power of two
 // first so that both terms stay normal FP16 numbers.
 //
-// A warp takes 16 positions per step. Matrix rows are query heads (8 of the 16 used), so the
-// scores' accumulator fragment is the weights' input fragment as is:
+// A warp takes 16 positions per step. Matrix rows 0-7 are the query heads' hi terms and rows
+// 8-15 their lo terms, so one MMA takes both and the two halves of the result add up (a lane
+// holds row g in c[0..1] and row g + 8 in c[2..3]). The scores' accumulator fragment is then
+// the weights' input fragment as is:
 //   S[head][pos] = Q[head][:] . K[pos][:]   (A = Q, B = K^T: a K row is a B column)
 //   O[head][:]  += P[head][pos] V[pos][:]    (A = P, B = V: a B register pairs two positions,
 //                                             which movmatrix makes from two V rows)
@@ -24,16 +26,12 @@ namespace {
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
 
-// D[rows 0-7] = A B + C for a 16x8x16 product whose A rows 8-15 are zero: those rows of the
-// result are zero and are dropped, so they take no accumulator registers.
-__device__ __forceinline__ void mma_rows0to7(float (&c)[2], uint32_t a0, uint32_t a2, uint32_t b0,
-                                             uint32_t b1) {
-  asm volatile(
-      "{\n.reg .f32 zero, d2, d3;\nmov.f32 zero, 0f00000000;\n"
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,d2,d3}, {%2,%3,%4,%3}, "
-      "{%5,%6}, {%0,%1,zero,zero};\n}"
-      : "+f"(c[0]), "+f"(c[1])
-      : "r"(a0), "r"(0u), "r"(a2), "r"(b0), "r"(b1));
+// C += A B, 16x8x16. A: {row g, row g + 8} at k 2t, 2t + 1, then the same at k 2t + 8, 2t + 9.
+__device__ __forceinline__ void mma16816(float (&c)[4], const uint4 &a, uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b0), "r"(b1));
 }
 
 __device__ __forceinline__ uint32_t transpose8x8(uint32_t x) {
@@ -289,38 +287,40 @@ __global__ void __launch_bounds__(kMmaThreads, mma_min_blocks(32 * NC + 16 * TAI
   if (qmax > 0.0f && qmax <= 3.0e38f) frexpf(qmax, &e);
   const int shift = max(-126, min(126, 13 - e));
   const float up = ldexpf(1.0f, shift), down = ldexpf(1.0f, -shift);
-  // A fragments, k step (c, h): a0 = dims 32c + 8t + 4h + {0, 1}, a2 = the next two, kept in
-  // shared memory as word 2h + r of [c][lane] (registers go to loads in flight instead).
-  // The tail's k step: a0 = dims 32 NC + 4t + {0, 1}, a2 = the next two.
-  __shared__ uint4 s_qhi[NC][32], s_qlo[NC][32];
-  __shared__ uint2 s_qthi[32], s_qtlo[32];
-  if (warp == 0) {
+  // A fragments, k step (c, h): k 2t, 2t + 1 = dims 32c + 8t + 4h + {0, 1}, k 2t + 8, 2t + 9 =
+  // the next two; the tail's k step: dims 32 NC + 4t + {0, 1}, then the next two. Kept in
+  // shared memory, one 16-byte word per lane (registers go to loads in flight instead).
+  __shared__ uint4 s_qa[NC][2][32];
+  __shared__ uint4 s_qta[32];
+  // Each warp converts every kMmaWarps-th chunk: the barrier waits on a quarter of the work.
 #pragma unroll
-    for (int c = 0; c < NC; c++) {
+  for (int c = 0; c < NC; c++) {
+    if (c % kMmaWarps == warp) {
       uint32_t hi[4], lo[4];
 #pragma unroll
       for (int w = 0; w < 4; w++) split_pair(qf[c][2 * w] * up, qf[c][2 * w + 1] * up, hi[w], lo[w]);
-      s_qhi[c][lane] = make_uint4(hi[0], hi[1], hi[2], hi[3]);
-      s_qlo[c][lane] = make_uint4(lo[0], lo[1], lo[2], lo[3]);
+      s_qa[c][0][lane] = make_uint4(hi[0], lo[0], hi[1], lo[1]);
+      s_qa[c][1][lane] = make_uint4(hi[2], lo[2], hi[3], lo[3]);
     }
-    if (TAIL) {
-      uint32_t hi[2], lo[2];
+  }
+  if (TAIL && warp == NC % kMmaWarps) {
+    uint32_t hi[2], lo[2];
 #pragma unroll
-      for (int w = 0; w < 2; w++) split_pair(qt[2 * w] * up, qt[2 * w + 1] * up, hi[w], lo[w]);
-      s_qthi[lane] = make_uint2(hi[0], hi[1]);
-      s_qtlo[lane] = make_uint2(lo[0], lo[1]);
-    }
+    for (int w = 0; w < 2; w++) split_pair(qt[2 * w] * up, qt[2 * w + 1] * up, hi[w], lo[w]);
+    s_qta[lane] = make_uint4(hi[0], lo[0], hi[1], lo[1]);
   }
   __syncthreads();
 
   float m_run = -INFINITY, l_run = 0.0f;  // over this warp's positions; l per lane
-  float o[NC][4][2];  // dims 32c + 8t + 2i + {0, 1}
-  float ot[2][2];     // the tail's dims 32 NC + 4t + 2i + {0, 1}
+  // Dims 32c + 8t + 2i + {0, 1}, from p's hi terms in [0..1] and its lo terms in [2..3]; the
+  // tail's dims 32 NC + 4t + 2i + {0, 1} the same way.
+  float o[NC][4][4], ot[2][4];
 #pragma unroll
   for (int c = 0; c < NC; c++)
 #pragma unroll
-    for (int i = 0; i < 4; i++) o[c][i][0] = o[c][i][1] = 0.0f;
-  ot[0][0] = ot[0][1] = ot[1][0] = ot[1][1] = 0.0f;
+    for (int i = 0; i < 4; i++) o[c][i][0] = o[c][i][1] = o[c][i][2] = o[c][i][3] = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 2; i++) ot[i][0] = ot[i][1] = ot[i][2] = ot[i][3] = 0.0f;
 
   for (; p0 < b.p_end; p0 += kMmaBlockRows) {
     const int rows = min(kMmaRows, b.p_end - p0);
@@ -330,22 +330,15 @@ __global__ void __launch_bounds__(kMmaThreads, mma_min_blocks(32 * NC + 16 * TAI
     float s[2][2];
 #pragma unroll
     for (int j = 0; j < 2; j++) {
-      s[j][0] = s[j][1] = 0.0f;
+      float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-      for (int c = 0; c < NC; c++) {
-        const uint4 qh = s_qhi[c][lane], ql = s_qlo[c][lane];
+      for (int c = 0; c < NC; c++)
 #pragma unroll
-        for (int h = 0; h < 2; h++) {
-          const uint32_t b0 = word(src.k.c[j][c], 2 * h), b1 = word(src.k.c[j][c], 2 * h + 1);
-          mma_rows0to7(s[j], word(ql, 2 * h), word(ql, 2 * h + 1), b0, b1);
-          mma_rows0to7(s[j], word(qh, 2 * h), word(qh, 2 * h + 1), b0, b1);
-        }
-      }
-      if (TAIL) {
-        const uint2 qh = s_qthi[lane], ql = s_qtlo[lane];
-        mma_rows0to7(s[j], ql.x, ql.y, src.k.t[j].x, src.k.t[j].y);
-        mma_rows0to7(s[j], qh.x, qh.y, src.k.t[j].x, src.k.t[j].y);
-      }
+        for (int h = 0; h < 2; h++)
+          mma16816(acc, s_qa[c][h][lane], word(src.k.c[j][c], 2 * h), word(src.k.c[j][c], 2 * h + 1));
+      if (TAIL) mma16816(acc, s_qta[lane], src.k.t[j].x, src.k.t[j].y);
+      s[j][0] = acc[0] + acc[2];
+      s[j][1] = acc[1] + acc[3];
     }
 
     // Online softmax; the 4 lanes of a head hold its 16 scores.
@@ -372,9 +365,9 @@ __global__ void __launch_bounds__(kMmaThreads, mma_min_blocks(32 * NC + 16 * TAI
       }
     l_run = l_run * alpha + sum;
     src.after_scores(p0);
-    uint32_t p_hi[2], p_lo[2];  // A fragment: positions 2t + {0, 1}, then 8 + 2t + {0, 1}
-    split_pair(s[0][0], s[0][1], p_hi[0], p_lo[0]);
-    split_pair(s[1][0], s[1][1], p_hi[1], p_lo[1]);
+    uint4 pa;  // A fragment: positions 2t + {0, 1} (hi, lo), then 8 + 2t + {0, 1}
+    split_pair(s[0][0], s[0][1], pa.x, pa.y);
+    split_pair(s[1][0], s[1][1], pa.z, pa.w);
 
     // Output: B column n of n-tile (c, i) is dim 32c + 8(n / 2) + 2i + n % 2, so the result
     // lands in this lane as dims 32c + 8t + 2i + {0, 1}.
@@ -382,22 +375,17 @@ __global__ void __launch_bounds__(kMmaThreads, mma_min_blocks(32 * NC + 16 * TAI
     for (int c = 0; c < NC; c++)
 #pragma unroll
       for (int i = 0; i < 4; i++) {
-        o[c][i][0] *= alpha;
-        o[c][i][1] *= alpha;
-        const uint32_t b0 = transpose8x8(word(src.v.c[0][c], i));
-        const uint32_t b1 = transpose8x8(word(src.v.c[1][c], i));
-        mma_rows0to7(o[c][i], p_lo[0], p_lo[1], b0, b1);
-        mma_rows0to7(o[c][i], p_hi[0], p_hi[1], b0, b1);
+#pragma unroll
+        for (int x = 0; x < 4; x++) o[c][i][x] *= alpha;
+        mma16816(o[c][i], pa, transpose8x8(word(src.v.c[0][c], i)),
+                 transpose8x8(word(src.v.c[1][c], i)));
       }
     if (TAIL) {
 #pragma unroll
       for (int i = 0; i < 2; i++) {
-        ot[i][0] *= alpha;
-        ot[i][1] *= alpha;
-        const uint32_t b0 = transpose8x8(word(src.v.t[0], i));
-        const uint32_t b1 = transpose8x8(word(src.v.t[1], i));
-        mma_rows0to7(ot[i], p_lo[0], p_lo[1], b0, b1);
-        mma_rows0to7(ot[i], p_hi[0], p_hi[1], b0, b1);
+#pragma unroll
+        for (int x = 0; x < 4; x++) ot[i][x] *= alpha;
+        mma16816(ot[i], pa, transpose8x8(word(src.v.t[0], i)), transpose8x8(word(src.v.t[1], i)));
       }
     }
     src.after_output(p0);
@@ -414,28 +402,47 @@ __global__ void __launch_bounds__(kMmaThreads, mma_min_blocks(32 * NC + 16 * TAI
 #pragma unroll
   for (int c = 0; c < NC; c++) {
     float4 *dst = reinterpret_cast<float4 *>(&s_o[warp][g][32 * c + 8 * t]);
-    dst[0] = make_float4(o[c][0][0], o[c][0][1], o[c][1][0], o[c][1][1]);
-    dst[1] = make_float4(o[c][2][0], o[c][2][1], o[c][3][0], o[c][3][1]);
+#pragma unroll
+    for (int i = 0; i < 4; i += 2)
+      dst[i / 2] = make_float4(o[c][i][0] + o[c][i][2], o[c][i][1] + o[c][i][3],
+                               o[c][i + 1][0] + o[c][i + 1][2], o[c][i + 1][1] + o[c][i + 1][3]);
   }
   if (TAIL)
-    *reinterpret_cast<float4 *>(&s_o[warp][g][32 * NC + 4 * t]) =
-        make_float4(ot[0][0], ot[0][1], ot[1][0], ot[1][1]);
+    *reinterpret_cast<float4 *>(&s_o[warp][g][32 * NC + 4 * t]) = make_float4(
+        ot[0][0] + ot[0][2], ot[0][1] + ot[0][3], ot[1][0] + ot[1][2], ot[1][1] + ot[1][3]);
   __syncthreads();
 
-  // Merge the warps (a warp past the split's end has max -inf and weight 0).
-  for (int idx = threadIdx.x; idx < b.nh * D; idx += kMmaThreads) {
-    const int hh = idx / D, d = idx % D;
-    float m = -INFINITY;
+  // Merge the warps. Every warp derives all (warp, head) weights at once, lane w G + h, so the
+  // exponentials are taken once per head rather than once per output element; a warp past the
+  // split's end has max -inf and weight 0. With one split the output is final: the weights then
+  // carry the 1 / sum.
+  static_assert(kMmaWarps * G == 32, "one lane per (warp, head)");
+  const float m_w = s_m[lane / G][lane % G];
+  float m = m_w;
 #pragma unroll
-    for (int w = 0; w < kMmaWarps; w++) m = fmaxf(m, s_m[w][hh]);
-    float acc = 0.0f, l = 0.0f;
+  for (int off = G; off < 32; off <<= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+  const float wt = m_w == -INFINITY ? 0.0f : exp2f(m_w - m);
+  float l = wt * s_l[lane / G][lane % G];
+#pragma unroll
+  for (int off = G; off < 32; off <<= 1) l += __shfl_xor_sync(0xffffffffu, l, off);
+  const bool final_out = b.n_splits == 1;
+  const float f = !final_out ? wt : l > 0.0f ? wt / l : 0.0f;
+  if (!final_out && warp == 0 && lane < b.nh) store_split_stats(a, b, b.h0 + lane, m, l);
+  constexpr int D4 = D / 4;
+  const float4(*s_o4)[G][D4] = reinterpret_cast<const float4(*)[G][D4]>(s_dyn);
+  for (int i0 = 0; i0 < b.nh * D4; i0 += kMmaThreads) {  // uniform trip count: the shuffles
+    const int i = i0 + threadIdx.x, hh = min(i / D4, G - 1), d4 = i % D4;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
     for (int w = 0; w < kMmaWarps; w++) {
-      const float wt = s_m[w][hh] == -INFINITY ? 0.0f : exp2f(s_m[w][hh] - m);
-      acc = fmaf(wt, s_o[w][hh][d], acc);
-      l = fmaf(wt, s_l[w][hh], l);
+      const float fw = __shfl_sync(0xffffffffu, f, w * G + hh);
+      const float4 x = s_o4[w][hh][d4];
+      acc.x = fmaf(fw, x.x, acc.x);
+      acc.y = fmaf(fw, x.y, acc.y);
+      acc.z = fmaf(fw, x.z, acc.z);
+      acc.w = fmaf(fw, x.w, acc.w);
     }
-    store_split_result(a, b, b.h0 + hh, d, acc, m, l);
+    if (i < b.nh * D4) store_split_out4(a, b, b.h0 + hh, 4 * d4, acc);
   }
 #else
   (void)a, (void)plan;  // compiled for an older GPU: the host never launches this image

@@ -72,19 +72,21 @@ constexpr int kAttnWaves = M40LLM_ATTN_WAVES;
 constexpr int kMmaWaves = M40LLM_MMA_WAVES;
 
 // The tensor-core split kernel (sm_80+ builds, attention_mma.cu): warps per block, each taking
-// kMmaRows positions per step, and the smallest group that uses it. MHA stays on the FP32
-// kernel, which is already bandwidth-bound there (H100, B32 32/32 L8K: 98% of copy against 95%
-// on tensor cores); from 2 query heads per K/V head on, the FP32 kernel runs out of issue
-// slots before it runs out of bandwidth (B8 64/8 L8K: 50% against 85%).
+// kMmaRows positions per step, and the smallest group that uses it. It takes MHA too: it
+// issues far fewer instructions per K/V byte than the FP32 kernel even with one query head in
+// its 8 rows, which decides short contexts (H100, 32/32 L512: B1 9.6 -> 7.8 us, B32 101 -> 95
+// us) and ties at large ones (B32 L8K: 1409 against 1404 us). For GQA the FP32 kernel runs out
+// of issue slots before it runs out of bandwidth (B8 64/8 L8K: 50% of copy against 85%).
+// -DM40LLM_MMA_MIN_GROUP=1000 keeps every shape on the FP32 kernel.
 constexpr int kMmaWarps = 4;
 constexpr int kMmaThreads = 32 * kMmaWarps;
 constexpr int kMmaRows = 16;
 constexpr int kMmaBlockRows = kMmaRows * kMmaWarps;  // positions a block's warps take per step
 // Resident blocks the register budget (and the staged kernel's shared memory) is set for, by
-// head_dim. 3 (170 registers) spills from head_dim 96 on: 112 B at 128, which ran 7-10% slower
-// than 2 blocks on an H100. The staged kernel needs ~120 registers, but 3 of its blocks leave
-// room for 2 steps each, which ran 12% slower at head_dim 128 (override:
-// -DM40LLM_MMA_BLOCKS_WIDE=N, and -DM40LLM_MMA_BLOCKS_NARROW=N up to head_dim 64).
+// head_dim. 3 at head_dim 128 (166 registers, no spills) ran 9% slower than 2 on an H100 (B32
+// 32/8 L8K 389 against 357 us), and 3 staged blocks leave room for 2 steps each, 12% slower.
+// 4 at head_dim 64 (114 registers) ran the same as 3 (override: -DM40LLM_MMA_BLOCKS_WIDE=N,
+// and -DM40LLM_MMA_BLOCKS_NARROW=N up to head_dim 64).
 #ifndef M40LLM_MMA_BLOCKS_WIDE
 #define M40LLM_MMA_BLOCKS_WIDE 2
 #endif
@@ -105,21 +107,28 @@ __host__ __device__ constexpr int mma_min_blocks(int head_dim) {
 #define M40LLM_MMA_STAGES 4
 #endif
 constexpr int kMmaMaxStages = M40LLM_MMA_STAGES;
-// Where staging pays (H100, against loads through registers): from head_dim 80 on (B32 32/8
-// L8K: D80 74% -> 95% of copy, D128 94% -> 98%), and for splits of at least this many steps
-// per warp (a bulk copy's first bytes arrive later than a load's: B1 32/8 D128 L512, 4 steps,
-// 6.1 -> 6.5 us). D64 fell from 94% to 80%: its slots leave room for 3 blocks per SM where the
-// register kernel fits 4, and B32's 512 blocks then took 1.29 waves instead of 0.97; sized for
-// 4 blocks (3 steps), it only matched registers.
+// Where staging pays (H100, against loads through registers, same run): head_dim 80-112 (B32
+// 32/8 L8K: D80 293 -> 238 us, D96 286 -> 268, B8 64/8 D112 L8K 87.7 -> 86.2; the register
+// kernel loads those with a 16-dim tail step or more steps per byte), and splits of at least
+// this many steps per warp (a bulk copy's first bytes arrive later than a load's: B1 32/8 D128
+// L512, 4 steps, 6.1 -> 6.5 us). At head_dim 128 the register kernel, down to ~200 registers
+// at 2 blocks per SM, leads the 3 staged steps that fit beside it by 1-2% (B32 32/8 L8K 352 us
+// against 357, B1 32/8 L32K 51.4 against 52.4). D64 fell from 94% of copy to 80%: its slots
+// leave room for 3 blocks per SM where the register kernel fits 4, and B32's 512 blocks then
+// took 1.29 waves instead of 0.97; sized for 4 blocks (3 steps), it only matched registers.
 #ifndef M40LLM_MMA_STAGED_MIN_DIM
 #define M40LLM_MMA_STAGED_MIN_DIM 80
+#endif
+#ifndef M40LLM_MMA_STAGED_MAX_DIM
+#define M40LLM_MMA_STAGED_MAX_DIM 112
 #endif
 #ifndef M40LLM_MMA_STAGED_MIN_STEPS
 #define M40LLM_MMA_STAGED_MIN_STEPS 8
 #endif
 constexpr int kMmaStagedMinDim = M40LLM_MMA_STAGED_MIN_DIM;
+constexpr int kMmaStagedMaxDim = M40LLM_MMA_STAGED_MAX_DIM;
 constexpr int kMmaStagedMinSteps = M40LLM_MMA_STAGED_MIN_STEPS;
 #ifndef M40LLM_MMA_MIN_GROUP
-#define M40LLM_MMA_MIN_GROUP 2
+#define M40LLM_MMA_MIN_GROUP 1
 #endif
 constexpr int kMmaMinGroup = M40LLM_MMA_MIN_GROUP;
