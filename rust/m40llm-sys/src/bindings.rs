@@ -263,9 +263,9 @@ extern "C" {
   buffers fail with M40LLM_ERR_INVALID_ARGUMENT). scale 0 means 1/sqrt(head_dim); any other
   finite scale, negative ones included, is used as given; a NaN or infinite scale fails with
   M40LLM_ERR_INVALID_ARGUMENT. A sequence with no positions yields zeros. The CUDA backend
-  accumulates in FP32. Its arithmetic is FP32 too, except for caches with 2+ query heads per
-  K/V head and head_dim 32, 48, 64, 80, 96, 112 or 128 on sm_80+ GPUs, when the library was built with an
-  sm_80+ architecture: there, tensor cores multiply FP16 K/V by q and by the softmax weights,
+  accumulates in FP32. Its arithmetic is FP32 too, except for caches with head_dim 32, 48,
+  64, 80, 96, 112 or 128 on sm_80+ GPUs, when the library was built with an sm_80+
+  architecture: there, tensor cores multiply FP16 K/V by q and by the softmax weights,
   each passed as two FP16 terms (hi + lo, 22 significant bits), with the products exact and
   the sums in FP32. Both paths agree with the reference to about 1e-6 (relative L2). The CPU
   backend (the reference) accumulates in float64 and rounds the result to FP32.*/
