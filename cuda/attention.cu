@@ -7,8 +7,9 @@
 //   query heads (GQA). A sequence with one split writes its output directly; otherwise the
 //   block writes (max, sum, unnormalised output) partials.
 // combine kernel: merges a sequence's partials with the online-softmax rule.
-// The host side picks the split kernel per cache: this FP32 one, or for GQA on sm_80+ builds the
-// tensor-core one in attention_mma.cu, which writes the same partials.
+// The host side picks the split kernel per cache: this FP32 one, or on sm_80+ builds (head_dim a
+// multiple of 16 up to 128) the tensor-core one in attention_mma.cu, which writes the same
+// partials.
 //
 // Scores live in the log2 domain (q is pre-multiplied by scale * log2(e)) so exp is exp2f.
 #include <math.h>
@@ -476,8 +477,8 @@ int launch_combine(m40llm_cuda_state *st, const AttnArgs &a, const m40llm_attn_p
   return M40LLM_OK;
 }
 
-// The split passes for a cache: the tensor-core kernel for GQA groups where this build and GPU
-// have it, else the FP32 kernel. At head_dims kMmaStagedMinDim..kMmaStagedMaxDim, where they
+// The split passes for a cache: the tensor-core kernel where this build and GPU have it (from
+// kMmaMinGroup query heads per K/V head: MHA too by default), else the FP32 kernel. At head_dims kMmaStagedMinDim..kMmaStagedMaxDim, where they
 // can, the tensor-core kernel stages K/V; plans whose splits are too short for that to pay take
 // `direct`, the same kernel loading through registers (without staging, direct is the pass
 // itself).

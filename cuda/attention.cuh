@@ -59,6 +59,14 @@ __device__ __forceinline__ SplitBlock split_block(const AttnArgs &a, const m40ll
   return b;
 }
 
+// A head's (max, sum) partial of a block whose sequence has several splits.
+__device__ __forceinline__ void store_split_stats(const AttnArgs &a, const SplitBlock &b, int h,
+                                                  float m, float l) {
+  const size_t p = (size_t)b.split * a.n_heads + h;
+  a.part_m[p] = m;
+  a.part_l[p] = l;
+}
+
 // A block's result for one (query head h, dim d): the normalised output when the sequence has
 // one split, else the (max, sum, unnormalised output) partial the combine kernel merges. A zero
 // sum means no positions: the documented output is zeros.
@@ -67,25 +75,13 @@ __device__ __forceinline__ void store_split_result(const AttnArgs &a, const Spli
   if (b.n_splits == 1) {
     a.out[((size_t)b.item * a.n_heads + h) * a.head_dim + d] = l > 0.0f ? o / l : 0.0f;
   } else {
-    const size_t p = (size_t)b.split * a.n_heads + h;
-    a.part_o[p * a.head_dim + d] = o;
-    if (d == 0) {
-      a.part_m[p] = m;
-      a.part_l[p] = l;
-    }
+    a.part_o[((size_t)b.split * a.n_heads + h) * a.head_dim + d] = o;
+    if (d == 0) store_split_stats(a, b, h, m, l);
   }
 }
 
-// The same result split in two, for a kernel that normalises the output itself: a head's
-// (max, sum), stored only where the sequence has several splits, and 4 dims of its output
-// (normalised with one split, else unnormalised), d a multiple of 4.
-__device__ __forceinline__ void store_split_stats(const AttnArgs &a, const SplitBlock &b, int h,
-                                                  float m, float l) {
-  const size_t p = (size_t)b.split * a.n_heads + h;
-  a.part_m[p] = m;
-  a.part_l[p] = l;
-}
-
+// The same result for a kernel that normalises the output itself, 4 dims at a time (d a multiple
+// of 4): normalised with one split, else unnormalised, with the head's (max, sum) stored apart.
 __device__ __forceinline__ void store_split_out4(const AttnArgs &a, const SplitBlock &b, int h,
                                                  int d, float4 o) {
   if (b.n_splits == 1) {

@@ -343,8 +343,9 @@ static void test_long_contexts(void) {
 }
 
 /* Splits of 512+ positions run the tensor-core kernel with K/V staged in shared memory on sm_90
- * (head_dim 80+): a long sequence, batched with a 3-position one that ends inside a step. Runs
- * in small mode too, so that compute-sanitizer sees the bulk copies. */
+ * (head_dim 80-112; 128 loads through registers): a long sequence, batched with a 3-position one
+ * that ends inside a step. Runs in small mode too, so that compute-sanitizer sees the bulk
+ * copies. */
 static void test_long_gqa_splits(void) {
   long_case(32, 8, 112, 16384 + t_rand_int(1, 999), 0.0f);
   if (!small) long_case(64, 8, 128, 40000 + t_rand_int(1, 999), 0.0f);
