@@ -247,8 +247,8 @@ __global__ void __launch_bounds__(kAttnThreads, kAttnMinBlocksPerSm)
   }
 }
 
-// One block per (item, query head); items with a single split were finished by the split
-// kernel. Each warp merges every 8th split with the online-softmax rule, lanes covering the
+// Plans of more than kCombineFewSplits splits: one block per (item, query head); items with a
+// single split were finished by the split kernel. Each warp merges every 8th split with the online-softmax rule, lanes covering the
 // head's dims 4 at a time; no load waits on another's result, so a warp's loads go out together
 // and the merge costs one memory round trip. The warps' (max, sum, output) then merge in shared
 // memory. Each split holds at least one position, so every partial max is finite.
@@ -328,6 +328,64 @@ __global__ void __launch_bounds__(kCombineThreads)
     dst[2] = t.z * inv_l;
     dst[3] = t.w * inv_l;
   }
+}
+
+// Plans of at most kCombineFewSplits splits per item (tuning.cuh) at head_dim <= 128: one warp
+// per (item, query head), lane d4 taking dims 4 d4 .. 4 d4 + 3, loads every split's (max, sum,
+// output) at once and merges them in registers: one memory round trip and no barrier, and
+// kCombineFewHeads heads per block, so a batch's merge is a quarter of the blocks and fits in
+// one wave. 64 registers: 50% occupancy on sm_52.
+constexpr int kCombineFewHeads = 4;
+constexpr int kCombineFewMaxDim = 128;
+
+__global__ void __launch_bounds__(32 * kCombineFewHeads, 8)
+    attn_combine_few_kernel(const AttnArgs a, const m40llm_attn_plan plan) {
+  const int item = blockIdx.x, lane = threadIdx.x & 31;
+  const int h = blockIdx.y * kCombineFewHeads + (threadIdx.x >> 5);
+  const int first = plan.split_begin[item];
+  const int n = plan.split_begin[item + 1] - first;
+  if (n == 1 || h >= a.n_heads) return;
+  wait_for_prerequisite_grid();
+
+  constexpr int N = kCombineFewSplits > 0 ? kCombineFewSplits : 1;
+  const bool active = lane < a.head_dim / 4;
+  const float4 *po = reinterpret_cast<const float4 *>(a.part_o);
+  float ms[N], ls[N];
+  float4 v[N];
+  float m = -INFINITY;
+#pragma unroll
+  for (int s = 0; s < N; s++) {
+    ms[s] = -INFINITY;
+    ls[s] = 0.0f;
+    if (s < n) {
+      const size_t p = (size_t)(first + s) * a.n_heads + h;
+      ms[s] = a.part_m[p];
+      ls[s] = a.part_l[p];
+      if (active) v[s] = po[p * (a.head_dim / 4) + lane];
+    }
+    m = fmaxf(m, ms[s]);
+  }
+  float l = 0.0f;
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+  for (int s = 0; s < N; s++) {
+    if (s < n) {
+      const float w = exp2f(ms[s] - m);
+      l = fmaf(w, ls[s], l);
+      acc.x = fmaf(w, v[s].x, acc.x);
+      acc.y = fmaf(w, v[s].y, acc.y);
+      acc.z = fmaf(w, v[s].z, acc.z);
+      acc.w = fmaf(w, v[s].w, acc.w);
+    }
+  }
+  if (!active) return;
+  const float inv_l = 1.0f / l;
+  // out is the caller's: only 4-byte alignment is promised.
+  float *dst = a.out + ((size_t)item * a.n_heads + h) * a.head_dim + 4 * lane;
+  dst[0] = acc.x * inv_l;
+  dst[1] = acc.y * inv_l;
+  dst[2] = acc.z * inv_l;
+  dst[3] = acc.w * inv_l;
 }
 
 // How a cache's query heads map onto blocks: each K/V head's group of query heads in tiles of
@@ -465,15 +523,18 @@ int launch_combine(m40llm_cuda_state *st, const AttnArgs &a, const m40llm_attn_p
   const int rc = combine_may_overlap(st, &overlap);
   if (rc != M40LLM_OK) return rc;
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3((unsigned)n_seqs, (unsigned)n_heads);
-  cfg.blockDim = dim3(kCombineThreads);
+  const bool few = plan.max_splits <= kCombineFewSplits && a.head_dim <= kCombineFewMaxDim;
+  const int few_tiles = (n_heads + kCombineFewHeads - 1) / kCombineFewHeads;
+  cfg.gridDim = dim3((unsigned)n_seqs, (unsigned)(few ? few_tiles : n_heads));
+  cfg.blockDim = dim3(few ? 32 * kCombineFewHeads : kCombineThreads);
   cfg.stream = st->stream;
   cudaLaunchAttribute attr;
   attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr.val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = &attr;
   cfg.numAttrs = overlap ? 1 : 0;
-  M40LLM_CUDA_TRY(cudaLaunchKernelEx(&cfg, attn_combine_kernel, a, plan));
+  if (few) M40LLM_CUDA_TRY(cudaLaunchKernelEx(&cfg, attn_combine_few_kernel, a, plan));
+  else M40LLM_CUDA_TRY(cudaLaunchKernelEx(&cfg, attn_combine_kernel, a, plan));
   return M40LLM_OK;
 }
 

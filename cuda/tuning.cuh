@@ -55,6 +55,16 @@ __host__ __device__ constexpr int pv_columns(int group_tile) {
 #endif
 constexpr int kSplitRowsPerHead = M40LLM_SPLIT_ROWS_PER_HEAD;
 
+// The combine takes plans of at most this many splits per item (batch 8 and up to contexts of
+// about 2K) one warp per query head, every split's partials loaded at once; longer plans take a
+// block per head, a warp per split. H100 (graph, same run): B32 32/8 D64 L512 18.3 -> 16.5 us,
+// B8 64/8 L512 12.0 -> 11.2 us with 2 splits; at 8 splits (B1 L512) the warp per head was
+// 0.06-0.1 us slower on 2 of 3 shapes. Override: -DM40LLM_COMBINE_FEW_SPLITS=N (0: never).
+#ifndef M40LLM_COMBINE_FEW_SPLITS
+#define M40LLM_COMBINE_FEW_SPLITS 4
+#endif
+constexpr int kCombineFewSplits = M40LLM_COMBINE_FEW_SPLITS;
+
 // Blocks the split heuristic aims for, in waves of resident blocks (resident blocks per SM are
 // measured per kernel and GPU). The FP32 kernel keeps 8 blocks per SM, and a single wave then
 // leaves some SMs a block short while the others set the pace (H100, B8 32/32 L8K: 78% of copy
