@@ -248,12 +248,15 @@ __global__ void __launch_bounds__(kAttnThreads, kAttnMinBlocksPerSm)
 }
 
 // Plans of more than kCombineFewSplits splits: one block per (item, query head); items with a
-// single split were finished by the split kernel. Each warp merges every 8th split with the online-softmax rule, lanes covering the
-// head's dims 4 at a time; no load waits on another's result, so a warp's loads go out together
-// and the merge costs one memory round trip. The warps' (max, sum, output) then merge in shared
-// memory. Each split holds at least one position, so every partial max is finite.
+// single split were finished by the split kernel. Each warp merges every 8th split with the
+// online-softmax rule, lanes covering the head's dims 4 at a time, kCombineBatch splits at a
+// time: their loads go out together (written as one loop, the compiler reused one split's
+// registers for the next, a memory round trip per split), so 32 splits take one round trip. The
+// warps' (max, sum, output) then merge in shared memory. Each split holds at least one
+// position, so every partial max is finite.
 constexpr int kCombineThreads = 256;
 constexpr int kCombineWarps = kCombineThreads / 32;
+constexpr int kCombineBatch = 4;  // 64 registers at most on sm_52: 50% occupancy
 
 __global__ void __launch_bounds__(kCombineThreads)
     attn_combine_kernel(const AttnArgs a, const m40llm_attn_plan plan) {
@@ -270,25 +273,49 @@ __global__ void __launch_bounds__(kCombineThreads)
   const float4 *po = reinterpret_cast<const float4 *>(a.part_o);
   float m = -INFINITY, l = 0.0f;
   float4 acc[2] = {make_float4(0.f, 0.f, 0.f, 0.f), make_float4(0.f, 0.f, 0.f, 0.f)};
-#pragma unroll 4
-  for (int s = warp; s < n; s += kCombineWarps) {
-    const size_t p = (size_t)(first + s) * a.n_heads + h;
-    const float ms = a.part_m[p], ls = a.part_l[p];
-    float4 v[2];
+  for (int s0 = warp; s0 < n; s0 += kCombineWarps * kCombineBatch) {
+    float ms[kCombineBatch], ls[kCombineBatch];
+    float4 v[kCombineBatch][2];
+    float m_new = m;
 #pragma unroll
-    for (int k = 0; k < 2; k++)
-      if (lane + 32 * k < D4) v[k] = po[p * D4 + lane + 32 * k];
-    const float m_new = fmaxf(m, ms);
-    const float alpha = exp2f(m - m_new), w = exp2f(ms - m_new);
+    for (int b = 0; b < kCombineBatch; b++) {
+      const int s = s0 + b * kCombineWarps;
+      ms[b] = -INFINITY;
+      ls[b] = 0.0f;
+      if (s < n) {
+        const size_t p = (size_t)(first + s) * a.n_heads + h;
+        ms[b] = a.part_m[p];
+        ls[b] = a.part_l[p];
+#pragma unroll
+        for (int k = 0; k < 2; k++)
+          if (lane + 32 * k < D4) v[b][k] = po[p * D4 + lane + 32 * k];
+      }
+      m_new = fmaxf(m_new, ms[b]);
+    }
+    const float alpha = exp2f(m - m_new);  // split s0 is real: m_new is finite
     m = m_new;
-    l = fmaf(l, alpha, w * ls);
+    l *= alpha;
 #pragma unroll
     for (int k = 0; k < 2; k++) {
-      if (lane + 32 * k < D4) {
-        acc[k].x = fmaf(acc[k].x, alpha, w * v[k].x);
-        acc[k].y = fmaf(acc[k].y, alpha, w * v[k].y);
-        acc[k].z = fmaf(acc[k].z, alpha, w * v[k].z);
-        acc[k].w = fmaf(acc[k].w, alpha, w * v[k].w);
+      acc[k].x *= alpha;
+      acc[k].y *= alpha;
+      acc[k].z *= alpha;
+      acc[k].w *= alpha;
+    }
+#pragma unroll
+    for (int b = 0; b < kCombineBatch; b++) {
+      if (s0 + b * kCombineWarps < n) {
+        const float w = exp2f(ms[b] - m_new);
+        l = fmaf(w, ls[b], l);
+#pragma unroll
+        for (int k = 0; k < 2; k++) {
+          if (lane + 32 * k < D4) {
+            acc[k].x = fmaf(w, v[b][k].x, acc[k].x);
+            acc[k].y = fmaf(w, v[b][k].y, acc[k].y);
+            acc[k].z = fmaf(w, v[b][k].z, acc[k].z);
+            acc[k].w = fmaf(w, v[b][k].w, acc[k].w);
+          }
+        }
       }
     }
   }

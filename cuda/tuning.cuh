@@ -56,12 +56,13 @@ __host__ __device__ constexpr int pv_columns(int group_tile) {
 constexpr int kSplitRowsPerHead = M40LLM_SPLIT_ROWS_PER_HEAD;
 
 // The combine takes plans of at most this many splits per item (batch 8 and up to contexts of
-// about 2K) one warp per query head, every split's partials loaded at once; longer plans take a
-// block per head, a warp per split. H100 (graph, same run): B32 32/8 D64 L512 18.3 -> 16.5 us,
-// B8 64/8 L512 12.0 -> 11.2 us with 2 splits; at 8 splits (B1 L512) the warp per head was
-// 0.06-0.1 us slower on 2 of 3 shapes. Override: -DM40LLM_COMBINE_FEW_SPLITS=N (0: never).
+// about 2K, batch 1 up to 512) one warp per query head, every split's partials loaded at once;
+// longer plans take a block per head, a warp per split. H100, graph, same run: B32 32/8 D64
+// L512 18.3 -> 16.5 us and B8 64/8 L512 12.0 -> 11.2 us (2 splits); at 8 splits within 0.1 us
+// either way (B1 L512), where the block per head at 4 splits a batch was 0.4 us slower for MHA.
+// Override: -DM40LLM_COMBINE_FEW_SPLITS=N (0: never).
 #ifndef M40LLM_COMBINE_FEW_SPLITS
-#define M40LLM_COMBINE_FEW_SPLITS 4
+#define M40LLM_COMBINE_FEW_SPLITS 8
 #endif
 constexpr int kCombineFewSplits = M40LLM_COMBINE_FEW_SPLITS;
 
