@@ -472,8 +472,8 @@ struct SplitPass {
 // The tensor-core kernel's dynamic shared memory: its warps' outputs for the merge, or, where
 // it stages K/V steps, that many steps per warp, which the outputs reuse after the loop.
 size_t mma_smem_bytes(int head_dim, int stages) {
-  const size_t outputs = (size_t)kMmaWarps * kMaxGroupTile * head_dim * sizeof(float);
-  const size_t staged = (size_t)stages * kMmaWarps * 2 * kMmaRows * head_dim * sizeof(__half);
+  const size_t outputs = (size_t)mma_warps(head_dim) * kMaxGroupTile * head_dim * sizeof(float);
+  const size_t staged = (size_t)stages * mma_warps(head_dim) * 2 * kMmaRows * head_dim * sizeof(__half);
   return staged > outputs ? staged : outputs;
 }
 
@@ -498,7 +498,8 @@ int mma_stages_for(const m40llm_cuda_state *st, int head_dim, size_t static_smem
 // compute_52-only build runs the FP32 kernel on every GPU, and only sm_90+ images stage). The
 // first call per kernel sizes its shared memory and asks its occupancy. No kernel: null.
 int mma_pass(m40llm_cuda_state *st, int head_dim, bool staged, SplitPass *out) {
-  *out = SplitPass{nullptr, kMmaThreads, 0, kMmaBlockRows, 0, 0};
+  const int warps = mma_warps(head_dim);
+  *out = SplitPass{nullptr, 32 * warps, 0, kMmaRows * warps, 0, 0};
   const SplitKernel k = attn_mma_kernel_for(head_dim, staged);
   if (!k || st->cc_major < (staged ? 9 : 8) || (staged && !M40LLM_MMA_BULK_BUILT))
     return M40LLM_OK;
@@ -515,7 +516,7 @@ int mma_pass(m40llm_cuda_state *st, int head_dim, bool staged, SplitPass *out) {
     M40LLM_CUDA_TRY(
         cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     int occ = 0;
-    M40LLM_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, k, kMmaThreads, smem));
+    M40LLM_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, k, 32 * warps, smem));
     info.usable = 1;
     info.stages = (signed char)stages;
     info.smem = (int)smem;

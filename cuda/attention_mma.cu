@@ -146,9 +146,10 @@ __device__ __forceinline__ void bulk_copy(void *dst, const void *src, uint32_t b
 // Loads through registers: K and V are double-buffered by halves. The next step's K loads go
 // out once the scores are taken, its V loads once the output is updated, so a warp always has
 // loads in flight; the first step's go out at construction, before q is read.
-template <int NC, int TAIL>
+template <int NC, int TAIL, int W>
 struct RegisterSteps {
   static constexpr int D = 32 * NC + 16 * TAIL;
+  static constexpr int kBlockRows = kMmaRows * W;  // positions the block's W warps take per step
   Step<NC, TAIL> k, v;
   const __half *kp, *vp;  // this lane's first K and V element of the step in flight
   int p_end, g, t;
@@ -163,12 +164,12 @@ struct RegisterSteps {
   }
   __device__ void before_scores(int) {}
   __device__ void after_scores(int p0) {
-    kp += (size_t)kMmaBlockRows * D;
-    load_step<false>(k, kp, p_end - (p0 + kMmaBlockRows), g, t);
+    kp += (size_t)kBlockRows * D;
+    load_step<false>(k, kp, p_end - (p0 + kBlockRows), g, t);
   }
   __device__ void after_output(int p0) {
-    vp += (size_t)kMmaBlockRows * D;
-    load_step<false>(v, vp, p_end - (p0 + kMmaBlockRows), g, t);
+    vp += (size_t)kBlockRows * D;
+    load_step<false>(v, vp, p_end - (p0 + kBlockRows), g, t);
   }
 };
 
@@ -176,14 +177,15 @@ struct RegisterSteps {
 // memory (slot [stage][warp]: the step's K rows, then its V rows, as in memory). Lane 0 asks
 // for a step's K and V as soon as its slot is free, so up to `stages` steps are in flight and
 // hold no registers; the first ones go out at construction, before q is read.
-template <int NC, int TAIL>
+template <int NC, int TAIL, int W>
 struct StagedSteps;
 
 #if M40LLM_MMA_STAGED_HERE
-template <int NC, int TAIL>
+template <int NC, int TAIL, int W>
 struct StagedSteps {
   static constexpr int D = 32 * NC + 16 * TAIL;
   static constexpr int kSlotHalves = 2 * kMmaRows * D;
+  static constexpr int kBlockRows = kMmaRows * W;
   Step<NC, TAIL> k, v;
   const __half *kg, *vg;  // the sequence's K and V rows
   __half *slots;          // this warp's slot 0
@@ -193,18 +195,18 @@ struct StagedSteps {
 
   __device__ StagedSteps(const SplitBlock &b, int p0, int lane_, void *smem, int stages_)
       : kg(b.k), vg(b.v), p_end(b.p_end), stages(stages_), lane(lane_) {
-    __shared__ uint64_t s_bar[kMmaMaxStages][kMmaWarps];
+    __shared__ uint64_t s_bar[kMmaMaxStages][W];
     const int warp = threadIdx.x >> 5;
     slots = static_cast<__half *>(smem) + (size_t)warp * kSlotHalves;
     bars = &s_bar[0][warp];
     if (lane == 0) {
       for (int s = 0; s < stages; s++) barrier_init(bar(s));
       barrier_init_fence();
-      for (int s = 0; s < stages; s++) request(s, p0 + s * kMmaBlockRows);
+      for (int s = 0; s < stages; s++) request(s, p0 + s * kBlockRows);
     }
   }
-  __device__ uint64_t *bar(int s) const { return bars + s * kMmaWarps; }
-  __device__ __half *slot_rows(int s) const { return slots + (size_t)s * kMmaWarps * kSlotHalves; }
+  __device__ uint64_t *bar(int s) const { return bars + s * W; }
+  __device__ __half *slot_rows(int s) const { return slots + (size_t)s * W * kSlotHalves; }
   // Lane 0: positions p .. p + 15 into slot s.
   __device__ void request(int s, int p) {
     const int rows = min(kMmaRows, p_end - p);
@@ -225,7 +227,7 @@ struct StagedSteps {
   }
   __device__ void after_output(int p0) {
     __syncwarp();  // every lane's reads of the slot are done (the MMAs consumed them)
-    if (lane == 0) request(slot, p0 + stages * kMmaBlockRows);
+    if (lane == 0) request(slot, p0 + stages * kBlockRows);
     if (++slot == stages) {
       slot = 0;
       parity ^= 1;
@@ -243,7 +245,7 @@ struct StagedSteps {
 // Dynamic shared memory: the staged kernel's slots (StagedSteps), then, after the loop, the
 // warps' outputs [warp][head][dim] for the merge; mma_smem_bytes() gives its size.
 template <int NC, int TAIL, bool STAGED>
-__global__ void __launch_bounds__(kMmaThreads, mma_min_blocks(32 * NC + 16 * TAIL))
+__global__ void __launch_bounds__(32 * mma_warps(32 * NC + 16 * TAIL), mma_min_blocks(32 * NC + 16 * TAIL))
     attn_mma_kernel(const AttnArgs a, const m40llm_attn_plan plan) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   constexpr int D = 32 * NC + 16 * TAIL;
@@ -254,9 +256,11 @@ __global__ void __launch_bounds__(kMmaThreads, mma_min_blocks(32 * NC + 16 * TAI
 #else
   constexpr bool kStaged = false;  // the host launches the staged kernel only where it is
 #endif
-  using Steps = std::conditional_t<kStaged, StagedSteps<NC, TAIL>, RegisterSteps<NC, TAIL>>;
+  constexpr int W = mma_warps(D), kThreads = 32 * W;
+  using Steps =
+      std::conditional_t<kStaged, StagedSteps<NC, TAIL, W>, RegisterSteps<NC, TAIL, W>>;
   extern __shared__ uint4 s_dyn[];
-  __shared__ float s_m[kMmaWarps][G], s_l[kMmaWarps][G];
+  __shared__ float s_m[W][G], s_l[W][G];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
   allow_dependent_launch();
@@ -293,10 +297,10 @@ __global__ void __launch_bounds__(kMmaThreads, mma_min_blocks(32 * NC + 16 * TAI
   // shared memory, one 16-byte word per lane (registers go to loads in flight instead).
   __shared__ uint4 s_qa[NC][2][32];
   __shared__ uint4 s_qta[32];
-  // Each warp converts every kMmaWarps-th chunk: the barrier waits on a quarter of the work.
+  // Each warp converts every W-th chunk: the barrier waits on a W-th of the work.
 #pragma unroll
   for (int c = 0; c < NC; c++) {
-    if (c % kMmaWarps == warp) {
+    if (c % W == warp) {
       uint32_t hi[4], lo[4];
 #pragma unroll
       for (int w = 0; w < 4; w++) split_pair(qf[c][2 * w] * up, qf[c][2 * w + 1] * up, hi[w], lo[w]);
@@ -304,7 +308,7 @@ __global__ void __launch_bounds__(kMmaThreads, mma_min_blocks(32 * NC + 16 * TAI
       s_qa[c][1][lane] = make_uint4(hi[2], lo[2], hi[3], lo[3]);
     }
   }
-  if (TAIL && warp == NC % kMmaWarps) {
+  if (TAIL && warp == NC % W) {
     uint32_t hi[2], lo[2];
 #pragma unroll
     for (int w = 0; w < 2; w++) split_pair(qt[2 * w] * up, qt[2 * w + 1] * up, hi[w], lo[w]);
@@ -323,7 +327,7 @@ __global__ void __launch_bounds__(kMmaThreads, mma_min_blocks(32 * NC + 16 * TAI
 #pragma unroll
   for (int i = 0; i < 2; i++) ot[i][0] = ot[i][1] = ot[i][2] = ot[i][3] = 0.0f;
 
-  for (; p0 < b.p_end; p0 += kMmaBlockRows) {
+  for (; p0 < b.p_end; p0 += kMmaRows * W) {
     const int rows = min(kMmaRows, b.p_end - p0);
     src.before_scores(p0);
 
@@ -417,26 +421,37 @@ __global__ void __launch_bounds__(kMmaThreads, mma_min_blocks(32 * NC + 16 * TAI
   // exponentials are taken once per head rather than once per output element; a warp past the
   // split's end has max -inf and weight 0. With one split the output is final: the weights then
   // carry the 1 / sum.
-  static_assert(kMmaWarps * G == 32, "one lane per (warp, head)");
-  const float m_w = s_m[lane / G][lane % G];
-  float m = m_w;
+  static_assert(W * G % 32 == 0, "whole (warp, head) pairs per lane");
+  constexpr int P = W * G / 32;  // pairs per lane: lane w G + h, then 32 lanes on
+  float m_w[P], m = -INFINITY;
+#pragma unroll
+  for (int p = 0; p < P; p++) {
+    m_w[p] = s_m[(lane + 32 * p) / G][lane % G];
+    m = fmaxf(m, m_w[p]);
+  }
 #pragma unroll
   for (int off = G; off < 32; off <<= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
-  const float wt = m_w == -INFINITY ? 0.0f : exp2f(m_w - m);
-  float l = wt * s_l[lane / G][lane % G];
+  float wt[P], l = 0.0f;
+#pragma unroll
+  for (int p = 0; p < P; p++) {
+    wt[p] = m_w[p] == -INFINITY ? 0.0f : exp2f(m_w[p] - m);
+    l = fmaf(wt[p], s_l[(lane + 32 * p) / G][lane % G], l);
+  }
 #pragma unroll
   for (int off = G; off < 32; off <<= 1) l += __shfl_xor_sync(0xffffffffu, l, off);
   const bool final_out = b.n_splits == 1;
-  const float f = !final_out ? wt : l > 0.0f ? wt / l : 0.0f;
+  float f[P];
+#pragma unroll
+  for (int p = 0; p < P; p++) f[p] = !final_out ? wt[p] : l > 0.0f ? wt[p] / l : 0.0f;
   if (!final_out && warp == 0 && lane < b.nh) store_split_stats(a, b, b.h0 + lane, m, l);
   constexpr int D4 = D / 4;
   const float4(*s_o4)[G][D4] = reinterpret_cast<const float4(*)[G][D4]>(s_dyn);
-  for (int i0 = 0; i0 < b.nh * D4; i0 += kMmaThreads) {  // uniform trip count: the shuffles
+  for (int i0 = 0; i0 < b.nh * D4; i0 += kThreads) {  // uniform trip count: the shuffles
     const int i = i0 + threadIdx.x, hh = min(i / D4, G - 1), d4 = i % D4;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-    for (int w = 0; w < kMmaWarps; w++) {
-      const float fw = __shfl_sync(0xffffffffu, f, w * G + hh);
+    for (int w = 0; w < W; w++) {
+      const float fw = __shfl_sync(0xffffffffu, f[w * G / 32], w * G % 32 + hh);
       const float4 x = s_o4[w][hh][d4];
       acc.x = fmaf(fw, x.x, acc.x);
       acc.y = fmaf(fw, x.y, acc.y);

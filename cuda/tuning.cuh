@@ -89,23 +89,35 @@ constexpr int kMmaWaves = M40LLM_MMA_WAVES;
 // us) and ties at large ones (B32 L8K: 1409 against 1404 us). For GQA the FP32 kernel runs out
 // of issue slots before it runs out of bandwidth (B8 64/8 L8K: 50% of copy against 85%).
 // -DM40LLM_MMA_MIN_GROUP=1000 keeps every shape on the FP32 kernel.
-constexpr int kMmaWarps = 4;
-constexpr int kMmaThreads = 32 * kMmaWarps;
 constexpr int kMmaRows = 16;
-constexpr int kMmaBlockRows = kMmaRows * kMmaWarps;  // positions a block's warps take per step
-// Resident blocks the register budget (and the staged kernel's shared memory) is set for, by
-// head_dim. 3 at head_dim 128 (166 registers, no spills) ran 9% slower than 2 on an H100 (B32
-// 32/8 L8K 389 against 357 us), and 3 staged blocks leave room for 2 steps each, 12% slower.
-// 4 at head_dim 64 (114 registers) ran the same as 3 (override: -DM40LLM_MMA_BLOCKS_WIDE=N,
-// and -DM40LLM_MMA_BLOCKS_NARROW=N up to head_dim 64).
-#ifndef M40LLM_MMA_BLOCKS_WIDE
-#define M40LLM_MMA_BLOCKS_WIDE 2
+// Warps per block, by head_dim: 8 below M40LLM_MMA_FOUR_WARP_MIN_DIM, 4 from it. With the same
+// warps per SM, 8-warp blocks at head_dim 64 and 80 take fewer, larger splits (fewer partials to
+// write and merge, q converted once for twice the positions): H100, same run, B32 32/8 D64 L512
+// 16.4 -> 14.9 us, B8 D64 L512 7.7 -> 7.0, B32 D64 L8K 183 -> 179, B32 32/8 D80 L8K 238 -> 230,
+// B1 32/8 D64 L128K 95.0 -> 92.9. At head_dim 128, where a block has 2 per SM, they were
+// slower: B8 64/8 L512 11.3 -> 11.9, B64 64/8 L512 53 -> 59, B1 32/8 L2K 8.1 -> 8.9.
+#ifndef M40LLM_MMA_FOUR_WARP_MIN_DIM
+#define M40LLM_MMA_FOUR_WARP_MIN_DIM 128
 #endif
-#ifndef M40LLM_MMA_BLOCKS_NARROW
-#define M40LLM_MMA_BLOCKS_NARROW 3
+__host__ __device__ constexpr int mma_warps(int head_dim) {
+  return head_dim >= M40LLM_MMA_FOUR_WARP_MIN_DIM ? 4 : 8;
+}
+// Resident warps per SM the register budget (and the staged kernel's shared memory) is set for,
+// by head_dim: 8 above 64 (4-warp blocks at head_dim 128: 12 warps, 166 registers, ran 9% slower
+// on an H100, B32 32/8 L8K 389 against 357 us, and 3 staged blocks leave room for 2 steps each,
+// 12% slower), 16 up to 64 (~115 registers). Override: -DM40LLM_MMA_SM_WARPS_WIDE=N and
+// -DM40LLM_MMA_SM_WARPS_NARROW=N (up to head_dim 64).
+#ifndef M40LLM_MMA_SM_WARPS_WIDE
+#define M40LLM_MMA_SM_WARPS_WIDE 8
 #endif
+#ifndef M40LLM_MMA_SM_WARPS_NARROW
+#define M40LLM_MMA_SM_WARPS_NARROW 16
+#endif
+__host__ __device__ constexpr int mma_sm_warps(int head_dim) {
+  return head_dim > 64 ? M40LLM_MMA_SM_WARPS_WIDE : M40LLM_MMA_SM_WARPS_NARROW;
+}
 __host__ __device__ constexpr int mma_min_blocks(int head_dim) {
-  return head_dim > 64 ? M40LLM_MMA_BLOCKS_WIDE : M40LLM_MMA_BLOCKS_NARROW;
+  return mma_sm_warps(head_dim) > mma_warps(head_dim) ? mma_sm_warps(head_dim) / mma_warps(head_dim) : 1;
 }
 // sm_90+, built with CUDA 12+: each warp of the tensor-core kernel has its next K/V steps
 // copied into shared memory by the bulk-copy (TMA) engine, as many steps deep as fit beside the
