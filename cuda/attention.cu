@@ -471,48 +471,47 @@ struct SplitPass {
 
 // The tensor-core kernel's dynamic shared memory: its warps' outputs for the merge, or, where
 // it stages K/V steps, that many steps per warp, which the outputs reuse after the loop.
-size_t mma_smem_bytes(int head_dim, int stages) {
-  const size_t outputs = (size_t)mma_warps(head_dim) * kMaxGroupTile * head_dim * sizeof(float);
-  const size_t staged = (size_t)stages * mma_warps(head_dim) * 2 * kMmaRows * head_dim * sizeof(__half);
+size_t mma_smem_bytes(int head_dim, int warps, int stages) {
+  const size_t outputs = (size_t)warps * kMaxGroupTile * head_dim * sizeof(float);
+  const size_t staged = (size_t)stages * warps * 2 * kMmaRows * head_dim * sizeof(__half);
   return staged > outputs ? staged : outputs;
 }
 
 // Steps per warp a staged image keeps in flight: as many as fit with mma_min_blocks() blocks
 // on an SM, from 2 (fewer resident blocks rather than no overlap) up to kMmaMaxStages; 0 where
 // not even one fits in a block.
-int mma_stages_for(const m40llm_cuda_state *st, int head_dim, size_t static_smem) {
-  const size_t step = mma_smem_bytes(head_dim, 1);
+int mma_stages_for(const m40llm_cuda_state *st, int head_dim, int warps, size_t static_smem) {
+  const size_t step = mma_smem_bytes(head_dim, warps, 1);
   const size_t block_max = st->smem_per_block - static_smem;
-  const size_t per_block = st->smem_per_sm / mma_min_blocks(head_dim);
+  const size_t per_block = st->smem_per_sm / mma_min_blocks(head_dim, warps);
   const size_t share = per_block > st->smem_reserved_per_block + static_smem
                            ? per_block - st->smem_reserved_per_block - static_smem
                            : 0;
   int stages = (int)(share / step);
   if (stages < 2) stages = 2;
   if (stages > kMmaMaxStages) stages = kMmaMaxStages;
-  while (stages > 0 && mma_smem_bytes(head_dim, stages) > block_max) stages--;
+  while (stages > 0 && mma_smem_bytes(head_dim, warps, stages) > block_max) stages--;
   return stages;
 }
 
 // The tensor-core kernel, staged or not, where this build has it for this GPU (sm_80+; a
 // compute_52-only build runs the FP32 kernel on every GPU, and only sm_90+ images stage). The
 // first call per kernel sizes its shared memory and asks its occupancy. No kernel: null.
-int mma_pass(m40llm_cuda_state *st, int head_dim, bool staged, SplitPass *out) {
-  const int warps = mma_warps(head_dim);
+int mma_pass(m40llm_cuda_state *st, int head_dim, bool staged, int warps, SplitPass *out) {
   *out = SplitPass{nullptr, 32 * warps, 0, kMmaRows * warps, 0, 0};
-  const SplitKernel k = attn_mma_kernel_for(head_dim, staged);
+  const SplitKernel k = attn_mma_kernel_for(head_dim, staged, warps);
   if (!k || st->cc_major < (staged ? 9 : 8) || (staged && !M40LLM_MMA_BULK_BUILT))
     return M40LLM_OK;
-  auto &info = st->mma[staged][head_dim / 16];
+  auto &info = st->mma[staged][warps == 8][head_dim / 16];
   if (info.usable == 0) {
     cudaFuncAttributes attr;
     M40LLM_CUDA_TRY(cudaFuncGetAttributes(&attr, k));
-    const int stages = staged ? mma_stages_for(st, head_dim, attr.sharedSizeBytes) : 0;
+    const int stages = staged ? mma_stages_for(st, head_dim, warps, attr.sharedSizeBytes) : 0;
     if (attr.ptxVersion < (staged ? 90 : 80) || (staged && stages == 0)) {
       info.usable = -1;
       return M40LLM_OK;
     }
-    const size_t smem = mma_smem_bytes(head_dim, stages);
+    const size_t smem = mma_smem_bytes(head_dim, warps, stages);
     M40LLM_CUDA_TRY(
         cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     int occ = 0;
@@ -567,33 +566,44 @@ int launch_combine(m40llm_cuda_state *st, const AttnArgs &a, const m40llm_attn_p
 }
 
 // The split passes for a cache: the tensor-core kernel where this build and GPU have it (from
-// kMmaMinGroup query heads per K/V head: MHA too by default), else the FP32 kernel. At head_dims kMmaStagedMinDim..kMmaStagedMaxDim, where they
-// can, the tensor-core kernel stages K/V; plans whose splits are too short for that to pay take
-// `direct`, the same kernel loading through registers (without staging, direct is the pass
-// itself).
+// kMmaMinGroup query heads per K/V head: MHA too by default), else the FP32 kernel.
+//   pass    the kernel for plans that fit: mma_warps() warps a block, at head_dims
+//           kMmaStagedMinDim..kMmaStagedMaxDim with K/V staged where the GPU can
+//   direct  the same loading through registers, for plans whose splits are too short for
+//           staging to pay
+//   fine    the same in 4-warp blocks, for plans of more blocks than a wave of 8-warp ones
+// Each is the one before it where there is no other.
+struct SplitPasses {
+  SplitPass pass, direct, fine;
+};
+
 int split_passes_for(m40llm_cuda_state *st, const m40llm_kvcache_options *o, const Grouping &g,
-                     SplitPass *pass, SplitPass *direct) {
+                     SplitPasses *p) {
   if (g.group >= kMmaMinGroup) {
-    const bool stage = o->head_dim >= kMmaStagedMinDim && o->head_dim <= kMmaStagedMaxDim;
-    int rc = mma_pass(st, o->head_dim, false, direct);
-    if (rc == M40LLM_OK && direct->kernel && stage) rc = mma_pass(st, o->head_dim, true, pass);
+    const int hd = o->head_dim, warps = mma_warps(hd);
+    const bool stage = hd >= kMmaStagedMinDim && hd <= kMmaStagedMaxDim;
+    int rc = mma_pass(st, hd, false, warps, &p->direct);
+    if (rc == M40LLM_OK && p->direct.kernel && stage) rc = mma_pass(st, hd, true, warps, &p->pass);
+    if (rc == M40LLM_OK && p->direct.kernel && warps != 4) rc = mma_pass(st, hd, false, 4, &p->fine);
     if (rc != M40LLM_OK) return rc;
-    if (direct->kernel) {
-      if (!stage || !pass->kernel) *pass = *direct;
+    if (p->direct.kernel) {
+      if (!stage || !p->pass.kernel) p->pass = p->direct;
+      if (warps == 4 || !p->fine.kernel) p->fine = p->direct;
       return M40LLM_OK;
     }
   }
-  *pass = SplitPass{split_kernel_for(g.gt, o->head_dim), kAttnThreads,
-                    split_smem_bytes(g.gt, o->head_dim), tile_rows(g.gt, dmax_for(o->head_dim)),
-                    0, 0};
+  SplitPass &pass = p->pass;
+  pass = SplitPass{split_kernel_for(g.gt, o->head_dim), kAttnThreads,
+                   split_smem_bytes(g.gt, o->head_dim), tile_rows(g.gt, dmax_for(o->head_dim)),
+                   0, 0};
   int &occ = st->occupancy[log2_small(g.gt)][o->head_dim / 8];
   if (occ == 0) {
-    M40LLM_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, pass->kernel,
-                                                                  pass->threads, pass->smem));
+    M40LLM_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, pass.kernel,
+                                                                  pass.threads, pass.smem));
     if (occ < 1) occ = 1;
   }
-  pass->target = st->sm_count * occ * kAttnWaves;
-  *direct = *pass;
+  pass.target = st->sm_count * occ * kAttnWaves;
+  p->direct = p->fine = pass;
   return M40LLM_OK;
 }
 
@@ -621,11 +631,12 @@ extern "C" int m40llm_cuda_reserve_for(m40llm_kvcache *c) {
   M40LLM_CUDA_ENTER(c->ctx);
   const m40llm_kvcache_options *o = &c->opts;
   const Grouping g = grouping_for(o);
-  SplitPass pass, direct;
-  const int rc = split_passes_for(c->ctx->cuda, o, g, &pass, &direct);
+  SplitPasses p;
+  const int rc = split_passes_for(c->ctx->cuda, o, g, &p);
   if (rc != M40LLM_OK) return rc;
-  // The bound attention_plan.h promises, for either pass's plans.
-  const int target = pass.target > direct.target ? pass.target : direct.target;
+  // The bound attention_plan.h promises, for any pass's plans.
+  int target = p.pass.target > p.direct.target ? p.pass.target : p.direct.target;
+  if (p.fine.target > target) target = p.fine.target;
   const int max_splits = 3 * ((target + g.units - 1) / g.units) + 1;
   return ensure_workspace(c->ctx, partial_bytes(max_splits, o->n_heads, o->head_dim));
 }
@@ -639,17 +650,25 @@ extern "C" int m40llm_cuda_attention(const m40llm_kvcache *c, int layer, const i
   const m40llm_kvcache_options *o = &c->opts;
   const Grouping g = grouping_for(o);
 
-  SplitPass pass, direct;
-  int rc = split_passes_for(st, o, g, &pass, &direct);
+  SplitPasses passes;
+  int rc = split_passes_for(st, o, g, &passes);
   if (rc != M40LLM_OK) return rc;
+  SplitPass pass = passes.pass;
   m40llm_attn_plan plan;
-  const int min_chunk = kSplitRowsPerHead * g.gt > pass.tile ? kSplitRowsPerHead * g.gt : pass.tile;
-  m40llm_attn_plan_build(&plan, seq_ids, lens, n_seqs, g.units, pass.target, st->sm_count,
-                         min_chunk, pass.tile);
-  if (pass.stages > 0 && plan.chunk < kMmaStagedMinSteps * pass.tile) {
-    pass = direct;  // as many blocks as it fits: its splits are no longer
+  const auto build = [&] {
+    const int min_chunk = kSplitRowsPerHead * g.gt > pass.tile ? kSplitRowsPerHead * g.gt : pass.tile;
     m40llm_attn_plan_build(&plan, seq_ids, lens, n_seqs, g.units, pass.target, st->sm_count,
                            min_chunk, pass.tile);
+  };
+  build();
+  if (pass.stages > 0 && plan.chunk < kMmaStagedMinSteps * pass.tile) {
+    pass = passes.direct;  // as many blocks as it fits: its splits are no longer
+    build();
+  }
+  if (pass.stages == 0 && passes.fine.threads < pass.threads &&
+      (int64_t)plan.total_splits * g.units > pass.target) {
+    pass = passes.fine;
+    build();
   }
 
   AttnArgs a;

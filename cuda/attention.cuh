@@ -124,4 +124,4 @@ __device__ __forceinline__ void wait_for_prerequisite_grid() {
 // not a multiple of 16 from 32 to 128). Staged: its sm_90+ images (M40LLM_MMA_BULK_BUILT)
 // stage K/V in shared memory, AttnArgs::stages steps per warp; elsewhere it is the same as the
 // kernel that loads through registers. Whether it can run is for the caller to ask the runtime.
-SplitKernel attn_mma_kernel_for(int head_dim, bool staged);
+SplitKernel attn_mma_kernel_for(int head_dim, bool staged, int warps);

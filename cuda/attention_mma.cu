@@ -244,8 +244,8 @@ struct StagedSteps {
 //
 // Dynamic shared memory: the staged kernel's slots (StagedSteps), then, after the loop, the
 // warps' outputs [warp][head][dim] for the merge; mma_smem_bytes() gives its size.
-template <int NC, int TAIL, bool STAGED>
-__global__ void __launch_bounds__(32 * mma_warps(32 * NC + 16 * TAIL), mma_min_blocks(32 * NC + 16 * TAIL))
+template <int NC, int TAIL, bool STAGED, int W>
+__global__ void __launch_bounds__(32 * W, mma_min_blocks(32 * NC + 16 * TAIL, W))
     attn_mma_kernel(const AttnArgs a, const m40llm_attn_plan plan) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   constexpr int D = 32 * NC + 16 * TAIL;
@@ -256,7 +256,7 @@ __global__ void __launch_bounds__(32 * mma_warps(32 * NC + 16 * TAIL), mma_min_b
 #else
   constexpr bool kStaged = false;  // the host launches the staged kernel only where it is
 #endif
-  constexpr int W = mma_warps(D), kThreads = 32 * W;
+  constexpr int kThreads = 32 * W;
   using Steps =
       std::conditional_t<kStaged, StagedSteps<NC, TAIL, W>, RegisterSteps<NC, TAIL, W>>;
   extern __shared__ uint4 s_dyn[];
@@ -465,22 +465,34 @@ __global__ void __launch_bounds__(32 * mma_warps(32 * NC + 16 * TAIL), mma_min_b
 #endif
 }
 
-template <bool STAGED>
+// The widths the host launches: mma_warps(), and 4 loading through registers (plans of more
+// than a wave of 8-warp blocks).
+template <int NC, int TAIL, bool STAGED, int W>
+constexpr SplitKernel instance() {
+  if constexpr (W == mma_warps(32 * NC + 16 * TAIL) || (W == 4 && !STAGED))
+    return attn_mma_kernel<NC, TAIL, STAGED, W>;
+  else
+    return nullptr;
+}
+
+template <bool STAGED, int W>
 SplitKernel mma_kernel_for(int head_dim) {
   switch (head_dim) {
-    case 32: return attn_mma_kernel<1, 0, STAGED>;
-    case 48: return attn_mma_kernel<1, 1, STAGED>;
-    case 64: return attn_mma_kernel<2, 0, STAGED>;
-    case 80: return attn_mma_kernel<2, 1, STAGED>;
-    case 96: return attn_mma_kernel<3, 0, STAGED>;
-    case 112: return attn_mma_kernel<3, 1, STAGED>;
-    case 128: return attn_mma_kernel<4, 0, STAGED>;
+    case 32: return instance<1, 0, STAGED, W>();
+    case 48: return instance<1, 1, STAGED, W>();
+    case 64: return instance<2, 0, STAGED, W>();
+    case 80: return instance<2, 1, STAGED, W>();
+    case 96: return instance<3, 0, STAGED, W>();
+    case 112: return instance<3, 1, STAGED, W>();
+    case 128: return instance<4, 0, STAGED, W>();
     default: return nullptr;
   }
 }
 
 }  // namespace
 
-SplitKernel attn_mma_kernel_for(int head_dim, bool staged) {
-  return staged ? mma_kernel_for<true>(head_dim) : mma_kernel_for<false>(head_dim);
+SplitKernel attn_mma_kernel_for(int head_dim, bool staged, int warps) {
+  if (warps == 8) return staged ? mma_kernel_for<true, 8>(head_dim) : mma_kernel_for<false, 8>(head_dim);
+  if (warps == 4) return staged ? mma_kernel_for<true, 4>(head_dim) : mma_kernel_for<false, 4>(head_dim);
+  return nullptr;
 }

@@ -90,7 +90,9 @@ constexpr int kMmaWaves = M40LLM_MMA_WAVES;
 // of issue slots before it runs out of bandwidth (B8 64/8 L8K: 50% of copy against 85%).
 // -DM40LLM_MMA_MIN_GROUP=1000 keeps every shape on the FP32 kernel.
 constexpr int kMmaRows = 16;
-// Warps per block, by head_dim: 8 below M40LLM_MMA_FOUR_WARP_MIN_DIM, 4 from it. With the same
+// Warps per block, by head_dim: 8 below M40LLM_MMA_FOUR_WARP_MIN_DIM, 4 from it, and 4 for
+// plans of more blocks than one wave of 8-warp blocks (finer waves: B64 32/8 D64 L512, 512
+// blocks, took 28.1 us in 2 waves of 8-warp blocks against 26.6 in 1 of 4-warp blocks). With the same
 // warps per SM, 8-warp blocks at head_dim 64 and 80 take fewer, larger splits (fewer partials to
 // write and merge, q converted once for twice the positions): H100, same run, B32 32/8 D64 L512
 // 16.4 -> 14.9 us, B8 D64 L512 7.7 -> 7.0, B32 D64 L8K 183 -> 179, B32 32/8 D80 L8K 238 -> 230,
@@ -116,8 +118,8 @@ __host__ __device__ constexpr int mma_warps(int head_dim) {
 __host__ __device__ constexpr int mma_sm_warps(int head_dim) {
   return head_dim > 64 ? M40LLM_MMA_SM_WARPS_WIDE : M40LLM_MMA_SM_WARPS_NARROW;
 }
-__host__ __device__ constexpr int mma_min_blocks(int head_dim) {
-  return mma_sm_warps(head_dim) > mma_warps(head_dim) ? mma_sm_warps(head_dim) / mma_warps(head_dim) : 1;
+__host__ __device__ constexpr int mma_min_blocks(int head_dim, int warps) {
+  return mma_sm_warps(head_dim) > warps ? mma_sm_warps(head_dim) / warps : 1;
 }
 // sm_90+, built with CUDA 12+: each warp of the tensor-core kernel has its next K/V steps
 // copied into shared memory by the bulk-copy (TMA) engine, as many steps deep as fit beside the
