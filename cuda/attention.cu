@@ -502,7 +502,7 @@ int mma_pass(m40llm_cuda_state *st, int head_dim, bool staged, int warps, SplitP
   const SplitKernel k = attn_mma_kernel_for(head_dim, staged, warps);
   if (!k || st->cc_major < (staged ? 9 : 8) || (staged && !M40LLM_MMA_BULK_BUILT))
     return M40LLM_OK;
-  auto &info = st->mma[staged][warps == 8][head_dim / 16];
+  auto &info = st->mma[staged][warps < mma_warps(head_dim)][head_dim / 16];
   if (info.usable == 0) {
     cudaFuncAttributes attr;
     M40LLM_CUDA_TRY(cudaFuncGetAttributes(&attr, k));
@@ -571,7 +571,7 @@ int launch_combine(m40llm_cuda_state *st, const AttnArgs &a, const m40llm_attn_p
 //           kMmaStagedMinDim..kMmaStagedMaxDim with K/V staged where the GPU can
 //   direct  the same loading through registers, for plans whose splits are too short for
 //           staging to pay
-//   fine    the same in 4-warp blocks, for plans of more blocks than a wave of 8-warp ones
+//   fine    the same in blocks of half the warps, for plans of more blocks than a wave
 // Each is the one before it where there is no other.
 struct SplitPasses {
   SplitPass pass, direct, fine;
@@ -584,11 +584,11 @@ int split_passes_for(m40llm_cuda_state *st, const m40llm_kvcache_options *o, con
     const bool stage = hd >= kMmaStagedMinDim && hd <= kMmaStagedMaxDim;
     int rc = mma_pass(st, hd, false, warps, &p->direct);
     if (rc == M40LLM_OK && p->direct.kernel && stage) rc = mma_pass(st, hd, true, warps, &p->pass);
-    if (rc == M40LLM_OK && p->direct.kernel && warps != 4) rc = mma_pass(st, hd, false, 4, &p->fine);
+    if (rc == M40LLM_OK && p->direct.kernel) rc = mma_pass(st, hd, false, warps / 2, &p->fine);
     if (rc != M40LLM_OK) return rc;
     if (p->direct.kernel) {
       if (!stage || !p->pass.kernel) p->pass = p->direct;
-      if (warps == 4 || !p->fine.kernel) p->fine = p->direct;
+      if (!p->fine.kernel) p->fine = p->direct;
       return M40LLM_OK;
     }
   }
@@ -665,7 +665,7 @@ extern "C" int m40llm_cuda_attention(const m40llm_kvcache *c, int layer, const i
     pass = passes.direct;  // as many blocks as it fits: its splits are no longer
     build();
   }
-  if (pass.stages == 0 && passes.fine.threads < pass.threads &&
+  if (pass.stages == 0 && passes.fine.threads < pass.threads && plan.chunk <= kMmaFineMaxChunk &&
       (int64_t)plan.total_splits * g.units > pass.target) {
     pass = passes.fine;
     build();

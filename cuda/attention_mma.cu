@@ -421,24 +421,26 @@ __global__ void __launch_bounds__(32 * W, mma_min_blocks(32 * NC + 16 * TAIL, W)
   // exponentials are taken once per head rather than once per output element; a warp past the
   // split's end has max -inf and weight 0. With one split the output is final: the weights then
   // carry the 1 / sum.
-  static_assert(W * G % 32 == 0, "whole (warp, head) pairs per lane");
-  constexpr int P = W * G / 32;  // pairs per lane: lane w G + h, then 32 lanes on
+  // Pairs per lane: lane w G + h, then 32 lanes on; under 32 pairs, every lane % (W G) holds one.
+  constexpr int kPairs = W * G, P = kPairs > 32 ? kPairs / 32 : 1, kSpan = kPairs > 32 ? 32 : kPairs;
+  static_assert(kPairs % kSpan == 0 && 32 % kSpan == 0, "whole (warp, head) pairs per lane");
+  const int pl = lane % kSpan;
   float m_w[P], m = -INFINITY;
 #pragma unroll
   for (int p = 0; p < P; p++) {
-    m_w[p] = s_m[(lane + 32 * p) / G][lane % G];
+    m_w[p] = s_m[(pl + 32 * p) / G][pl % G];
     m = fmaxf(m, m_w[p]);
   }
 #pragma unroll
-  for (int off = G; off < 32; off <<= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+  for (int off = G; off < kSpan; off <<= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
   float wt[P], l = 0.0f;
 #pragma unroll
   for (int p = 0; p < P; p++) {
     wt[p] = m_w[p] == -INFINITY ? 0.0f : exp2f(m_w[p] - m);
-    l = fmaf(wt[p], s_l[(lane + 32 * p) / G][lane % G], l);
+    l = fmaf(wt[p], s_l[(pl + 32 * p) / G][pl % G], l);
   }
 #pragma unroll
-  for (int off = G; off < 32; off <<= 1) l += __shfl_xor_sync(0xffffffffu, l, off);
+  for (int off = G; off < kSpan; off <<= 1) l += __shfl_xor_sync(0xffffffffu, l, off);
   const bool final_out = b.n_splits == 1;
   float f[P];
 #pragma unroll
@@ -465,11 +467,12 @@ __global__ void __launch_bounds__(32 * W, mma_min_blocks(32 * NC + 16 * TAIL, W)
 #endif
 }
 
-// The widths the host launches: mma_warps(), and 4 loading through registers (plans of more
-// than a wave of 8-warp blocks).
+// The widths the host launches: mma_warps(), and half that loading through registers (plans of
+// more blocks than one wave of the wider ones).
 template <int NC, int TAIL, bool STAGED, int W>
 constexpr SplitKernel instance() {
-  if constexpr (W == mma_warps(32 * NC + 16 * TAIL) || (W == 4 && !STAGED))
+  constexpr int kWarps = mma_warps(32 * NC + 16 * TAIL);
+  if constexpr (W == kWarps || (W == kWarps / 2 && !STAGED))
     return attn_mma_kernel<NC, TAIL, STAGED, W>;
   else
     return nullptr;
@@ -494,5 +497,6 @@ SplitKernel mma_kernel_for(int head_dim) {
 SplitKernel attn_mma_kernel_for(int head_dim, bool staged, int warps) {
   if (warps == 8) return staged ? mma_kernel_for<true, 8>(head_dim) : mma_kernel_for<false, 8>(head_dim);
   if (warps == 4) return staged ? mma_kernel_for<true, 4>(head_dim) : mma_kernel_for<false, 4>(head_dim);
+  if (warps == 2) return staged ? mma_kernel_for<true, 2>(head_dim) : mma_kernel_for<false, 2>(head_dim);
   return nullptr;
 }

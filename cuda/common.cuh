@@ -22,7 +22,7 @@ struct m40llm_cuda_state {
     signed char stages;  // K/V steps per warp it stages in shared memory (0: in registers)
     int smem;            // its dynamic shared memory, in bytes
     int occupancy;       // resident blocks per SM
-  } mma[2][2][9];  // the tensor-core kernels, by [staged][8-warp blocks][head_dim / 16]
+  } mma[2][2][9];  // the tensor-core kernels, by [staged][half-width blocks][head_dim / 16]
   signed char combine_pdl;    // whether the combine launch may overlap the split kernel: 0 = not asked
 };
 

@@ -90,14 +90,22 @@ constexpr int kMmaWaves = M40LLM_MMA_WAVES;
 // of issue slots before it runs out of bandwidth (B8 64/8 L8K: 50% of copy against 85%).
 // -DM40LLM_MMA_MIN_GROUP=1000 keeps every shape on the FP32 kernel.
 constexpr int kMmaRows = 16;
-// Warps per block, by head_dim: 8 below M40LLM_MMA_FOUR_WARP_MIN_DIM, 4 from it, and 4 for
-// plans of more blocks than one wave of 8-warp blocks (finer waves: B64 32/8 D64 L512, 512
-// blocks, took 28.1 us in 2 waves of 8-warp blocks against 26.6 in 1 of 4-warp blocks). With the same
+// Warps per block, by head_dim: 8 below M40LLM_MMA_FOUR_WARP_MIN_DIM, 4 from it. With the same
 // warps per SM, 8-warp blocks at head_dim 64 and 80 take fewer, larger splits (fewer partials to
 // write and merge, q converted once for twice the positions): H100, same run, B32 32/8 D64 L512
 // 16.4 -> 14.9 us, B8 D64 L512 7.7 -> 7.0, B32 D64 L8K 183 -> 179, B32 32/8 D80 L8K 238 -> 230,
 // B1 32/8 D64 L128K 95.0 -> 92.9. At head_dim 128, where a block has 2 per SM, they were
 // slower: B8 64/8 L512 11.3 -> 11.9, B64 64/8 L512 53 -> 59, B1 32/8 L2K 8.1 -> 8.9.
+// Plans of more blocks than one wave whose blocks take at most kMmaFineMaxChunk positions take
+// blocks of half the warps: twice the resident blocks then overlap one's start and end (q, the
+// merge, the partials) with the others' loops. H100, same run: B64 32/8 D64 L512 28.3 -> 26.9
+// us, D80 45.8 -> 37.2, B64 64/8 D128 L512 53.4 -> 50.9, B32 32/32 L512 94.7 -> 93.0; from 2K
+// positions a block it was within 1% either way (B64 32/8 L8K 698 -> 705, B64 64/8 L2K 183.5 ->
+// 181.6).
+#ifndef M40LLM_MMA_FINE_MAX_CHUNK
+#define M40LLM_MMA_FINE_MAX_CHUNK 1024
+#endif
+constexpr int kMmaFineMaxChunk = M40LLM_MMA_FINE_MAX_CHUNK;
 #ifndef M40LLM_MMA_FOUR_WARP_MIN_DIM
 #define M40LLM_MMA_FOUR_WARP_MIN_DIM 128
 #endif
