@@ -24,8 +24,13 @@ command -v cmake >/dev/null || need+=(cmake)
 command -v ninja >/dev/null || need+=(ninja-build)
 command -v g++ >/dev/null || need+=(g++)
 command -v python3 >/dev/null || need+=(python3)
-# bindgen (only for the Rust stale-bindings check) needs libclang.
-ls /usr/lib/llvm-*/lib/libclang*.so* >/dev/null 2>&1 || need+=(libclang-dev)
+# bindgen (only for the Rust stale-bindings check) needs libclang itself: libclang-cpp, which
+# other packages pull in, is a different library that bindgen cannot load.
+have_libclang() {
+  [ -n "${LIBCLANG_PATH:-}" ] || compgen -G '/usr/lib/llvm-*/lib/libclang.so*' >/dev/null ||
+    compgen -G '/usr/lib/*-linux-gnu/libclang-[0-9]*.so*' >/dev/null
+}
+have_libclang || need+=(libclang-dev)
 
 nvcc=""
 if [ "${M40LLM_SKIP_CUDA:-0}" != 1 ]; then

@@ -8,12 +8,18 @@ check=0
 [ "${1:-}" = "--check" ] && check=1
 # DOCS_RS=1 makes build.rs skip the native build: only bindgen runs. The crate itself may fail
 # to compile (stale or missing bindings); the build script's output is all that is needed here.
-out_dir=$( (DOCS_RS=1 cargo build -q -p m40llm-sys --features regenerate-bindings \
-              --message-format=json 2>/dev/null || true) \
-  | grep '"reason":"build-script-executed"' | grep '"package_id":"[^"]*m40llm-sys' \
-  | sed -E 's/.*"out_dir":"([^"]*)".*/\1/' | tail -n 1)
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+DOCS_RS=1 cargo build -q -p m40llm-sys --features regenerate-bindings --message-format=json \
+  >"$log" 2>&1 || true
+out_dir=$(grep '"reason":"build-script-executed"' "$log" | grep '"package_id":"[^"]*m40llm-sys' \
+  | sed -E 's/.*"out_dir":"([^"]*)".*/\1/' | tail -n 1 || true)
 fresh="$out_dir/bindings.rs"
-[ -f "$fresh" ] || { echo "regen_bindings: bindgen produced no $fresh" >&2; exit 1; }
+if [ -z "$out_dir" ] || [ ! -f "$fresh" ]; then
+  echo "regen_bindings: bindgen produced no bindings.rs (no libclang? scripts/setup.sh installs it)" >&2
+  grep -v '^{' "$log" | grep -E -A1 '^error|panicked' | head -n 12 >&2
+  exit 1
+fi
 committed=m40llm-sys/src/bindings.rs
 if [ "$check" = 1 ]; then
   if diff -u "$committed" "$fresh"; then
