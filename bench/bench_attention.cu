@@ -8,6 +8,7 @@
 //   every sequence filled to ctx with random FP16 (append_f16 in chunks, data made on the GPU).
 //   R is chosen so R * (K+V bytes of one layer) >= max(4 * L2, 256 MiB), capped by --rot-cap and
 //   free memory; consecutive calls use consecutive layers, so repeated runs don't hit in L2.
+// - warm-up: calls over every layer, then --warmup-ms (50) of calls before timing.
 // - eager: samples of K back-to-back calls between two cudaEvents (K so a sample is >= ~0.1 ms);
 //   per-call time = sample / K; median over samples (no host sync between samples).
 // - graph: G >= R calls (one per layer, cycling) captured into one CUDA graph on the context's stream;
@@ -237,6 +238,7 @@ struct Options {
   int rot_cap = 2048;
   double sample_ms = 0.1;       // eager sample / graph replay aims at least this long
   double budget_ms = 250.0;     // measured time per shape and mode, roughly
+  double warmup_ms = 50.0;      // calls before the eager samples
   double graph_below_us = 100;  // also graph any shape whose eager call is faster than this
   int device = 0;
 };
@@ -320,6 +322,7 @@ static void usage() {
       "  --rot-cap N            most layers to rotate through (default 2048)\n"
       "  --sample-ms X          shortest eager sample / graph replay (default 0.1)\n"
       "  --budget-ms X          measured time per shape and mode (default 250)\n"
+      "  --warmup-ms X          calls before the eager samples, in ms (default 50)\n"
       "  --graph-below-us X     also time as a CUDA graph when eager per-call < X (default 100)\n"
       "  --no-graph             no CUDA graph timing\n"
       "  --no-check             skip the output check\n"
@@ -367,6 +370,7 @@ static Options parse_args(int argc, char **argv) {
     } else if (a == "--rot-cap") o.rot_cap = std::max(1, parse_int_k(next()));
     else if (a == "--sample-ms") o.sample_ms = std::atof(next());
     else if (a == "--budget-ms") o.budget_ms = std::atof(next());
+    else if (a == "--warmup-ms") o.warmup_ms = std::atof(next());
     else if (a == "--graph-below-us") o.graph_below_us = std::atof(next());
     else if (a == "--device") o.device = parse_int_k(next());
     else if (a == "-h" || a == "--help") {
@@ -712,6 +716,11 @@ static Result run_shape(Bench &B, const Shape &s) {
     for (int i = 0; i < n_est; i++) next_call();
     CUDA_CHECK(cudaEventRecord(ev.ev[1], st));
     est_ms = std::max(ev.elapsed_ms()[0] / n_est, 1e-4);
+    // Busy the GPU for --warmup-ms first: right after a large shape's fill and free, a few ms
+    // of calls alone left the next shape's eager median 15% slow (B64 32/32 D128 L512 after
+    // B32 L32K on an H100: 212 vs 183 us, same binary).
+    const int n_warm = (int)std::min(100000.0, std::ceil(o.warmup_ms / est_ms));
+    for (int i = 0; i < n_warm; i++) next_call();
 
     // Eager: samples of K back-to-back calls.
     int K = (int)std::min(4096.0, std::max(1.0, std::ceil(o.sample_ms / est_ms)));
@@ -839,6 +848,7 @@ static Result run_shape(Bench &B, const Shape &s) {
 static const char *kMethod =
     "m40llm_kvcache_attn_batch_f32q, FP32 Q/out, FP16 K/V, every sequence at full ctx. "
     "Cache n_layers = rotation R with R*KV >= max(4*L2, 256MiB) (capped); calls cycle layers. "
+    "Warm-up: every layer once, then 50 ms (--warmup-ms) of calls. "
     "eager_us: median over samples of K back-to-back calls between cudaEvents, divided by K. "
     "graph_us: median over replays of a CUDA graph of G>=R calls, divided by G. "
     "time_us = graph_us when measured else eager_us. bytes = KV + Q + out. "
