@@ -247,6 +247,31 @@ __global__ void __launch_bounds__(kAttnThreads, kAttnMinBlocksPerSm)
   }
 }
 
+// acc += w * v, per component.
+__device__ __forceinline__ void fma4(float w, const float4 &v, float4 &acc) {
+  acc.x = fmaf(w, v.x, acc.x);
+  acc.y = fmaf(w, v.y, acc.y);
+  acc.z = fmaf(w, v.z, acc.z);
+  acc.w = fmaf(w, v.w, acc.w);
+}
+
+// Partials entry p's (max, sum) and this lane's float4 words lane + 32 k of its output. A split
+// past its item's end (real false) reads as (-inf, 0): its merge weight exp2(-inf) is 0.
+template <int K>
+__device__ __forceinline__ void load_partial(const AttnArgs &a, bool real, size_t p, int lane,
+                                             float &m, float &l, float4 (&v)[K]) {
+  m = -INFINITY;
+  l = 0.0f;
+  if (!real) return;
+  m = a.part_m[p];
+  l = a.part_l[p];
+  const int d4 = a.head_dim / 4;
+  const float4 *po = reinterpret_cast<const float4 *>(a.part_o) + p * d4;
+#pragma unroll
+  for (int k = 0; k < K; k++)
+    if (lane + 32 * k < d4) v[k] = po[lane + 32 * k];
+}
+
 // Plans of more than kCombineFewSplits splits: one block per (item, query head); items with a
 // single split were finished by the split kernel. Each warp merges every 8th split with the
 // online-softmax rule, lanes covering the head's dims 4 at a time, kCombineBatch splits at a
@@ -270,7 +295,6 @@ __global__ void __launch_bounds__(kCombineThreads)
   wait_for_prerequisite_grid();
 
   const int D4 = a.head_dim / 4;
-  const float4 *po = reinterpret_cast<const float4 *>(a.part_o);
   float m = -INFINITY, l = 0.0f;
   float4 acc[2] = {make_float4(0.f, 0.f, 0.f, 0.f), make_float4(0.f, 0.f, 0.f, 0.f)};
   for (int s0 = warp; s0 < n; s0 += kCombineWarps * kCombineBatch) {
@@ -280,16 +304,7 @@ __global__ void __launch_bounds__(kCombineThreads)
 #pragma unroll
     for (int b = 0; b < kCombineBatch; b++) {
       const int s = s0 + b * kCombineWarps;
-      ms[b] = -INFINITY;
-      ls[b] = 0.0f;
-      if (s < n) {
-        const size_t p = (size_t)(first + s) * a.n_heads + h;
-        ms[b] = a.part_m[p];
-        ls[b] = a.part_l[p];
-#pragma unroll
-        for (int k = 0; k < 2; k++)
-          if (lane + 32 * k < D4) v[b][k] = po[p * D4 + lane + 32 * k];
-      }
+      load_partial(a, s < n, (size_t)(first + s) * a.n_heads + h, lane, ms[b], ls[b], v[b]);
       m_new = fmaxf(m_new, ms[b]);
     }
     const float alpha = exp2f(m - m_new);  // split s0 is real: m_new is finite
@@ -308,14 +323,8 @@ __global__ void __launch_bounds__(kCombineThreads)
         const float w = exp2f(ms[b] - m_new);
         l = fmaf(w, ls[b], l);
 #pragma unroll
-        for (int k = 0; k < 2; k++) {
-          if (lane + 32 * k < D4) {
-            acc[k].x = fmaf(w, v[b][k].x, acc[k].x);
-            acc[k].y = fmaf(w, v[b][k].y, acc[k].y);
-            acc[k].z = fmaf(w, v[b][k].z, acc[k].z);
-            acc[k].w = fmaf(w, v[b][k].w, acc[k].w);
-          }
-        }
+        for (int k = 0; k < 2; k++)
+          if (lane + 32 * k < D4) fma4(w, v[b][k], acc[k]);
       }
     }
   }
@@ -342,12 +351,7 @@ __global__ void __launch_bounds__(kCombineThreads)
   for (int d4 = tid; d4 < D4; d4 += kCombineThreads) {
     float4 t = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-    for (int w = 0; w < kCombineWarps; w++) {
-      t.x = fmaf(wt[w], s_acc[w][d4].x, t.x);
-      t.y = fmaf(wt[w], s_acc[w][d4].y, t.y);
-      t.z = fmaf(wt[w], s_acc[w][d4].z, t.z);
-      t.w = fmaf(wt[w], s_acc[w][d4].w, t.w);
-    }
+    for (int w = 0; w < kCombineWarps; w++) fma4(wt[w], s_acc[w][d4], t);
     // out is the caller's: only 4-byte alignment is promised.
     float *dst = a.out + ((size_t)item * a.n_heads + h) * a.head_dim + d4 * 4;
     dst[0] = t.x * inv_l;
@@ -376,20 +380,12 @@ __global__ void __launch_bounds__(32 * kCombineFewHeads, 8)
 
   constexpr int N = kCombineFewSplits > 0 ? kCombineFewSplits : 1;
   const bool active = lane < a.head_dim / 4;
-  const float4 *po = reinterpret_cast<const float4 *>(a.part_o);
   float ms[N], ls[N];
-  float4 v[N];
+  float4 v[N][1];
   float m = -INFINITY;
 #pragma unroll
   for (int s = 0; s < N; s++) {
-    ms[s] = -INFINITY;
-    ls[s] = 0.0f;
-    if (s < n) {
-      const size_t p = (size_t)(first + s) * a.n_heads + h;
-      ms[s] = a.part_m[p];
-      ls[s] = a.part_l[p];
-      if (active) v[s] = po[p * (a.head_dim / 4) + lane];
-    }
+    load_partial(a, s < n, (size_t)(first + s) * a.n_heads + h, lane, ms[s], ls[s], v[s]);
     m = fmaxf(m, ms[s]);
   }
   float l = 0.0f;
@@ -399,10 +395,7 @@ __global__ void __launch_bounds__(32 * kCombineFewHeads, 8)
     if (s < n) {
       const float w = exp2f(ms[s] - m);
       l = fmaf(w, ls[s], l);
-      acc.x = fmaf(w, v[s].x, acc.x);
-      acc.y = fmaf(w, v[s].y, acc.y);
-      acc.z = fmaf(w, v[s].z, acc.z);
-      acc.w = fmaf(w, v[s].w, acc.w);
+      fma4(w, v[s][0], acc);
     }
   }
   if (!active) return;
