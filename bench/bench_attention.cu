@@ -8,7 +8,7 @@
 //   every sequence filled to ctx with random FP16 (append_f16 in chunks, data made on the GPU).
 //   R is chosen so R * (K+V bytes of one layer) >= max(4 * L2, 256 MiB), capped by --rot-cap and
 //   free memory; consecutive calls use consecutive layers, so repeated runs don't hit in L2.
-// - warm-up: calls over every layer, then --warmup-ms (50) of calls before timing.
+// - warm-up: one call on each of the first 64 layers, then --warmup-ms (50) of calls.
 // - eager: samples of K back-to-back calls between two cudaEvents (K so a sample is >= ~0.1 ms);
 //   per-call time = sample / K; median over samples (no host sync between samples).
 // - graph: G >= R calls (one per layer, cycling) captured into one CUDA graph on the context's stream;
@@ -848,7 +848,7 @@ static Result run_shape(Bench &B, const Shape &s) {
 static const char *kMethod =
     "m40llm_kvcache_attn_batch_f32q, FP32 Q/out, FP16 K/V, every sequence at full ctx. "
     "Cache n_layers = rotation R with R*KV >= max(4*L2, 256MiB) (capped); calls cycle layers. "
-    "Warm-up: every layer once, then 50 ms (--warmup-ms) of calls. "
+    "Warm-up: one call on each of the first 64 layers, then --warmup-ms (default 50) of calls. "
     "eager_us: median over samples of K back-to-back calls between cudaEvents, divided by K. "
     "graph_us: median over replays of a CUDA graph of G>=R calls, divided by G. "
     "time_us = graph_us when measured else eager_us. bytes = KV + Q + out. "

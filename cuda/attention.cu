@@ -255,8 +255,9 @@ __device__ __forceinline__ void fma4(float w, const float4 &v, float4 &acc) {
   acc.w = fmaf(w, v.w, acc.w);
 }
 
-// Partials entry p's (max, sum) and this lane's float4 words lane + 32 k of its output. A split
-// past its item's end (real false) reads as (-inf, 0): its merge weight exp2(-inf) is 0.
+// Partials entry p's (max, sum) and this lane's float4 words lane + 32 k of its output (words
+// past head_dim / 4 are left unset: their lanes write nothing). A split past its item's end
+// (real false) reads as (-inf, 0): its merge weight exp2(-inf) is 0.
 template <int K>
 __device__ __forceinline__ void load_partial(const AttnArgs &a, bool real, size_t p, int lane,
                                              float &m, float &l, float4 (&v)[K]) {
@@ -272,12 +273,12 @@ __device__ __forceinline__ void load_partial(const AttnArgs &a, bool real, size_
     if (lane + 32 * k < d4) v[k] = po[lane + 32 * k];
 }
 
-// Plans of more than kCombineFewSplits splits: one block per (item, query head); items with a
-// single split were finished by the split kernel. Each warp merges every 8th split with the
-// online-softmax rule, lanes covering the head's dims 4 at a time, kCombineBatch splits at a
-// time: their loads go out together (written as one loop, the compiler reused one split's
-// registers for the next, a memory round trip per split), so 32 splits take one round trip. The
-// warps' (max, sum, output) then merge in shared memory. Each split holds at least one
+// Plans of more than kCombineFewSplits splits, or head_dim above kCombineFewMaxDim: one block
+// per (item, query head); items with a single split were finished by the split kernel. Each
+// warp merges every 8th split with the online-softmax rule, lanes covering the head's dims 4 at
+// a time, kCombineBatch splits at a time: their loads go out together (written as one loop, the
+// compiler reused one split's registers for the next, a memory round trip per split), so 32
+// splits take one round trip. The warps' (max, sum, output) then merge in shared memory. Each split holds at least one
 // position, so every partial max is finite.
 constexpr int kCombineThreads = 256;
 constexpr int kCombineWarps = kCombineThreads / 32;
@@ -472,7 +473,7 @@ size_t mma_smem_bytes(int head_dim, int warps, int stages) {
 
 // Steps per warp a staged image keeps in flight: as many as fit with mma_min_blocks() blocks
 // on an SM, from 2 (fewer resident blocks rather than no overlap) up to kMmaMaxStages; 0 where
-// not even one fits in a block.
+// not even two fit in a block (one step staged at a time would not overlap loads with math).
 int mma_stages_for(const m40llm_cuda_state *st, int head_dim, int warps, size_t static_smem) {
   const size_t step = mma_smem_bytes(head_dim, warps, 1);
   const size_t block_max = st->smem_per_block - static_smem;
@@ -484,7 +485,7 @@ int mma_stages_for(const m40llm_cuda_state *st, int head_dim, int warps, size_t 
   if (stages < 2) stages = 2;
   if (stages > kMmaMaxStages) stages = kMmaMaxStages;
   while (stages > 0 && mma_smem_bytes(head_dim, warps, stages) > block_max) stages--;
-  return stages;
+  return stages >= 2 ? stages : 0;
 }
 
 // The tensor-core kernel, staged or not, where this build has it for this GPU (sm_80+; a

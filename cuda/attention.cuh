@@ -120,8 +120,9 @@ __device__ __forceinline__ void wait_for_prerequisite_grid() {
 #define M40LLM_MMA_BULK_BUILT 0
 #endif
 
-// The tensor-core split kernel for this head_dim, or null where it does not apply (head_dim
-// not a multiple of 16 from 32 to 128). Staged: its sm_90+ images (M40LLM_MMA_BULK_BUILT)
-// stage K/V in shared memory, AttnArgs::stages steps per warp; elsewhere it is the same as the
-// kernel that loads through registers. Whether it can run is for the caller to ask the runtime.
+// The tensor-core split kernel for this head_dim in blocks of `warps` warps, or null where it
+// does not apply: head_dim not a multiple of 16 from 32 to 128, or warps neither mma_warps()
+// nor (not staged) half of it. Staged: its sm_90+ images (M40LLM_MMA_BULK_BUILT) stage K/V in
+// shared memory, AttnArgs::stages steps per warp; elsewhere it is the same as the kernel that
+// loads through registers. Whether it can run is for the caller to ask the runtime.
 SplitKernel attn_mma_kernel_for(int head_dim, bool staged, int warps);

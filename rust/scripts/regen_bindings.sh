@@ -17,7 +17,7 @@ out_dir=$(grep '"reason":"build-script-executed"' "$log" | grep '"package_id":"[
 fresh="$out_dir/bindings.rs"
 if [ -z "$out_dir" ] || [ ! -f "$fresh" ]; then
   echo "regen_bindings: bindgen produced no bindings.rs (no libclang? scripts/setup.sh installs it)" >&2
-  grep -v '^{' "$log" | grep -E -A1 '^error|panicked' | head -n 12 >&2
+  grep -v '^{' "$log" | grep -E -A1 '^error|panicked|not found' | head -n 12 >&2 || true
   exit 1
 fi
 committed=m40llm-sys/src/bindings.rs
