@@ -716,9 +716,9 @@ static Result run_shape(Bench &B, const Shape &s) {
     for (int i = 0; i < n_est; i++) next_call();
     CUDA_CHECK(cudaEventRecord(ev.ev[1], st));
     est_ms = std::max(ev.elapsed_ms()[0] / n_est, 1e-4);
-    // Busy the GPU for --warmup-ms first: right after a large shape's fill and free, a few ms
-    // of calls alone left the next shape's eager median 15% slow (B64 32/32 D128 L512 after
-    // B32 L32K on an H100: 212 vs 183 us, same binary).
+    // Busy the GPU for --warmup-ms first: right after a large shape's fill and free, the one
+    // warm-up call of a rotation-1 shape left its eager median 15% slow (B64 32/32 D128 L512
+    // after B32 L32K on an H100: 212 vs 183 us, same binary).
     const int n_warm = (int)std::min(100000.0, std::ceil(o.warmup_ms / est_ms));
     for (int i = 0; i < n_warm; i++) next_call();
 

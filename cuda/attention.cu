@@ -278,8 +278,8 @@ __device__ __forceinline__ void load_partial(const AttnArgs &a, bool real, size_
 // warp merges every 8th split with the online-softmax rule, lanes covering the head's dims 4 at
 // a time, kCombineBatch splits at a time: their loads go out together (written as one loop, the
 // compiler reused one split's registers for the next, a memory round trip per split), so 32
-// splits take one round trip. The warps' (max, sum, output) then merge in shared memory. Each split holds at least one
-// position, so every partial max is finite.
+// splits take one round trip. The warps' (max, sum, output) then merge in shared memory. Each
+// split holds at least one position, so every partial max is finite.
 constexpr int kCombineThreads = 256;
 constexpr int kCombineWarps = kCombineThreads / 32;
 constexpr int kCombineBatch = 4;  // 64 registers at most on sm_52: 50% occupancy

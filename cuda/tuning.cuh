@@ -70,9 +70,9 @@ constexpr int kCombineFewSplits = M40LLM_COMBINE_FEW_SPLITS;
 // measured per kernel and GPU). The FP32 kernel keeps 8 blocks per SM, and a single wave then
 // leaves some SMs a block short while the others set the pace (H100, B8 32/32 L8K: 78% of copy
 // at 1 wave, 98% at 2). The tensor-core kernel keeps 8-16 warps per SM (1-4 blocks), where one
-// wave of even splits was as fast or faster at every shape measured (B1 32/8 L32K: 81% against 76%). A build may
-// override either to tune (-DM40LLM_ATTN_WAVES=N or -DM40LLM_MMA_WAVES=N in CMAKE_CUDA_FLAGS;
-// scripts/perf_quick.sh compares builds).
+// wave of even splits was as fast or faster at every shape measured (B1 32/8 L32K: 81% against
+// 76%). A build may override either to tune (-DM40LLM_ATTN_WAVES=N or -DM40LLM_MMA_WAVES=N in
+// CMAKE_CUDA_FLAGS; scripts/perf_quick.sh compares builds).
 #ifndef M40LLM_ATTN_WAVES
 #define M40LLM_ATTN_WAVES 2
 #endif
