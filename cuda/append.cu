@@ -12,6 +12,7 @@ __global__ void append_kernel(const T *__restrict__ k, const T *__restrict__ v,
                               __half *__restrict__ cache_k, __half *__restrict__ cache_v,
                               size_t first, size_t head_stride, size_t n, int n_kv_heads,
                               int head_dim) {
+  allow_dependent_launch();
   for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
        i += (size_t)gridDim.x * blockDim.x) {
     const size_t d = i % head_dim;

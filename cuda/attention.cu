@@ -73,8 +73,9 @@ __global__ void __launch_bounds__(kAttnThreads, kAttnMinBlocksPerSm)
   float *sp = smem + GT * DMAX;  // [T][GT]: a position's weights for every head together
   const int tid = threadIdx.x;
 
-  allow_dependent_launch();
   const SplitBlock b = split_block(a, plan, GT);
+  wait_for_prerequisite_grid();
+  if (plan.max_splits > 1) allow_dependent_launch();  // the combine kernel: see below
   const int p_begin = b.p_begin, p_end = b.p_end, nh = b.nh;
   const __half *K = b.k;
   const __half *V = b.v;
@@ -226,6 +227,10 @@ __global__ void __launch_bounds__(kAttnThreads, kAttnMinBlocksPerSm)
       }
     }
   }
+  // A one-pass plan's next kernel is most likely the next call's split kernel: let in any
+  // earlier, its blocks would hold SM slots through this loop (B32 32/8 D64 L512 on an H100:
+  // 14.4 us a call, 14.8 let in after the wait). A combine kernel is small: let in at once.
+  if (plan.max_splits == 1) allow_dependent_launch();
 
   __syncthreads();  // q and weights are dead: reuse their space for the row-group reduction
   float *red = smem;  // [row_group][GT][D]
@@ -292,8 +297,9 @@ __global__ void __launch_bounds__(kCombineThreads)
   const int warp = tid >> 5, lane = tid & 31;
   const int first = plan.split_begin[item];
   const int n = plan.split_begin[item + 1] - first;
-  if (n == 1) return;
   wait_for_prerequisite_grid();
+  allow_dependent_launch();
+  if (n == 1) return;
 
   const int D4 = a.head_dim / 4;
   float m = -INFINITY, l = 0.0f;
@@ -376,8 +382,9 @@ __global__ void __launch_bounds__(32 * kCombineFewHeads, 8)
   const int h = blockIdx.y * kCombineFewHeads + (threadIdx.x >> 5);
   const int first = plan.split_begin[item];
   const int n = plan.split_begin[item + 1] - first;
-  if (n == 1 || h >= a.n_heads) return;
   wait_for_prerequisite_grid();
+  allow_dependent_launch();
+  if (n == 1 || h >= a.n_heads) return;
 
   constexpr int N = kCombineFewSplits > 0 ? kCombineFewSplits : 1;
   const bool active = lane < a.head_dim / 4;
@@ -461,6 +468,7 @@ struct SplitPass {
   int tile;    // positions a block consumes per step: split chunks are multiples of it
   int target;  // SMs x resident blocks x waves
   int stages;  // AttnArgs::stages
+  bool dependent;  // launched as a programmatic dependent of the kernel before it
 };
 
 // The tensor-core kernel's dynamic shared memory: its warps' outputs for the merge, or, where
@@ -492,7 +500,7 @@ int mma_stages_for(const m40llm_cuda_state *st, int head_dim, int warps, size_t 
 // compute_52-only build runs the FP32 kernel on every GPU, and only sm_90+ images stage). The
 // first call per kernel sizes its shared memory and asks its occupancy. No kernel: null.
 int mma_pass(m40llm_cuda_state *st, int head_dim, bool staged, int warps, SplitPass *out) {
-  *out = SplitPass{nullptr, 32 * warps, 0, kMmaRows * warps, 0, 0};
+  *out = SplitPass{nullptr, 32 * warps, 0, kMmaRows * warps, 0, 0, false};
   const SplitKernel k = attn_mma_kernel_for(head_dim, staged, warps);
   if (!k || st->cc_major < (staged ? 9 : 8) || (staged && !M40LLM_MMA_BULK_BUILT))
     return M40LLM_OK;
@@ -514,49 +522,63 @@ int mma_pass(m40llm_cuda_state *st, int head_dim, bool staged, int warps, SplitP
     info.stages = (signed char)stages;
     info.smem = (int)smem;
     info.occupancy = occ > 1 ? occ : 1;
+    info.dependent = attr.ptxVersion >= 90;
   }
   if (info.usable < 0) return M40LLM_OK;
   out->kernel = k;
   out->smem = (size_t)info.smem;
   out->stages = info.stages;
   out->target = st->sm_count * info.occupancy * kMmaWaves;
+  out->dependent = info.dependent;
   return M40LLM_OK;
 }
 
-// Whether the combine kernel may start before the split kernel ends: sm_90+, and this build's
-// combine image there has the wait (a compute_52-only build's has not).
-int combine_may_overlap(m40llm_cuda_state *st, bool *out) {
-  if (st->combine_pdl == 0) {
-    st->combine_pdl = -1;
+// Whether attention.cu's kernels may launch as programmatic dependents: sm_90+, where this
+// build's images there have the wait (a compute_52-only build's have not).
+int attention_cu_dependent(m40llm_cuda_state *st, bool *out) {
+  if (st->dependent == 0) {
+    st->dependent = -1;
     if (st->cc_major >= 9) {
       cudaFuncAttributes attr;
       M40LLM_CUDA_TRY(cudaFuncGetAttributes(&attr, attn_combine_kernel));
-      if (attr.ptxVersion >= 90) st->combine_pdl = 1;
+      if (attr.ptxVersion >= 90) st->dependent = 1;
     }
   }
-  *out = st->combine_pdl > 0;
+  *out = st->dependent > 0;
   return M40LLM_OK;
 }
 
-int launch_combine(m40llm_cuda_state *st, const AttnArgs &a, const m40llm_attn_plan &plan,
-                   int n_seqs, int n_heads) {
-  bool overlap = false;
-  const int rc = combine_may_overlap(st, &overlap);
-  if (rc != M40LLM_OK) return rc;
+// Launches a kernel, as a programmatic dependent of the kernel before it where `dependent`.
+template <typename Kernel>
+int launch(m40llm_cuda_state *st, const char *what, Kernel kernel, dim3 grid, int threads,
+           size_t smem, bool dependent, const AttnArgs &a, const m40llm_attn_plan &plan) {
   cudaLaunchConfig_t cfg = {};
-  const bool few = plan.max_splits <= kCombineFewSplits && a.head_dim <= kCombineFewMaxDim;
-  const int few_tiles = (n_heads + kCombineFewHeads - 1) / kCombineFewHeads;
-  cfg.gridDim = dim3((unsigned)n_seqs, (unsigned)(few ? few_tiles : n_heads));
-  cfg.blockDim = dim3(few ? 32 * kCombineFewHeads : kCombineThreads);
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3((unsigned)threads);
+  cfg.dynamicSmemBytes = smem;
   cfg.stream = st->stream;
   cudaLaunchAttribute attr;
   attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr.val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = &attr;
-  cfg.numAttrs = overlap ? 1 : 0;
-  if (few) M40LLM_CUDA_TRY(cudaLaunchKernelEx(&cfg, attn_combine_few_kernel, a, plan));
-  else M40LLM_CUDA_TRY(cudaLaunchKernelEx(&cfg, attn_combine_kernel, a, plan));
-  return M40LLM_OK;
+  cfg.numAttrs = dependent ? 1 : 0;
+  const cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, a, plan);
+  return err == cudaSuccess ? M40LLM_OK : m40llm_cuda_error(err, what);
+}
+
+int launch_combine(m40llm_cuda_state *st, const AttnArgs &a, const m40llm_attn_plan &plan,
+                   int n_seqs, int n_heads) {
+  bool dependent = false;
+  const int rc = attention_cu_dependent(st, &dependent);
+  if (rc != M40LLM_OK) return rc;
+  const bool few = plan.max_splits <= kCombineFewSplits && a.head_dim <= kCombineFewMaxDim;
+  if (few) {
+    const dim3 grid((unsigned)n_seqs, (unsigned)((n_heads + kCombineFewHeads - 1) / kCombineFewHeads));
+    return launch(st, "launching attn_combine_few_kernel", attn_combine_few_kernel, grid,
+                  32 * kCombineFewHeads, 0, dependent, a, plan);
+  }
+  return launch(st, "launching attn_combine_kernel", attn_combine_kernel,
+                dim3((unsigned)n_seqs, (unsigned)n_heads), kCombineThreads, 0, dependent, a, plan);
 }
 
 // The split passes for a cache: the tensor-core kernel where this build and GPU have it (from
@@ -589,7 +611,9 @@ int split_passes_for(m40llm_cuda_state *st, const m40llm_kvcache_options *o, con
   SplitPass &pass = p->pass;
   pass = SplitPass{split_kernel_for(g.gt, o->head_dim), kAttnThreads,
                    split_smem_bytes(g.gt, o->head_dim), tile_rows(g.gt, dmax_for(o->head_dim)),
-                   0, 0};
+                   0, 0, false};
+  const int rc = attention_cu_dependent(st, &pass.dependent);
+  if (rc != M40LLM_OK) return rc;
   int &occ = st->occupancy[log2_small(g.gt)][o->head_dim / 8];
   if (occ == 0) {
     M40LLM_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, pass.kernel,
@@ -690,8 +714,8 @@ extern "C" int m40llm_cuda_attention(const m40llm_kvcache *c, int layer, const i
   a.stages = pass.stages;
 
   const dim3 grid((unsigned)plan.total_splits, (unsigned)g.units);
-  pass.kernel<<<grid, pass.threads, pass.smem, st->stream>>>(a, plan);
-  M40LLM_CUDA_CHECK_LAUNCH("attn_split_kernel");
+  rc = launch(st, "launching the attention split kernel", pass.kernel, grid, pass.threads, pass.smem, pass.dependent, a, plan);
+  if (rc != M40LLM_OK) return rc;
   if (plan.max_splits > 1) return launch_combine(st, a, plan, n_seqs, o->n_heads);
   return M40LLM_OK;
 }

@@ -96,22 +96,6 @@ __device__ __forceinline__ void store_split_out4(const AttnArgs &a, const SplitB
   }
 }
 
-// Programmatic dependent launch (sm_90+): a split kernel lets the combine kernel's launch begin
-// while its own blocks run, and the combine kernel waits for the split kernel's results before
-// reading them, so the combine launch costs no gap. Below sm_90 both are no-ops, and the host
-// uses it only where the combine kernel's image has the wait.
-__device__ __forceinline__ void allow_dependent_launch() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;");
-#endif
-}
-
-__device__ __forceinline__ void wait_for_prerequisite_grid() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
 // Whether this compiler builds the tensor-core kernel's sm_90+ images with K/V steps staged in
 // shared memory by bulk copies (PTX 8.0: CUDA 12+).
 #if defined(__CUDACC_VER_MAJOR__) && __CUDACC_VER_MAJOR__ >= 12 && M40LLM_MMA_BULK

@@ -263,8 +263,9 @@ __global__ void __launch_bounds__(32 * W, mma_min_blocks(32 * NC + 16 * TAIL, W)
   __shared__ float s_m[W][G], s_l[W][G];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
-  allow_dependent_launch();
   const SplitBlock b = split_block(a, plan, G);
+  wait_for_prerequisite_grid();
+  if (plan.max_splits > 1) allow_dependent_launch();  // as in attn_split_kernel
 
   int p0 = b.p_begin + kMmaRows * warp;
   Steps src(b, p0, lane, s_dyn, a.stages);
@@ -395,6 +396,7 @@ __global__ void __launch_bounds__(32 * W, mma_min_blocks(32 * NC + 16 * TAIL, W)
     }
     src.after_output(p0);
   }
+  if (plan.max_splits == 1) allow_dependent_launch();
 
   l_run += __shfl_xor_sync(0xffffffffu, l_run, 1);
   l_run += __shfl_xor_sync(0xffffffffu, l_run, 2);

@@ -22,8 +22,9 @@ struct m40llm_cuda_state {
     signed char stages;  // K/V steps per warp it stages in shared memory (0: in registers)
     int smem;            // its dynamic shared memory, in bytes
     int occupancy;       // resident blocks per SM
+    bool dependent;      // whether its image waits for the grid before it (sm_90+)
   } mma[2][2][9];  // the tensor-core kernels, by [staged][half-width blocks][head_dim / 16]
-  signed char combine_pdl;    // whether the combine launch may overlap the split kernel: 0 = not asked
+  signed char dependent;  // the same for attention.cu's kernels: 0 = not asked, 1 yes, -1 no
 };
 
 // Turns a CUDA error into a status with detail. Clears the error if it is not sticky, so the
@@ -45,6 +46,25 @@ int m40llm_cuda_error(cudaError_t err, const char *what);
     cudaError_t m40llm_err_ = cudaGetLastError();                                 \
     if (m40llm_err_ != cudaSuccess) return m40llm_cuda_error(m40llm_err_, "launching " kernel); \
   } while (0)
+
+// Programmatic dependent launch (sm_90+): the attention kernels launch as dependents of the
+// kernel before them in the stream, so that their launch and start overlap its end instead of
+// following it. Each waits, in every block and before it touches global memory, for the grids
+// before it to finish and their writes to be visible. A kernel lets the next one launch (once
+// all its blocks have) only after its own wait, so at most one launched grid waits ahead of
+// the running one; the append kernel, launched plainly, does so at its start. Below sm_90 both
+// are no-ops, and the host launches a kernel as a dependent only where its image has the wait.
+__device__ __forceinline__ void allow_dependent_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;");
+#endif
+}
+
+__device__ __forceinline__ void wait_for_prerequisite_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
 
 // N consecutive halves as one load: N * 2 bytes, aligned to that.
 template <int N>

@@ -26,6 +26,10 @@
  *   until done. Errors raised while a kernel runs surface at the next call that synchronizes
  *   (m40llm_context_synchronize or a host copy). CPU backend: every call completes before it
  *   returns.
+ * - On sm_90+ the attention kernels are programmatic dependent launches: they may be scheduled
+ *   before the work queued ahead of them ends, and wait on the device for it before they read.
+ *   Stream order holds as for any kernel; a kernel you launch after a call as a programmatic
+ *   dependent must itself wait (cudaGridDependencySynchronize) before it reads the output.
  *
  * Threading
  * - A context and every cache made from it form one unit: calls on them must not run concurrently
