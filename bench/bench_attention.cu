@@ -2,6 +2,8 @@
 // grid of decode shapes, next to two ceilings measured in the same run:
 //   copy  cudaMemcpyAsync device-to-device of a 4 GiB buffer, bytes read + bytes written
 //   read  a read-only sweep kernel over one 4 GiB buffer (16-byte loads, grid-stride)
+// and the launch floor: the per-call time, in a CUDA graph, of one and of two empty kernels (one
+// block per SM), launched as the library launches its split and combine kernels.
 //
 // Method (printed into the JSON as "method" too):
 // - Each shape gets one cache with n_layers = R ("rotation"), max_seqs = batch, max_seq_len = ctx,
@@ -452,6 +454,65 @@ static Ceilings measure_ceilings(cudaStream_t st) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Launch floor: what a call of one or two kernels costs in a CUDA graph before it moves a byte
+
+// Nothing but what the library's attention kernels do around their work on sm_90: wait for the
+// grid before it, then let the next one launch.
+__global__ void floor_kernel() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;");
+#endif
+}
+
+struct LaunchFloor {
+  double one_us = NAN, two_us = NAN;
+  bool dependent = false;  // launched as programmatic dependents (as the library does on sm_90+)
+};
+
+// Median per-call time over replays of a graph of G calls of `kernels` floor kernels each.
+static double graph_floor_us(cudaStream_t st, int kernels, bool dependent) {
+  const int G = 512, reps = 21;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3((unsigned)g_sms);
+  cfg.blockDim = dim3(128);
+  cfg.stream = st;
+  cudaLaunchAttribute attr;
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = dependent ? 1 : 0;
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  CUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+  for (int i = 0; i < G * kernels; i++) CUDA_CHECK(cudaLaunchKernelEx(&cfg, floor_kernel));
+  CUDA_CHECK(cudaStreamEndCapture(st, &graph));
+  CUDA_CHECK(cudaGraphInstantiateWithFlags(&exec, graph, 0));
+  for (int i = 0; i < 3; i++) CUDA_CHECK(cudaGraphLaunch(exec, st));
+  EventRing ring(reps + 1);
+  CUDA_CHECK(cudaEventRecord(ring.ev[0], st));
+  for (int i = 0; i < reps; i++) {
+    CUDA_CHECK(cudaGraphLaunch(exec, st));
+    CUDA_CHECK(cudaEventRecord(ring.ev[i + 1], st));
+  }
+  std::vector<double> per_call;
+  for (double ms : ring.elapsed_ms()) per_call.push_back(ms * 1e3 / G);
+  CUDA_CHECK(cudaGraphExecDestroy(exec));
+  CUDA_CHECK(cudaGraphDestroy(graph));
+  return median(per_call);
+}
+
+static LaunchFloor measure_launch_floor(cudaStream_t st) {
+  LaunchFloor f;
+  cudaFuncAttributes attr;
+  CUDA_CHECK(cudaFuncGetAttributes(&attr, floor_kernel));
+  f.dependent = attr.ptxVersion >= 90;  // the image has the wait, as the library requires
+  f.one_us = graph_floor_us(st, 1, f.dependent);
+  f.two_us = graph_floor_us(st, 2, f.dependent);
+  return f;
+}
+
+// ---------------------------------------------------------------------------------------------
 // One shape
 
 struct Result {
@@ -482,6 +543,7 @@ struct Bench {
   cudaDeviceProp prop{};
   Ceilings ceil0, ceil1;
   double copy_gbps = 0, read_gbps = 0;
+  LaunchFloor floor;
 };
 
 static void cpu_reference_check(Result &r, m40llm_kvcache *cache, m40llm_context *ctx,
@@ -854,7 +916,9 @@ static const char *kMethod =
     "time_us = graph_us when measured else eager_us. bytes = KV + Q + out. "
     "copy_gbps: cudaMemcpyAsync D2D, bytes read+written, median of 10. "
     "read_gbps: read-only 16-byte grid-stride sweep, best launch shape, median of 10. "
-    "Ceilings = max of the measurement before and after the grid.";
+    "Ceilings = max of the measurement before and after the grid. "
+    "launch_floor_us: median per-call time over replays of a CUDA graph of 512 calls of one or "
+    "two empty kernels (one block per SM, 128 threads; programmatic dependents on sm_90+).";
 
 static std::string shape_json(const Result &r) {
   std::string j = "{";
@@ -925,6 +989,9 @@ static void write_json(const Bench &B, const std::vector<Result> &rs, bool compl
                B.ceil0.buffer_bytes, json_num(B.ceil0.copy_gbps).c_str(), json_num(B.ceil0.read_gbps).c_str(),
                json_num(B.ceil1.copy_gbps).c_str(), json_num(B.ceil1.read_gbps).c_str(),
                arr(B.ceil0.copy_samples).c_str(), arr(B.ceil0.read_samples).c_str());
+  std::fprintf(f, "  \"launch_floor_us\": {\"one_kernel\": %s, \"two_kernels\": %s, \"dependent\": %s},\n",
+               json_num(B.floor.one_us).c_str(), json_num(B.floor.two_us).c_str(),
+               B.floor.dependent ? "true" : "false");
   std::fprintf(f, "  \"method\": %s,\n  \"complete\": %s,\n  \"shapes\": [\n", json_str(kMethod).c_str(),
                complete ? "true" : "false");
   for (size_t i = 0; i < rs.size(); i++)
@@ -995,6 +1062,9 @@ int main(int argc, char **argv) {
   B.read_gbps = B.ceil0.read_gbps;
   std::printf("ceilings: copy %.0f GB/s (read+write, %zu MiB buffer), read sweep %.0f GB/s\n", B.copy_gbps,
               B.ceil0.buffer_bytes >> 20, B.read_gbps);
+  B.floor = measure_launch_floor(B.st);
+  std::printf("launch floor (CUDA graph, per call): one empty kernel %.2f us, two %.2f us%s\n",
+              B.floor.one_us, B.floor.two_us, B.floor.dependent ? " (programmatic dependents)" : "");
   std::printf("%zu shapes\n", grid.size());
   print_header();
 

@@ -197,7 +197,10 @@ def main():
         for k, v in r["targets"].items():
             a = per_target.setdefault(k, [0, 0])
             a[0 if v else 1] += 1
+    floor = (m40 or {}).get("launch_floor_us") or {}
     head = (f"device: {dev}; copy {fnum(copy, '.0f')} GB/s (read+write), read sweep {fnum(read, '.0f')} GB/s; "
+            f"launch floor in a CUDA graph {fnum(floor.get('one_kernel'), '.2f')} us per call of one empty "
+            f"kernel, {fnum(floor.get('two_kernels'), '.2f')} of two; "
             f"m40llm {(m40 or {}).get('library_version', '?')}"
             + (f", torch {sdpa.get('torch')}" if sdpa else ""))
     summary = (f"{n_pass} PASS, {n_miss} MISS, {len(rows) - n_pass - n_miss} n/a of {len(rows)} shapes; per target "
