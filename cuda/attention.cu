@@ -534,7 +534,8 @@ int mma_pass(m40llm_cuda_state *st, int head_dim, bool staged, int warps, SplitP
 }
 
 // Whether attention.cu's kernels may launch as programmatic dependents: sm_90+, where this
-// build's images there have the wait (a compute_52-only build's have not).
+// build's images there have the wait (a compute_52-only build's have not). One file is built
+// for one architecture list, so the combine kernel's image answers for the FP32 split kernel's.
 int attention_cu_dependent(m40llm_cuda_state *st, bool *out) {
   if (st->dependent == 0) {
     st->dependent = -1;
@@ -595,10 +596,13 @@ struct SplitPasses {
 
 int split_passes_for(m40llm_cuda_state *st, const m40llm_kvcache_options *o, const Grouping &g,
                      SplitPasses *p) {
+  bool cu_dependent = false;  // asked before any launch of a call, the combine's included
+  int rc = attention_cu_dependent(st, &cu_dependent);
+  if (rc != M40LLM_OK) return rc;
   if (g.group >= kMmaMinGroup) {
     const int hd = o->head_dim, warps = mma_warps(hd);
     const bool stage = hd >= kMmaStagedMinDim && hd <= kMmaStagedMaxDim;
-    int rc = mma_pass(st, hd, false, warps, &p->direct);
+    rc = mma_pass(st, hd, false, warps, &p->direct);
     if (rc == M40LLM_OK && p->direct.kernel && stage) rc = mma_pass(st, hd, true, warps, &p->pass);
     if (rc == M40LLM_OK && p->direct.kernel) rc = mma_pass(st, hd, false, warps / 2, &p->fine);
     if (rc != M40LLM_OK) return rc;
@@ -611,9 +615,7 @@ int split_passes_for(m40llm_cuda_state *st, const m40llm_kvcache_options *o, con
   SplitPass &pass = p->pass;
   pass = SplitPass{split_kernel_for(g.gt, o->head_dim), kAttnThreads,
                    split_smem_bytes(g.gt, o->head_dim), tile_rows(g.gt, dmax_for(o->head_dim)),
-                   0, 0, false};
-  const int rc = attention_cu_dependent(st, &pass.dependent);
-  if (rc != M40LLM_OK) return rc;
+                   0, 0, cu_dependent};
   int &occ = st->occupancy[log2_small(g.gt)][o->head_dim / 8];
   if (occ == 0) {
     M40LLM_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, pass.kernel,
@@ -714,7 +716,8 @@ extern "C" int m40llm_cuda_attention(const m40llm_kvcache *c, int layer, const i
   a.stages = pass.stages;
 
   const dim3 grid((unsigned)plan.total_splits, (unsigned)g.units);
-  rc = launch(st, "launching the attention split kernel", pass.kernel, grid, pass.threads, pass.smem, pass.dependent, a, plan);
+  rc = launch(st, "launching the attention split kernel", pass.kernel, grid, pass.threads,
+              pass.smem, pass.dependent, a, plan);
   if (rc != M40LLM_OK) return rc;
   if (plan.max_splits > 1) return launch_combine(st, a, plan, n_seqs, o->n_heads);
   return M40LLM_OK;

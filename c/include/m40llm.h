@@ -26,10 +26,12 @@
  *   until done. Errors raised while a kernel runs surface at the next call that synchronizes
  *   (m40llm_context_synchronize or a host copy). CPU backend: every call completes before it
  *   returns.
- * - On sm_90+ the attention kernels are programmatic dependent launches: they may be scheduled
- *   before the work queued ahead of them ends, and wait on the device for it before they read.
- *   Stream order holds as for any kernel; a kernel you launch after a call as a programmatic
- *   dependent must itself wait (cudaGridDependencySynchronize) before it reads the output.
+ * - Where the build has sm_90+ code (e.g. CUDA architectures 90-real) and the GPU runs it, the
+ *   attention kernels are programmatic dependent launches: they may be scheduled before the
+ *   work queued ahead of them ends, and wait on the device for it before they touch memory.
+ *   Stream order holds as for any kernel. A kernel you launch after a call as a programmatic
+ *   dependent must itself wait (cudaGridDependencySynchronize) before it touches the call's q,
+ *   out or cache, as any programmatic dependent must.
  *
  * Threading
  * - A context and every cache made from it form one unit: calls on them must not run concurrently
