@@ -470,6 +470,21 @@ struct LaunchFloor {
   bool dependent = false;  // launched as programmatic dependents (as the library does on sm_90+)
 };
 
+// Per-call times (us) of `reps` replays of a graph of `calls` calls, after `warm` replays.
+static std::vector<double> graph_per_call_us(cudaGraphExec_t exec, cudaStream_t st, int warm,
+                                             int reps, int calls) {
+  for (int i = 0; i < warm; i++) CUDA_CHECK(cudaGraphLaunch(exec, st));
+  EventRing ring(reps + 1);
+  CUDA_CHECK(cudaEventRecord(ring.ev[0], st));
+  for (int i = 0; i < reps; i++) {
+    CUDA_CHECK(cudaGraphLaunch(exec, st));
+    CUDA_CHECK(cudaEventRecord(ring.ev[i + 1], st));
+  }
+  std::vector<double> per_call;
+  for (double ms : ring.elapsed_ms()) per_call.push_back(ms * 1e3 / calls);
+  return per_call;
+}
+
 // Median per-call time over replays of a graph of G calls of `kernels` floor kernels each.
 static double graph_floor_us(cudaStream_t st, int kernels, bool dependent) {
   const int G = 512, reps = 21;
@@ -488,15 +503,7 @@ static double graph_floor_us(cudaStream_t st, int kernels, bool dependent) {
   for (int i = 0; i < G * kernels; i++) CUDA_CHECK(cudaLaunchKernelEx(&cfg, floor_kernel));
   CUDA_CHECK(cudaStreamEndCapture(st, &graph));
   CUDA_CHECK(cudaGraphInstantiateWithFlags(&exec, graph, 0));
-  for (int i = 0; i < 3; i++) CUDA_CHECK(cudaGraphLaunch(exec, st));
-  EventRing ring(reps + 1);
-  CUDA_CHECK(cudaEventRecord(ring.ev[0], st));
-  for (int i = 0; i < reps; i++) {
-    CUDA_CHECK(cudaGraphLaunch(exec, st));
-    CUDA_CHECK(cudaEventRecord(ring.ev[i + 1], st));
-  }
-  std::vector<double> per_call;
-  for (double ms : ring.elapsed_ms()) per_call.push_back(ms * 1e3 / G);
+  const std::vector<double> per_call = graph_per_call_us(exec, st, 3, reps, G);
   CUDA_CHECK(cudaGraphExecDestroy(exec));
   CUDA_CHECK(cudaGraphDestroy(graph));
   return median(per_call);
@@ -829,16 +836,8 @@ static Result run_shape(Bench &B, const Shape &s) {
     }
     (void)cudaGetLastError();
     if (exec) {
-      for (int i = 0; i < 2; i++) CUDA_CHECK(cudaGraphLaunch(exec, st));
       int reps = (int)std::min(301.0, std::max(9.0, o.budget_ms / (G * t_ms)));
-      EventRing ring(reps + 1);
-      CUDA_CHECK(cudaEventRecord(ring.ev[0], st));
-      for (int i = 0; i < reps; i++) {
-        CUDA_CHECK(cudaGraphLaunch(exec, st));
-        CUDA_CHECK(cudaEventRecord(ring.ev[i + 1], st));
-      }
-      std::vector<double> per_call;
-      for (double ms : ring.elapsed_ms()) per_call.push_back(ms * 1e3 / G);
+      const std::vector<double> per_call = graph_per_call_us(exec, st, 2, reps, G);
       r.graph_us = median(per_call);
       r.graph_us_min = vmin(per_call);
       r.graph_calls = G;
