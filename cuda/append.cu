@@ -1,52 +1,59 @@
-// Appending K/V rows: FP32 -> FP16 rounding (round-to-nearest-even) or a plain FP16 copy, from
-// the caller's [token][kv_head][dim] rows into the cache's [kv_head][pos][dim] layout.
+// Appending K/V rows: the caller's [token][kv_head][dim] FP32 or FP16 rows, encoded by the
+// cache's format into its [kv_head][pos][dim] rows, kEncodeRun elements a thread.
+#include "backend_cuda.h"
 #include "common.cuh"
+#include "kv_format.cuh"
+#include "tuning.cuh"
 
 namespace {
 
-__device__ __forceinline__ __half to_half(float x) { return __float2half_rn(x); }
-__device__ __forceinline__ __half to_half(__half x) { return x; }
-
-template <typename T>
-__global__ void append_kernel(const T *__restrict__ k, const T *__restrict__ v,
-                              __half *__restrict__ cache_k, __half *__restrict__ cache_v,
-                              size_t first, size_t head_stride, size_t n, int n_kv_heads,
-                              int head_dim) {
+template <typename KV, typename T>
+__global__ void append_kernel(const T *__restrict__ k, const T *__restrict__ v, KvMutPlanes ck,
+                              KvMutPlanes cv, size_t first, size_t head_stride, size_t runs,
+                              int n_kv_heads, int head_dim) {
   allow_dependent_launch();
-  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+  constexpr int R = KV::kEncodeRun;
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < runs;
        i += (size_t)gridDim.x * blockDim.x) {
-    const size_t d = i % head_dim;
-    const size_t th = i / head_dim;
+    const size_t e = i * R;  // the run's first element in the caller's rows
+    const size_t d = e % head_dim;
+    const size_t th = e / head_dim;
     const size_t dst = first + (th % n_kv_heads) * head_stride + (th / n_kv_heads) * head_dim + d;
-    cache_k[dst] = to_half(k[i]);
-    cache_v[dst] = to_half(v[i]);
+    T xk[R], xv[R];
+#pragma unroll
+    for (int j = 0; j < R; j++) {
+      xk[j] = k[e + j];
+      xv[j] = v[e + j];
+    }
+    KV::encode(KV::at(ck, dst), xk);
+    KV::encode(KV::at(cv, dst), xv);
   }
 }
 
 }  // namespace
 
-extern "C" int m40llm_cuda_append(const m40llm_kvcache *c, int layer, int seq, int pos,
-                                  const void *k, const void *v, int n_tokens, int src_is_f32) {
+int m40llm_cuda_append(const m40llm_kvcache *c, int layer, int seq, int pos, const void *k,
+                       const void *v, int n_tokens, int src_is_f32) {
   M40LLM_CUDA_ENTER(c->ctx);
   const m40llm_kvcache_options *o = &c->opts;
-  const size_t n = (size_t)n_tokens * o->n_kv_heads * o->head_dim;
-  const size_t first = m40llm_kv_offset(o, layer, seq, 0, pos);
-  const size_t head_stride = (size_t)o->max_seq_len * o->head_dim;
-  const int threads = 256;
-  const unsigned blocks = (unsigned)((n + threads - 1) / threads < 4096 ? (n + threads - 1) / threads : 4096);
-  __half *ck = reinterpret_cast<__half *>(c->k);
-  __half *cv = reinterpret_cast<__half *>(c->v);
-  cudaStream_t s = c->ctx->cuda->stream;
-  if (src_is_f32) {
-    append_kernel<float><<<blocks, threads, 0, s>>>(static_cast<const float *>(k),
-                                                    static_cast<const float *>(v), ck, cv, first,
-                                                    head_stride, n, o->n_kv_heads, o->head_dim);
-  } else {
-    append_kernel<__half><<<blocks, threads, 0, s>>>(static_cast<const __half *>(k),
-                                                     static_cast<const __half *>(v), ck, cv,
-                                                     first, head_stride, n, o->n_kv_heads,
-                                                     o->head_dim);
-  }
-  M40LLM_CUDA_CHECK_LAUNCH("append_kernel");
-  return M40LLM_OK;
+  return with_kv_format(o->format, [&](auto kv) -> int {
+    using KV = decltype(kv);
+    const size_t runs = (size_t)n_tokens * o->n_kv_heads * o->head_dim / KV::kEncodeRun;
+    const size_t first = m40llm_kv_row(o, layer, seq, 0, pos) * o->head_dim;
+    const size_t head_stride = (size_t)o->max_seq_len * o->head_dim;
+    const size_t want = (runs + kAppendThreads - 1) / kAppendThreads;
+    const unsigned blocks = (unsigned)(want < kAppendMaxBlocks ? want : kAppendMaxBlocks);
+    const KvMutPlanes ck = kv_mut_planes(c->k), cv = kv_mut_planes(c->v);
+    cudaStream_t s = cuda_state(c->ctx)->stream;
+    if (src_is_f32)
+      append_kernel<KV, float><<<blocks, kAppendThreads, 0, s>>>(
+          static_cast<const float *>(k), static_cast<const float *>(v), ck, cv, first,
+          head_stride, runs, o->n_kv_heads, o->head_dim);
+    else
+      append_kernel<KV, __half><<<blocks, kAppendThreads, 0, s>>>(
+          static_cast<const __half *>(k), static_cast<const __half *>(v), ck, cv, first,
+          head_stride, runs, o->n_kv_heads, o->head_dim);
+    M40LLM_CUDA_CHECK_LAUNCH("append_kernel");
+    return M40LLM_OK;
+  });
 }

@@ -1,15 +1,19 @@
-// What the decode-attention kernels share: the launch arguments, where a split block's work
-// lies, and how a block hands its result to the output or to the combine kernel. The FP32
-// split kernel lives in attention.cu, the tensor-core one (sm_80+) in attention_mma.cu.
+// What the decode-attention kernel families share: the launch arguments, where a split block's
+// work lies, how a block hands its result to the output or to the combine kernel, and how each
+// family describes its launches to the dispatcher (attention_dispatch.cu).
+//   attention_fp32.cu     the FP32 split kernel (every GPU; the M40's)
+//   attention_mma.cu      the tensor-core split kernel (sm_80+ builds)
+//   attention_combine.cu  the combine kernels, which merge a sequence's split partials
 #pragma once
 
 #include "attention_plan.h"
 #include "common.cuh"
+#include "kv_format.cuh"
+#include "softmax.cuh"
 #include "tuning.cuh"
 
 struct AttnArgs {
-  const __half *k;  // this layer's K: [seq][kv_head][pos][dim]
-  const __half *v;
+  KvPlanes k, v;    // this layer's K and V from its first row: [seq][kv_head][pos][dim]
   const float *q;   // [item][n_heads][head_dim]
   float *out;       // [item][n_heads][head_dim]
   float *part_o;    // [split][n_heads][head_dim]
@@ -30,16 +34,19 @@ using SplitKernel = void (*)(AttnArgs, m40llm_attn_plan);
 constexpr float kLog2e = 1.4426950408889634f;
 
 // One split block's share: grid x is the split, grid y the K/V head and tile of its query heads.
+template <typename KV>
 struct SplitBlock {
   int item, split, n_splits;
   int p_begin, p_end;  // positions
   int h0, nh;          // first query head, heads in this tile (<= the tile size)
-  const __half *k, *v; // this sequence's and K/V head's rows
+  typename KV::Ptr k, v;  // this sequence's and K/V head's rows
 };
 
-__device__ __forceinline__ SplitBlock split_block(const AttnArgs &a, const m40llm_attn_plan &plan,
-                                                  int group_tile) {
-  SplitBlock b;
+template <typename KV>
+__device__ __forceinline__ SplitBlock<KV> split_block(const AttnArgs &a,
+                                                      const m40llm_attn_plan &plan,
+                                                      int group_tile) {
+  SplitBlock<KV> b;
   b.split = blockIdx.x;
   int lo = 0, hi = plan.n_items - 1;  // the item owning this split
   while (lo < hi) {
@@ -54,59 +61,105 @@ __device__ __forceinline__ SplitBlock split_block(const AttnArgs &a, const m40ll
   b.h0 = kvh * a.group + (blockIdx.y % a.head_tiles) * group_tile;
   b.nh = min(group_tile, (kvh + 1) * a.group - b.h0);
   const size_t base = (size_t)plan.seq[lo] * a.seq_stride + (size_t)kvh * a.head_stride;
-  b.k = a.k + base;
-  b.v = a.v + base;
+  b.k = KV::at(a.k, base);
+  b.v = KV::at(a.v, base);
   return b;
 }
 
 // A head's (max, sum) partial of a block whose sequence has several splits.
-__device__ __forceinline__ void store_split_stats(const AttnArgs &a, const SplitBlock &b, int h,
-                                                  float m, float l) {
-  const size_t p = (size_t)b.split * a.n_heads + h;
-  a.part_m[p] = m;
-  a.part_l[p] = l;
+__device__ __forceinline__ void store_split_stats(const AttnArgs &a, int split, int h,
+                                                  const SoftmaxState &s) {
+  const size_t p = (size_t)split * a.n_heads + h;
+  a.part_m[p] = s.m;
+  a.part_l[p] = s.l;
 }
 
 // A block's result for one (query head h, dim d): the normalised output when the sequence has
 // one split, else the (max, sum, unnormalised output) partial the combine kernel merges. A zero
-// sum means no positions: the documented output is zeros.
-__device__ __forceinline__ void store_split_result(const AttnArgs &a, const SplitBlock &b, int h,
-                                                   int d, float o, float m, float l) {
+// sum means no position had weight: the documented output is zeros.
+template <typename Block>
+__device__ __forceinline__ void store_split_result(const AttnArgs &a, const Block &b, int h,
+                                                   int d, float o, const SoftmaxState &s) {
   if (b.n_splits == 1) {
-    a.out[((size_t)b.item * a.n_heads + h) * a.head_dim + d] = l > 0.0f ? o / l : 0.0f;
+    a.out[((size_t)b.item * a.n_heads + h) * a.head_dim + d] = s.normalise(o);
   } else {
     a.part_o[((size_t)b.split * a.n_heads + h) * a.head_dim + d] = o;
-    if (d == 0) store_split_stats(a, b, h, m, l);
+    if (d == 0) store_split_stats(a, b.split, h, s);
   }
 }
 
-// The same result for a kernel that normalises the output itself, 4 dims at a time (d a multiple
-// of 4): normalised with one split, else unnormalised, with the head's (max, sum) stored apart.
-__device__ __forceinline__ void store_split_out4(const AttnArgs &a, const SplitBlock &b, int h,
-                                                 int d, float4 o) {
+// The same for a kernel that normalises the output itself, 4 dims at a time (d a multiple of
+// 4): normalised with one split, else unnormalised, with the head's (max, sum) stored apart.
+template <typename Block>
+__device__ __forceinline__ void store_split_out4(const AttnArgs &a, const Block &b, int h, int d,
+                                                 float4 o) {
   if (b.n_splits == 1) {
-    float *dst = a.out + ((size_t)b.item * a.n_heads + h) * a.head_dim + d;  // 4-byte aligned
-    dst[0] = o.x;
-    dst[1] = o.y;
-    dst[2] = o.z;
-    dst[3] = o.w;
+    store4(a.out + ((size_t)b.item * a.n_heads + h) * a.head_dim + d, o);
   } else {
     // The workspace is the library's: rows of head_dim (a multiple of 4) floats, 16-byte aligned.
     reinterpret_cast<float4 *>(a.part_o + ((size_t)b.split * a.n_heads + h) * a.head_dim)[d / 4] = o;
   }
 }
 
-// Whether this compiler builds the tensor-core kernel's sm_90+ images with K/V steps staged in
-// shared memory by bulk copies (PTX 8.0: CUDA 12+).
-#if defined(__CUDACC_VER_MAJOR__) && __CUDACC_VER_MAJOR__ >= 12 && M40LLM_MMA_BULK
-#define M40LLM_MMA_BULK_BUILT 1
-#else
-#define M40LLM_MMA_BULK_BUILT 0
-#endif
+// How a cache's query heads map onto blocks: each K/V head's group of query heads in tiles of
+// gt (a power of two up to kMaxGroupTile), units blocks per (sequence, split).
+struct Grouping {
+  int group, gt, head_tiles, units;
+};
 
-// The tensor-core split kernel for this head_dim in blocks of `warps` warps, or null where it
-// does not apply: head_dim not a multiple of 16 from 32 to 128, or warps neither mma_warps()
-// nor (not staged) half of it. Staged: its sm_90+ images (M40LLM_MMA_BULK_BUILT) stage K/V in
-// shared memory, AttnArgs::stages steps per warp; elsewhere it is the same as the kernel that
-// loads through registers. Whether it can run is for the caller to ask the runtime.
-SplitKernel attn_mma_kernel_for(int head_dim, bool staged, int warps);
+// A split kernel as the dispatcher launches it: its block shape and how many blocks fill the GPU.
+struct SplitPass {
+  SplitKernel kernel;
+  int threads;
+  size_t smem;
+  int tile;        // positions a block consumes per step: split chunks are multiples of it
+  int target;      // SMs x resident blocks x waves
+  int stages;      // AttnArgs::stages
+  bool dependent;  // launched as a programmatic dependent of the kernel before it
+};
+
+// The tensor-core family's passes for a cache (attention_mma.cu):
+//   pass    mma_warps() warps a block, at head_dims kMmaStagedMinDim..kMmaStagedMaxDim with K/V
+//           staged where the GPU can
+//   direct  the same loading through registers, for plans whose splits are too short for
+//           staging to pay
+//   fine    the same in blocks of half the warps, for plans of more blocks than a wave
+// Each is the one before it where there is no other.
+struct SplitPasses {
+  SplitPass pass, direct, fine;
+};
+
+// The FP32 family's pass for the cache (never fails to have one).
+template <typename KV>
+int fp32_split_pass(m40llm_cuda_state *st, int head_dim, const Grouping &g, SplitPass *out);
+
+// The tensor-core family's passes where this build and GPU have its kernels for head_dim;
+// otherwise pass.kernel is null.
+template <typename KV>
+int mma_split_passes(m40llm_cuda_state *st, int head_dim, SplitPasses *out);
+
+// Asks what the combine needs before a call's first launch (whether its image waits).
+int combine_prepare(m40llm_cuda_state *st, bool *dependent);
+// Merges the partials of a plan with several splits for some item.
+int combine_launch(m40llm_cuda_state *st, const AttnArgs &a, const m40llm_attn_plan &plan,
+                   bool dependent);
+
+// Launches a kernel of any family, as a programmatic dependent of the kernel before it where
+// `dependent`.
+template <typename Kernel>
+int launch_attention_kernel(m40llm_cuda_state *st, const char *what, Kernel kernel, dim3 grid,
+                            int threads, size_t smem, bool dependent, const AttnArgs &a,
+                            const m40llm_attn_plan &plan) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3((unsigned)threads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = st->stream;
+  cudaLaunchAttribute attr;
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = dependent ? 1 : 0;
+  const cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, a, plan);
+  return err == cudaSuccess ? M40LLM_OK : m40llm_cuda_error(err, what);
+}

@@ -1,5 +1,5 @@
 // The split pass on tensor cores (sm_80+): same blocks, partials and combine as the FP32 kernel
-// in attention.cu, for MHA and GQA: under FP32 FMAs (one per query head per K/V element) GQA
+// in attention_fp32.cu, for MHA and GQA: under FP32 FMAs (one per query head per K/V element) GQA
 // runs out of issue slots before the memory does, and even one query head per K/V head issues
 // fewer instructions per byte on tensor cores. mma.m16n8k16 multiplies FP16 exactly and accumulates
 // in FP32; the FP32 operands (q, and the softmax weights p) each go in as two FP16 terms,
@@ -17,13 +17,15 @@
 // so every load is one 16-byte word per lane and the dot product is unchanged. A head_dim of
 // 32 NC + 16 ends with a 16-dim tail: one k step, 8 bytes per lane.
 #include "attention.cuh"
-#include "tuning.cuh"
 
 #include <stdint.h>
 
 #include <type_traits>
 
 namespace {
+
+// Positions a warp takes per step: the MMA's M.
+constexpr int kMmaRows = 16;
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
 
@@ -66,25 +68,33 @@ struct Step {
   uint2 t[2];  // dims 32 NC + 4t .. 32 NC + 4t + 3 (unused without a tail)
 };
 
-// N halves from global memory (read-only path) or from a step staged in shared memory.
-template <bool kShared, int N>
-__device__ __forceinline__ typename HalfVec<N>::Raw load_halves(const __half *p) {
-  if constexpr (kShared) return *reinterpret_cast<const typename HalfVec<N>::Raw *>(p);
-  else return load_raw<N>(p);
+// A step staged in shared memory: FP16 codes.
+struct SharedHalves {
+  const __half *p;
+};
+
+// N elements n past p as FP16 bit patterns: from the tensor (the format's Ptr, through the
+// read-only path) or from a staged step.
+template <typename KV, int N>
+__device__ __forceinline__ typename HalfVec<N>::Raw load_halves(typename KV::Ptr p, int n) {
+  return KV::template halves<N>(KV::template load<N>(p, n));
+}
+template <typename KV, int N>
+__device__ __forceinline__ typename HalfVec<N>::Raw load_halves(SharedHalves p, int n) {
+  return *reinterpret_cast<const typename HalfVec<N>::Raw *>(p.p + n);
 }
 
-template <bool kShared, int NC, int TAIL>
-__device__ __forceinline__ void load_step(Step<NC, TAIL> &r, const __half *p, int rows, int g,
-                                          int t) {
+template <typename KV, int NC, int TAIL, typename P>
+__device__ __forceinline__ void load_step(Step<NC, TAIL> &r, P p, int rows, int g, int t) {
   constexpr int D = 32 * NC + 16 * TAIL;
 #pragma unroll
   for (int j = 0; j < 2; j++) {
     const bool ok = 8 * j + g < rows;
 #pragma unroll
     for (int c = 0; c < NC; c++)
-      r.c[j][c] = ok ? load_halves<kShared, 8>(p + (size_t)8 * j * D + 32 * c) : make_uint4(0, 0, 0, 0);
+      r.c[j][c] = ok ? load_halves<KV, 8>(p, 8 * j * D + 32 * c) : make_uint4(0, 0, 0, 0);
     if (TAIL)
-      r.t[j] = ok ? load_halves<kShared, 4>(p + (size_t)8 * j * D + 32 * NC - 4 * t) : make_uint2(0, 0);
+      r.t[j] = ok ? load_halves<KV, 4>(p, 8 * j * D + 32 * NC - 4 * t) : make_uint2(0, 0);
   }
 }
 
@@ -146,43 +156,46 @@ __device__ __forceinline__ void bulk_copy(void *dst, const void *src, uint32_t b
 // Loads through registers: K and V are double-buffered by halves. The next step's K loads go
 // out once the scores are taken, its V loads once the output is updated, so a warp always has
 // loads in flight; the first step's go out at construction, before q is read.
-template <int NC, int TAIL, int W>
+template <typename KV, int NC, int TAIL, int W>
 struct RegisterSteps {
   static constexpr int D = 32 * NC + 16 * TAIL;
   static constexpr int kBlockRows = kMmaRows * W;  // positions the block's W warps take per step
   Step<NC, TAIL> k, v;
-  const __half *kp, *vp;  // this lane's first K and V element of the step in flight
+  typename KV::Ptr kp, vp;  // this lane's first K and V element of the step in flight
   int p_end, g, t;
 
-  __device__ RegisterSteps(const SplitBlock &b, int p0, int lane, void * /*smem*/, int /*stages*/)
+  __device__ RegisterSteps(const SplitBlock<KV> &b, int p0, int lane, void * /*smem*/,
+                           int /*stages*/)
       : p_end(b.p_end), g(lane >> 2), t(lane & 3) {
     const size_t offset = (size_t)(p0 + g) * D + 8 * t;
-    kp = b.k + offset;
-    vp = b.v + offset;
-    load_step<false>(k, kp, p_end - p0, g, t);
-    load_step<false>(v, vp, p_end - p0, g, t);
+    kp = KV::add(b.k, offset);
+    vp = KV::add(b.v, offset);
+    load_step<KV>(k, kp, p_end - p0, g, t);
+    load_step<KV>(v, vp, p_end - p0, g, t);
   }
   __device__ void before_scores(int) {}
   __device__ void after_scores(int p0) {
-    kp += (size_t)kBlockRows * D;
-    load_step<false>(k, kp, p_end - (p0 + kBlockRows), g, t);
+    kp = KV::add(kp, (size_t)kBlockRows * D);
+    load_step<KV>(k, kp, p_end - (p0 + kBlockRows), g, t);
   }
   __device__ void after_output(int p0) {
-    vp += (size_t)kBlockRows * D;
-    load_step<false>(v, vp, p_end - (p0 + kBlockRows), g, t);
+    vp = KV::add(vp, (size_t)kBlockRows * D);
+    load_step<KV>(v, vp, p_end - (p0 + kBlockRows), g, t);
   }
 };
 
 // sm_90: the copy engine stages steps n, n + 1, .. of a warp in its slots n % stages of shared
 // memory (slot [stage][warp]: the step's K rows, then its V rows, as in memory). Lane 0 asks
 // for a step's K and V as soon as its slot is free, so up to `stages` steps are in flight and
-// hold no registers; the first ones go out at construction, before q is read.
-template <int NC, int TAIL, int W>
+// hold no registers; the first ones go out at construction, before q is read. It copies rows of
+// FP16 codes as they are: a format with parameters, or other codes, would stage those too.
+template <typename KV, int NC, int TAIL, int W>
 struct StagedSteps;
 
 #if M40LLM_MMA_STAGED_HERE
-template <int NC, int TAIL, int W>
+template <typename KV, int NC, int TAIL, int W>
 struct StagedSteps {
+  static_assert(std::is_same<KV, KvF16>::value, "staging copies FP16 code rows only");
   static constexpr int D = 32 * NC + 16 * TAIL;
   static constexpr int kSlotHalves = 2 * kMmaRows * D;
   static constexpr int kBlockRows = kMmaRows * W;
@@ -193,7 +206,7 @@ struct StagedSteps {
   int p_end, stages, lane, slot = 0;
   uint32_t parity = 0;
 
-  __device__ StagedSteps(const SplitBlock &b, int p0, int lane_, void *smem, int stages_)
+  __device__ StagedSteps(const SplitBlock<KV> &b, int p0, int lane_, void *smem, int stages_)
       : kg(b.k), vg(b.v), p_end(b.p_end), stages(stages_), lane(lane_) {
     __shared__ uint64_t s_bar[kMmaMaxStages][W];
     const int warp = threadIdx.x >> 5;
@@ -211,7 +224,7 @@ struct StagedSteps {
   __device__ void request(int s, int p) {
     const int rows = min(kMmaRows, p_end - p);
     if (rows <= 0) return;
-    const uint32_t bytes = (uint32_t)(rows * D * sizeof(__half));
+    const uint32_t bytes = (uint32_t)(rows * KV::kRowBytes(D));
     barrier_expect(bar(s), 2 * bytes);
     bulk_copy(slot_rows(s), kg + (size_t)p * D, bytes, bar(s));
     bulk_copy(slot_rows(s) + kMmaRows * D, vg + (size_t)p * D, bytes, bar(s));
@@ -219,11 +232,12 @@ struct StagedSteps {
   __device__ void before_scores(int p0) {
     barrier_wait(bar(slot), parity);
     const int g = lane >> 2, t = lane & 3;
-    load_step<true>(k, slot_rows(slot) + g * D + 8 * t, p_end - p0, g, t);
+    load_step<KV>(k, SharedHalves{slot_rows(slot) + g * D + 8 * t}, p_end - p0, g, t);
   }
   __device__ void after_scores(int p0) {
     const int g = lane >> 2, t = lane & 3;
-    load_step<true>(v, slot_rows(slot) + (kMmaRows + g) * D + 8 * t, p_end - p0, g, t);
+    load_step<KV>(v, SharedHalves{slot_rows(slot) + (kMmaRows + g) * D + 8 * t}, p_end - p0, g,
+                  t);
   }
   __device__ void after_output(int p0) {
     __syncwarp();  // every lane's reads of the slot are done (the MMAs consumed them)
@@ -244,7 +258,7 @@ struct StagedSteps {
 //
 // Dynamic shared memory: the staged kernel's slots (StagedSteps), then, after the loop, the
 // warps' outputs [warp][head][dim] for the merge; mma_smem_bytes() gives its size.
-template <int NC, int TAIL, bool STAGED, int W>
+template <typename KV, int NC, int TAIL, bool STAGED, int W>
 __global__ void __launch_bounds__(32 * W, mma_min_blocks(32 * NC + 16 * TAIL, W))
     attn_mma_kernel(const AttnArgs a, const m40llm_attn_plan plan) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
@@ -258,12 +272,12 @@ __global__ void __launch_bounds__(32 * W, mma_min_blocks(32 * NC + 16 * TAIL, W)
 #endif
   constexpr int kThreads = 32 * W;
   using Steps =
-      std::conditional_t<kStaged, StagedSteps<NC, TAIL, W>, RegisterSteps<NC, TAIL, W>>;
+      std::conditional_t<kStaged, StagedSteps<KV, NC, TAIL, W>, RegisterSteps<KV, NC, TAIL, W>>;
   extern __shared__ uint4 s_dyn[];
-  __shared__ float s_m[W][G], s_l[W][G];
+  __shared__ SoftmaxState s_state[W][G];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
-  const SplitBlock b = split_block(a, plan, G);
+  const SplitBlock<KV> b = split_block<KV>(a, plan, G);
   wait_for_prerequisite_grid();
   if (plan.max_splits > 1) allow_dependent_launch();  // as in attn_split_kernel
 
@@ -317,7 +331,7 @@ __global__ void __launch_bounds__(32 * W, mma_min_blocks(32 * NC + 16 * TAIL, W)
   }
   __syncthreads();
 
-  float m_run = -INFINITY, l_run = 0.0f;  // over this warp's positions; l per lane
+  SoftmaxState run = SoftmaxState::empty();  // over this warp's positions; l per lane
   // Dims 32c + 8t + 2i + {0, 1}, from p's hi terms in [0..1] and its lo terms in [2..3]; the
   // tail's dims 32 NC + 4t + 2i + {0, 1} the same way.
   float o[NC][4][4], ot[2][4];
@@ -358,18 +372,16 @@ __global__ void __launch_bounds__(32 * W, mma_min_blocks(32 * NC + 16 * TAIL, W)
       }
     tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
     tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
-    const float m_new = fmaxf(m_run, tile_max);  // finite: every step has a real row
-    const float alpha = exp2f(m_run - m_new);
-    m_run = m_new;
+    const float alpha = run.raise(tile_max);
     float sum = 0.0f;
 #pragma unroll
     for (int j = 0; j < 2; j++)
 #pragma unroll
       for (int x = 0; x < 2; x++) {
-        s[j][x] = exp2f(s[j][x] - m_new);
+        s[j][x] = run.weight(s[j][x]);
         sum += s[j][x];
       }
-    l_run = l_run * alpha + sum;
+    run.l += sum;
     src.after_scores(p0);
     uint4 pa;  // A fragment: positions 2t + {0, 1} (hi, lo), then 8 + 2t + {0, 1}
     split_pair(s[0][0], s[0][1], pa.x, pa.y);
@@ -398,12 +410,9 @@ __global__ void __launch_bounds__(32 * W, mma_min_blocks(32 * NC + 16 * TAIL, W)
   }
   if (plan.max_splits == 1) allow_dependent_launch();
 
-  l_run += __shfl_xor_sync(0xffffffffu, l_run, 1);
-  l_run += __shfl_xor_sync(0xffffffffu, l_run, 2);
-  if (t == 0) {
-    s_m[warp][g] = m_run;
-    s_l[warp][g] = l_run;
-  }
+  run.l += __shfl_xor_sync(0xffffffffu, run.l, 1);
+  run.l += __shfl_xor_sync(0xffffffffu, run.l, 2);
+  if (t == 0) s_state[warp][g] = run;
   if constexpr (kStaged) __syncthreads();  // the outputs take the slots: no warp may read them
   float(*s_o)[G][D] = reinterpret_cast<float(*)[G][D]>(s_dyn);
 #pragma unroll
@@ -427,41 +436,35 @@ __global__ void __launch_bounds__(32 * W, mma_min_blocks(32 * NC + 16 * TAIL, W)
   constexpr int kPairs = W * G, P = kPairs > 32 ? kPairs / 32 : 1, kSpan = kPairs > 32 ? 32 : kPairs;
   static_assert(kPairs % kSpan == 0 && 32 % kSpan == 0, "whole (warp, head) pairs per lane");
   const int pl = lane % kSpan;
-  float m_w[P], m = -INFINITY;
+  SoftmaxState w_state[P];
+  float m = -INFINITY;
 #pragma unroll
   for (int p = 0; p < P; p++) {
-    m_w[p] = s_m[(pl + 32 * p) / G][pl % G];
-    m = fmaxf(m, m_w[p]);
+    w_state[p] = s_state[(pl + 32 * p) / G][pl % G];
+    m = fmaxf(m, w_state[p].m);
   }
 #pragma unroll
   for (int off = G; off < kSpan; off <<= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
-  float wt[P], l = 0.0f;
+  SoftmaxState head = SoftmaxState::empty();
+  head.raise(m);
+  float wt[P];
 #pragma unroll
-  for (int p = 0; p < P; p++) {
-    wt[p] = m_w[p] == -INFINITY ? 0.0f : exp2f(m_w[p] - m);
-    l = fmaf(wt[p], s_l[(pl + 32 * p) / G][pl % G], l);
-  }
+  for (int p = 0; p < P; p++) wt[p] = head.add_partial(w_state[p].m, w_state[p].l);
 #pragma unroll
-  for (int off = G; off < kSpan; off <<= 1) l += __shfl_xor_sync(0xffffffffu, l, off);
+  for (int off = G; off < kSpan; off <<= 1) head.l += __shfl_xor_sync(0xffffffffu, head.l, off);
   const bool final_out = b.n_splits == 1;
   float f[P];
 #pragma unroll
-  for (int p = 0; p < P; p++) f[p] = !final_out ? wt[p] : l > 0.0f ? wt[p] / l : 0.0f;
-  if (!final_out && warp == 0 && lane < b.nh) store_split_stats(a, b, b.h0 + lane, m, l);
+  for (int p = 0; p < P; p++) f[p] = !final_out ? wt[p] : head.normalise(wt[p]);
+  if (!final_out && warp == 0 && lane < b.nh) store_split_stats(a, b.split, b.h0 + lane, head);
   constexpr int D4 = D / 4;
   const float4(*s_o4)[G][D4] = reinterpret_cast<const float4(*)[G][D4]>(s_dyn);
   for (int i0 = 0; i0 < b.nh * D4; i0 += kThreads) {  // uniform trip count: the shuffles
     const int i = i0 + threadIdx.x, hh = min(i / D4, G - 1), d4 = i % D4;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-    for (int w = 0; w < W; w++) {
-      const float fw = __shfl_sync(0xffffffffu, f[w * G / 32], w * G % 32 + hh);
-      const float4 x = s_o4[w][hh][d4];
-      acc.x = fmaf(fw, x.x, acc.x);
-      acc.y = fmaf(fw, x.y, acc.y);
-      acc.z = fmaf(fw, x.z, acc.z);
-      acc.w = fmaf(fw, x.w, acc.w);
-    }
+    for (int w = 0; w < W; w++)
+      fma4(__shfl_sync(0xffffffffu, f[w * G / 32], w * G % 32 + hh), s_o4[w][hh][d4], acc);
     if (i < b.nh * D4) store_split_out4(a, b, b.h0 + hh, 4 * d4, acc);
   }
 #else
@@ -469,36 +472,122 @@ __global__ void __launch_bounds__(32 * W, mma_min_blocks(32 * NC + 16 * TAIL, W)
 #endif
 }
 
+
 // The widths the host launches: mma_warps(), and half that loading through registers (plans of
 // more blocks than one wave of the wider ones).
-template <int NC, int TAIL, bool STAGED, int W>
+template <typename KV, int NC, int TAIL, bool STAGED, int W>
 constexpr SplitKernel instance() {
   constexpr int kWarps = mma_warps(32 * NC + 16 * TAIL);
-  if constexpr (W == kWarps || (W == kWarps / 2 && !STAGED))
-    return attn_mma_kernel<NC, TAIL, STAGED, W>;
+  if constexpr (kTensorCores && (W == kWarps || (W == kWarps / 2 && !STAGED)))
+    return attn_mma_kernel<KV, NC, TAIL, STAGED, W>;
   else
     return nullptr;
 }
 
-template <bool STAGED, int W>
-SplitKernel mma_kernel_for(int head_dim) {
+template <typename KV, bool STAGED, int W>
+SplitKernel kernel_for_dim(int head_dim) {
   switch (head_dim) {
-    case 32: return instance<1, 0, STAGED, W>();
-    case 48: return instance<1, 1, STAGED, W>();
-    case 64: return instance<2, 0, STAGED, W>();
-    case 80: return instance<2, 1, STAGED, W>();
-    case 96: return instance<3, 0, STAGED, W>();
-    case 112: return instance<3, 1, STAGED, W>();
-    case 128: return instance<4, 0, STAGED, W>();
+    case 32: return instance<KV, 1, 0, STAGED, W>();
+    case 48: return instance<KV, 1, 1, STAGED, W>();
+    case 64: return instance<KV, 2, 0, STAGED, W>();
+    case 80: return instance<KV, 2, 1, STAGED, W>();
+    case 96: return instance<KV, 3, 0, STAGED, W>();
+    case 112: return instance<KV, 3, 1, STAGED, W>();
+    case 128: return instance<KV, 4, 0, STAGED, W>();
     default: return nullptr;
   }
 }
 
-}  // namespace
-
-SplitKernel attn_mma_kernel_for(int head_dim, bool staged, int warps) {
-  if (warps == 8) return staged ? mma_kernel_for<true, 8>(head_dim) : mma_kernel_for<false, 8>(head_dim);
-  if (warps == 4) return staged ? mma_kernel_for<true, 4>(head_dim) : mma_kernel_for<false, 4>(head_dim);
-  if (warps == 2) return staged ? mma_kernel_for<true, 2>(head_dim) : mma_kernel_for<false, 2>(head_dim);
+// The kernel for head_dim in blocks of `warps` warps, staged or not, or null where there is
+// none. Whether it can run is for the caller to ask the runtime.
+template <typename KV>
+SplitKernel kernel_for(int head_dim, bool staged, int warps) {
+  if (warps == 8) return staged ? kernel_for_dim<KV, true, 8>(head_dim) : kernel_for_dim<KV, false, 8>(head_dim);
+  if (warps == 4) return staged ? kernel_for_dim<KV, true, 4>(head_dim) : kernel_for_dim<KV, false, 4>(head_dim);
+  if (warps == 2) return staged ? kernel_for_dim<KV, true, 2>(head_dim) : kernel_for_dim<KV, false, 2>(head_dim);
   return nullptr;
 }
+
+// Dynamic shared memory: the warps' outputs for the merge, or, where the kernel stages K/V
+// steps, that many steps per warp, which the outputs reuse after the loop.
+size_t smem_bytes(int head_dim, int warps, int stages) {
+  const size_t outputs = (size_t)warps * kMaxGroupTile * head_dim * sizeof(float);
+  const size_t staged = (size_t)stages * warps * 2 * kMmaRows * head_dim * sizeof(__half);
+  return staged > outputs ? staged : outputs;
+}
+
+// Steps per warp a staged image keeps in flight: as many as fit with mma_min_blocks() blocks
+// on an SM, from 2 (fewer resident blocks rather than no overlap) up to kMmaMaxStages; 0 where
+// not even two fit in a block (one step staged at a time would not overlap loads with math).
+int stages_for(const m40llm_cuda_state *st, int head_dim, int warps, size_t static_smem) {
+  const size_t step = smem_bytes(head_dim, warps, 1);
+  const size_t block_max = st->smem_per_block - static_smem;
+  const size_t per_block = st->smem_per_sm / mma_min_blocks(head_dim, warps);
+  const size_t share = per_block > st->smem_reserved_per_block + static_smem
+                           ? per_block - st->smem_reserved_per_block - static_smem
+                           : 0;
+  int stages = (int)(share / step);
+  if (stages < 2) stages = 2;
+  if (stages > kMmaMaxStages) stages = kMmaMaxStages;
+  while (stages > 0 && smem_bytes(head_dim, warps, stages) > block_max) stages--;
+  return stages >= 2 ? stages : 0;
+}
+
+// The kernel, staged or not, where this build has it for this GPU (sm_80+; a compute_52-only
+// build runs the FP32 kernel on every GPU, and only sm_90+ images stage). The first call per
+// kernel sizes its shared memory and asks its occupancy. No kernel: a null one.
+template <typename KV>
+int pass_for(m40llm_cuda_state *st, int head_dim, bool staged, int warps, SplitPass *out) {
+  *out = SplitPass{nullptr, 32 * warps, 0, kMmaRows * warps, 0, 0, false};
+  const SplitKernel k = kernel_for<KV>(head_dim, staged, warps);
+  if (!k || st->cc_major < (staged ? 9 : 8) || (staged && !M40LLM_MMA_BULK_BUILT))
+    return M40LLM_OK;
+  auto &info = st->mma[staged][warps < mma_warps(head_dim)][head_dim / 16];
+  if (info.usable == 0) {
+    cudaFuncAttributes attr;
+    M40LLM_CUDA_TRY(cudaFuncGetAttributes(&attr, k));
+    const int stages = staged ? stages_for(st, head_dim, warps, attr.sharedSizeBytes) : 0;
+    if (attr.ptxVersion < (staged ? 90 : 80) || (staged && stages == 0)) {
+      info.usable = -1;
+      return M40LLM_OK;
+    }
+    const size_t smem = smem_bytes(head_dim, warps, stages);
+    M40LLM_CUDA_TRY(
+        cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    int occ = 0;
+    M40LLM_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, k, 32 * warps, smem));
+    info.usable = 1;
+    info.stages = (signed char)stages;
+    info.smem = (int)smem;
+    info.occupancy = occ > 1 ? occ : 1;
+    info.dependent = attr.ptxVersion >= 90;
+  }
+  if (info.usable < 0) return M40LLM_OK;
+  out->kernel = k;
+  out->smem = (size_t)info.smem;
+  out->stages = info.stages;
+  out->target = st->sm_count * info.occupancy * kMmaWaves;
+  out->dependent = info.dependent;
+  return M40LLM_OK;
+}
+
+}  // namespace
+
+template <typename KV>
+int mma_split_passes(m40llm_cuda_state *st, int head_dim, SplitPasses *p) {
+  const int warps = mma_warps(head_dim);
+  const bool stage = head_dim >= kMmaStagedMinDim && head_dim <= kMmaStagedMaxDim;
+  p->pass = p->fine = SplitPass{};
+  int rc = pass_for<KV>(st, head_dim, false, warps, &p->direct);
+  if (rc == M40LLM_OK && p->direct.kernel && stage)
+    rc = pass_for<KV>(st, head_dim, true, warps, &p->pass);
+  if (rc == M40LLM_OK && p->direct.kernel) rc = pass_for<KV>(st, head_dim, false, warps / 2, &p->fine);
+  if (rc != M40LLM_OK) return rc;
+  if (!p->pass.kernel) p->pass = p->direct;
+  if (!p->fine.kernel) p->fine = p->direct;
+  return M40LLM_OK;
+}
+
+#define M40LLM_INSTANTIATE(KV) template int mma_split_passes<KV>(m40llm_cuda_state *, int, SplitPasses *);
+M40LLM_KV_FORMAT_TYPES(M40LLM_INSTANTIATE)
+#undef M40LLM_INSTANTIATE

@@ -1,10 +1,11 @@
-// The CUDA backend's host side: devices, the context's stream, memory, and the copies behind
-// read and fork. Kernels live in append.cu, attention.cu and attention_mma.cu.
+// The CUDA backend's table and host side: devices, the context's stream and workspace, memory,
+// the checks only this backend needs, and the copies behind read and fork. Kernels live in
+// append.cu and the attention_*.cu files (attention_dispatch.cu launches those).
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
-#include <new>
-
+#include "backend_cuda.h"
 #include "common.cuh"
 
 int m40llm_cuda_error(cudaError_t err, const char *what) {
@@ -15,7 +16,9 @@ int m40llm_cuda_error(cudaError_t err, const char *what) {
                      cudaGetErrorString(err));
 }
 
-extern "C" int m40llm_cuda_count(int *out_count) {
+namespace {
+
+int cuda_count(int *out_count) {
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess) {
     (void)cudaGetLastError();  // no driver or no GPU: zero devices, not an error
@@ -25,8 +28,9 @@ extern "C" int m40llm_cuda_count(int *out_count) {
   return M40LLM_OK;
 }
 
-extern "C" int m40llm_cuda_init(m40llm_context *ctx, int device, void *user_stream) {
-  m40llm_cuda_state *st = new (std::nothrow) m40llm_cuda_state();
+int cuda_init(m40llm_context *ctx, int device, void *user_stream) {
+  // calloc, not new: the C ABI's archive needs no C++ runtime. Zeroed is the state's start.
+  m40llm_cuda_state *st = static_cast<m40llm_cuda_state *>(calloc(1, sizeof *st));
   if (!st) return m40llm_fail(M40LLM_ERR_OUT_OF_MEMORY, "allocating the CUDA state");
   int rc = M40LLM_OK;
   cudaDeviceProp prop;
@@ -35,7 +39,7 @@ extern "C" int m40llm_cuda_init(m40llm_context *ctx, int device, void *user_stre
   if (err == cudaSuccess && !user_stream) err = cudaStreamCreate(&st->stream);
   if (err != cudaSuccess) {
     rc = m40llm_cuda_error(err, "initialising the CUDA device");
-    delete st;
+    free(st);
     return rc;
   }
   if (user_stream) st->stream = static_cast<cudaStream_t>(user_stream);
@@ -45,12 +49,12 @@ extern "C" int m40llm_cuda_init(m40llm_context *ctx, int device, void *user_stre
   st->smem_per_sm = prop.sharedMemPerMultiprocessor;
   st->smem_per_block = prop.sharedMemPerBlockOptin;
   st->smem_reserved_per_block = prop.reservedSharedMemPerBlock;
-  ctx->cuda = st;
+  ctx->state = st;
   return M40LLM_OK;
 }
 
-extern "C" void m40llm_cuda_fini(m40llm_context *ctx) {
-  m40llm_cuda_state *st = ctx->cuda;
+void cuda_fini(m40llm_context *ctx) {
+  m40llm_cuda_state *st = cuda_state(ctx);
   if (!st) return;
   // Teardown cannot report failures; a broken context still releases what it can.
   (void)cudaSetDevice(ctx->device);
@@ -58,19 +62,19 @@ extern "C" void m40llm_cuda_fini(m40llm_context *ctx) {
   (void)cudaFree(st->workspace);
   if (st->owns_stream) (void)cudaStreamDestroy(st->stream);
   (void)cudaGetLastError();
-  delete st;
-  ctx->cuda = nullptr;
+  free(st);
+  ctx->state = nullptr;
 }
 
-extern "C" int m40llm_cuda_synchronize(m40llm_context *ctx) {
+int cuda_synchronize(m40llm_context *ctx) {
   M40LLM_CUDA_ENTER(ctx);
-  M40LLM_CUDA_TRY(cudaStreamSynchronize(ctx->cuda->stream));
+  M40LLM_CUDA_TRY(cudaStreamSynchronize(cuda_state(ctx)->stream));
   return M40LLM_OK;
 }
 
-extern "C" void *m40llm_cuda_stream(const m40llm_context *ctx) { return ctx->cuda->stream; }
+void *cuda_stream(const m40llm_context *ctx) { return cuda_state(ctx)->stream; }
 
-extern "C" int m40llm_cuda_device_info(m40llm_device_info *out, const m40llm_context *ctx) {
+int cuda_device_info(m40llm_device_info *out, const m40llm_context *ctx) {
   M40LLM_CUDA_ENTER(ctx);
   cudaDeviceProp prop;
   M40LLM_CUDA_TRY(cudaGetDeviceProperties(&prop, ctx->device));
@@ -89,7 +93,7 @@ extern "C" int m40llm_cuda_device_info(m40llm_device_info *out, const m40llm_con
   return M40LLM_OK;
 }
 
-extern "C" int m40llm_cuda_malloc(void **out, m40llm_context *ctx, size_t bytes) {
+int cuda_malloc(void **out, m40llm_context *ctx, size_t bytes) {
   M40LLM_CUDA_ENTER(ctx);
   void *p = nullptr;
   cudaError_t err = cudaMalloc(&p, bytes);
@@ -102,17 +106,16 @@ extern "C" int m40llm_cuda_malloc(void **out, m40llm_context *ctx, size_t bytes)
   return M40LLM_OK;
 }
 
-extern "C" int m40llm_cuda_free(m40llm_context *ctx, void *ptr) {
+int cuda_free(m40llm_context *ctx, void *ptr) {
   M40LLM_CUDA_ENTER(ctx);
-  M40LLM_CUDA_TRY(cudaStreamSynchronize(ctx->cuda->stream));
+  M40LLM_CUDA_TRY(cudaStreamSynchronize(cuda_state(ctx)->stream));
   M40LLM_CUDA_TRY(cudaFree(ptr));
   return M40LLM_OK;
 }
 
-extern "C" int m40llm_cuda_memcpy(m40llm_context *ctx, void *dst, const void *src, size_t bytes,
-                                  int kind) {
+int cuda_memcpy(m40llm_context *ctx, void *dst, const void *src, size_t bytes, int kind) {
   M40LLM_CUDA_ENTER(ctx);
-  cudaStream_t s = ctx->cuda->stream;
+  cudaStream_t s = cuda_state(ctx)->stream;
   const cudaMemcpyKind k = kind == M40LLM_COPY_H2D   ? cudaMemcpyHostToDevice
                            : kind == M40LLM_COPY_D2H ? cudaMemcpyDeviceToHost
                                                      : cudaMemcpyDeviceToDevice;
@@ -122,44 +125,89 @@ extern "C" int m40llm_cuda_memcpy(m40llm_context *ctx, void *dst, const void *sr
   return M40LLM_OK;
 }
 
-extern "C" int m40llm_cuda_memset(m40llm_context *ctx, void *dst, int value, size_t bytes) {
+int cuda_memset(m40llm_context *ctx, void *dst, int value, size_t bytes) {
   M40LLM_CUDA_ENTER(ctx);
-  M40LLM_CUDA_TRY(cudaMemsetAsync(dst, value, bytes, ctx->cuda->stream));
+  M40LLM_CUDA_TRY(cudaMemsetAsync(dst, value, bytes, cuda_state(ctx)->stream));
   return M40LLM_OK;
 }
 
-extern "C" int m40llm_cuda_read(const m40llm_kvcache *c, uint16_t *k_out, uint16_t *v_out,
-                                int layer, int seq, int pos, int n_tokens) {
-  M40LLM_CUDA_ENTER(c->ctx);
-  const m40llm_kvcache_options *o = &c->opts;
-  const size_t row = (size_t)o->head_dim * sizeof(uint16_t);
-  // Each K/V head's rows are contiguous in the cache and interleaved by head in the output.
-  for (int h = 0; h < o->n_kv_heads; h++) {
-    const size_t src = m40llm_kv_offset(o, layer, seq, h, pos);
-    const size_t dst = (size_t)h * o->head_dim;
-    if (k_out)
-      M40LLM_CUDA_TRY(cudaMemcpy2DAsync(k_out + dst, row * o->n_kv_heads, c->k + src, row, row,
-                                        n_tokens, cudaMemcpyDeviceToDevice, c->ctx->cuda->stream));
-    if (v_out)
-      M40LLM_CUDA_TRY(cudaMemcpy2DAsync(v_out + dst, row * o->n_kv_heads, c->v + src, row, row,
-                                        n_tokens, cudaMemcpyDeviceToDevice, c->ctx->cuda->stream));
-  }
+// The kernels load K/V rows 16 bytes at a time (8 FP16 elements).
+int cuda_check_cache(const m40llm_kvcache_options *o) {
+  if (o->head_dim % 8 != 0)
+    return m40llm_fail(M40LLM_ERR_UNSUPPORTED,
+                       "opts->head_dim %d: the CUDA backend needs a multiple of 8", o->head_dim);
   return M40LLM_OK;
 }
 
-extern "C" int m40llm_cuda_fork(const m40llm_kvcache *c, int dst_seq, int src_seq) {
-  M40LLM_CUDA_ENTER(c->ctx);
+// A tensor's rows (layer, seq, every K/V head, positions pos ..) out as FP16
+// [n_tokens][n_kv_heads][head_dim]: each head's rows are contiguous in the cache and
+// interleaved by head in the output.
+int read_rows(const m40llm_kvcache *c, const m40llm_kv_tensor &t, uint16_t *out, int layer,
+              int seq, int pos, int n_tokens) {
+  if (!out) return M40LLM_OK;
   const m40llm_kvcache_options *o = &c->opts;
-  const size_t pitch = (size_t)o->max_seq_len * o->head_dim * sizeof(uint16_t);
-  for (int l = 0; l < o->n_layers; l++) {
-    const size_t width = (size_t)*m40llm_len_slot(c, l, src_seq) * o->head_dim * sizeof(uint16_t);
-    if (width == 0) continue;
-    const size_t src = m40llm_kv_offset(o, l, src_seq, 0, 0);
-    const size_t dst = m40llm_kv_offset(o, l, dst_seq, 0, 0);
-    M40LLM_CUDA_TRY(cudaMemcpy2DAsync(c->k + dst, pitch, c->k + src, pitch, width, o->n_kv_heads,
-                                      cudaMemcpyDeviceToDevice, c->ctx->cuda->stream));
-    M40LLM_CUDA_TRY(cudaMemcpy2DAsync(c->v + dst, pitch, c->v + src, pitch, width, o->n_kv_heads,
-                                      cudaMemcpyDeviceToDevice, c->ctx->cuda->stream));
-  }
+  if (t.layout.fmt->format != M40LLM_KV_F16)
+    return m40llm_fail(M40LLM_ERR_UNSUPPORTED, "reading %s K/V as FP16 on the CUDA backend",
+                       t.layout.fmt->name);
+  const size_t row = t.layout.row_bytes[M40LLM_KV_CODES];
+  for (int h = 0; h < o->n_kv_heads; h++)
+    M40LLM_CUDA_TRY(cudaMemcpy2DAsync(out + (size_t)h * o->head_dim, row * o->n_kv_heads,
+                                      m40llm_kv_at(&t, M40LLM_KV_CODES,
+                                                   m40llm_kv_row(o, layer, seq, h, pos)),
+                                      row, row, n_tokens, cudaMemcpyDeviceToDevice,
+                                      cuda_state(c->ctx)->stream));
   return M40LLM_OK;
 }
+
+int cuda_read_f16(const m40llm_kvcache *c, uint16_t *k_out, uint16_t *v_out, int layer, int seq,
+                  int pos, int n_tokens) {
+  M40LLM_CUDA_ENTER(c->ctx);
+  const int rc = read_rows(c, c->k, k_out, layer, seq, pos, n_tokens);
+  return rc != M40LLM_OK ? rc : read_rows(c, c->v, v_out, layer, seq, pos, n_tokens);
+}
+
+// Every plane of src_seq's stored rows, one 2D copy per layer: heads are the pitch's rows.
+int cuda_fork(const m40llm_kvcache *c, int dst_seq, int src_seq) {
+  M40LLM_CUDA_ENTER(c->ctx);
+  const m40llm_kvcache_options *o = &c->opts;
+  for (const m40llm_kv_tensor *t : {&c->k, &c->v})
+    for (int p = 0; p < M40LLM_KV_PLANES; p++) {
+      if (!t->plane[p]) continue;
+      const size_t pitch = (size_t)o->max_seq_len * t->layout.row_bytes[p];
+      for (int l = 0; l < o->n_layers; l++) {
+        const size_t width = (size_t)*m40llm_len_slot(c, l, src_seq) * t->layout.row_bytes[p];
+        if (width == 0) continue;
+        M40LLM_CUDA_TRY(cudaMemcpy2DAsync(m40llm_kv_at(t, p, m40llm_kv_row(o, l, dst_seq, 0, 0)),
+                                          pitch,
+                                          m40llm_kv_at(t, p, m40llm_kv_row(o, l, src_seq, 0, 0)),
+                                          pitch, width, o->n_kv_heads, cudaMemcpyDeviceToDevice,
+                                          cuda_state(c->ctx)->stream));
+      }
+    }
+  return M40LLM_OK;
+}
+
+}  // namespace
+
+int m40llm_cuda_workspace(m40llm_cuda_state *st, size_t bytes, void **out) {
+  if (bytes > st->workspace_bytes) {
+    M40LLM_CUDA_TRY(cudaStreamSynchronize(st->stream));
+    M40LLM_CUDA_TRY(cudaFree(st->workspace));
+    st->workspace = nullptr;
+    st->workspace_bytes = 0;
+    void *p = nullptr;
+    M40LLM_CUDA_TRY(cudaMalloc(&p, bytes));
+    st->workspace = p;
+    st->workspace_bytes = bytes;
+  }
+  *out = st->workspace;
+  return M40LLM_OK;
+}
+
+// Positional: designated initialisers are C++20.
+const m40llm_backend_ops m40llm_cuda_backend = {
+    M40LLM_BACKEND_CUDA, cuda_count,       cuda_init,         cuda_fini,          cuda_synchronize,
+    cuda_stream,         cuda_device_info, cuda_malloc,       cuda_free,          cuda_memcpy,
+    cuda_memset,         cuda_check_cache, m40llm_cuda_reserve_for, m40llm_cuda_append,
+    cuda_read_f16,       cuda_fork,        m40llm_cuda_attention,
+};

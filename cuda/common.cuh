@@ -1,9 +1,7 @@
-// Helpers shared by the CUDA backend's translation units: error reporting, the backend state,
-// and device-side loads that widen FP16 to FP32 in registers (no half arithmetic: sm_52 has
-// none worth using, and the precision policy accumulates in FP32).
+// What the CUDA backend's translation units share: the backend state, error reporting, launch
+// checks, programmatic dependent launches, warp reductions and an unaligned float4 store.
 #pragma once
 
-#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include "internal.h"
@@ -14,9 +12,9 @@ struct m40llm_cuda_state {
   int sm_count;
   int cc_major;
   size_t smem_per_sm, smem_per_block, smem_reserved_per_block;  // shared memory, in bytes
-  void *workspace;  // split-K partials, grown only by m40llm_cuda_reserve_for or a larger call
+  void *workspace;  // scratch of the attention calls (split-K partials): cuda_workspace()
   size_t workspace_bytes;
-  int occupancy[4][33];  // resident attention blocks per SM, by [log2 group tile][head_dim / 8]
+  int fp32_occupancy[4][33];  // FP32 split kernel's resident blocks per SM, [log2 tile][dim / 8]
   struct {
     signed char usable;  // whether this build runs it here: 0 = not asked yet, 1 yes, -1 no
     signed char stages;  // K/V steps per warp it stages in shared memory (0: in registers)
@@ -24,12 +22,21 @@ struct m40llm_cuda_state {
     int occupancy;       // resident blocks per SM
     bool dependent;      // whether its image waits for the grid before it (sm_90+)
   } mma[2][2][9];  // the tensor-core kernels, by [staged][half-width blocks][head_dim / 16]
-  signed char dependent;  // the same for attention.cu's kernels: 0 = not asked, 1 yes, -1 no
+  // Whether the FP32 split and the combine kernels' images wait for the grid before them:
+  // 0 = not asked yet, 1 yes, -1 no.
+  signed char fp32_dependent, combine_dependent;
 };
+
+inline m40llm_cuda_state *cuda_state(const m40llm_context *ctx) {
+  return static_cast<m40llm_cuda_state *>(ctx->state);
+}
 
 // Turns a CUDA error into a status with detail. Clears the error if it is not sticky, so the
 // context stays usable after, e.g., a failed allocation.
 int m40llm_cuda_error(cudaError_t err, const char *what);
+
+// Grows the context's workspace to at least `bytes` (never shrinks it) and returns it.
+int m40llm_cuda_workspace(m40llm_cuda_state *st, size_t bytes, void **out);
 
 #define M40LLM_CUDA_TRY(call)                                           \
   do {                                                                  \
@@ -46,6 +53,23 @@ int m40llm_cuda_error(cudaError_t err, const char *what);
     cudaError_t m40llm_err_ = cudaGetLastError();                                 \
     if (m40llm_err_ != cudaSuccess) return m40llm_cuda_error(m40llm_err_, "launching " kernel); \
   } while (0)
+
+// Whether a kernel's image for this GPU waits for the grid before it (sm_90+ images do; a
+// compute_52-only build's JIT image does not), cached in *cache (0 = not asked yet).
+inline int kernel_waits(const m40llm_cuda_state *st, const void *kernel, signed char *cache,
+                        bool *out) {
+  if (*cache == 0) {
+    signed char waits = -1;
+    if (st->cc_major >= 9) {
+      cudaFuncAttributes attr;
+      M40LLM_CUDA_TRY(cudaFuncGetAttributes(&attr, kernel));
+      if (attr.ptxVersion >= 90) waits = 1;
+    }
+    *cache = waits;
+  }
+  *out = *cache > 0;
+  return M40LLM_OK;
+}
 
 // Programmatic dependent launch (sm_90+): the attention kernels launch as dependents of the
 // kernel before them in the stream, so that their launch and start overlap its end instead of
@@ -66,34 +90,6 @@ __device__ __forceinline__ void wait_for_prerequisite_grid() {
 #endif
 }
 
-// N consecutive halves as one load: N * 2 bytes, aligned to that.
-template <int N>
-struct HalfVec;
-template <>
-struct HalfVec<2> { using Raw = unsigned int; };
-template <>
-struct HalfVec<4> { using Raw = uint2; };
-template <>
-struct HalfVec<8> { using Raw = uint4; };
-
-// Issues the load through the read-only path; the value is used later, after other loads.
-template <int N>
-__device__ __forceinline__ typename HalfVec<N>::Raw load_raw(const __half *p) {
-  return __ldg(reinterpret_cast<const typename HalfVec<N>::Raw *>(p));
-}
-
-// Widens N halves held in registers to FP32.
-template <int N>
-__device__ __forceinline__ void widen(const typename HalfVec<N>::Raw &raw, float (&f)[N]) {
-  const __half2 *h = reinterpret_cast<const __half2 *>(&raw);
-#pragma unroll
-  for (int i = 0; i < N / 2; i++) {
-    const float2 t = __half22float2(h[i]);
-    f[2 * i] = t.x;
-    f[2 * i + 1] = t.y;
-  }
-}
-
 __device__ __forceinline__ float warp_max(float x) {
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, off));
@@ -104,4 +100,20 @@ __device__ __forceinline__ float warp_sum(float x) {
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
   return x;
+}
+
+// acc += w * v, per component.
+__device__ __forceinline__ void fma4(float w, const float4 &v, float4 &acc) {
+  acc.x = fmaf(w, v.x, acc.x);
+  acc.y = fmaf(w, v.y, acc.y);
+  acc.z = fmaf(w, v.z, acc.z);
+  acc.w = fmaf(w, v.w, acc.w);
+}
+
+// Four floats of the caller's memory, which promises only 4-byte alignment.
+__device__ __forceinline__ void store4(float *dst, float4 x) {
+  dst[0] = x.x;
+  dst[1] = x.y;
+  dst[2] = x.z;
+  dst[3] = x.w;
 }

@@ -22,6 +22,11 @@ configure_build_test() {  # name, cmake args...
 if [ "$what" = all ] || [ "$what" = c ]; then
   # The M40 (sm_52 SASS + compute_52 PTX) and Hopper (sm_90) in one fat binary: needs CUDA 11.8.
   configure_build_test cuda -DCMAKE_CUDA_ARCHITECTURES="52-real;52-virtual;90-real"
+  # The tensor-core switch off: the library alone, sm_90 (where it would otherwise have them).
+  echo "== cuda-no-tensor-cores"
+  cmake -S "$root" -B "$root/build-notc" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+    -DCMAKE_CUDA_ARCHITECTURES=90-real -DM40LLM_TENSOR_CORES=OFF >/dev/null
+  cmake --build "$root/build-notc" -j "$jobs" --target m40llm
   configure_build_test cpu -DM40LLM_ENABLE_CUDA=OFF
   configure_build_test asan -DM40LLM_ENABLE_CUDA=OFF -DM40LLM_SANITIZE=ON -DCMAKE_BUILD_TYPE=Debug
 fi

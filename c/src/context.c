@@ -1,19 +1,22 @@
 #include <stdlib.h>
-#include <string.h>
 
 #include "internal.h"
 
-int m40llm_built_with_cuda(void) {
+/* The CUDA backend's table, or NULL in a build without it. */
+static const m40llm_backend_ops *cuda_backend(void) {
 #ifdef M40LLM_HAVE_CUDA
-  return 1;
+  return &m40llm_cuda_backend;
 #else
-  return 0;
+  return NULL;
 #endif
 }
 
+int m40llm_built_with_cuda(void) { return cuda_backend() != NULL; }
+
 int m40llm_cuda_device_count(int *out_count) {
   if (!out_count) return m40llm_fail(M40LLM_ERR_INVALID_ARGUMENT, "out_count is NULL");
-  return m40llm_cuda_count(out_count);
+  *out_count = 0;
+  return cuda_backend() ? cuda_backend()->device_count(out_count) : M40LLM_OK;
 }
 
 int m40llm_context_options_init(m40llm_context_options *opts, unsigned version) {
@@ -48,7 +51,7 @@ int m40llm_context_create(m40llm_context **out, const m40llm_context_options *op
   int backend = o.backend;
   if (backend != M40LLM_BACKEND_CPU) {
     int count = 0;
-    int rc = m40llm_cuda_count(&count);
+    int rc = m40llm_cuda_device_count(&count);
     if (rc != M40LLM_OK) return rc;
     if (backend == M40LLM_BACKEND_AUTO) {
       backend = count > 0 ? M40LLM_BACKEND_CUDA : M40LLM_BACKEND_CPU;
@@ -70,12 +73,11 @@ int m40llm_context_create(m40llm_context **out, const m40llm_context_options *op
   if (!ctx) return m40llm_fail(M40LLM_ERR_OUT_OF_MEMORY, "allocating the context");
   ctx->backend = backend;
   ctx->device = backend == M40LLM_BACKEND_CUDA ? o.device : -1;
-  if (backend == M40LLM_BACKEND_CUDA) {
-    int rc = m40llm_cuda_init(ctx, o.device, o.cuda_stream);
-    if (rc != M40LLM_OK) {
-      free(ctx);
-      return rc;
-    }
+  ctx->ops = backend == M40LLM_BACKEND_CUDA ? cuda_backend() : &m40llm_cpu_backend;
+  int rc = ctx->ops->init(ctx, ctx->device, o.cuda_stream);
+  if (rc != M40LLM_OK) {
+    free(ctx);
+    return rc;
   }
   *out = ctx;
   return M40LLM_OK;
@@ -83,17 +85,17 @@ int m40llm_context_create(m40llm_context **out, const m40llm_context_options *op
 
 void m40llm_context_destroy(m40llm_context *ctx) {
   if (!ctx) return;
-  if (ctx->backend == M40LLM_BACKEND_CUDA) m40llm_cuda_fini(ctx);
+  ctx->ops->fini(ctx);
   free(ctx);
 }
 
 int m40llm_context_synchronize(m40llm_context *ctx) {
   if (!ctx) return m40llm_fail(M40LLM_ERR_INVALID_ARGUMENT, "ctx is NULL");
-  return ctx->backend == M40LLM_BACKEND_CUDA ? m40llm_cuda_synchronize(ctx) : M40LLM_OK;
+  return ctx->ops->synchronize(ctx);
 }
 
 void *m40llm_context_cuda_stream(const m40llm_context *ctx) {
-  return ctx && ctx->backend == M40LLM_BACKEND_CUDA ? m40llm_cuda_stream(ctx) : NULL;
+  return ctx ? ctx->ops->stream(ctx) : NULL;
 }
 
 int m40llm_context_device_info(m40llm_device_info *out, const m40llm_context *ctx) {
@@ -104,34 +106,20 @@ int m40llm_context_device_info(m40llm_device_info *out, const m40llm_context *ct
                        "out->version %u is not supported (expected %u; use "
                        "M40LLM_DEVICE_INFO_INIT)",
                        out->version, M40LLM_DEVICE_INFO_VERSION);
-  if (ctx->backend == M40LLM_BACKEND_CUDA) return m40llm_cuda_device_info(out, ctx);
-  m40llm_device_info info = M40LLM_DEVICE_INFO_INIT;
-  info.backend = M40LLM_BACKEND_CPU;
-  info.device = -1;
-  strcpy(info.name, "CPU");
-  *out = info;
-  return M40LLM_OK;
+  return ctx->ops->device_info(out, ctx);
 }
 
 int m40llm_malloc(void **out_ptr, m40llm_context *ctx, size_t bytes) {
   if (!out_ptr) return m40llm_fail(M40LLM_ERR_INVALID_ARGUMENT, "out_ptr is NULL");
   if (!ctx) return m40llm_fail(M40LLM_ERR_INVALID_ARGUMENT, "ctx is NULL");
   if (bytes == 0) return m40llm_fail(M40LLM_ERR_INVALID_ARGUMENT, "bytes is 0");
-  if (ctx->backend == M40LLM_BACKEND_CUDA) return m40llm_cuda_malloc(out_ptr, ctx, bytes);
-  if (bytes > SIZE_MAX - 255)
-    return m40llm_fail(M40LLM_ERR_OUT_OF_MEMORY, "cannot allocate %zu bytes", bytes);
-  void *p = aligned_alloc(256, (bytes + 255) & ~(size_t)255);
-  if (!p) return m40llm_fail(M40LLM_ERR_OUT_OF_MEMORY, "cannot allocate %zu bytes", bytes);
-  *out_ptr = p;
-  return M40LLM_OK;
+  return ctx->ops->malloc(out_ptr, ctx, bytes);
 }
 
 int m40llm_free(m40llm_context *ctx, void *ptr) {
   if (!ptr) return M40LLM_OK;
   if (!ctx) return m40llm_fail(M40LLM_ERR_INVALID_ARGUMENT, "ctx is NULL");
-  if (ctx->backend == M40LLM_BACKEND_CUDA) return m40llm_cuda_free(ctx, ptr);
-  free(ptr);
-  return M40LLM_OK;
+  return ctx->ops->free(ctx, ptr);
 }
 
 static int copy_args(m40llm_context *ctx, void *dst, const void *src, size_t bytes) {
@@ -144,9 +132,7 @@ static int copy_args(m40llm_context *ctx, void *dst, const void *src, size_t byt
 static int copy(m40llm_context *ctx, void *dst, const void *src, size_t bytes, int kind) {
   int rc = copy_args(ctx, dst, src, bytes);
   if (rc != M40LLM_OK || bytes == 0) return rc;
-  if (ctx->backend == M40LLM_BACKEND_CUDA) return m40llm_cuda_memcpy(ctx, dst, src, bytes, kind);
-  memmove(dst, src, bytes);
-  return M40LLM_OK;
+  return ctx->ops->memcpy(ctx, dst, src, bytes, kind);
 }
 
 int m40llm_memcpy_to_device(m40llm_context *ctx, void *dst, const void *src_host, size_t bytes) {
@@ -165,7 +151,5 @@ int m40llm_memset(m40llm_context *ctx, void *dst, int value, size_t bytes) {
   if (!ctx) return m40llm_fail(M40LLM_ERR_INVALID_ARGUMENT, "ctx is NULL");
   if (bytes && !dst) return m40llm_fail(M40LLM_ERR_INVALID_ARGUMENT, "dst is NULL");
   if (bytes == 0) return M40LLM_OK;
-  if (ctx->backend == M40LLM_BACKEND_CUDA) return m40llm_cuda_memset(ctx, dst, value, bytes);
-  memset(dst, value, bytes);
-  return M40LLM_OK;
+  return ctx->ops->memset(ctx, dst, value, bytes);
 }

@@ -2,7 +2,6 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-#include "attention_plan.h"
 #include "internal.h"
 
 #define FAIL(code, ...) m40llm_fail(M40LLM_ERR_##code, __VA_ARGS__)
@@ -17,8 +16,9 @@ int m40llm_kvcache_options_init(m40llm_kvcache_options *opts, unsigned version) 
   return M40LLM_OK;
 }
 
-/* Validates opts and computes the bytes of K plus V, checking for overflow. */
-static int check_options(const m40llm_kvcache_options *o, size_t *out_bytes) {
+/* Validates opts and computes the layout of K and of V, and their bytes together. */
+static int check_options(const m40llm_kvcache_options *o, m40llm_kv_layout *out_layout,
+                         size_t *out_bytes) {
   if (!o) return FAIL(INVALID_ARGUMENT, "opts is NULL");
   if (o->version != M40LLM_KVCACHE_OPTIONS_VERSION)
     return FAIL(INVALID_ARGUMENT,
@@ -36,32 +36,43 @@ static int check_options(const m40llm_kvcache_options *o, size_t *out_bytes) {
   if (o->max_seqs < 1) return FAIL(INVALID_ARGUMENT, "opts->max_seqs is %d, must be >= 1", o->max_seqs);
   if (o->max_seq_len < 1)
     return FAIL(INVALID_ARGUMENT, "opts->max_seq_len is %d, must be >= 1", o->max_seq_len);
-  if (o->format != M40LLM_KV_F16)
+  if (!m40llm_kv_format_find(o->format))
     return FAIL(UNSUPPORTED, "opts->format %d is not supported (only M40LLM_KV_F16)", o->format);
-  const size_t dims[] = {(size_t)o->n_layers, (size_t)o->max_seqs, (size_t)o->n_kv_heads,
-                         (size_t)o->max_seq_len, (size_t)o->head_dim, 2 /* bytes */, 2 /* K, V */};
-  size_t bytes = 1;
-  for (size_t i = 0; i < sizeof dims / sizeof dims[0]; i++) {
-    if (bytes > SIZE_MAX / dims[i]) return FAIL(OUT_OF_MEMORY, "cache size overflows size_t");
-    bytes *= dims[i];
-  }
-  *out_bytes = bytes;
+  size_t bytes = 0;
+  int rc = m40llm_kv_layout_init(out_layout, &bytes, o, o->format);
+  if (rc != M40LLM_OK) return rc;
+  if (bytes > SIZE_MAX / 2) return FAIL(OUT_OF_MEMORY, "cache size overflows size_t");
+  *out_bytes = 2 * bytes; /* K and V */
   return M40LLM_OK;
 }
 
 int m40llm_kvcache_bytes_needed(size_t *out_bytes, const m40llm_kvcache_options *opts) {
   if (!out_bytes) return FAIL(INVALID_ARGUMENT, "out_bytes is NULL");
   size_t bytes = 0;
-  int rc = check_options(opts, &bytes);
+  m40llm_kv_layout layout;
+  int rc = check_options(opts, &layout, &bytes);
   if (rc == M40LLM_OK) *out_bytes = bytes;
   return rc;
 }
 
 static void release(m40llm_kvcache *c) {
-  m40llm_free(c->ctx, c->k);
-  m40llm_free(c->ctx, c->v);
+  for (int p = 0; p < M40LLM_KV_PLANES; p++) {
+    m40llm_free(c->ctx, c->k.plane[p]);
+    m40llm_free(c->ctx, c->v.plane[p]);
+  }
   free(c->lens);
   free(c);
+}
+
+/* The planes of one tensor, each its own allocation (aligned for the widest loads). */
+static int alloc_tensor(m40llm_kv_tensor *t, m40llm_context *ctx, const m40llm_kv_layout *l) {
+  t->layout = *l;
+  for (int p = 0; p < M40LLM_KV_PLANES; p++) {
+    if (l->row_bytes[p] == 0) continue;
+    const int rc = m40llm_malloc((void **)&t->plane[p], ctx, l->rows * l->row_bytes[p]);
+    if (rc != M40LLM_OK) return rc;
+  }
+  return M40LLM_OK;
 }
 
 int m40llm_kvcache_create(m40llm_kvcache **out, m40llm_context *ctx,
@@ -69,11 +80,9 @@ int m40llm_kvcache_create(m40llm_kvcache **out, m40llm_context *ctx,
   if (!out) return FAIL(INVALID_ARGUMENT, "out is NULL");
   if (!ctx) return FAIL(INVALID_ARGUMENT, "ctx is NULL");
   size_t bytes = 0;
-  int rc = check_options(opts, &bytes);
-  if (rc != M40LLM_OK) return rc;
-  if (ctx->backend == M40LLM_BACKEND_CUDA && opts->head_dim % 8 != 0)
-    return FAIL(UNSUPPORTED, "opts->head_dim %d: the CUDA backend needs a multiple of 8",
-                opts->head_dim);
+  m40llm_kv_layout layout;
+  int rc = check_options(opts, &layout, &bytes);
+  if (rc != M40LLM_OK || (rc = ctx->ops->check_cache(opts)) != M40LLM_OK) return rc;
   m40llm_kvcache *c = calloc(1, sizeof *c);
   if (!c) return FAIL(OUT_OF_MEMORY, "allocating the cache handle");
   c->ctx = ctx;
@@ -83,9 +92,9 @@ int m40llm_kvcache_create(m40llm_kvcache **out, m40llm_context *ctx,
     free(c);
     return FAIL(OUT_OF_MEMORY, "allocating sequence lengths");
   }
-  if ((rc = m40llm_malloc((void **)&c->k, ctx, bytes / 2)) != M40LLM_OK ||
-      (rc = m40llm_malloc((void **)&c->v, ctx, bytes / 2)) != M40LLM_OK ||
-      (ctx->backend == M40LLM_BACKEND_CUDA && (rc = m40llm_cuda_reserve_for(c)) != M40LLM_OK)) {
+  if ((rc = alloc_tensor(&c->k, ctx, &layout)) != M40LLM_OK ||
+      (rc = alloc_tensor(&c->v, ctx, &layout)) != M40LLM_OK ||
+      (rc = ctx->ops->cache_created(c)) != M40LLM_OK) {
     release(c);
     return rc;
   }
@@ -154,11 +163,7 @@ int m40llm_kvcache_seq_fork(m40llm_kvcache *cache, int dst_seq, int src_seq) {
       (rc = check_seq(cache, "src_seq", src_seq)) != M40LLM_OK)
     return rc;
   if (dst_seq == src_seq) return FAIL(INVALID_ARGUMENT, "dst_seq and src_seq are both %d", dst_seq);
-  if (cache->ctx->backend == M40LLM_BACKEND_CUDA) {
-    if ((rc = m40llm_cuda_fork(cache, dst_seq, src_seq)) != M40LLM_OK) return rc;
-  } else {
-    m40llm_cpu_fork(cache, dst_seq, src_seq);
-  }
+  if ((rc = cache->ctx->ops->fork(cache, dst_seq, src_seq)) != M40LLM_OK) return rc;
   for (int l = 0; l < cache->opts.n_layers; l++)
     *m40llm_len_slot(cache, l, dst_seq) = *m40llm_len_slot(cache, l, src_seq);
   return M40LLM_OK;
@@ -176,9 +181,7 @@ static int append(m40llm_kvcache *c, int layer, int seq, const void *k, const vo
   if ((long long)*len + n_tokens > c->opts.max_seq_len)
     return FAIL(CAPACITY, "appending %d token(s) to layer %d seq %d (length %d) passes max_seq_len %d",
                 n_tokens, layer, seq, *len, c->opts.max_seq_len);
-  rc = c->ctx->backend == M40LLM_BACKEND_CUDA
-           ? m40llm_cuda_append(c, layer, seq, *len, k, v, n_tokens, src_is_f32)
-           : m40llm_cpu_append(c, layer, seq, *len, k, v, n_tokens, src_is_f32);
+  rc = c->ctx->ops->append(c, layer, seq, *len, k, v, n_tokens, src_is_f32);
   if (rc == M40LLM_OK) *len += n_tokens;
   return rc;
 }
@@ -204,10 +207,7 @@ int m40llm_kvcache_read_f16(uint16_t *k_out, uint16_t *v_out, const m40llm_kvcac
   if (pos < 0 || (long long)pos + n_tokens > len)
     return FAIL(OUT_OF_RANGE, "positions %d..%lld are outside layer %d seq %d (length %d)", pos,
                 (long long)pos + n_tokens - 1, layer, seq, len);
-  if (cache->ctx->backend == M40LLM_BACKEND_CUDA)
-    return m40llm_cuda_read(cache, k_out, v_out, layer, seq, pos, n_tokens);
-  m40llm_cpu_read(cache, k_out, v_out, layer, seq, pos, n_tokens);
-  return M40LLM_OK;
+  return cache->ctx->ops->read_f16(cache, k_out, v_out, layer, seq, pos, n_tokens);
 }
 
 static int check_attention(const m40llm_kvcache *c, int layer, const float *q, const float *out,
@@ -237,22 +237,7 @@ int m40llm_kvcache_attn_batch_f32q(float *out, m40llm_kvcache *cache, int layer,
     if (seq_ids[i] < 0 || seq_ids[i] >= cache->opts.max_seqs)
       return FAIL(OUT_OF_RANGE, "seq_ids[%d] = %d is outside 0..%d", i, (int)seq_ids[i],
                   cache->opts.max_seqs - 1);
-  if (cache->ctx->backend != M40LLM_BACKEND_CUDA) {
-    m40llm_cpu_attention(cache, layer, seq_ids, n_seqs, q, out, scale);
-    return M40LLM_OK;
-  }
-  /* Sequence ids and lengths travel as kernel arguments, so batches go in launches of up to
-   * M40LLM_PLAN_MAX_ITEMS sequences. */
-  const size_t row = (size_t)cache->opts.n_heads * (size_t)cache->opts.head_dim;
-  for (int first = 0; first < n_seqs; first += M40LLM_PLAN_MAX_ITEMS) {
-    const int n = n_seqs - first < M40LLM_PLAN_MAX_ITEMS ? n_seqs - first : M40LLM_PLAN_MAX_ITEMS;
-    int32_t lens[M40LLM_PLAN_MAX_ITEMS];
-    for (int i = 0; i < n; i++) lens[i] = *m40llm_len_slot(cache, layer, seq_ids[first + i]);
-    rc = m40llm_cuda_attention(cache, layer, seq_ids + first, lens, n, q + (size_t)first * row,
-                               out + (size_t)first * row, scale);
-    if (rc != M40LLM_OK) return rc;
-  }
-  return M40LLM_OK;
+  return cache->ctx->ops->attention(cache, layer, seq_ids, n_seqs, q, out, scale);
 }
 
 int m40llm_kvcache_attn_last_token_f32q(float *out, m40llm_kvcache *cache, int layer, int seq,

@@ -1,0 +1,59 @@
+/* The operations a backend provides. The front end (context.c, kvcache.c) checks every argument
+ * and then calls the context's table: the CPU backend (cpu_backend.c) or the CUDA backend
+ * (cuda/backend.cu). A backend may assume its arguments are valid, lengths and capacity
+ * included; the limits that are its own (e.g. the CUDA kernels' head_dim rule) it checks in
+ * check_cache. */
+#ifndef M40LLM_BACKEND_H
+#define M40LLM_BACKEND_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "m40llm.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+enum { M40LLM_COPY_H2D, M40LLM_COPY_D2H, M40LLM_COPY_D2D };
+
+typedef struct m40llm_backend_ops {
+  int kind; /* m40llm_backend */
+  /* Devices this backend can open (0: none, which is not an error). */
+  int (*device_count)(int *out_count);
+  /* Sets ctx->state; user_stream is the caller's stream or NULL. */
+  int (*init)(m40llm_context *ctx, int device, void *user_stream);
+  void (*fini)(m40llm_context *ctx);
+  int (*synchronize)(m40llm_context *ctx);
+  void *(*stream)(const m40llm_context *ctx);
+  int (*device_info)(m40llm_device_info *out, const m40llm_context *ctx);
+  int (*malloc)(void **out, m40llm_context *ctx, size_t bytes);
+  int (*free)(m40llm_context *ctx, void *ptr);
+  int (*memcpy)(m40llm_context *ctx, void *dst, const void *src, size_t bytes, int kind);
+  int (*memset)(m40llm_context *ctx, void *dst, int value, size_t bytes);
+  /* Options this backend cannot serve: M40LLM_ERR_UNSUPPORTED with a message. */
+  int (*check_cache)(const m40llm_kvcache_options *opts);
+  /* A new cache's planes are allocated: reserve what its calls need so they never allocate. */
+  int (*cache_created)(m40llm_kvcache *c);
+  /* Writes positions [pos, pos + n_tokens) of (layer, seq) from [n_tokens][n_kv_heads][dim]
+   * FP32 (src_is_f32) or FP16 rows. */
+  int (*append)(const m40llm_kvcache *c, int layer, int seq, int pos, const void *k,
+                const void *v, int n_tokens, int src_is_f32);
+  int (*read_f16)(const m40llm_kvcache *c, uint16_t *k_out, uint16_t *v_out, int layer,
+                  int seq, int pos, int n_tokens);
+  /* Copies src_seq's stored positions of every layer to dst_seq (lengths are the caller's). */
+  int (*fork)(const m40llm_kvcache *c, int dst_seq, int src_seq);
+  /* Decode attention of n_seqs query rows; each seq_ids[i] is valid, scale final. */
+  int (*attention)(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, int n_seqs,
+                   const float *q, float *out, float scale);
+} m40llm_backend_ops;
+
+extern const m40llm_backend_ops m40llm_cpu_backend;
+/* Defined only in builds with the CUDA backend (M40LLM_HAVE_CUDA). */
+extern const m40llm_backend_ops m40llm_cuda_backend;
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

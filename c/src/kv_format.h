@@ -1,0 +1,69 @@
+/* KV storage formats on the host: what a stored element costs, how one row (the head_dim
+ * elements of one layer, sequence, K/V head and position) is laid out, and the CPU reference
+ * routines that encode and decode a row. Every backend and the front end size, address and
+ * check K/V through this file; the CUDA kernels' counterpart is cuda/kv_format.cuh. */
+#ifndef M40LLM_KV_FORMAT_H
+#define M40LLM_KV_FORMAT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "m40llm.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* A tensor (K or V) is stored as planes of rows in the same row order: the element codes, and
+ * for formats with per-group parameters (scales, minimums) those parameters. */
+enum { M40LLM_KV_CODES, M40LLM_KV_PARAMS, M40LLM_KV_PLANES };
+
+typedef struct m40llm_kv_format_desc {
+  int format;       /* m40llm_kv_format */
+  const char *name;
+  int bits;         /* per element in the codes plane */
+  int group;        /* elements sharing one parameter set; 0: the format has none */
+  int param_bytes;  /* parameter bytes per group */
+  /* CPU reference for one row of n elements (n = head_dim): */
+  void (*encode_f32)(void *codes, void *params, const float *src, int n);
+  void (*encode_f16)(void *codes, void *params, const uint16_t *src, int n);
+  void (*decode)(float *dst, const void *codes, const void *params, int n);
+  void (*read_f16)(uint16_t *dst, const void *codes, const void *params, int n);
+} m40llm_kv_format_desc;
+
+/* The description of format, or NULL if this library has none. */
+const m40llm_kv_format_desc *m40llm_kv_format_find(int format);
+
+typedef struct m40llm_kv_layout {
+  const m40llm_kv_format_desc *fmt;
+  size_t row_bytes[M40LLM_KV_PLANES]; /* 0: the format has no such plane */
+  size_t rows;                        /* n_layers x max_seqs x n_kv_heads x max_seq_len */
+} m40llm_kv_layout;
+
+/* The layout of one tensor in format for a cache with options o (already range-checked), and
+ * its bytes over all planes; M40LLM_ERR_OUT_OF_MEMORY if they overflow size_t. */
+int m40llm_kv_layout_init(m40llm_kv_layout *out, size_t *out_bytes,
+                          const m40llm_kvcache_options *o, int format);
+
+/* Row index of (layer, seq, kv_head, pos): [layer][seq][kv_head][pos]. */
+static inline size_t m40llm_kv_row(const m40llm_kvcache_options *o, int layer, int seq,
+                                   int kv_head, int pos) {
+  return (((size_t)layer * (size_t)o->max_seqs + (size_t)seq) * (size_t)o->n_kv_heads +
+          (size_t)kv_head) * (size_t)o->max_seq_len + (size_t)pos;
+}
+
+/* One tensor of a cache: its layout and its planes in backend memory. */
+typedef struct m40llm_kv_tensor {
+  m40llm_kv_layout layout;
+  unsigned char *plane[M40LLM_KV_PLANES];
+} m40llm_kv_tensor;
+
+static inline unsigned char *m40llm_kv_at(const m40llm_kv_tensor *t, int plane, size_t row) {
+  return t->plane[plane] ? t->plane[plane] + row * t->layout.row_bytes[plane] : NULL;
+}
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

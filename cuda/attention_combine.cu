@@ -1,0 +1,160 @@
+// The combine kernels: merge the (max, sum, unnormalised output) partials that the split
+// kernels of every family write for a sequence with several splits, with the online-softmax
+// rule, into the normalised output. Items with a single split were finished by the split
+// kernel and are skipped.
+#include <math.h>
+
+#include "attention.cuh"
+
+namespace {
+
+// Partials entry p's (max, sum) and this lane's float4 words lane + 32 k of its output (words
+// past head_dim / 4 are left unset: their lanes write nothing). A split past its item's end
+// (real false) reads as (-inf, 0): its merge weight is 0.
+template <int K>
+__device__ __forceinline__ void load_partial(const AttnArgs &a, bool real, size_t p, int lane,
+                                             float &m, float &l, float4 (&v)[K]) {
+  m = -INFINITY;
+  l = 0.0f;
+  if (!real) return;
+  m = a.part_m[p];
+  l = a.part_l[p];
+  const int d4 = a.head_dim / 4;
+  const float4 *po = reinterpret_cast<const float4 *>(a.part_o) + p * d4;
+#pragma unroll
+  for (int k = 0; k < K; k++)
+    if (lane + 32 * k < d4) v[k] = po[lane + 32 * k];
+}
+
+// Plans of more than kCombineFewSplits splits, or head_dim above kCombineFewMaxDim: one block
+// per (item, query head). Each warp merges every 8th split, lanes covering the head's dims 4 at
+// a time, kCombineBatch splits at a time: their loads go out together (written as one loop, the
+// compiler reused one split's registers for the next, a memory round trip per split). The
+// warps' states and outputs then merge in shared memory.
+constexpr int kCombineWarps = kCombineThreads / 32;
+
+__global__ void __launch_bounds__(kCombineThreads, kCombineMinBlocksPerSm)
+    attn_combine_kernel(const AttnArgs a, const m40llm_attn_plan plan) {
+  __shared__ SoftmaxState s_state[kCombineWarps];
+  __shared__ float4 s_acc[kCombineWarps][64];  // head_dim <= 256 = 64 float4
+  const int item = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
+  const int warp = tid >> 5, lane = tid & 31;
+  const int first = plan.split_begin[item];
+  const int n = plan.split_begin[item + 1] - first;
+  wait_for_prerequisite_grid();
+  allow_dependent_launch();
+  if (n == 1) return;
+
+  const int D4 = a.head_dim / 4;
+  SoftmaxState st = SoftmaxState::empty();
+  float4 acc[2] = {make_float4(0.f, 0.f, 0.f, 0.f), make_float4(0.f, 0.f, 0.f, 0.f)};
+  for (int s0 = warp; s0 < n; s0 += kCombineWarps * kCombineBatch) {
+    float ms[kCombineBatch], ls[kCombineBatch];
+    float4 v[kCombineBatch][2];
+    float batch_max = -INFINITY;
+#pragma unroll
+    for (int b = 0; b < kCombineBatch; b++) {
+      const int s = s0 + b * kCombineWarps;
+      load_partial(a, s < n, (size_t)(first + s) * a.n_heads + h, lane, ms[b], ls[b], v[b]);
+      batch_max = fmaxf(batch_max, ms[b]);
+    }
+    const float alpha = st.raise(batch_max);
+#pragma unroll
+    for (int k = 0; k < 2; k++) {
+      acc[k].x *= alpha;
+      acc[k].y *= alpha;
+      acc[k].z *= alpha;
+      acc[k].w *= alpha;
+    }
+#pragma unroll
+    for (int b = 0; b < kCombineBatch; b++) {
+      if (s0 + b * kCombineWarps < n) {
+        const float w = st.add_partial(ms[b], ls[b]);
+#pragma unroll
+        for (int k = 0; k < 2; k++)
+          if (lane + 32 * k < D4) fma4(w, v[b][k], acc[k]);
+      }
+    }
+  }
+  if (lane == 0) s_state[warp] = st;
+#pragma unroll
+  for (int k = 0; k < 2; k++)
+    if (lane + 32 * k < D4) s_acc[warp][lane + 32 * k] = acc[k];
+  __syncthreads();
+
+  // A warp without splits has max -inf and weight 0.
+  float wt[kCombineWarps];
+  float mx = -INFINITY;
+#pragma unroll
+  for (int w = 0; w < kCombineWarps; w++) mx = fmaxf(mx, s_state[w].m);
+  SoftmaxState all = SoftmaxState::empty();
+  all.raise(mx);
+#pragma unroll
+  for (int w = 0; w < kCombineWarps; w++) wt[w] = all.add_partial(s_state[w].m, s_state[w].l);
+  const float inv_l = all.inv_sum();
+  for (int d4 = tid; d4 < D4; d4 += kCombineThreads) {
+    float4 t = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int w = 0; w < kCombineWarps; w++) fma4(wt[w], s_acc[w][d4], t);
+    store4(a.out + ((size_t)item * a.n_heads + h) * a.head_dim + d4 * 4,
+           make_float4(t.x * inv_l, t.y * inv_l, t.z * inv_l, t.w * inv_l));
+  }
+}
+
+// Plans of at most kCombineFewSplits splits per item at head_dim <= kCombineFewMaxDim: one warp
+// per (item, query head), lane d4 taking dims 4 d4 .. 4 d4 + 3, loads every split's partials at
+// once and merges them in registers: one memory round trip and no barrier, and
+// kCombineFewHeads heads per block, so a batch's merge fits in one wave. 64 registers: 50%
+// occupancy on sm_52.
+__global__ void __launch_bounds__(32 * kCombineFewHeads, 8)
+    attn_combine_few_kernel(const AttnArgs a, const m40llm_attn_plan plan) {
+  const int item = blockIdx.x, lane = threadIdx.x & 31;
+  const int h = blockIdx.y * kCombineFewHeads + (threadIdx.x >> 5);
+  const int first = plan.split_begin[item];
+  const int n = plan.split_begin[item + 1] - first;
+  wait_for_prerequisite_grid();
+  allow_dependent_launch();
+  if (n == 1 || h >= a.n_heads) return;
+
+  constexpr int N = kCombineFewSplits > 0 ? kCombineFewSplits : 1;
+  const bool active = lane < a.head_dim / 4;
+  float ms[N], ls[N];
+  float4 v[N][1];
+  float m = -INFINITY;
+#pragma unroll
+  for (int s = 0; s < N; s++) {
+    load_partial(a, s < n, (size_t)(first + s) * a.n_heads + h, lane, ms[s], ls[s], v[s]);
+    m = fmaxf(m, ms[s]);
+  }
+  SoftmaxState st = SoftmaxState::empty();
+  st.raise(m);
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+  for (int s = 0; s < N; s++)
+    if (s < n) fma4(st.add_partial(ms[s], ls[s]), v[s][0], acc);
+  if (!active) return;
+  const float inv_l = st.inv_sum();
+  store4(a.out + ((size_t)item * a.n_heads + h) * a.head_dim + 4 * lane,
+         make_float4(acc.x * inv_l, acc.y * inv_l, acc.z * inv_l, acc.w * inv_l));
+}
+
+}  // namespace
+
+int combine_prepare(m40llm_cuda_state *st, bool *dependent) {
+  // One file is built for one architecture list: either kernel's image answers for both.
+  return kernel_waits(st, reinterpret_cast<const void *>(attn_combine_kernel),
+                      &st->combine_dependent, dependent);
+}
+
+int combine_launch(m40llm_cuda_state *st, const AttnArgs &a, const m40llm_attn_plan &plan,
+                   bool dependent) {
+  const unsigned items = (unsigned)plan.n_items;
+  if (plan.max_splits <= kCombineFewSplits && a.head_dim <= kCombineFewMaxDim) {
+    const dim3 grid(items, (unsigned)((a.n_heads + kCombineFewHeads - 1) / kCombineFewHeads));
+    return launch_attention_kernel(st, "launching attn_combine_few_kernel", attn_combine_few_kernel,
+                                   grid, 32 * kCombineFewHeads, 0, dependent, a, plan);
+  }
+  return launch_attention_kernel(st, "launching attn_combine_kernel", attn_combine_kernel,
+                                 dim3(items, (unsigned)a.n_heads), kCombineThreads, 0, dependent,
+                                 a, plan);
+}

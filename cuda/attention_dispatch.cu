@@ -1,0 +1,141 @@
+// Decode attention from the host: picks a kernel family and its pass for the cache, plans the
+// splits, and launches the split kernel and, where a sequence has several splits, the combine.
+// The families size their own launches (attention_fp32.cu, attention_mma.cu,
+// attention_combine.cu); the workspace for the partials is the context's (backend.cu).
+#include "attention.cuh"
+#include "backend_cuda.h"
+
+namespace {
+
+Grouping grouping_for(const m40llm_kvcache_options *o) {
+  Grouping g;
+  g.group = o->n_heads / o->n_kv_heads;
+  g.gt = 1;
+  while (g.gt < g.group && g.gt < kMaxGroupTile) g.gt <<= 1;
+  g.head_tiles = (g.group + g.gt - 1) / g.gt;
+  g.units = o->n_kv_heads * g.head_tiles;
+  return g;
+}
+
+// The split passes for a cache: the tensor-core family where this build and GPU have it (MHA
+// too: it issues fewer instructions per K/V byte even with one query head), else the FP32 one
+// for all three.
+template <typename KV>
+int split_passes_for(m40llm_cuda_state *st, const m40llm_kvcache_options *o, const Grouping &g,
+                     SplitPasses *p) {
+  if (kTensorCores) {
+    const int rc = mma_split_passes<KV>(st, o->head_dim, p);
+    if (rc != M40LLM_OK || p->pass.kernel) return rc;
+  }
+  const int rc = fp32_split_pass<KV>(st, o->head_dim, g, &p->pass);
+  p->direct = p->fine = p->pass;
+  return rc;
+}
+
+size_t partial_bytes(int splits, int n_heads, int head_dim) {
+  return (size_t)splits * n_heads * ((size_t)head_dim + 2) * sizeof(float);
+}
+
+// One launch's worth of sequences (at most M40LLM_PLAN_MAX_ITEMS: the plan is a kernel argument).
+template <typename KV>
+int attend(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, const int32_t *lens,
+           int n_seqs, const float *q, float *out, float scale) {
+  m40llm_cuda_state *st = cuda_state(c->ctx);
+  const m40llm_kvcache_options *o = &c->opts;
+  const Grouping g = grouping_for(o);
+
+  // Everything asked of the runtime is asked before the first launch, so a failed query never
+  // follows a queued kernel.
+  SplitPasses passes;
+  bool combine_dependent = false;
+  int rc = split_passes_for<KV>(st, o, g, &passes);
+  if (rc != M40LLM_OK || (rc = combine_prepare(st, &combine_dependent)) != M40LLM_OK) return rc;
+  SplitPass pass = passes.pass;
+  m40llm_attn_plan plan;
+  const auto build = [&] {
+    const int min_chunk = kSplitRowsPerHead * g.gt > pass.tile ? kSplitRowsPerHead * g.gt : pass.tile;
+    m40llm_attn_plan_build(&plan, seq_ids, lens, n_seqs, g.units, pass.target, st->sm_count,
+                           min_chunk, pass.tile);
+  };
+  build();
+  if (pass.stages > 0 && plan.chunk < kMmaStagedMinSteps * pass.tile) {
+    pass = passes.direct;  // as many blocks as it fits: its splits are no longer
+    build();
+  }
+  if (pass.stages == 0 && passes.fine.threads < pass.threads && plan.chunk <= kMmaFineMaxChunk &&
+      (int64_t)plan.total_splits * g.units > pass.target) {
+    pass = passes.fine;
+    build();
+  }
+
+  AttnArgs a;
+  const size_t layer_row = m40llm_kv_row(o, layer, 0, 0, 0);
+  a.k = kv_planes_at(c->k, layer_row);
+  a.v = kv_planes_at(c->v, layer_row);
+  a.q = q;
+  a.out = out;
+  a.part_o = a.part_m = a.part_l = nullptr;
+  if (plan.max_splits > 1) {
+    void *ws = nullptr;
+    rc = m40llm_cuda_workspace(st, partial_bytes(plan.total_splits, o->n_heads, o->head_dim), &ws);
+    if (rc != M40LLM_OK) return rc;
+    const size_t n_part = (size_t)plan.total_splits * o->n_heads;
+    a.part_o = static_cast<float *>(ws);
+    a.part_m = a.part_o + n_part * o->head_dim;
+    a.part_l = a.part_m + n_part;
+  }
+  a.seq_stride = (size_t)o->n_kv_heads * o->max_seq_len * o->head_dim;
+  a.head_stride = (size_t)o->max_seq_len * o->head_dim;
+  a.n_heads = o->n_heads;
+  a.group = g.group;
+  a.head_tiles = g.head_tiles;
+  a.head_dim = o->head_dim;
+  a.q_scale = scale * kLog2e;
+  a.stages = pass.stages;
+
+  const dim3 grid((unsigned)plan.total_splits, (unsigned)g.units);
+  rc = launch_attention_kernel(st, "launching the attention split kernel", pass.kernel, grid,
+                               pass.threads, pass.smem, pass.dependent, a, plan);
+  if (rc != M40LLM_OK) return rc;
+  if (plan.max_splits > 1) return combine_launch(st, a, plan, combine_dependent);
+  return M40LLM_OK;
+}
+
+}  // namespace
+
+int m40llm_cuda_reserve_for(m40llm_kvcache *c) {
+  M40LLM_CUDA_ENTER(c->ctx);
+  const m40llm_kvcache_options *o = &c->opts;
+  const Grouping g = grouping_for(o);
+  return with_kv_format(o->format, [&](auto kv) -> int {
+    using KV = decltype(kv);
+    SplitPasses p;
+    const int rc = split_passes_for<KV>(cuda_state(c->ctx), o, g, &p);
+    if (rc != M40LLM_OK) return rc;
+    // The bound attention_plan.h promises, for any pass's plans.
+    int target = p.pass.target > p.direct.target ? p.pass.target : p.direct.target;
+    if (p.fine.target > target) target = p.fine.target;
+    const int max_splits = 3 * ((target + g.units - 1) / g.units) + 1;
+    void *ws = nullptr;
+    return m40llm_cuda_workspace(cuda_state(c->ctx),
+                                 partial_bytes(max_splits, o->n_heads, o->head_dim), &ws);
+  });
+}
+
+int m40llm_cuda_attention(const m40llm_kvcache *c, int layer, const int32_t *seq_ids,
+                                     int n_seqs, const float *q, float *out, float scale) {
+  M40LLM_CUDA_ENTER(c->ctx);
+  const size_t row = (size_t)c->opts.n_heads * (size_t)c->opts.head_dim;
+  return with_kv_format(c->opts.format, [&](auto kv) -> int {
+    using KV = decltype(kv);
+    for (int first = 0; first < n_seqs; first += M40LLM_PLAN_MAX_ITEMS) {
+      const int n = n_seqs - first < M40LLM_PLAN_MAX_ITEMS ? n_seqs - first : M40LLM_PLAN_MAX_ITEMS;
+      int32_t lens[M40LLM_PLAN_MAX_ITEMS];
+      for (int i = 0; i < n; i++) lens[i] = *m40llm_len_slot(c, layer, seq_ids[first + i]);
+      const int rc = attend<KV>(c, layer, seq_ids + first, lens, n, q + (size_t)first * row,
+                                out + (size_t)first * row, scale);
+      if (rc != M40LLM_OK) return rc;
+    }
+    return M40LLM_OK;
+  });
+}

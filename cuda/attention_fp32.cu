@@ -1,0 +1,297 @@
+// The FP32 split kernel: one FP32 query row per sequence against that sequence's K/V, FP32
+// arithmetic throughout (sm_52 has no fast half math), on every GPU; the M40's kernel.
+//
+// One block per (sequence, split of its positions, K/V head, tile of that head's query heads).
+// It walks its positions in tiles with an online softmax, so shared memory does not grow with
+// the context. Every K/V row is read once per block and serves all the block's query heads
+// (GQA). A sequence with one split writes its output directly; otherwise the block writes
+// (max, sum, unnormalised output) partials for the combine (attention_combine.cu).
+//
+// Scores live in the log2 domain (q is pre-multiplied by scale * log2(e)) so exp is exp2f.
+#include <math.h>
+
+#include "attention.cuh"
+
+namespace {
+
+// A row's softmax weights for all GT heads, in as few shared loads as alignment allows.
+template <int GT>
+__device__ __forceinline__ void load_weights(const float *p, float (&w)[GT]) {
+  if constexpr (GT % 4 == 0) {
+#pragma unroll
+    for (int g = 0; g < GT; g += 4) {
+      const float4 t = *reinterpret_cast<const float4 *>(p + g);
+      w[g] = t.x, w[g + 1] = t.y, w[g + 2] = t.z, w[g + 3] = t.w;
+    }
+  } else if constexpr (GT == 2) {
+    const float2 t = *reinterpret_cast<const float2 *>(p);
+    w[0] = t.x, w[1] = t.y;
+  } else {
+    w[0] = p[0];
+  }
+}
+
+// Shared memory of the split kernel, in floats: q [GT][D] and the weight tile [T][GT] while
+// looping, then the per-row-group output partials [row_groups][GT][D] for the final reduction.
+__host__ __device__ constexpr int pv_row_groups(int head_dim, int cols) {
+  return kAttnThreads / (head_dim / cols);
+}
+
+constexpr int split_smem_floats(int gt, int dmax, int head_dim) {
+  return gt * (dmax + tile_rows(gt, dmax)) > pv_row_groups(head_dim, pv_columns(gt)) * gt * head_dim
+             ? gt * (dmax + tile_rows(gt, dmax))
+             : pv_row_groups(head_dim, pv_columns(gt)) * gt * head_dim;
+}
+
+// GT: query heads per block (power of two <= kMaxGroupTile); heads past the group get a zero q
+// and are never written. DMAX: head_dim class (head_dim <= DMAX, a multiple of 8).
+template <typename KV, int GT, int DMAX>
+__global__ void __launch_bounds__(kAttnThreads, kAttnMinBlocksPerSm)
+    attn_fp32_kernel(const AttnArgs a, const m40llm_attn_plan plan) {
+  constexpr int T = tile_rows(GT, DMAX);      // positions per tile
+  constexpr int LPR = kAttnThreads / T;       // lanes per K row in the score pass (2..16)
+  constexpr int KC = DMAX / 8 / LPR;          // 16-byte K chunks per lane, at most
+  constexpr int COLS = pv_columns(GT);        // V columns per thread in the output pass
+  constexpr int VR = T * DMAX / (kAttnThreads * COLS);  // V rows per thread, at most
+  constexpr int NS = (T + 31) / 32;           // scores per lane in the softmax pass
+  constexpr int GH = heads_per_pass(GT);      // heads a score or output pass takes at once
+  using KRaw = typename KV::template Raw<8>;
+  using VRaw = typename KV::template Raw<COLS>;
+  static_assert(LPR >= 2 && LPR <= 32 && KC >= 1, "tile shape");
+
+  extern __shared__ float smem[];
+  __shared__ SoftmaxState s_state[GT];
+  __shared__ float s_alpha[GT];
+  const int D = a.head_dim;
+  // q, pre-scaled into the log2 domain, as [GT][2][DMAX / 8][4]: dims 0-3 of every 8-dim chunk,
+  // then dims 4-7, so the lanes of a K row read consecutive 16-byte words (no bank conflicts),
+  // at compile-time offsets.
+  float *sq = smem;
+  float *sp = smem + GT * DMAX;  // [T][GT]: a position's weights for every head together
+  const int tid = threadIdx.x;
+
+  const SplitBlock<KV> b = split_block<KV>(a, plan, GT);
+  wait_for_prerequisite_grid();
+  if (plan.max_splits > 1) allow_dependent_launch();  // the combine kernel: see below
+  const int p_begin = b.p_begin, p_end = b.p_end, nh = b.nh;
+
+  const float *q = a.q + ((size_t)b.item * a.n_heads + b.h0) * D;
+  for (int i = tid; i < GT * D; i += kAttnThreads) {
+    const int g = i / D, d = i % D;
+    sq[g * DMAX + (d & 4 ? DMAX / 2 : 0) + (d >> 3) * 4 + (d & 3)] = g < nh ? q[i] * a.q_scale : 0.0f;
+  }
+  if (tid < GT) s_state[tid] = SoftmaxState::empty();
+
+  // Score pass: LPR lanes per K row, each with up to KC 16-byte chunks of it.
+  const int k_row = tid / LPR, k_lane = tid % LPR;
+  const int chunks = D / 8;
+  // Output pass: COLS columns per thread; row groups stride over the tile's positions.
+  const int pv_tpr = D / COLS;
+  const int row_groups = kAttnThreads / pv_tpr;
+  const int rg = tid / pv_tpr;
+  const int col = (tid % pv_tpr) * COLS;
+  const bool pv_active = rg < row_groups;
+  float o[GT][COLS];
+#pragma unroll
+  for (int g = 0; g < GT; g++)
+#pragma unroll
+    for (int i = 0; i < COLS; i++) o[g][i] = 0.0f;
+
+  // Per-thread cursors, advanced a tile at a time: the loop body computes no 64-bit products.
+  const size_t tile_step = (size_t)T * D;
+  const int v_step = row_groups * D;
+  typename KV::Ptr kp = KV::add(b.k, (size_t)(p_begin + k_row) * D + k_lane * 8);
+  typename KV::Ptr vp = KV::add(b.v, (size_t)(p_begin + rg) * D + col);
+  const float *qp = sq + k_lane * 4;
+
+  for (int t0 = p_begin; t0 < p_end;
+       t0 += T, kp = KV::add(kp, tile_step), vp = KV::add(vp, tile_step)) {
+    const int rows = min(T, p_end - t0);
+    // Every load of the tile goes out before anything waits on one: one memory latency per
+    // tile instead of one per row batch.
+    KRaw kraw[KC];
+#pragma unroll
+    for (int j = 0; j < KC; j++)
+      if (k_row < rows && k_lane + j * LPR < chunks) kraw[j] = KV::template load<8>(kp, j * LPR * 8);
+    VRaw vraw[VR];
+#pragma unroll
+    for (int i = 0; i < VR; i++)
+      if (pv_active && rg + i * row_groups < rows) vraw[i] = KV::template load<COLS>(vp, i * v_step);
+    __syncthreads();  // q is staged, and the previous tile's weights are consumed
+
+#pragma unroll
+    for (int g0 = 0; g0 < GT; g0 += GH) {
+      float acc[GH];
+#pragma unroll
+      for (int g = 0; g < GH; g++) acc[g] = 0.0f;
+#pragma unroll
+      for (int j = 0; j < KC; j++) {
+        const int c = k_lane + j * LPR;
+        if (k_row < rows && c < chunks) {
+          float kf[8];
+          KV::template widen<8>(kraw[j], kf);
+#pragma unroll
+          for (int g = 0; g < GH; g++) {
+            const float *qg = qp + (g0 + g) * DMAX + j * LPR * 4;
+            const float4 qa = *reinterpret_cast<const float4 *>(qg);
+            const float4 qb = *reinterpret_cast<const float4 *>(qg + DMAX / 2);
+            float s = acc[g];
+            s = fmaf(qa.x, kf[0], s);
+            s = fmaf(qa.y, kf[1], s);
+            s = fmaf(qa.z, kf[2], s);
+            s = fmaf(qa.w, kf[3], s);
+            s = fmaf(qb.x, kf[4], s);
+            s = fmaf(qb.y, kf[5], s);
+            s = fmaf(qb.z, kf[6], s);
+            s = fmaf(qb.w, kf[7], s);
+            acc[g] = s;
+          }
+        }
+      }
+#pragma unroll
+      for (int g = 0; g < GH; g++) {
+#pragma unroll
+        for (int off = 1; off < LPR; off <<= 1) acc[g] += __shfl_xor_sync(0xffffffffu, acc[g], off);
+      }
+      if (k_lane == 0) {
+#pragma unroll
+        for (int g = 0; g < GH; g++) sp[k_row * GT + g0 + g] = k_row < rows ? acc[g] : -INFINITY;
+      }
+    }
+    __syncthreads();
+
+    // Online softmax over the tile: one warp per query head.
+    const int lane = tid & 31;
+    for (int g = tid >> 5; g < GT; g += kAttnThreads / 32) {
+      float s[NS];
+      float tile_max = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < NS; j++) {
+        const int r = lane + 32 * j;
+        s[j] = r < T ? sp[r * GT + g] : -INFINITY;
+        tile_max = fmaxf(tile_max, s[j]);
+      }
+      tile_max = warp_max(tile_max);
+      SoftmaxState st = s_state[g];
+      const float alpha = st.raise(tile_max);
+      float sum = 0.0f;
+#pragma unroll
+      for (int j = 0; j < NS; j++) {
+        const int r = lane + 32 * j;
+        s[j] = st.weight(s[j]);
+        sum += s[j];
+        if (r < T) sp[r * GT + g] = s[j];
+      }
+      st.l += warp_sum(sum);
+      __syncwarp();  // every lane has read s_state[g] before lane 0 replaces it (shuffles don't fence)
+      if (lane == 0) {
+        s_state[g] = st;
+        s_alpha[g] = alpha;
+      }
+    }
+    __syncthreads();
+
+    if (pv_active) {
+#pragma unroll
+      for (int g = 0; g < GT; g++) {
+        const float alpha = s_alpha[g];
+#pragma unroll
+        for (int i = 0; i < COLS; i++) o[g][i] *= alpha;
+      }
+#pragma unroll
+      for (int i = 0; i < VR; i++) {
+        const int r = rg + i * row_groups;
+        if (r < rows) {
+          float vf[COLS];
+          KV::template widen<COLS>(vraw[i], vf);
+#pragma unroll
+          for (int g0 = 0; g0 < GT; g0 += GH) {
+            float w[GH];
+            load_weights<GH>(sp + r * GT + g0, w);
+#pragma unroll
+            for (int g = 0; g < GH; g++) {
+#pragma unroll
+              for (int c = 0; c < COLS; c++) o[g0 + g][c] = fmaf(w[g], vf[c], o[g0 + g][c]);
+            }
+          }
+        }
+      }
+    }
+  }
+  // A one-pass plan's next kernel is most likely the next call's split kernel: let in any
+  // earlier, its blocks would hold SM slots through this loop (B32 32/8 D64 L512 on an H100:
+  // 14.4 us a call, 14.8 let in after the wait). A combine kernel is small: let in at once.
+  if (plan.max_splits == 1) allow_dependent_launch();
+
+  __syncthreads();  // q and weights are dead: reuse their space for the row-group reduction
+  float *red = smem;  // [row_group][GT][D]
+  if (pv_active) {
+#pragma unroll
+    for (int g = 0; g < GT; g++)
+#pragma unroll
+      for (int i = 0; i < COLS; i++) red[(rg * GT + g) * D + col + i] = o[g][i];
+  }
+  __syncthreads();
+  // The block's coordinates again rather than kept in registers through the loop (on sm_52 they
+  // would be spilled).
+  const SplitBlock<KV> fin = split_block<KV>(a, plan, GT);
+  for (int idx = tid; idx < fin.nh * D; idx += kAttnThreads) {
+    const int g = idx / D, d = idx % D;
+    float acc = 0.0f;
+    for (int r = 0; r < row_groups; r++) acc += red[(r * GT + g) * D + d];
+    store_split_result(a, fin, fin.h0 + g, d, acc, s_state[g]);
+  }
+}
+
+
+int dmax_for(int head_dim) {
+  for (int dmax : kHeadDimClasses)
+    if (head_dim <= dmax) return dmax;
+  return 256;
+}
+
+int log2_small(int x) { return x >= 8 ? 3 : x >= 4 ? 2 : x >= 2 ? 1 : 0; }
+
+template <typename KV, int GT>
+SplitKernel kernel_for_dmax(int dmax) {
+  return dmax == 64 ? attn_fp32_kernel<KV, GT, 64>
+                    : dmax == 128 ? attn_fp32_kernel<KV, GT, 128> : attn_fp32_kernel<KV, GT, 256>;
+}
+
+template <typename KV>
+SplitKernel kernel_for(int gt, int head_dim) {
+  const int dmax = dmax_for(head_dim);
+  switch (gt) {
+    case 1: return kernel_for_dmax<KV, 1>(dmax);
+    case 2: return kernel_for_dmax<KV, 2>(dmax);
+    case 4: return kernel_for_dmax<KV, 4>(dmax);
+    default: return kernel_for_dmax<KV, 8>(dmax);
+  }
+}
+
+}  // namespace
+
+template <typename KV>
+int fp32_split_pass(m40llm_cuda_state *st, int head_dim, const Grouping &g, SplitPass *out) {
+  const int dmax = dmax_for(head_dim);
+  SplitPass pass{kernel_for<KV>(g.gt, head_dim), kAttnThreads,
+                 split_smem_floats(g.gt, dmax, head_dim) * sizeof(float), tile_rows(g.gt, dmax),
+                 0, 0, false};
+  int rc = kernel_waits(st, reinterpret_cast<const void *>(pass.kernel), &st->fp32_dependent,
+                        &pass.dependent);
+  if (rc != M40LLM_OK) return rc;
+  int &occ = st->fp32_occupancy[log2_small(g.gt)][head_dim / 8];
+  if (occ == 0) {
+    M40LLM_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, pass.kernel, pass.threads,
+                                                                  pass.smem));
+    if (occ < 1) occ = 1;
+  }
+  pass.target = st->sm_count * occ * kAttnWaves;
+  *out = pass;
+  return M40LLM_OK;
+}
+
+#define M40LLM_INSTANTIATE(KV) \
+  template int fp32_split_pass<KV>(m40llm_cuda_state *, int, const Grouping &, SplitPass *);
+M40LLM_KV_FORMAT_TYPES(M40LLM_INSTANTIATE)
+#undef M40LLM_INSTANTIATE

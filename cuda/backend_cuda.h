@@ -1,0 +1,10 @@
+// The CUDA backend's operations that live outside backend.cu, which puts them in its table.
+#pragma once
+
+#include "internal.h"
+
+int m40llm_cuda_reserve_for(m40llm_kvcache *c);  // attention_dispatch.cu
+int m40llm_cuda_attention(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, int n_seqs,
+                          const float *q, float *out, float scale);
+int m40llm_cuda_append(const m40llm_kvcache *c, int layer, int seq, int pos, const void *k,
+                       const void *v, int n_tokens, int src_is_f32);  // append.cu

@@ -1,0 +1,49 @@
+// The online-softmax state every attention kernel and the combine keep: a running max m and a
+// running sum l of exp2(x - m) over what they have seen (scores live in the log2 domain). Each
+// kernel also keeps an output accumulator that it rescales by what raise() returns and adds to
+// with the weights of weight() and add_partial().
+//
+// A score of -inf (a masked position: K may hold infinities) has weight 0 wherever it falls:
+// while every score seen is -inf, m stays -inf, and the weights and factors are taken against
+// the lowest finite float instead of m, so no exp2(-inf - -inf) makes a NaN. A state that saw only -inf has l = 0, and
+// its output is zeros (inv_sum()).
+#pragma once
+
+#include <float.h>
+#include <math.h>
+
+// A plain aggregate, so that it can live in shared memory: start from SoftmaxState::empty().
+struct SoftmaxState {
+  float m, l;
+
+  __device__ __forceinline__ static SoftmaxState empty() { return SoftmaxState{-INFINITY, 0.0f}; }
+
+  // m, or the lowest finite float in place of -inf: one FMNMX.
+  __device__ __forceinline__ static float reference(float m) { return fmaxf(m, -FLT_MAX); }
+
+  // Raises the running max to cover x_max (the largest of what comes next) and returns the
+  // factor that everything accumulated so far must be rescaled by; l is rescaled here.
+  __device__ __forceinline__ float raise(float x_max) {
+    const float m_new = fmaxf(m, x_max);
+    const float alpha = exp2f(m - reference(m_new));
+    m = m_new;
+    l *= alpha;
+    return alpha;
+  }
+
+  // The weight of score x against the running max (raised to cover x first).
+  __device__ __forceinline__ float weight(float x) const { return exp2f(x - reference(m)); }
+
+  // Merges another state's (max mp, sum lp), raise()d to cover mp first; returns the weight the
+  // caller's accumulator takes that state's output with.
+  __device__ __forceinline__ float add_partial(float mp, float lp) {
+    const float w = weight(mp);
+    l = fmaf(w, lp, l);
+    return w;
+  }
+
+  // 1 / l, or 0 where nothing had weight (the output is then zeros).
+  __device__ __forceinline__ float inv_sum() const { return l > 0.0f ? 1.0f / l : 0.0f; }
+  // o / l, or 0 where nothing had weight.
+  __device__ __forceinline__ float normalise(float o) const { return l > 0.0f ? o / l : 0.0f; }
+};
