@@ -5,7 +5,12 @@
 
 mod common;
 
-use common::{check_attention_case, gpu_context, Rng, Shape};
+use std::sync::Arc;
+
+use common::{
+    check_attention_case, default_scale, gpu_context, reference_attention, rel_l2, to_f16, Rng,
+    Shape, TOL,
+};
 use m40llm::{f16, Backend, Context, DeviceBuffer, KvCache, KvCacheConfig, Status};
 
 const LENS: [usize; 5] = [1, 31, 33, 257, 4099];
@@ -197,6 +202,153 @@ fn contexts_on_several_threads() {
     }
 }
 
+fn shared_context_across_threads() {
+    // One CUDA context shared by 4 threads through clones: each makes its own caches and
+    // buffers and calls concurrently (the context's lock serializes the calls); then one cache
+    // shared read-only by 4 threads running attention at once.
+    let Some(ctx) = gpu_context("shared_context_across_threads") else {
+        return;
+    };
+    let s = Shape {
+        n_heads: 32,
+        n_kv_heads: 8,
+        head_dim: 128,
+    };
+    let workers: Vec<_> = (0..4)
+        .map(|t| {
+            let ctx = ctx.clone();
+            std::thread::spawn(move || {
+                let mut rng = Rng::fresh(&format!("shared_context_across_threads[{t}]"));
+                check_attention_case(&ctx, &mut rng, s, &[513, 1, 64], t % 2 == 1, None)
+            })
+        })
+        .collect();
+    for w in workers {
+        let e = w.join().unwrap();
+        println!("shared_context_across_threads: worst rel L2 {e:e}");
+        assert!(e <= TOL);
+    }
+
+    let cfg = KvCacheConfig::new(1, s.n_heads, s.head_dim)
+        .kv_heads(s.n_kv_heads)
+        .max_seqs(2)
+        .max_seq_len(1000);
+    let mut rng = Rng::fresh("shared_context_across_threads[cache]");
+    let mut kv = KvCache::new(&ctx, &cfg).unwrap();
+    let mut kv_host = Vec::new();
+    for (seq, len) in [(0, 1000), (1, 77)] {
+        let k = rng.normal_vec(len * cfg.kv_row_len(), 1.0);
+        let v = rng.normal_vec(len * cfg.kv_row_len(), 1.0);
+        let kb = DeviceBuffer::from_slice(&ctx, &k).unwrap();
+        let vb = DeviceBuffer::from_slice(&ctx, &v).unwrap();
+        kv.append_tokens(0, seq, len, &kb, &vb).unwrap();
+        kv_host.push((to_f16(&k), to_f16(&v)));
+    }
+    let kv = Arc::new(kv);
+    let kv_host = Arc::new(kv_host);
+    let readers: Vec<_> = (0..4)
+        .map(|t| {
+            let (kv, kv_host) = (kv.clone(), kv_host.clone());
+            let q = rng.normal_vec(cfg.q_row_len(), 1.0);
+            std::thread::spawn(move || {
+                let seq = t % 2;
+                let ctx = kv.context();
+                let qb = DeviceBuffer::from_slice(ctx, &q).unwrap();
+                let mut out = DeviceBuffer::<f32>::zeros(ctx, q.len()).unwrap();
+                for _ in 0..20 {
+                    kv.attention(0, seq, &qb, &mut out, None).unwrap();
+                }
+                let (k, v) = &kv_host[seq];
+                let want = reference_attention(s, k, v, &q, default_scale(s.head_dim));
+                rel_l2(&out.to_vec().unwrap(), &want)
+            })
+        })
+        .collect();
+    for r in readers {
+        let e = r.join().unwrap();
+        assert!(e <= TOL, "shared cache: rel L2 {e:e}");
+    }
+    ctx.synchronize().unwrap();
+}
+
+fn cache_moves_between_threads() {
+    // A model struct (context, cache, buffers) built here, decoded on a worker thread, and
+    // checked here again, against the float64 reference.
+    struct Model {
+        ctx: Context,
+        kv: KvCache,
+        q: DeviceBuffer<f32>,
+        out: DeviceBuffer<f32>,
+    }
+    if gpu_context("cache_moves_between_threads").is_none() {
+        return;
+    }
+    let ctx = Context::cuda(0).unwrap();
+    let mut rng = Rng::fresh("cache_moves_between_threads");
+    let s = Shape {
+        n_heads: 16,
+        n_kv_heads: 4,
+        head_dim: 64,
+    };
+    let cfg = KvCacheConfig::new(1, s.n_heads, s.head_dim)
+        .kv_heads(s.n_kv_heads)
+        .max_seq_len(400);
+    let row = cfg.kv_row_len();
+    let mut m = Model {
+        kv: KvCache::new(&ctx, &cfg).unwrap(),
+        q: DeviceBuffer::zeros(&ctx, cfg.q_row_len()).unwrap(),
+        out: DeviceBuffer::zeros(&ctx, cfg.q_row_len()).unwrap(),
+        ctx,
+    };
+    let (k, v) = (
+        rng.normal_vec(300 * row, 1.0),
+        rng.normal_vec(300 * row, 1.0),
+    );
+    let kb = DeviceBuffer::from_slice(&m.ctx, &k[..250 * row]).unwrap();
+    let vb = DeviceBuffer::from_slice(&m.ctx, &v[..250 * row]).unwrap();
+    m.kv.append_tokens(0, 0, 250, &kb, &vb).unwrap();
+    let q = rng.normal_vec(cfg.q_row_len(), 1.0);
+    let (k2, v2, q2) = (k.clone(), v.clone(), q.clone());
+    let (m, got) = std::thread::spawn(move || {
+        let mut m = m;
+        for t in 250..300 {
+            let kt = DeviceBuffer::from_slice(&m.ctx, &k2[t * row..(t + 1) * row]).unwrap();
+            let vt = DeviceBuffer::from_slice(&m.ctx, &v2[t * row..(t + 1) * row]).unwrap();
+            m.kv.append_token(0, 0, &kt, &vt).unwrap();
+        }
+        m.q.copy_from_host(&q2).unwrap();
+        m.kv.attention(0, 0, &m.q, &mut m.out, None).unwrap();
+        let got = m.out.to_vec().unwrap();
+        (m, got)
+    })
+    .join()
+    .unwrap();
+    drop((kb, vb));
+    let want = reference_attention(s, &to_f16(&k), &to_f16(&v), &q, default_scale(s.head_dim));
+    let e = rel_l2(&got, &want);
+    println!("cache_moves_between_threads: rel L2 {e:e}");
+    assert!(e <= TOL);
+    assert_eq!(m.kv.read_to_host(0, 0, 0, 300).unwrap().1, to_f16(&v));
+    m.ctx.synchronize().unwrap();
+}
+
+fn append_row_length_checks() {
+    // The GQA mix-up (a query-shaped K row) is an error before any kernel runs.
+    let Some(ctx) = gpu_context("append_row_length_checks") else {
+        return;
+    };
+    let cfg = KvCacheConfig::new(1, 32, 128).kv_heads(8).max_seq_len(8);
+    let mut kv = KvCache::new(&ctx, &cfg).unwrap();
+    let wrong = DeviceBuffer::<f32>::zeros(&ctx, cfg.q_row_len()).unwrap();
+    let e = kv.append_token(0, 0, &wrong, &wrong).unwrap_err();
+    assert_eq!(e.status(), Status::InvalidArgument);
+    assert!(e.message().contains("n_kv_heads × head_dim"), "{e}");
+    let right = DeviceBuffer::<f32>::zeros(&ctx, cfg.kv_row_len()).unwrap();
+    kv.append_token(0, 0, &right, &right).unwrap();
+    assert_eq!(kv.seq_len(0, 0).unwrap(), 1);
+    ctx.synchronize().unwrap();
+}
+
 fn main() {
     let tests: &[(&str, fn())] = &[
         ("mha_head_dim_64", mha_head_dim_64),
@@ -211,6 +363,12 @@ fn main() {
         ),
         ("errors_and_device_info", errors_and_device_info),
         ("contexts_on_several_threads", contexts_on_several_threads),
+        (
+            "shared_context_across_threads",
+            shared_context_across_threads,
+        ),
+        ("cache_moves_between_threads", cache_moves_between_threads),
+        ("append_row_length_checks", append_row_length_checks),
     ];
     let filter: Vec<String> = std::env::args()
         .skip(1)
