@@ -55,6 +55,9 @@ pub struct ContextBuilder {
     backend: Backend,
     device: u32,
     stream: *mut c_void,
+    /// A cudarc stream the context runs on and keeps alive (feature `cudarc`).
+    #[cfg(feature = "cudarc")]
+    pub(crate) cudarc_stream: Option<Arc<cudarc::driver::CudaStream>>,
 }
 
 impl Default for ContextBuilder {
@@ -63,6 +66,8 @@ impl Default for ContextBuilder {
             backend: Backend::Auto,
             device: 0,
             stream: ptr::null_mut(),
+            #[cfg(feature = "cudarc")]
+            cudarc_stream: None,
         }
     }
 }
@@ -90,7 +95,8 @@ impl ContextBuilder {
     ///
     /// # Safety
     /// `stream` must be null or a valid `cudaStream_t` of the chosen device that stays alive
-    /// until the context (and every cache and buffer made from it) has been dropped.
+    /// until the context (and every cache and buffer made from it) has been dropped. With the
+    /// `cudarc` feature, `Context::from_cudarc_stream` does this safely.
     pub unsafe fn cuda_stream(mut self, stream: *mut c_void) -> Self {
         self.stream = stream;
         self
@@ -119,6 +125,8 @@ impl ContextBuilder {
             lock: Mutex::new(()),
             backend: Backend::Auto,
             device: None,
+            #[cfg(feature = "cudarc")]
+            cudarc_stream: self.cudarc_stream,
         };
         // The context is not shared yet; if this fails, dropping `inner` destroys it.
         let info = device_info_raw(raw.as_ptr())?;
@@ -175,6 +183,10 @@ struct ContextInner {
     lock: Mutex<()>,
     backend: Backend,
     device: Option<u32>,
+    /// The cudarc stream the context runs on, kept alive until the context is destroyed
+    /// (fields drop after `Drop::drop` has destroyed the context).
+    #[cfg(feature = "cudarc")]
+    cudarc_stream: Option<Arc<cudarc::driver::CudaStream>>,
 }
 
 // SAFETY: the C library allows a context to be used from any thread as long as calls on it (and
@@ -295,6 +307,13 @@ impl Context {
 
     pub(crate) fn same_as(&self, other: &Context) -> bool {
         self == other
+    }
+
+    /// The cudarc stream the context runs on, if it was made by
+    /// [`Context::from_cudarc_stream`].
+    #[cfg(feature = "cudarc")]
+    pub fn cudarc_stream(&self) -> Option<&Arc<cudarc::driver::CudaStream>> {
+        self.inner.cudarc_stream.as_ref()
     }
 }
 

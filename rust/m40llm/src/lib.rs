@@ -11,6 +11,8 @@
 //!   [`append_tokens`](KvCache::append_tokens)/[`append_token`](KvCache::append_token)),
 //!   attention for one or many sequences, and sequence operations (length, reset, truncate,
 //!   fork, read back).
+//! * With the `cudarc` feature, `cudarc_interop`: a context on a cudarc stream and cudarc
+//!   memory as K, V, q and out.
 //!
 //! Every fallible call returns [`Result`]; an [`Error`] carries the library's [`Status`] and its
 //! detail message. Buffer lengths and indices are checked in Rust before the C library is
@@ -84,6 +86,7 @@
 //! | [`Context`] | yes | yes | A handle to an `Arc`; every call takes the context's lock. |
 //! | [`KvCache`], [`DeviceBuffer`] | yes | yes | Own their handle and a [`Context`]; every call takes the lock; changes need `&mut self` (share a cache that others append to as `Mutex<KvCache>`). |
 //! | [`DeviceSlice`], [`DeviceSliceMut`] | yes | yes | Borrowed views, like `&[T]` and `&mut [T]`. |
+//! | `CudarcView`, `CudarcViewMut` (feature `cudarc`) | no | no | Short-lived views that record cudarc's events on drop. |
 //! | [`Error`], [`Status`], [`KvCacheConfig`], [`DeviceInfo`], [`Backend`] | yes | yes | Plain data. |
 //!
 //! Threads that share one context take turns call by call (on the GPU each call only queues
@@ -155,12 +158,17 @@
 //! the `cuda` feature makes a missing toolkit an error. `M40LLM_CUDA_ARCHS` picks GPU
 //! architectures (default `52`: sm_52 SASS + compute_52 PTX). The CUDA runtime is linked
 //! statically, so binaries need only the NVIDIA driver.
+//!
+//! Features: `cuda` (require the CUDA backend), `cudarc` (the `cudarc_interop` module; cudarc
+//! is built with its driver API loaded at run time, so building needs no CUDA toolkit).
 
 #![deny(missing_docs)]
 #![warn(rust_2018_idioms)]
 
 mod buffer;
 mod context;
+#[cfg(feature = "cudarc")]
+pub mod cudarc_interop;
 mod error;
 mod kvcache;
 
@@ -171,6 +179,8 @@ pub use context::{
     built_with_cuda, cuda_device_count, library_version, Backend, Context, ContextBuilder,
     DeviceInfo,
 };
+#[cfg(feature = "cudarc")]
+pub use cudarc_interop::{CudarcView, CudarcViewMut};
 pub use error::{Error, Result, Status};
 pub use half::f16;
 pub use kvcache::{KvCache, KvCacheConfig, KvFormat, KvInput};
