@@ -1,7 +1,9 @@
 //! A decode loop shaped like a small decoder: for every step, every layer appends one token of
 //! K/V per sequence and runs batched attention over all sequences; the attention output of one
 //! layer becomes the query of the next (a stand-in for the layer's other work). Prints the
-//! device and the decode throughput.
+//! device and the decode throughput. The prompt is appended on the main thread and the decode
+//! loop runs on a worker thread that owns the context, the cache and the buffers (they are
+//! `Send` and carry no lifetimes).
 //!
 //! ```text
 //! cargo run --release --example decode_loop -- [--backend auto|cuda|cpu] [--device N]
@@ -135,7 +137,7 @@ fn main() -> Result<()> {
         let v = DeviceBuffer::from_slice(&ctx, &filler(prompt * kv_row, 2))?;
         for layer in 0..layers {
             for seq in 0..seqs {
-                kv.append(layer, seq, &k, &v)?;
+                kv.append_tokens(layer, seq, prompt, &k, &v)?;
             }
         }
     }
@@ -149,19 +151,23 @@ fn main() -> Result<()> {
     let mut out = DeviceBuffer::<f32>::zeros(&ctx, seqs * q_row)?;
     let ids: Vec<usize> = (0..seqs).collect();
 
-    let t1 = Instant::now();
-    for _step in 0..steps {
-        for layer in 0..layers {
-            for seq in 0..seqs {
-                let rows = seq * kv_row..(seq + 1) * kv_row;
-                kv.append(layer, seq, &k_new.slice(rows.clone()), &v_new.slice(rows))?;
+    // Decode on a worker thread that takes ownership of everything it uses.
+    let worker = std::thread::spawn(move || -> Result<_> {
+        let t1 = Instant::now();
+        for _step in 0..steps {
+            for layer in 0..layers {
+                for seq in 0..seqs {
+                    let rows = seq * kv_row..(seq + 1) * kv_row;
+                    kv.append_token(layer, seq, &k_new.slice(rows.clone()), &v_new.slice(rows))?;
+                }
+                kv.attention_batch(layer, &ids, &q, &mut out, None)?;
+                q.copy_from_device(&out)?;
             }
-            kv.attention_batch(layer, &ids, &q, &mut out, None)?;
-            q.copy_from_device(&out)?;
         }
-    }
-    ctx.synchronize()?;
-    let decode = t1.elapsed();
+        ctx.synchronize()?;
+        Ok((t1.elapsed(), kv, out))
+    });
+    let (decode, kv, out) = worker.join().expect("the decode thread panicked")?;
 
     let last = out.to_vec()?;
     assert!(

@@ -13,7 +13,7 @@ use m40llm_sys as sys;
 use crate::context::Context;
 use crate::error::{check, Error, Result};
 
-mod private {
+pub(crate) mod private {
     pub trait Sealed {}
 }
 
@@ -66,8 +66,9 @@ pub trait DeviceWrite<T: Element>: DeviceRead<T> {
 
 /// An owned, typed allocation of `len` elements in `ctx`'s backend memory, freed on drop.
 ///
-/// It borrows its [`Context`], so it cannot outlive it. Like the context's other users it is
-/// neither `Send` nor `Sync` (it holds a `&Context`, and `Context` is not `Sync`).
+/// It keeps a handle to its [`Context`] (so the context lives at least as long as the buffer)
+/// and has no lifetime parameter. It is [`Send`] and [`Sync`]: every library call it makes holds
+/// the context's lock, and writes need `&mut self`.
 ///
 /// Host copies ([`copy_from_host`](Self::copy_from_host), [`copy_to_host`](Self::copy_to_host),
 /// [`to_vec`](Self::to_vec)) block until done; [`memset`](Self::memset) and
@@ -83,11 +84,17 @@ pub trait DeviceWrite<T: Element>: DeviceRead<T> {
 /// assert_eq!(buf.to_vec()?, [0.0; 3]);
 /// # Ok::<(), m40llm::Error>(())
 /// ```
-pub struct DeviceBuffer<'ctx, T: Element> {
+pub struct DeviceBuffer<T: Element> {
     ptr: *mut T,
     len: usize,
-    ctx: &'ctx Context,
+    ctx: Context,
 }
+
+// SAFETY: the buffer owns its allocation (like a Box<[T]>); every library call on it holds the
+// context's lock, and mutation needs `&mut self`.
+unsafe impl<T: Element> Send for DeviceBuffer<T> {}
+// SAFETY: `&self` methods only read the memory, through library calls that hold the lock.
+unsafe impl<T: Element> Sync for DeviceBuffer<T> {}
 
 fn bytes_for<T>(len: usize) -> Result<usize> {
     len.checked_mul(size_of::<T>()).ok_or_else(|| {
@@ -98,7 +105,7 @@ fn bytes_for<T>(len: usize) -> Result<usize> {
     })
 }
 
-impl<'ctx, T: Element> DeviceBuffer<'ctx, T> {
+impl<T: Element> DeviceBuffer<T> {
     /// Allocates `len` elements whose contents are unspecified.
     ///
     /// # Safety
@@ -106,27 +113,30 @@ impl<'ctx, T: Element> DeviceBuffer<'ctx, T> {
     /// it yields whatever bytes the memory held. Every bit pattern is a valid `T`, so this
     /// cannot produce invalid values, but on the CPU backend it is a read of uninitialized host
     /// memory through C, which Rust does not define. Write the buffer before reading it.
-    pub unsafe fn uninit(ctx: &'ctx Context, len: usize) -> Result<Self> {
+    pub unsafe fn uninit(ctx: &Context, len: usize) -> Result<Self> {
         if len == 0 {
             return Ok(DeviceBuffer {
                 ptr: ptr::null_mut(),
                 len: 0,
-                ctx,
+                ctx: ctx.clone(),
             });
         }
         let bytes = bytes_for::<T>(len)?;
         let mut p: *mut c_void = ptr::null_mut();
-        // SAFETY: valid out pointer and context; bytes > 0.
-        check(unsafe { sys::m40llm_malloc(&mut p, ctx.as_raw(), bytes) })?;
+        {
+            let _lock = ctx.lock();
+            // SAFETY: valid out pointer and context; bytes > 0; the lock is held.
+            check(unsafe { sys::m40llm_malloc(&mut p, ctx.as_raw(), bytes) })?;
+        }
         Ok(DeviceBuffer {
             ptr: p.cast(),
             len,
-            ctx,
+            ctx: ctx.clone(),
         })
     }
 
     /// Allocates `len` elements set to all-zero bytes (`0.0` for floats).
-    pub fn zeros(ctx: &'ctx Context, len: usize) -> Result<Self> {
+    pub fn zeros(ctx: &Context, len: usize) -> Result<Self> {
         // SAFETY: the memset below initializes every byte before anyone can read it.
         let mut buf = unsafe { Self::uninit(ctx, len)? };
         buf.memset(0)?;
@@ -134,7 +144,7 @@ impl<'ctx, T: Element> DeviceBuffer<'ctx, T> {
     }
 
     /// Allocates a buffer holding a copy of `data`.
-    pub fn from_slice(ctx: &'ctx Context, data: &[T]) -> Result<Self> {
+    pub fn from_slice(ctx: &Context, data: &[T]) -> Result<Self> {
         // SAFETY: the copy below initializes every element.
         let mut buf = unsafe { Self::uninit(ctx, data.len())? };
         buf.copy_from_host(data)?;
@@ -157,8 +167,8 @@ impl<'ctx, T: Element> DeviceBuffer<'ctx, T> {
     }
 
     /// The context whose memory this is.
-    pub fn context(&self) -> &'ctx Context {
-        self.ctx
+    pub fn context(&self) -> &Context {
+        &self.ctx
     }
 
     /// Start of the allocation in backend memory (a device pointer for CUDA; null when empty).
@@ -176,7 +186,7 @@ impl<'ctx, T: Element> DeviceBuffer<'ctx, T> {
     /// # Panics
     /// If the range is out of bounds or decreasing, as slicing a Rust slice would.
     pub fn slice(&self, range: impl RangeBounds<usize>) -> DeviceSlice<'_, T> {
-        DeviceSlice::of(self.ptr, self.len, self.ctx, range)
+        DeviceSlice::of(self.ptr, self.len, &self.ctx, range)
     }
 
     /// A mutable view of `range` of the elements.
@@ -184,21 +194,22 @@ impl<'ctx, T: Element> DeviceBuffer<'ctx, T> {
     /// # Panics
     /// If the range is out of bounds or decreasing.
     pub fn slice_mut(&mut self, range: impl RangeBounds<usize>) -> DeviceSliceMut<'_, T> {
-        DeviceSliceMut::of(self.ptr, self.len, self.ctx, range)
+        DeviceSliceMut::of(self.ptr, self.len, &self.ctx, range)
     }
 }
 
-impl<T: Element> Drop for DeviceBuffer<'_, T> {
+impl<T: Element> Drop for DeviceBuffer<T> {
     fn drop(&mut self) {
         if !self.ptr.is_null() {
-            // SAFETY: allocated by m40llm_malloc on this context, freed once. An error here
-            // (e.g. after a device fault) cannot be reported from drop.
+            let _lock = self.ctx.lock();
+            // SAFETY: allocated by m40llm_malloc on this context, freed once; the lock is held.
+            // An error here (e.g. after a device fault) cannot be reported from drop.
             unsafe { sys::m40llm_free(self.ctx.as_raw(), self.ptr.cast()) };
         }
     }
 }
 
-impl<T: Element> fmt::Debug for DeviceBuffer<'_, T> {
+impl<T: Element> fmt::Debug for DeviceBuffer<T> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
@@ -211,12 +222,19 @@ impl<T: Element> fmt::Debug for DeviceBuffer<'_, T> {
 }
 
 /// A borrowed, read-only view of elements in backend memory; see [`DeviceBuffer::slice`].
+///
+/// Like `&[T]` it borrows what it views, and it is [`Send`] and [`Sync`].
 pub struct DeviceSlice<'a, T: Element> {
     ptr: *const T,
     len: usize,
     ctx: &'a Context,
     _marker: PhantomData<&'a [T]>,
 }
+
+// SAFETY: a shared view, like `&[T]` (T is Send + Sync); library calls hold the context's lock.
+unsafe impl<T: Element> Send for DeviceSlice<'_, T> {}
+// SAFETY: as above.
+unsafe impl<T: Element> Sync for DeviceSlice<'_, T> {}
 
 impl<T: Element> Clone for DeviceSlice<'_, T> {
     fn clone(&self) -> Self {
@@ -282,12 +300,19 @@ impl<'a, T: Element> DeviceSlice<'a, T> {
 }
 
 /// A borrowed, writable view of elements in backend memory; see [`DeviceBuffer::slice_mut`].
+///
+/// Like `&mut [T]` it borrows what it views exclusively, and it is [`Send`] and [`Sync`].
 pub struct DeviceSliceMut<'a, T: Element> {
     ptr: *mut T,
     len: usize,
     ctx: &'a Context,
     _marker: PhantomData<&'a mut [T]>,
 }
+
+// SAFETY: an exclusive view, like `&mut [T]`; library calls hold the context's lock.
+unsafe impl<T: Element> Send for DeviceSliceMut<'_, T> {}
+// SAFETY: `&self` methods only read, through library calls that hold the lock.
+unsafe impl<T: Element> Sync for DeviceSliceMut<'_, T> {}
 
 impl<'a, T: Element> DeviceSliceMut<'a, T> {
     /// The writable view of `range` within `len` elements at `ptr` (panics like slicing).
@@ -375,11 +400,11 @@ fn sub_range(range: impl RangeBounds<usize>, len: usize) -> (usize, usize) {
 
 // ---- trait impls and the shared copy operations ----
 
-impl<T: Element> private::Sealed for DeviceBuffer<'_, T> {}
+impl<T: Element> private::Sealed for DeviceBuffer<T> {}
 impl<T: Element> private::Sealed for DeviceSlice<'_, T> {}
 impl<T: Element> private::Sealed for DeviceSliceMut<'_, T> {}
 
-impl<T: Element> DeviceRead<T> for DeviceBuffer<'_, T> {
+impl<T: Element> DeviceRead<T> for DeviceBuffer<T> {
     fn device_ptr(&self) -> *const T {
         self.ptr
     }
@@ -387,10 +412,10 @@ impl<T: Element> DeviceRead<T> for DeviceBuffer<'_, T> {
         self.len
     }
     fn context(&self) -> &Context {
-        self.ctx
+        &self.ctx
     }
 }
-impl<T: Element> DeviceWrite<T> for DeviceBuffer<'_, T> {
+impl<T: Element> DeviceWrite<T> for DeviceBuffer<T> {
     fn device_ptr_mut(&mut self) -> *mut T {
         self.ptr
     }
@@ -436,11 +461,13 @@ fn to_host<T: Element>(src: &impl DeviceRead<T>, dst: &mut [T]) -> Result<()> {
     if dst.is_empty() {
         return Ok(());
     }
+    let ctx = src.context();
+    let _lock = ctx.lock();
     // SAFETY: src covers len elements of backend memory of its context; dst is a host slice of
-    // the same byte length; T accepts any bit pattern.
+    // the same byte length; T accepts any bit pattern; the lock is held.
     check(unsafe {
         sys::m40llm_memcpy_to_host(
-            src.context().as_raw(),
+            ctx.as_raw(),
             dst.as_mut_ptr().cast(),
             src.device_ptr().cast(),
             std::mem::size_of_val(dst),
@@ -455,9 +482,11 @@ fn from_host<T: Element>(dst: &mut impl DeviceWrite<T>, src: &[T]) -> Result<()>
     if src.is_empty() {
         return Ok(());
     }
-    let ctx = dst.context().as_raw();
+    let ctx = dst.context().clone();
+    let _lock = ctx.lock();
+    let ctx = ctx.as_raw();
     // SAFETY: dst covers len writable elements of backend memory; src is a host slice of the
-    // same byte length.
+    // same byte length; the lock is held.
     check(unsafe {
         sys::m40llm_memcpy_to_device(
             ctx,
@@ -480,7 +509,9 @@ fn from_device<T: Element>(dst: &mut impl DeviceWrite<T>, src: &impl DeviceRead<
     if src.is_empty() {
         return Ok(());
     }
-    let ctx = dst.context().as_raw();
+    let ctx = dst.context().clone();
+    let _lock = ctx.lock();
+    let ctx = ctx.as_raw();
     let bytes = src.len() * size_of::<T>();
     // SAFETY: both ranges lie in the context's backend memory and are len elements long. (They
     // cannot overlap unless created unsafely; the library copies with memmove semantics on the
@@ -499,15 +530,17 @@ fn memset_bytes<T: Element>(dst: &mut impl DeviceWrite<T>, value: u8) -> Result<
     if dst.is_empty() {
         return Ok(());
     }
-    let ctx = dst.context().as_raw();
+    let ctx = dst.context().clone();
+    let _lock = ctx.lock();
+    let ctx = ctx.as_raw();
     let bytes = dst.len() * size_of::<T>();
-    // SAFETY: dst covers len writable elements of backend memory.
+    // SAFETY: dst covers len writable elements of backend memory; the lock is held.
     check(unsafe { sys::m40llm_memset(ctx, dst.device_ptr_mut().cast(), i32::from(value), bytes) })
 }
 
 macro_rules! read_ops {
-    ($ty:ident) => {
-        impl<T: Element> $ty<'_, T> {
+    ($ty:ty) => {
+        impl<T: Element> $ty {
             /// Copies the elements into `dst`, which must have the same length; waits for
             /// earlier work on the context's stream.
             pub fn copy_to_host(&self, dst: &mut [T]) -> Result<()> {
@@ -525,8 +558,8 @@ macro_rules! read_ops {
 }
 
 macro_rules! write_ops {
-    ($ty:ident) => {
-        impl<T: Element> $ty<'_, T> {
+    ($ty:ty) => {
+        impl<T: Element> $ty {
             /// Copies `src` (same length) from host memory; returns when done.
             pub fn copy_from_host(&mut self, src: &[T]) -> Result<()> {
                 from_host(self, src)
@@ -546,11 +579,11 @@ macro_rules! write_ops {
     };
 }
 
-read_ops!(DeviceBuffer);
-read_ops!(DeviceSlice);
-read_ops!(DeviceSliceMut);
-write_ops!(DeviceBuffer);
-write_ops!(DeviceSliceMut);
+read_ops!(DeviceBuffer<T>);
+read_ops!(DeviceSlice<'_, T>);
+read_ops!(DeviceSliceMut<'_, T>);
+write_ops!(DeviceBuffer<T>);
+write_ops!(DeviceSliceMut<'_, T>);
 
 impl<T: Element> fmt::Debug for DeviceSlice<'_, T> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

@@ -2,8 +2,8 @@
 
 use std::ffi::{c_void, CStr};
 use std::fmt;
-use std::marker::PhantomData;
 use std::ptr::{self, NonNull};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use m40llm_sys as sys;
 
@@ -55,6 +55,9 @@ pub struct ContextBuilder {
     backend: Backend,
     device: u32,
     stream: *mut c_void,
+    /// A cudarc stream the context runs on and keeps alive (feature `cudarc`).
+    #[cfg(feature = "cudarc")]
+    pub(crate) cudarc_stream: Option<Arc<cudarc::driver::CudaStream>>,
 }
 
 impl Default for ContextBuilder {
@@ -63,6 +66,8 @@ impl Default for ContextBuilder {
             backend: Backend::Auto,
             device: 0,
             stream: ptr::null_mut(),
+            #[cfg(feature = "cudarc")]
+            cudarc_stream: None,
         }
     }
 }
@@ -90,7 +95,8 @@ impl ContextBuilder {
     ///
     /// # Safety
     /// `stream` must be null or a valid `cudaStream_t` of the chosen device that stays alive
-    /// until the context (and every cache and buffer made from it) has been dropped.
+    /// until the context (and every cache and buffer made from it) has been dropped. With the
+    /// `cudarc` feature, `Context::from_cudarc_stream` does this safely.
     pub unsafe fn cuda_stream(mut self, stream: *mut c_void) -> Self {
         self.stream = stream;
         self
@@ -114,32 +120,39 @@ impl ContextBuilder {
         check(unsafe { sys::m40llm_context_create(&mut raw, &opts) })?;
         let raw = NonNull::new(raw)
             .ok_or_else(|| Error::invalid("m40llm_context_create returned null"))?;
-        let mut ctx = Context {
+        let mut inner = ContextInner {
             raw,
+            lock: Mutex::new(()),
             backend: Backend::Auto,
             device: None,
-            _not_sync: PhantomData,
+            #[cfg(feature = "cudarc")]
+            cudarc_stream: self.cudarc_stream,
         };
-        let info = ctx.device_info()?;
-        ctx.backend = info.backend;
-        ctx.device = info.device;
-        Ok(ctx)
+        // The context is not shared yet; if this fails, dropping `inner` destroys it.
+        let info = device_info_raw(raw.as_ptr())?;
+        inner.backend = info.backend;
+        inner.device = info.device;
+        Ok(Context {
+            inner: Arc::new(inner),
+        })
     }
 }
 
 /// A backend plus, for CUDA, one device and one stream. Owns the scratch memory of attention.
 ///
-/// Everything made from a context ([`KvCache`](crate::KvCache), [`DeviceBuffer`](crate::DeviceBuffer)) borrows it,
-/// so the compiler makes sure they are dropped first.
+/// A `Context` is a cheap handle: [`Clone`] makes another handle to the same context (an
+/// [`Arc`] count), not a new context. Caches and buffers made from it keep a handle, so the
+/// context lives until the last of them is dropped, in any order; none of them carries a
+/// lifetime, so a model struct can own its context, caches and buffers together.
 ///
 /// # Threads
-/// `Context` is [`Send`] but not [`Sync`]. The C library requires that calls on a context and
-/// on everything made from it never run concurrently, while distinct contexts are independent.
-/// Moving a context to another thread is fine (every call then happens there, one at a time;
-/// the library selects the context's device on each call), but sharing `&Context` between
-/// threads would allow concurrent calls, so it is not allowed. Because `&Context` is not `Send`,
-/// caches and buffers (which hold one) stay on the thread of their context as well. Use one
-/// context per thread to work in parallel.
+/// `Context` is [`Send`] and [`Sync`], and so are [`KvCache`](crate::KvCache) and
+/// [`DeviceBuffer`](crate::DeviceBuffer). The C library requires that calls on a context and
+/// on everything made from it never run concurrently; every handle to one context shares one
+/// lock, and every call into the library (through the context, a cache, a buffer or a view)
+/// holds it for the duration of that call. Threads sharing a context therefore take turns,
+/// call by call; distinct contexts never wait for each other. For parallel work on one GPU,
+/// use one context per thread.
 ///
 /// # Ordering
 /// With the CUDA backend, appends, attention, reads into device buffers, memsets and
@@ -153,19 +166,53 @@ impl ContextBuilder {
 /// assert_eq!(ctx.backend(), Backend::Cpu);
 /// println!("{}", ctx.device_info()?);
 /// ctx.synchronize()?;
+/// let same = ctx.clone(); // another handle to the same context
+/// assert_eq!(same, ctx);
+/// assert_ne!(Context::cpu()?, ctx); // a new context
 /// # Ok::<(), m40llm::Error>(())
 /// ```
+#[derive(Clone)]
 pub struct Context {
-    raw: NonNull<sys::m40llm_context>,
-    backend: Backend,
-    device: Option<u32>,
-    _not_sync: PhantomData<std::cell::Cell<()>>,
+    inner: Arc<ContextInner>,
 }
 
-// SAFETY: see the "Threads" section above. The C library permits using a context from any
-// thread as long as calls are not concurrent; owning it (by value) guarantees that. `Sync` is
-// deliberately not implemented (PhantomData<Cell<()>>).
-unsafe impl Send for Context {}
+/// What every handle to one context shares.
+struct ContextInner {
+    raw: NonNull<sys::m40llm_context>,
+    /// Held for every call into the library on this context or anything made from it.
+    lock: Mutex<()>,
+    backend: Backend,
+    device: Option<u32>,
+    /// The cudarc stream the context runs on, kept alive until the context is destroyed
+    /// (fields drop after `Drop::drop` has destroyed the context).
+    #[cfg(feature = "cudarc")]
+    cudarc_stream: Option<Arc<cudarc::driver::CudaStream>>,
+}
+
+// SAFETY: the C library allows a context to be used from any thread as long as calls on it (and
+// on its caches) do not run concurrently; every call through this crate holds `lock`, and the
+// raw handle is only destroyed in `drop`, when no handle is left.
+unsafe impl Send for ContextInner {}
+// SAFETY: as above; `&ContextInner` only gives access to the handle under `lock` (or to
+// `Context::as_raw`, whose users must take the lock themselves).
+unsafe impl Sync for ContextInner {}
+
+impl Drop for ContextInner {
+    fn drop(&mut self) {
+        // SAFETY: owned handle, destroyed once; every cache and buffer holds a handle to this
+        // inner value, so all of them are gone.
+        unsafe { sys::m40llm_context_destroy(self.raw.as_ptr()) }
+    }
+}
+
+impl PartialEq for Context {
+    /// Whether both are handles to the same context.
+    fn eq(&self, other: &Context) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
+    }
+}
+
+impl Eq for Context {}
 
 impl Context {
     /// A context on the given backend (CUDA device 0 for CUDA or Auto).
@@ -194,81 +241,119 @@ impl Context {
 
     /// The backend in use ([`Backend::Cuda`] or [`Backend::Cpu`], never `Auto`).
     pub fn backend(&self) -> Backend {
-        self.backend
+        self.inner.backend
     }
 
     /// The CUDA device ordinal, or `None` for the CPU backend.
     pub fn device(&self) -> Option<u32> {
-        self.device
+        self.inner.device
     }
 
     /// Describes the backend and device (free memory is read at the time of the call).
     pub fn device_info(&self) -> Result<DeviceInfo> {
-        let mut info = sys::m40llm_device_info {
-            version: sys::M40LLM_DEVICE_INFO_VERSION,
-            ..Default::default()
-        };
-        // SAFETY: valid out struct with its version set; valid context.
-        check(unsafe { sys::m40llm_context_device_info(&mut info, self.raw.as_ptr()) })?;
-        // SAFETY: the library NUL-terminates name; the array is 256 chars and we bound the read.
-        let name_bytes: Vec<u8> = info
-            .name
-            .iter()
-            .take_while(|&&c| c != 0)
-            .map(|&c| c as u8)
-            .collect();
-        let name = String::from_utf8_lossy(&name_bytes).into_owned();
-        let backend = Backend::from_raw(info.backend);
-        Ok(DeviceInfo {
-            backend,
-            device: u32::try_from(info.device).ok(),
-            name,
-            compute_capability: (backend == Backend::Cuda).then_some((
-                info.compute_major.max(0) as u32,
-                info.compute_minor.max(0) as u32,
-            )),
-            multiprocessors: info.multiprocessors.max(0) as u32,
-            total_memory: info.total_memory,
-            free_memory: info.free_memory,
-        })
+        let _lock = self.lock();
+        device_info_raw(self.as_raw())
     }
 
     /// Blocks until all work queued on the context is done and reports errors raised by it.
     pub fn synchronize(&self) -> Result<()> {
-        // SAFETY: valid context; not Sync, so no concurrent call.
-        check(unsafe { sys::m40llm_context_synchronize(self.raw.as_ptr()) })
+        let _lock = self.lock();
+        // SAFETY: valid context; the lock is held.
+        check(unsafe { sys::m40llm_context_synchronize(self.as_raw()) })
     }
 
     /// The context's `cudaStream_t` (null for the CPU backend), for ordering your own CUDA work
     /// with the context's.
     pub fn cuda_stream(&self) -> *mut c_void {
-        // SAFETY: valid context.
-        unsafe { sys::m40llm_context_cuda_stream(self.raw.as_ptr()) }
+        let _lock = self.lock();
+        // SAFETY: valid context; the lock is held.
+        unsafe { sys::m40llm_context_cuda_stream(self.as_raw()) }
     }
 
-    /// The raw handle, for calling `m40llm_sys` directly. It stays owned by `self`.
+    /// The raw handle, for calling `m40llm_sys` directly. It stays owned by the context. The C
+    /// library forbids concurrent calls on a context: make raw calls inside
+    /// [`with_raw`](Self::with_raw), which holds the context's lock, whenever another thread may
+    /// hold a handle to this context (or to a cache or buffer made from it).
     pub fn as_raw(&self) -> *mut sys::m40llm_context {
-        self.raw.as_ptr()
+        self.inner.raw.as_ptr()
+    }
+
+    /// Runs `f` with the raw handle while holding the context's lock, so that raw `m40llm_sys`
+    /// calls on the context, its caches ([`KvCache::as_raw`](crate::KvCache::as_raw)) and its
+    /// memory cannot run concurrently with calls made through this crate. `f` must not call
+    /// this crate's methods on the same context: the lock is not reentrant (that would
+    /// deadlock).
+    ///
+    /// ```
+    /// let ctx = m40llm::Context::cpu()?;
+    /// let stream = ctx.with_raw(|raw| unsafe { m40llm::sys::m40llm_context_cuda_stream(raw) });
+    /// assert!(stream.is_null());
+    /// # Ok::<(), m40llm::Error>(())
+    /// ```
+    pub fn with_raw<R>(&self, f: impl FnOnce(*mut sys::m40llm_context) -> R) -> R {
+        let _lock = self.lock();
+        f(self.as_raw())
+    }
+
+    /// Takes the context's lock (held for every library call on the context, its caches and
+    /// its memory). The lock guards no Rust data, so a panic while holding it (which poisons a
+    /// `std` mutex) leaves nothing inconsistent: poisoning is ignored.
+    pub(crate) fn lock(&self) -> MutexGuard<'_, ()> {
+        self.inner
+            .lock
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     pub(crate) fn same_as(&self, other: &Context) -> bool {
-        self.raw == other.raw
+        self == other
+    }
+
+    /// The cudarc stream the context runs on, if it was made by
+    /// [`Context::from_cudarc_stream`].
+    #[cfg(feature = "cudarc")]
+    pub fn cudarc_stream(&self) -> Option<&Arc<cudarc::driver::CudaStream>> {
+        self.inner.cudarc_stream.as_ref()
     }
 }
 
-impl Drop for Context {
-    fn drop(&mut self) {
-        // SAFETY: owned handle; every cache and buffer borrowing it is gone (borrowck).
-        unsafe { sys::m40llm_context_destroy(self.raw.as_ptr()) }
-    }
+/// `m40llm_context_device_info`; the caller holds the lock (or owns the only handle).
+fn device_info_raw(raw: *mut sys::m40llm_context) -> Result<DeviceInfo> {
+    let mut info = sys::m40llm_device_info {
+        version: sys::M40LLM_DEVICE_INFO_VERSION,
+        ..Default::default()
+    };
+    // SAFETY: valid out struct with its version set; valid context, not used concurrently.
+    check(unsafe { sys::m40llm_context_device_info(&mut info, raw) })?;
+    // SAFETY: the library NUL-terminates name; the array is 256 chars and we bound the read.
+    let name_bytes: Vec<u8> = info
+        .name
+        .iter()
+        .take_while(|&&c| c != 0)
+        .map(|&c| c as u8)
+        .collect();
+    let name = String::from_utf8_lossy(&name_bytes).into_owned();
+    let backend = Backend::from_raw(info.backend);
+    Ok(DeviceInfo {
+        backend,
+        device: u32::try_from(info.device).ok(),
+        name,
+        compute_capability: (backend == Backend::Cuda).then_some((
+            info.compute_major.max(0) as u32,
+            info.compute_minor.max(0) as u32,
+        )),
+        multiprocessors: info.multiprocessors.max(0) as u32,
+        total_memory: info.total_memory,
+        free_memory: info.free_memory,
+    })
 }
 
 impl fmt::Debug for Context {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Context")
-            .field("backend", &self.backend)
-            .field("device", &self.device)
-            .field("raw", &self.raw)
+            .field("backend", &self.inner.backend)
+            .field("device", &self.inner.device)
+            .field("raw", &self.inner.raw)
             .finish()
     }
 }

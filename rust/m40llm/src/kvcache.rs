@@ -199,10 +199,12 @@ impl KvInput for u16 {
 /// called, so a wrong-sized buffer is an [`Error`] with
 /// [`Status::InvalidArgument`](crate::Status), never a GPU fault.
 ///
-/// The cache borrows its [`Context`] (`'ctx`) and is neither `Send` nor `Sync`: the library
-/// forbids concurrent calls on a context and its caches, so the cache stays on the context's
-/// thread (it holds a `&Context`, which is not `Send`). Methods that change contents or lengths
-/// take `&mut self`.
+/// The cache keeps a handle to its [`Context`] (so the context lives at least as long as the
+/// cache, whatever the drop order) and has no lifetime parameter. It is [`Send`] and [`Sync`]:
+/// every library call holds the context's lock (the C library forbids concurrent calls on a
+/// context and its caches), and methods that change contents or lengths take `&mut self`, so
+/// share a cache between threads that append as `Mutex<KvCache>` (or `RwLock`: attention and
+/// reads take `&self`).
 ///
 /// ```
 /// use m40llm::{Context, DeviceBuffer, KvCache, KvCacheConfig};
@@ -212,7 +214,7 @@ impl KvInput for u16 {
 /// // Append 3 tokens of K and V ([token][kv_head][dim], FP32) to layer 0, sequence 1.
 /// let k = DeviceBuffer::from_slice(&ctx, &[0.5f32; 3 * 2 * 4])?;
 /// let v = DeviceBuffer::from_slice(&ctx, &[1.0f32; 3 * 2 * 4])?;
-/// assert_eq!(kv.append(0, 1, &k, &v)?, 3);
+/// kv.append_tokens(0, 1, 3, &k, &v)?;
 /// assert_eq!(kv.seq_len(0, 1)?, 3);
 /// // Attention of one query row ([head][dim]) against those 3 positions.
 /// let q = DeviceBuffer::from_slice(&ctx, &[0.1f32; 2 * 4])?;
@@ -224,26 +226,43 @@ impl KvInput for u16 {
 /// assert!(kv.attention(0, 1, &short, &mut out, None).is_err());
 /// # Ok::<(), m40llm::Error>(())
 /// ```
-pub struct KvCache<'ctx> {
+pub struct KvCache {
     raw: NonNull<sys::m40llm_kvcache>,
-    ctx: &'ctx Context,
+    ctx: Context,
     config: KvCacheConfig,
 }
 
-impl<'ctx> KvCache<'ctx> {
-    /// Allocates a cache on `ctx`'s backend with every sequence empty.
-    pub fn new(ctx: &'ctx Context, config: &KvCacheConfig) -> Result<Self> {
+// SAFETY: the cache handle may be used from any thread as long as calls on its context do not
+// run concurrently; every call through `KvCache` holds the context's lock, and the handle is
+// destroyed once, in `drop`, under that lock.
+unsafe impl Send for KvCache {}
+// SAFETY: as above; `&self` methods only read the cache, and they also hold the lock.
+unsafe impl Sync for KvCache {}
+
+impl KvCache {
+    /// Allocates a cache on `ctx`'s backend with every sequence empty. The cache keeps a handle
+    /// to `ctx` (a clone).
+    pub fn new(ctx: &Context, config: &KvCacheConfig) -> Result<Self> {
         let opts = config.to_raw()?;
         let mut raw = ptr::null_mut();
-        // SAFETY: valid out pointer, context and options.
-        check(unsafe { sys::m40llm_kvcache_create(&mut raw, ctx.as_raw(), &opts) })?;
+        {
+            let _lock = ctx.lock();
+            // SAFETY: valid out pointer, context and options; the lock is held.
+            check(unsafe { sys::m40llm_kvcache_create(&mut raw, ctx.as_raw(), &opts) })?;
+        }
         let raw = NonNull::new(raw)
             .ok_or_else(|| Error::invalid("m40llm_kvcache_create returned null"))?;
         Ok(KvCache {
             raw,
-            ctx,
+            ctx: ctx.clone(),
             config: *config,
         })
+    }
+
+    /// Runs one library call on the cache with the context's lock held and checks its status.
+    fn call(&self, f: impl FnOnce(*mut sys::m40llm_kvcache) -> c_int) -> Result<()> {
+        let _lock = self.ctx.lock();
+        check(f(self.raw.as_ptr()))
     }
 
     /// The cache's shape.
@@ -252,11 +271,12 @@ impl<'ctx> KvCache<'ctx> {
     }
 
     /// The context the cache lives in.
-    pub fn context(&self) -> &'ctx Context {
-        self.ctx
+    pub fn context(&self) -> &Context {
+        &self.ctx
     }
 
-    /// The raw handle, for calling `m40llm_sys` directly. It stays owned by `self`.
+    /// The raw handle, for calling `m40llm_sys` directly. It stays owned by `self`. Make raw
+    /// calls inside [`Context::with_raw`] on [`context`](Self::context), which holds the lock.
     pub fn as_raw(&self) -> *mut sys::m40llm_kvcache {
         self.raw.as_ptr()
     }
@@ -282,7 +302,7 @@ impl<'ctx> KvCache<'ctx> {
     }
 
     fn same_context<T: Element>(&self, what: &str, buf: &impl DeviceRead<T>) -> Result<()> {
-        if buf.context().same_as(self.ctx) {
+        if buf.context().same_as(&self.ctx) {
             Ok(())
         } else {
             Err(Error::invalid(format!(
@@ -296,7 +316,7 @@ impl<'ctx> KvCache<'ctx> {
         let (l, s) = (self.layer(layer)?, self.seq("seq", seq)?);
         let mut len: c_int = 0;
         // SAFETY: valid out pointer and cache.
-        check(unsafe { sys::m40llm_kvcache_seq_len(&mut len, self.raw.as_ptr(), l, s) })?;
+        self.call(|c| unsafe { sys::m40llm_kvcache_seq_len(&mut len, c, l, s) })?;
         Ok(len.max(0) as usize)
     }
 
@@ -304,7 +324,7 @@ impl<'ctx> KvCache<'ctx> {
     pub fn reset(&mut self, seq: usize) -> Result<()> {
         let s = self.seq("seq", seq)?;
         // SAFETY: valid cache.
-        check(unsafe { sys::m40llm_kvcache_seq_reset(self.raw.as_ptr(), s) })
+        self.call(|c| unsafe { sys::m40llm_kvcache_seq_reset(c, s) })
     }
 
     /// Keeps the first `new_len` positions of `seq` in every layer (shorter layers keep their
@@ -314,7 +334,7 @@ impl<'ctx> KvCache<'ctx> {
         // Lengths never exceed max_seq_len, which fits a C int, so clamping keeps the meaning.
         let n = new_len.min(c_int::MAX as usize) as c_int;
         // SAFETY: valid cache.
-        check(unsafe { sys::m40llm_kvcache_seq_truncate(self.raw.as_ptr(), s, n) })
+        self.call(|c| unsafe { sys::m40llm_kvcache_seq_truncate(c, s, n) })
     }
 
     /// Makes `dst` a copy of `src` in every layer (contents and lengths), e.g. to branch a
@@ -325,14 +345,21 @@ impl<'ctx> KvCache<'ctx> {
             return Err(Error::invalid(format!("fork: dst and src are both {dst}")));
         }
         // SAFETY: valid cache.
-        check(unsafe { sys::m40llm_kvcache_seq_fork(self.raw.as_ptr(), d, s) })
+        self.call(|c| unsafe { sys::m40llm_kvcache_seq_fork(c, d, s) })
     }
 
     /// Appends tokens to `(layer, seq)` and returns how many. `k` and `v` hold
     /// `[n_tokens][n_kv_heads][head_dim]` elements, `f32` (rounded to FP16) or `f16`/`u16`
-    /// (stored as is); `n_tokens` is their length divided by [`KvCacheConfig::kv_row_len`].
-    /// Fails with [`Status::Capacity`](crate::Status), writing nothing, if the sequence would
-    /// pass `max_seq_len`.
+    /// (stored as is); `n_tokens` is inferred as their length divided by
+    /// [`KvCacheConfig::kv_row_len`] (`n_kv_heads × head_dim`), and a length that is not a
+    /// positive whole multiple of it is an error. Fails with [`Status::Capacity`](crate::Status),
+    /// writing nothing, if the sequence would pass `max_seq_len`.
+    ///
+    /// Inferring the count cannot catch every mistake: with GQA, a K row of
+    /// `n_heads × head_dim` values (a query-shaped row) is a whole multiple of the K/V row and
+    /// would be stored as `n_heads / n_kv_heads` tokens. When you know the token count, prefer
+    /// [`append_tokens`](Self::append_tokens) or [`append_token`](Self::append_token), which
+    /// check the length exactly.
     pub fn append<T: KvInput>(
         &mut self,
         layer: usize,
@@ -340,10 +367,104 @@ impl<'ctx> KvCache<'ctx> {
         k: &impl DeviceRead<T>,
         v: &impl DeviceRead<T>,
     ) -> Result<usize> {
-        let (l, s) = (self.layer(layer)?, self.seq("seq", seq)?);
+        let row = self.config.kv_row_len();
+        self.check_kv_pair(k, v)?;
+        if k.is_empty() || k.len() % row != 0 {
+            return Err(Error::invalid(format!(
+                "k and v have {} elements, not a positive whole multiple of one token's K/V row, \
+                 n_kv_heads × head_dim = {} × {} = {row}",
+                k.len(),
+                self.config.n_kv_heads,
+                self.config.head_dim
+            )));
+        }
+        let n_tokens = k.len() / row;
+        self.append_raw(layer, seq, n_tokens, k, v)?;
+        Ok(n_tokens)
+    }
+
+    /// Appends exactly `n_tokens` tokens to `(layer, seq)`: `k` and `v` must each hold
+    /// `n_tokens × n_kv_heads × head_dim` elements (`[n_tokens][n_kv_heads][head_dim]`), else
+    /// the call fails with [`Status::InvalidArgument`](crate::Status) and a message naming
+    /// `n_kv_heads × head_dim` (and the GQA mix-up, when the buffer is `n_heads × head_dim`
+    /// per token). Element types and capacity as [`append`](Self::append).
+    ///
+    /// ```
+    /// use m40llm::{Context, DeviceBuffer, KvCache, KvCacheConfig, Status};
+    /// let ctx = Context::cpu()?;
+    /// // GQA: 8 query heads share 2 K/V heads of 4 elements.
+    /// let cfg = KvCacheConfig::new(1, 8, 4).kv_heads(2).max_seq_len(16);
+    /// let mut kv = KvCache::new(&ctx, &cfg)?;
+    /// let k = DeviceBuffer::from_slice(&ctx, &[0.5f32; 2 * 2 * 4])?; // 2 tokens
+    /// kv.append_tokens(0, 0, 2, &k, &k)?;
+    /// // A query-shaped row (n_heads × head_dim = 32 values) is not one token of K.
+    /// let wrong = DeviceBuffer::from_slice(&ctx, &[0.5f32; 8 * 4])?;
+    /// let e = kv.append_token(0, 0, &wrong, &wrong).unwrap_err();
+    /// assert_eq!(e.status(), Status::InvalidArgument);
+    /// assert!(e.message().contains("n_kv_heads × head_dim"), "{e}");
+    /// assert_eq!(kv.seq_len(0, 0)?, 2);
+    /// # Ok::<(), m40llm::Error>(())
+    /// ```
+    pub fn append_tokens<T: KvInput>(
+        &mut self,
+        layer: usize,
+        seq: usize,
+        n_tokens: usize,
+        k: &impl DeviceRead<T>,
+        v: &impl DeviceRead<T>,
+    ) -> Result<()> {
+        let cfg = &self.config;
+        let row = cfg.kv_row_len();
+        if n_tokens == 0 {
+            return Err(Error::invalid("n_tokens must be >= 1"));
+        }
+        let want = n_tokens
+            .checked_mul(row)
+            .ok_or_else(|| Error::invalid(format!("n_tokens = {n_tokens} is too large")))?;
+        for (what, got) in [("k", k.len()), ("v", v.len())] {
+            if got != want {
+                let mut msg = format!(
+                    "{what} has {got} elements, expected {n_tokens} token(s) × n_kv_heads × \
+                     head_dim = {n_tokens} × {} × {} = {want}",
+                    cfg.n_kv_heads, cfg.head_dim
+                );
+                if cfg.n_kv_heads != cfg.n_heads
+                    && Some(got) == n_tokens.checked_mul(cfg.q_row_len())
+                {
+                    msg.push_str(&format!(
+                        " ({got} is n_tokens × n_heads × head_dim: K and V rows have n_kv_heads = \
+                         {} heads, not n_heads = {})",
+                        cfg.n_kv_heads, cfg.n_heads
+                    ));
+                }
+                return Err(Error::invalid(msg));
+            }
+        }
+        self.check_kv_pair(k, v)?;
+        self.append_raw(layer, seq, n_tokens, k, v)
+    }
+
+    /// Appends one token to `(layer, seq)`: [`append_tokens`](Self::append_tokens) with
+    /// `n_tokens = 1`, so `k` and `v` must each hold exactly `n_kv_heads × head_dim` elements
+    /// (the usual decode step).
+    pub fn append_token<T: KvInput>(
+        &mut self,
+        layer: usize,
+        seq: usize,
+        k: &impl DeviceRead<T>,
+        v: &impl DeviceRead<T>,
+    ) -> Result<()> {
+        self.append_tokens(layer, seq, 1, k, v)
+    }
+
+    /// Same context, same length.
+    fn check_kv_pair<T: KvInput>(
+        &self,
+        k: &impl DeviceRead<T>,
+        v: &impl DeviceRead<T>,
+    ) -> Result<()> {
         self.same_context("k", k)?;
         self.same_context("v", v)?;
-        let row = self.config.kv_row_len();
         if k.len() != v.len() {
             return Err(Error::invalid(format!(
                 "k has {} elements but v has {}",
@@ -351,19 +472,25 @@ impl<'ctx> KvCache<'ctx> {
                 v.len()
             )));
         }
-        if k.is_empty() || k.len() % row != 0 {
-            return Err(Error::invalid(format!(
-                "k and v have {} elements: expected a positive multiple of n_kv_heads * head_dim = {row}",
-                k.len()
-            )));
-        }
-        let n_tokens = k.len() / row;
+        Ok(())
+    }
+
+    /// The library's append; `k` and `v` hold exactly `n_tokens` rows (checked by the caller).
+    fn append_raw<T: KvInput>(
+        &mut self,
+        layer: usize,
+        seq: usize,
+        n_tokens: usize,
+        k: &impl DeviceRead<T>,
+        v: &impl DeviceRead<T>,
+    ) -> Result<()> {
+        let (l, s) = (self.layer(layer)?, self.seq("seq", seq)?);
+        debug_assert_eq!(k.len(), n_tokens * self.config.kv_row_len());
+        debug_assert_eq!(v.len(), k.len());
         let n = to_c(n_tokens, "n_tokens")?;
+        let (kp, vp) = (k.device_ptr(), v.device_ptr());
         // SAFETY: k and v each cover n_tokens rows of backend memory of this cache's context.
-        check(unsafe {
-            T::append_raw(self.raw.as_ptr(), l, s, k.device_ptr(), v.device_ptr(), n)
-        })?;
-        Ok(n_tokens)
+        self.call(|c| unsafe { T::append_raw(c, l, s, kp, vp, n) })
     }
 
     fn check_read_out<T: HalfElement>(
@@ -396,7 +523,7 @@ impl<'ctx> KvCache<'ctx> {
         let n = to_c(n_tokens, "n_tokens")?;
         // SAFETY: each non-null output covers n_tokens rows of backend memory of this context;
         // the library checks pos + n_tokens against the sequence length.
-        check(unsafe { sys::m40llm_kvcache_read_f16(k, v, self.raw.as_ptr(), l, s, p, n) })
+        self.call(|c| unsafe { sys::m40llm_kvcache_read_f16(k, v, c, l, s, p, n) })
     }
 
     /// Copies positions `pos..pos + n` of `(layer, seq)` out as FP16 into `k_out` and `v_out`
@@ -489,8 +616,8 @@ impl<'ctx> KvCache<'ctx> {
         // buffers are dropped unread.
         let (mut k, mut v) = unsafe {
             (
-                DeviceBuffer::<f16>::uninit(self.ctx, len)?,
-                DeviceBuffer::<f16>::uninit(self.ctx, len)?,
+                DeviceBuffer::<f16>::uninit(&self.ctx, len)?,
+                DeviceBuffer::<f16>::uninit(&self.ctx, len)?,
             )
         };
         self.read_f16(layer, seq, pos, &mut k, &mut v)?;
@@ -516,15 +643,9 @@ impl<'ctx> KvCache<'ctx> {
         let (l, s) = (self.layer(layer)?, self.seq("seq", seq)?);
         let scale = self.check_attention(1, q, out, scale)?;
         // SAFETY: q and out cover one query row each in this context's memory and don't overlap.
-        check(unsafe {
-            sys::m40llm_kvcache_attn_last_token_f32q(
-                out.device_ptr_mut(),
-                self.raw.as_ptr(),
-                l,
-                s,
-                q.device_ptr(),
-                scale,
-            )
+        let out = out.device_ptr_mut();
+        self.call(|c| unsafe {
+            sys::m40llm_kvcache_attn_last_token_f32q(out, c, l, s, q.device_ptr(), scale)
         })
     }
 
@@ -551,16 +672,9 @@ impl<'ctx> KvCache<'ctx> {
         let scale = self.check_attention(ids.len(), q, out, scale)?;
         // SAFETY: q and out cover ids.len() query rows each in this context's memory and don't
         // overlap; ids is a host array of n valid sequence indices.
-        check(unsafe {
-            sys::m40llm_kvcache_attn_batch_f32q(
-                out.device_ptr_mut(),
-                self.raw.as_ptr(),
-                l,
-                ids.as_ptr(),
-                n,
-                q.device_ptr(),
-                scale,
-            )
+        let out = out.device_ptr_mut();
+        self.call(|c| unsafe {
+            sys::m40llm_kvcache_attn_batch_f32q(out, c, l, ids.as_ptr(), n, q.device_ptr(), scale)
         })
     }
 
@@ -597,14 +711,16 @@ impl<'ctx> KvCache<'ctx> {
     }
 }
 
-impl Drop for KvCache<'_> {
+impl Drop for KvCache {
     fn drop(&mut self) {
-        // SAFETY: owned handle, destroyed once, before its context (it borrows it).
+        let _lock = self.ctx.lock();
+        // SAFETY: owned handle, destroyed once, before its context (the cache holds a handle
+        // to it); the lock is held.
         unsafe { sys::m40llm_kvcache_destroy(self.raw.as_ptr()) }
     }
 }
 
-impl fmt::Debug for KvCache<'_> {
+impl fmt::Debug for KvCache {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("KvCache")
             .field("config", &self.config)

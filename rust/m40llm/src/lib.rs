@@ -2,12 +2,17 @@
 //! inference, tuned for the Tesla M40 (sm_52) and running on any newer NVIDIA GPU (through PTX)
 //! or on the CPU backend.
 //!
-//! * [`Context`]: a backend (CUDA device + stream, or CPU). Everything else borrows it.
+//! * [`Context`]: a backend (CUDA device + stream, or CPU). A cheap, clonable handle; caches
+//!   and buffers keep one.
 //! * [`DeviceBuffer`]: a typed allocation in the context's memory (`f32`, `f16`, `u16`), with
 //!   host copies, device copies, memset and sub-[`slice`](DeviceBuffer::slice)s.
 //! * [`KvCache`]: K/V for `layers x sequences`, shaped by a [`KvCacheConfig`]; append (FP32 or
-//!   FP16, one or many tokens), attention for one or many sequences, and sequence operations
-//!   (length, reset, truncate, fork, read back).
+//!   FP16, one or many tokens, with the token count checked exactly by
+//!   [`append_tokens`](KvCache::append_tokens)/[`append_token`](KvCache::append_token)),
+//!   attention for one or many sequences, and sequence operations (length, reset, truncate,
+//!   fork, read back).
+//! * With the `cudarc` feature, `cudarc_interop`: a context on a cudarc stream and cudarc
+//!   memory as K, V, q and out.
 //!
 //! Every fallible call returns [`Result`]; an [`Error`] carries the library's [`Status`] and its
 //! detail message. Buffer lengths and indices are checked in Rust before the C library is
@@ -21,11 +26,11 @@
 //! let cfg = KvCacheConfig::new(2, 4, 8).kv_heads(2).max_seqs(3).max_seq_len(64);
 //! let mut kv = KvCache::new(&ctx, &cfg)?;
 //!
-//! // One decode step for sequences 0 and 2, in layer 0.
+//! // One decode step for sequences 0 and 2, in layer 0: one token of K/V each.
 //! let k = DeviceBuffer::from_slice(&ctx, &vec![0.25f32; cfg.kv_row_len()])?;
 //! let v = DeviceBuffer::from_slice(&ctx, &vec![2.0f32; cfg.kv_row_len()])?;
 //! for seq in [0, 2] {
-//!     kv.append(0, seq, &k, &v)?;
+//!     kv.append_token(0, seq, &k, &v)?;
 //! }
 //! let q = DeviceBuffer::from_slice(&ctx, &vec![1.0f32; 2 * cfg.q_row_len()])?;
 //! let mut out = DeviceBuffer::<f32>::zeros(&ctx, 2 * cfg.q_row_len())?;
@@ -34,36 +39,117 @@
 //! # Ok::<(), m40llm::Error>(())
 //! ```
 //!
-//! # Threads
-//! The C library's rule: calls on one context and on the caches made from it must not run
-//! concurrently; distinct contexts are independent. The types encode it:
+//! # Ownership and threads
+//! A [`Context`] is a handle to a reference-counted context (like cudarc's `Arc<CudaContext>`):
+//! cloning it is cheap and gives another handle to the same context. [`KvCache`] and
+//! [`DeviceBuffer`] keep a handle, so they have no lifetime parameter and the context is
+//! destroyed only after the last of them, in whatever order they are dropped. A model can own
+//! its context, caches and buffers in one plain struct, move it to a worker thread, or hold it
+//! across `.await` in a multi-threaded async runtime:
+//!
+//! ```
+//! use m40llm::{Context, DeviceBuffer, KvCache, KvCacheConfig};
+//!
+//! struct Model {
+//!     ctx: Context,
+//!     kv: KvCache,
+//!     q: DeviceBuffer<f32>,
+//!     out: DeviceBuffer<f32>,
+//! }
+//!
+//! let ctx = Context::cpu()?;
+//! let cfg = KvCacheConfig::new(1, 2, 8).max_seq_len(16);
+//! let model = Model {
+//!     kv: KvCache::new(&ctx, &cfg)?,
+//!     q: DeviceBuffer::from_slice(&ctx, &[1.0f32; 16])?,
+//!     out: DeviceBuffer::zeros(&ctx, 16)?,
+//!     ctx,
+//! };
+//! let worker = std::thread::spawn(move || -> m40llm::Result<Vec<f32>> {
+//!     let mut m = model;
+//!     let kv_row = DeviceBuffer::from_slice(&m.ctx, &[0.5f32; 16])?;
+//!     m.kv.append_token(0, 0, &kv_row, &kv_row)?;
+//!     m.kv.attention(0, 0, &m.q, &mut m.out, None)?;
+//!     m.out.to_vec()
+//! });
+//! assert_eq!(worker.join().unwrap()?, [0.5; 16]);
+//! # Ok::<(), m40llm::Error>(())
+//! ```
+//!
+//! The C library's rule is that calls on one context and on the caches made from it must not
+//! run concurrently (distinct contexts are independent). This crate enforces it with a lock:
+//! all handles to one context share a mutex, and every library call, whether made through the
+//! context, a cache, a buffer or a view, holds it for that call. So:
 //!
 //! | Type | `Send` | `Sync` | Why |
 //! |---|---|---|---|
-//! | [`Context`] | yes | no | Owning it means no one else can call into it, so it may move to another thread (the library selects its device on every call); sharing `&Context` would allow concurrent calls. |
-//! | [`KvCache`], [`DeviceBuffer`], [`DeviceSlice`], [`DeviceSliceMut`] | no | no | Each holds a `&Context` (not `Send`, since `Context` is not `Sync`) and a raw handle used through that context, so it stays on the context's thread. |
+//! | [`Context`] | yes | yes | A handle to an `Arc`; every call takes the context's lock. |
+//! | [`KvCache`], [`DeviceBuffer`] | yes | yes | Own their handle and a [`Context`]; every call takes the lock; changes need `&mut self` (share a cache that others append to as `Mutex<KvCache>`). |
+//! | [`DeviceSlice`], [`DeviceSliceMut`] | yes | yes | Borrowed views, like `&[T]` and `&mut [T]`. |
+//! | `CudarcView`, `CudarcViewMut` (feature `cudarc`) | no | no | Short-lived views that record cudarc's events on drop. |
 //! | [`Error`], [`Status`], [`KvCacheConfig`], [`DeviceInfo`], [`Backend`] | yes | yes | Plain data. |
 //!
-//! Use one context per thread to work in parallel. The compiler enforces all of it:
+//! Threads that share one context take turns call by call (on the GPU each call only queues
+//! work, so the lock is held briefly); for parallel work use one context per thread. The lock
+//! costs an uncontended mutex per call, next to calls that take microseconds. Raw
+//! `m40llm_sys` calls should be made inside [`Context::with_raw`], which holds the lock.
 //!
-//! ```compile_fail
-//! fn needs_sync<T: Sync>() {}
-//! needs_sync::<m40llm::Context>(); // a context cannot be shared between threads
+//! ## Why the borrowing API was replaced
+//! Earlier versions had `KvCache<'ctx>` and `DeviceBuffer<'ctx, T>` borrowing `&Context`, with
+//! `Context: Send + !Sync` so that the compiler kept everything on one thread. That made the
+//! common application shapes impossible: a struct owning its context and its caches is
+//! self-referential, and nothing could move to a worker thread or be held across `.await`.
+//! Handles make both work, still prevent use-after-free (the caches keep the context alive)
+//! and turn the threading rule into a lock instead of a type-level restriction. Keeping both
+//! forms would have doubled every type for no safety gain, so the borrowing form is gone;
+//! `KvCache::new(&ctx, ..)` and `DeviceBuffer::from_slice(&ctx, ..)` keep their signatures and
+//! clone the handle. Views ([`DeviceSlice`], [`DeviceSliceMut`]) still borrow what they view.
+//!
+//! ## What does not compile
+//! Mutation still needs exclusive access; sharing a cache between threads does not let them
+//! append without a lock of their own:
+//! ```compile_fail,E0596
+//! use m40llm::{Context, DeviceBuffer, KvCache, KvCacheConfig};
+//! let ctx = Context::cpu().unwrap();
+//! let cfg = KvCacheConfig::new(1, 1, 8);
+//! let kv = std::sync::Arc::new(KvCache::new(&ctx, &cfg).unwrap());
+//! let k = DeviceBuffer::from_slice(&ctx, &[0.0f32; 8]).unwrap();
+//! kv.append_token(0, 0, &k, &k).unwrap(); // needs &mut KvCache: use Arc<Mutex<KvCache>>
 //! ```
-//! ```compile_fail
-//! fn needs_send<T: Send>() {}
-//! needs_send::<m40llm::KvCache<'static>>(); // a cache stays on its context's thread
+//! q and out of one attention call cannot be the same buffer:
+//! ```compile_fail,E0502
+//! use m40llm::{Context, DeviceBuffer, KvCache, KvCacheConfig};
+//! let ctx = Context::cpu().unwrap();
+//! let kv = KvCache::new(&ctx, &KvCacheConfig::new(1, 1, 8)).unwrap();
+//! let mut buf = DeviceBuffer::<f32>::zeros(&ctx, 8).unwrap();
+//! kv.attention(0, 0, &buf, &mut buf, None).unwrap(); // `buf` borrowed mutably while shared
 //! ```
-//! ```compile_fail
-//! fn needs_send<T: Send>() {}
-//! needs_send::<m40llm::DeviceBuffer<'static, f32>>(); // so does a buffer
-//! ```
-//! ```compile_fail
-//! use m40llm::{Context, KvCache, KvCacheConfig};
-//! let kv = {
-//!     let ctx = Context::cpu().unwrap();
-//!     KvCache::new(&ctx, &KvCacheConfig::new(1, 1, 8)).unwrap() // cannot outlive `ctx`
+//! A view cannot outlive its buffer (the buffer frees its memory on drop):
+//! ```compile_fail,E0597
+//! use m40llm::{Context, DeviceBuffer};
+//! let ctx = Context::cpu().unwrap();
+//! let view = {
+//!     let buf = DeviceBuffer::<f32>::zeros(&ctx, 8).unwrap();
+//!     buf.slice(2..4) // borrows `buf`, which is dropped here
 //! };
+//! view.to_vec().unwrap();
+//! ```
+//! A borrowed view cannot be sent to a thread that may outlive the buffer (move the buffer,
+//! or use a scoped thread):
+//! ```compile_fail,E0597
+//! use m40llm::{Context, DeviceBuffer};
+//! let ctx = Context::cpu().unwrap();
+//! let buf = DeviceBuffer::<f32>::zeros(&ctx, 8).unwrap();
+//! let view = buf.slice(..);
+//! std::thread::spawn(move || view.to_vec().unwrap()); // `buf` does not live for 'static
+//! ```
+//! A cache moved to another thread is no longer usable here:
+//! ```compile_fail,E0382
+//! use m40llm::{Context, KvCache, KvCacheConfig};
+//! let ctx = Context::cpu().unwrap();
+//! let kv = KvCache::new(&ctx, &KvCacheConfig::new(1, 1, 8)).unwrap();
+//! let t = std::thread::spawn(move || kv.seq_len(0, 0).unwrap());
+//! kv.seq_len(0, 0).unwrap(); // use after move
 //! ```
 //!
 //! # Building
@@ -72,12 +158,17 @@
 //! the `cuda` feature makes a missing toolkit an error. `M40LLM_CUDA_ARCHS` picks GPU
 //! architectures (default `52`: sm_52 SASS + compute_52 PTX). The CUDA runtime is linked
 //! statically, so binaries need only the NVIDIA driver.
+//!
+//! Features: `cuda` (require the CUDA backend), `cudarc` (the `cudarc_interop` module; cudarc
+//! is built with its driver API loaded at run time, so building needs no CUDA toolkit).
 
 #![deny(missing_docs)]
 #![warn(rust_2018_idioms)]
 
 mod buffer;
 mod context;
+#[cfg(feature = "cudarc")]
+pub mod cudarc_interop;
 mod error;
 mod kvcache;
 
@@ -88,6 +179,8 @@ pub use context::{
     built_with_cuda, cuda_device_count, library_version, Backend, Context, ContextBuilder,
     DeviceInfo,
 };
+#[cfg(feature = "cudarc")]
+pub use cudarc_interop::{CudarcView, CudarcViewMut};
 pub use error::{Error, Result, Status};
 pub use half::f16;
 pub use kvcache::{KvCache, KvCacheConfig, KvFormat, KvInput};

@@ -2,10 +2,14 @@
 
 mod common;
 
-use common::{check_attention_case, Rng, Shape};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::{check_attention_case, reference_attention, rel_l2, to_f16, Rng, Shape, TOL};
 use m40llm::{
     built_with_cuda, cuda_device_count, f16, library_version, Backend, Context, DeviceBuffer,
-    DeviceSlice, Error, KvCache, KvCacheConfig, Status,
+    DeviceSlice, DeviceSliceMut, Error, KvCache, KvCacheConfig, Status,
 };
 
 fn cpu() -> Context {
@@ -35,14 +39,17 @@ fn library_facts() {
 
 #[test]
 fn thread_safety_markers() {
-    fn send<T: Send>() {}
     fn send_sync<T: Send + Sync>() {}
-    send::<Context>();
+    send_sync::<Context>();
+    send_sync::<KvCache>();
+    send_sync::<DeviceBuffer<f32>>();
+    send_sync::<DeviceBuffer<f16>>();
+    send_sync::<DeviceSlice<'static, f32>>();
+    send_sync::<DeviceSliceMut<'static, u16>>();
     send_sync::<Error>();
     send_sync::<KvCacheConfig>();
     send_sync::<Status>();
-    // !Sync for Context and !Send for caches/buffers are checked by compile_fail doctests in
-    // the crate docs.
+    // What must not compile is checked by compile_fail doctests in the crate docs.
 }
 
 #[test]
@@ -234,7 +241,7 @@ fn sequence_operations() {
         .max_seq_len(10);
     let mut kv = KvCache::new(&ctx, &cfg).unwrap();
     assert_eq!(kv.config(), &cfg);
-    assert!(std::ptr::eq(kv.context(), &ctx));
+    assert_eq!(kv.context(), &ctx);
     let row = cfg.kv_row_len();
     let data: Vec<f32> = (0..6 * row).map(|i| i as f32 * 0.5).collect();
     let k = DeviceBuffer::from_slice(&ctx, &data).unwrap();
@@ -476,4 +483,290 @@ fn attention_matches_reference_on_cpu() {
     };
     let e = check_attention_case(&ctx, &mut rng, s, &[4099, 17], false, None);
     println!("worst rel L2 at 4099: {e:e}");
+}
+
+#[test]
+fn context_handles() {
+    let ctx = cpu();
+    let other = ctx.clone();
+    assert_eq!(ctx, other);
+    assert_eq!(ctx.as_raw(), other.as_raw());
+    assert_ne!(ctx, cpu());
+    // Caches and buffers keep the context alive, whatever the drop order.
+    let cfg = KvCacheConfig::new(1, 2, 4).max_seq_len(8);
+    let mut kv = KvCache::new(&ctx, &cfg).unwrap();
+    let k = DeviceBuffer::from_slice(&ctx, &[1.0f32; 8]).unwrap();
+    drop(ctx);
+    drop(other);
+    kv.append_token(0, 0, &k, &k).unwrap();
+    drop(k);
+    assert_eq!(kv.seq_len(0, 0).unwrap(), 1);
+    let q = DeviceBuffer::from_slice(kv.context(), &[1.0f32; 8]).unwrap();
+    let mut out = DeviceBuffer::<f32>::zeros(kv.context(), 8).unwrap();
+    kv.attention(0, 0, &q, &mut out, None).unwrap();
+    drop(kv);
+    assert_eq!(out.to_vec().unwrap(), [1.0; 8]); // the buffer outlives the cache
+}
+
+/// What an application holds: a context, a cache and its working buffers, no lifetimes.
+struct Model {
+    ctx: Context,
+    kv: KvCache,
+    q: DeviceBuffer<f32>,
+    out: DeviceBuffer<f32>,
+}
+
+#[test]
+fn cache_and_context_move_to_another_thread() {
+    let mut rng = Rng::fresh("cache_and_context_move_to_another_thread");
+    let s = Shape {
+        n_heads: 8,
+        n_kv_heads: 2,
+        head_dim: 16,
+    };
+    let cfg = KvCacheConfig::new(2, s.n_heads, s.head_dim)
+        .kv_heads(s.n_kv_heads)
+        .max_seq_len(64);
+    let row = cfg.kv_row_len();
+    let ctx = cpu();
+    let mut model = Model {
+        kv: KvCache::new(&ctx, &cfg).unwrap(),
+        q: DeviceBuffer::zeros(&ctx, cfg.q_row_len()).unwrap(),
+        out: DeviceBuffer::zeros(&ctx, cfg.q_row_len()).unwrap(),
+        ctx,
+    };
+    // Prefill here, decode on a worker thread, then use the model here again.
+    let (k0, v0) = (rng.normal_vec(5 * row, 1.0), rng.normal_vec(5 * row, 1.0));
+    let kb = DeviceBuffer::from_slice(&model.ctx, &k0).unwrap();
+    let vb = DeviceBuffer::from_slice(&model.ctx, &v0).unwrap();
+    model.kv.append_tokens(1, 0, 5, &kb, &vb).unwrap();
+    let (k1, v1) = (rng.normal_vec(3 * row, 1.0), rng.normal_vec(3 * row, 1.0));
+    let q = rng.normal_vec(cfg.q_row_len(), 1.0);
+    let (k1c, v1c, qc) = (k1.clone(), v1.clone(), q.clone());
+    let worker = std::thread::spawn(move || {
+        let mut m = model;
+        for t in 0..3 {
+            let k = DeviceBuffer::from_slice(&m.ctx, &k1c[t * row..(t + 1) * row]).unwrap();
+            let v = DeviceBuffer::from_slice(&m.ctx, &v1c[t * row..(t + 1) * row]).unwrap();
+            m.kv.append_token(1, 0, &k, &v).unwrap();
+        }
+        m.q.copy_from_host(&qc).unwrap();
+        m.kv.attention(1, 0, &m.q, &mut m.out, None).unwrap();
+        let got = m.out.to_vec().unwrap();
+        (m, got)
+    });
+    let (model, got) = worker.join().unwrap();
+    drop((kb, vb)); // buffers made here, dropped here after the cache moved and came back
+    let k: Vec<f32> = k0.iter().chain(&k1).copied().collect();
+    let v: Vec<f32> = v0.iter().chain(&v1).copied().collect();
+    let want = reference_attention(
+        s,
+        &to_f16(&k),
+        &to_f16(&v),
+        &q,
+        common::default_scale(s.head_dim),
+    );
+    let e = rel_l2(&got, &want);
+    assert!(e <= TOL, "rel L2 {e:e}");
+    assert_eq!(model.kv.seq_len(1, 0).unwrap(), 8);
+    assert_eq!(model.kv.read_to_host(1, 0, 0, 8).unwrap().0, to_f16(&k));
+}
+
+#[test]
+fn threads_share_one_context_through_clones() {
+    let ctx = cpu();
+    let s = Shape {
+        n_heads: 4,
+        n_kv_heads: 2,
+        head_dim: 32,
+    };
+    // Each thread makes its own cache and buffers on the shared context and calls concurrently;
+    // the context's lock serializes the calls.
+    let workers: Vec<_> = (0..4)
+        .map(|t| {
+            let ctx = ctx.clone();
+            std::thread::spawn(move || {
+                let mut rng = Rng::fresh(&format!("threads_share_one_context[{t}]"));
+                check_attention_case(&ctx, &mut rng, s, &[40, 3, 17], t % 2 == 1, None)
+            })
+        })
+        .collect();
+    for w in workers {
+        assert!(w.join().unwrap() <= TOL);
+    }
+
+    // One cache shared by threads: attention takes &self (KvCache is Sync), appends go
+    // through a Mutex.
+    let cfg = KvCacheConfig::new(1, s.n_heads, s.head_dim)
+        .kv_heads(s.n_kv_heads)
+        .max_seqs(2)
+        .max_seq_len(32);
+    let kv = Arc::new(Mutex::new(KvCache::new(&ctx, &cfg).unwrap()));
+    let mut rng = Rng::fresh("threads_share_one_cache");
+    let k = rng.normal_vec(20 * cfg.kv_row_len(), 1.0);
+    let writers: Vec<_> = (0..2)
+        .map(|seq| {
+            let (kv, ctx, k) = (kv.clone(), ctx.clone(), k.clone());
+            std::thread::spawn(move || {
+                let kb = DeviceBuffer::from_slice(&ctx, &k).unwrap();
+                kv.lock()
+                    .unwrap()
+                    .append_tokens(0, seq, 20, &kb, &kb)
+                    .unwrap();
+            })
+        })
+        .collect();
+    for w in writers {
+        w.join().unwrap();
+    }
+    let kv = Arc::new(Arc::try_unwrap(kv).unwrap().into_inner().unwrap());
+    let q = rng.normal_vec(cfg.q_row_len(), 1.0);
+    let want = reference_attention(
+        s,
+        &to_f16(&k),
+        &to_f16(&k),
+        &q,
+        common::default_scale(s.head_dim),
+    );
+    let readers: Vec<_> = (0..4)
+        .map(|t| {
+            let (kv, q, want) = (kv.clone(), q.clone(), want.clone());
+            std::thread::spawn(move || {
+                let ctx = kv.context();
+                let qb = DeviceBuffer::from_slice(ctx, &q).unwrap();
+                let mut out = DeviceBuffer::<f32>::zeros(ctx, q.len()).unwrap();
+                kv.attention(0, t % 2, &qb, &mut out, None).unwrap();
+                rel_l2(&out.to_vec().unwrap(), &want)
+            })
+        })
+        .collect();
+    for r in readers {
+        assert!(r.join().unwrap() <= TOL);
+    }
+}
+
+#[test]
+fn calls_on_one_context_wait_for_its_lock() {
+    let ctx = cpu();
+    let kv = KvCache::new(&ctx, &KvCacheConfig::new(1, 1, 8)).unwrap();
+    let other_ctx = cpu();
+    let (held, released) = (mpsc::channel(), Arc::new(AtomicBool::new(false)));
+    let holder = {
+        let (ctx, tx, released) = (ctx.clone(), held.0, released.clone());
+        std::thread::spawn(move || {
+            ctx.with_raw(|raw| {
+                assert!(!raw.is_null());
+                tx.send(()).unwrap();
+                std::thread::sleep(Duration::from_millis(300));
+                released.store(true, Ordering::SeqCst);
+            })
+        })
+    };
+    held.1.recv().unwrap(); // the other thread holds the context's lock now
+                            // Another context does not wait.
+    other_ctx.synchronize().unwrap();
+    assert!(!released.load(Ordering::SeqCst), "another context waited");
+    // A call through a cache of the locked context waits until the lock is released.
+    let t0 = Instant::now();
+    assert_eq!(kv.seq_len(0, 0).unwrap(), 0);
+    assert!(
+        released.load(Ordering::SeqCst),
+        "a call ran while the lock was held"
+    );
+    assert!(t0.elapsed() >= Duration::from_millis(100));
+    holder.join().unwrap();
+}
+
+#[test]
+fn append_checks_the_row_length() {
+    let ctx = cpu();
+    // GQA: 8 query heads share 2 K/V heads; one token of K is 2 x 4 = 8 values, a query row 32.
+    let cfg = KvCacheConfig::new(1, 8, 4)
+        .kv_heads(2)
+        .max_seqs(1)
+        .max_seq_len(12);
+    let mut kv = KvCache::new(&ctx, &cfg).unwrap();
+    let data: Vec<f32> = (0..64).map(|i| i as f32).collect();
+    let buf = |n: usize| DeviceBuffer::from_slice(&ctx, &data[..n]).unwrap();
+
+    // append: a length that is not a whole number of K/V rows.
+    let e = assert_status(kv.append(0, 0, &buf(12), &buf(12)), Status::InvalidArgument);
+    assert!(
+        e.message().contains("n_kv_heads × head_dim = 2 × 4 = 8") && e.message().contains("12"),
+        "{e}"
+    );
+    assert_status(kv.append(0, 0, &buf(0), &buf(0)), Status::InvalidArgument);
+    assert_status(kv.append(0, 0, &buf(8), &buf(16)), Status::InvalidArgument);
+
+    // append_token: exactly one row; a query-shaped row (the GQA mix-up) is named as such.
+    let e = assert_status(
+        kv.append_token(0, 0, &buf(32), &buf(32)),
+        Status::InvalidArgument,
+    );
+    let m = e.message();
+    assert!(m.contains("n_kv_heads × head_dim"), "{e}");
+    assert!(m.contains("1 × 2 × 4 = 8"), "{e}");
+    assert!(m.contains("32") && m.contains("n_heads = 8"), "{e}");
+    let e = assert_status(
+        kv.append_token(0, 0, &buf(16), &buf(16)),
+        Status::InvalidArgument,
+    );
+    assert!(!e.message().contains("n_heads ="), "not the GQA case: {e}");
+    let e = assert_status(
+        kv.append_token(0, 0, &buf(8), &buf(7)),
+        Status::InvalidArgument,
+    );
+    assert!(e.message().starts_with("v has 7 elements"), "{e}");
+
+    // append_tokens: exactly n_tokens rows.
+    let e = assert_status(
+        kv.append_tokens(0, 0, 3, &buf(16), &buf(16)),
+        Status::InvalidArgument,
+    );
+    assert!(e.message().contains("3 × 2 × 4 = 24"), "{e}");
+    let e = assert_status(
+        kv.append_tokens(0, 0, 2, &buf(64), &buf(64)),
+        Status::InvalidArgument,
+    );
+    assert!(e.message().contains("n_heads = 8"), "GQA hint: {e}");
+    assert_status(
+        kv.append_tokens(0, 0, 0, &buf(0), &buf(0)),
+        Status::InvalidArgument,
+    );
+    assert_status(
+        kv.append_tokens(0, 0, usize::MAX, &buf(8), &buf(8)),
+        Status::InvalidArgument,
+    );
+    assert_eq!(kv.seq_len(0, 0).unwrap(), 0, "a rejected append wrote");
+
+    // The right lengths work, and indices and capacity are still checked.
+    kv.append_token(0, 0, &buf(8), &buf(8)).unwrap();
+    kv.append_tokens(0, 0, 3, &buf(24), &buf(24)).unwrap();
+    assert_eq!(kv.append(0, 0, &buf(16), &buf(16)).unwrap(), 2);
+    assert_eq!(kv.seq_len(0, 0).unwrap(), 6);
+    let (k, _) = kv.read_to_host(0, 0, 0, 6).unwrap();
+    let want: Vec<f32> = data[..8]
+        .iter()
+        .chain(&data[..24])
+        .chain(&data[..16])
+        .copied()
+        .collect();
+    assert_eq!(k, to_f16(&want));
+    assert_status(kv.append_token(1, 0, &buf(8), &buf(8)), Status::OutOfRange);
+    assert_status(kv.append_token(0, 1, &buf(8), &buf(8)), Status::OutOfRange);
+    assert_status(
+        kv.append_tokens(0, 0, 8, &buf(64), &buf(64)),
+        Status::Capacity,
+    );
+    let other = cpu();
+    let foreign = DeviceBuffer::from_slice(&other, &data[..8]).unwrap();
+    assert_status(
+        kv.append_token(0, 0, &foreign, &buf(8)),
+        Status::InvalidArgument,
+    );
+    // f16 input takes the same checks.
+    let h = DeviceBuffer::from_slice(&ctx, &to_f16(&data[..32])).unwrap();
+    assert_status(kv.append_token(0, 0, &h, &h), Status::InvalidArgument);
+    kv.append_token(0, 0, &h.slice(..8), &h.slice(..8)).unwrap();
+    assert_eq!(kv.seq_len(0, 0).unwrap(), 7);
 }

@@ -5,7 +5,12 @@
 
 mod common;
 
-use common::{check_attention_case, gpu_context, Rng, Shape};
+use std::sync::Arc;
+
+use common::{
+    check_attention_case, default_scale, gpu_context, reference_attention, rel_l2, to_f16, Rng,
+    Shape, TOL,
+};
 use m40llm::{f16, Backend, Context, DeviceBuffer, KvCache, KvCacheConfig, Status};
 
 const LENS: [usize; 5] = [1, 31, 33, 257, 4099];
@@ -197,6 +202,362 @@ fn contexts_on_several_threads() {
     }
 }
 
+fn shared_context_across_threads() {
+    // One CUDA context shared by 4 threads through clones: each makes its own caches and
+    // buffers and calls concurrently (the context's lock serializes the calls); then one cache
+    // shared read-only by 4 threads running attention at once.
+    let Some(ctx) = gpu_context("shared_context_across_threads") else {
+        return;
+    };
+    let s = Shape {
+        n_heads: 32,
+        n_kv_heads: 8,
+        head_dim: 128,
+    };
+    let workers: Vec<_> = (0..4)
+        .map(|t| {
+            let ctx = ctx.clone();
+            std::thread::spawn(move || {
+                let mut rng = Rng::fresh(&format!("shared_context_across_threads[{t}]"));
+                check_attention_case(&ctx, &mut rng, s, &[513, 1, 64], t % 2 == 1, None)
+            })
+        })
+        .collect();
+    for w in workers {
+        let e = w.join().unwrap();
+        println!("shared_context_across_threads: worst rel L2 {e:e}");
+        assert!(e <= TOL);
+    }
+
+    let cfg = KvCacheConfig::new(1, s.n_heads, s.head_dim)
+        .kv_heads(s.n_kv_heads)
+        .max_seqs(2)
+        .max_seq_len(1000);
+    let mut rng = Rng::fresh("shared_context_across_threads[cache]");
+    let mut kv = KvCache::new(&ctx, &cfg).unwrap();
+    let mut kv_host = Vec::new();
+    for (seq, len) in [(0, 1000), (1, 77)] {
+        let k = rng.normal_vec(len * cfg.kv_row_len(), 1.0);
+        let v = rng.normal_vec(len * cfg.kv_row_len(), 1.0);
+        let kb = DeviceBuffer::from_slice(&ctx, &k).unwrap();
+        let vb = DeviceBuffer::from_slice(&ctx, &v).unwrap();
+        kv.append_tokens(0, seq, len, &kb, &vb).unwrap();
+        kv_host.push((to_f16(&k), to_f16(&v)));
+    }
+    let kv = Arc::new(kv);
+    let kv_host = Arc::new(kv_host);
+    let readers: Vec<_> = (0..4)
+        .map(|t| {
+            let (kv, kv_host) = (kv.clone(), kv_host.clone());
+            let q = rng.normal_vec(cfg.q_row_len(), 1.0);
+            std::thread::spawn(move || {
+                let seq = t % 2;
+                let ctx = kv.context();
+                let qb = DeviceBuffer::from_slice(ctx, &q).unwrap();
+                let mut out = DeviceBuffer::<f32>::zeros(ctx, q.len()).unwrap();
+                for _ in 0..20 {
+                    kv.attention(0, seq, &qb, &mut out, None).unwrap();
+                }
+                let (k, v) = &kv_host[seq];
+                let want = reference_attention(s, k, v, &q, default_scale(s.head_dim));
+                rel_l2(&out.to_vec().unwrap(), &want)
+            })
+        })
+        .collect();
+    for r in readers {
+        let e = r.join().unwrap();
+        assert!(e <= TOL, "shared cache: rel L2 {e:e}");
+    }
+    ctx.synchronize().unwrap();
+}
+
+fn cache_moves_between_threads() {
+    // A model struct (context, cache, buffers) built here, decoded on a worker thread, and
+    // checked here again, against the float64 reference.
+    struct Model {
+        ctx: Context,
+        kv: KvCache,
+        q: DeviceBuffer<f32>,
+        out: DeviceBuffer<f32>,
+    }
+    if gpu_context("cache_moves_between_threads").is_none() {
+        return;
+    }
+    let ctx = Context::cuda(0).unwrap();
+    let mut rng = Rng::fresh("cache_moves_between_threads");
+    let s = Shape {
+        n_heads: 16,
+        n_kv_heads: 4,
+        head_dim: 64,
+    };
+    let cfg = KvCacheConfig::new(1, s.n_heads, s.head_dim)
+        .kv_heads(s.n_kv_heads)
+        .max_seq_len(400);
+    let row = cfg.kv_row_len();
+    let mut m = Model {
+        kv: KvCache::new(&ctx, &cfg).unwrap(),
+        q: DeviceBuffer::zeros(&ctx, cfg.q_row_len()).unwrap(),
+        out: DeviceBuffer::zeros(&ctx, cfg.q_row_len()).unwrap(),
+        ctx,
+    };
+    let (k, v) = (
+        rng.normal_vec(300 * row, 1.0),
+        rng.normal_vec(300 * row, 1.0),
+    );
+    let kb = DeviceBuffer::from_slice(&m.ctx, &k[..250 * row]).unwrap();
+    let vb = DeviceBuffer::from_slice(&m.ctx, &v[..250 * row]).unwrap();
+    m.kv.append_tokens(0, 0, 250, &kb, &vb).unwrap();
+    let q = rng.normal_vec(cfg.q_row_len(), 1.0);
+    let (k2, v2, q2) = (k.clone(), v.clone(), q.clone());
+    let (m, got) = std::thread::spawn(move || {
+        let mut m = m;
+        for t in 250..300 {
+            let kt = DeviceBuffer::from_slice(&m.ctx, &k2[t * row..(t + 1) * row]).unwrap();
+            let vt = DeviceBuffer::from_slice(&m.ctx, &v2[t * row..(t + 1) * row]).unwrap();
+            m.kv.append_token(0, 0, &kt, &vt).unwrap();
+        }
+        m.q.copy_from_host(&q2).unwrap();
+        m.kv.attention(0, 0, &m.q, &mut m.out, None).unwrap();
+        let got = m.out.to_vec().unwrap();
+        (m, got)
+    })
+    .join()
+    .unwrap();
+    drop((kb, vb));
+    let want = reference_attention(s, &to_f16(&k), &to_f16(&v), &q, default_scale(s.head_dim));
+    let e = rel_l2(&got, &want);
+    println!("cache_moves_between_threads: rel L2 {e:e}");
+    assert!(e <= TOL);
+    assert_eq!(m.kv.read_to_host(0, 0, 0, 300).unwrap().1, to_f16(&v));
+    m.ctx.synchronize().unwrap();
+}
+
+fn append_row_length_checks() {
+    // The GQA mix-up (a query-shaped K row) is an error before any kernel runs.
+    let Some(ctx) = gpu_context("append_row_length_checks") else {
+        return;
+    };
+    let cfg = KvCacheConfig::new(1, 32, 128).kv_heads(8).max_seq_len(8);
+    let mut kv = KvCache::new(&ctx, &cfg).unwrap();
+    let wrong = DeviceBuffer::<f32>::zeros(&ctx, cfg.q_row_len()).unwrap();
+    let e = kv.append_token(0, 0, &wrong, &wrong).unwrap_err();
+    assert_eq!(e.status(), Status::InvalidArgument);
+    assert!(e.message().contains("n_kv_heads × head_dim"), "{e}");
+    let right = DeviceBuffer::<f32>::zeros(&ctx, cfg.kv_row_len()).unwrap();
+    kv.append_token(0, 0, &right, &right).unwrap();
+    assert_eq!(kv.seq_len(0, 0).unwrap(), 1);
+    ctx.synchronize().unwrap();
+}
+
+#[cfg(feature = "cudarc")]
+fn cudarc_interop() {
+    // m40llm on a cudarc stream, K/V/q/out in cudarc memory (one of them allocated on another
+    // cudarc stream), against the float64 reference.
+    use cudarc::driver::CudaContext;
+    use m40llm::CudarcView;
+
+    if gpu_context("cudarc_interop").is_none() {
+        return;
+    }
+    let cuda = CudaContext::new(0).unwrap();
+    let stream = cuda.new_stream().unwrap();
+    let other_stream = cuda.new_stream().unwrap();
+    let ctx = Context::from_cudarc_stream(&stream).unwrap();
+    assert_eq!(ctx.backend(), Backend::Cuda);
+    assert_eq!(ctx.device(), Some(0));
+    assert_eq!(ctx.cuda_stream(), stream.cu_stream().cast());
+    assert!(Arc::ptr_eq(ctx.cudarc_stream().unwrap(), &stream));
+
+    let mut rng = Rng::fresh("cudarc_interop");
+    let s = Shape {
+        n_heads: 32,
+        n_kv_heads: 8,
+        head_dim: 128,
+    };
+    let cfg = KvCacheConfig::new(2, s.n_heads, s.head_dim)
+        .kv_heads(s.n_kv_heads)
+        .max_seqs(2)
+        .max_seq_len(600);
+    let (row, qrow) = (cfg.kv_row_len(), cfg.q_row_len());
+    let mut kv = KvCache::new(&ctx, &cfg).unwrap();
+    let lens = [513usize, 33];
+    let mut host = Vec::new();
+    for (seq, &len) in lens.iter().enumerate() {
+        let k = rng.normal_vec(len * row, 1.0);
+        let v = rng.normal_vec(len * row, 1.0);
+        // Seq 1's K comes from another stream: the view makes the context's stream wait.
+        let kd = if seq == 1 {
+            other_stream.clone_htod(&k).unwrap()
+        } else {
+            stream.clone_htod(&k).unwrap()
+        };
+        let vd = stream.clone_htod(&v).unwrap();
+        // All but the last 3 tokens at once (whole slices), then token by token (CudaViews).
+        let bulk = len - 3;
+        let (kb, vb) = (kd.slice(..bulk * row), vd.slice(..bulk * row));
+        kv.append_tokens(
+            1,
+            seq,
+            bulk,
+            &ctx.cudarc_view(&kb).unwrap(),
+            &ctx.cudarc_view(&vb).unwrap(),
+        )
+        .unwrap();
+        for t in bulk..len {
+            let kt = kd.slice(t * row..(t + 1) * row);
+            let vt = vd.slice(t * row..(t + 1) * row);
+            kv.append_token(
+                1,
+                seq,
+                &CudarcView::new(&ctx, &kt).unwrap(),
+                &CudarcView::new(&ctx, &vt).unwrap(),
+            )
+            .unwrap();
+        }
+        host.push((to_f16(&k), to_f16(&v)));
+    }
+    // Batched attention: q and out are cudarc slices.
+    let ids = [1usize, 0, 1];
+    let q = rng.normal_vec(ids.len() * qrow, 1.0);
+    let qd = stream.clone_htod(&q).unwrap();
+    let mut outd = stream.alloc_zeros::<f32>(ids.len() * qrow).unwrap();
+    kv.attention_batch(
+        1,
+        &ids,
+        &ctx.cudarc_view(&qd).unwrap(),
+        &mut ctx.cudarc_view_mut(&mut outd).unwrap(),
+        None,
+    )
+    .unwrap();
+    let got: Vec<f32> = stream.clone_dtoh(&outd).unwrap();
+    for (i, &seq) in ids.iter().enumerate() {
+        let (k, v) = &host[seq];
+        let want = reference_attention(
+            s,
+            k,
+            v,
+            &q[i * qrow..(i + 1) * qrow],
+            default_scale(s.head_dim),
+        );
+        let e = rel_l2(&got[i * qrow..(i + 1) * qrow], &want);
+        println!("cudarc_interop: row {i} (seq {seq}): rel L2 {e:e}");
+        assert!(e <= TOL);
+    }
+    // Single-sequence attention into part of a cudarc slice (a CudaViewMut).
+    let mut out1 = stream.alloc_zeros::<f32>(2 * qrow).unwrap();
+    {
+        let mut part = out1.slice_mut(qrow..);
+        let qv = qd.slice(..qrow);
+        kv.attention(
+            1,
+            1,
+            &ctx.cudarc_view(&qv).unwrap(),
+            &mut ctx.cudarc_view_mut(&mut part).unwrap(),
+            Some(0.05),
+        )
+        .unwrap();
+    }
+    let got1: Vec<f32> = stream.clone_dtoh(&out1).unwrap();
+    assert!(got1[..qrow].iter().all(|&x| x == 0.0));
+    let want1 = reference_attention(s, &host[1].0, &host[1].1, &q[..qrow], 0.05);
+    assert!(rel_l2(&got1[qrow..], &want1) <= TOL);
+    // Read-back into cudarc memory (u16 bit patterns).
+    let mut kbits = stream.alloc_zeros::<u16>(lens[1] * row).unwrap();
+    kv.read_k_f16(1, 1, 0, &mut ctx.cudarc_view_mut(&mut kbits).unwrap())
+        .unwrap();
+    let kbits: Vec<u16> = stream.clone_dtoh(&kbits).unwrap();
+    assert!(kbits.iter().zip(&host[1].0).all(|(&a, b)| a == b.to_bits()));
+
+    // Lengths are checked as for any buffer.
+    let short = stream.alloc_zeros::<f32>(qrow - 1).unwrap();
+    let e = kv
+        .attention(
+            1,
+            0,
+            &ctx.cudarc_view(&short).unwrap(),
+            &mut ctx.cudarc_view_mut(&mut outd).unwrap(),
+            None,
+        )
+        .unwrap_err();
+    assert_eq!(e.status(), Status::InvalidArgument);
+    let e = kv
+        .append_token(
+            1,
+            0,
+            &ctx.cudarc_view(&qd.slice(..qrow)).unwrap(),
+            &ctx.cudarc_view(&qd.slice(..qrow)).unwrap(),
+        )
+        .unwrap_err();
+    assert!(e.message().contains("n_kv_heads × head_dim"), "{e}");
+    // Contexts that cannot use cudarc memory.
+    let plain = Context::cuda(0).unwrap();
+    let e = CudarcView::new(&plain, &qd).unwrap_err();
+    assert!(e.message().contains("from_cudarc_stream"), "{e}");
+    let cpu = Context::cpu().unwrap();
+    assert_eq!(
+        CudarcView::new(&cpu, &qd).unwrap_err().status(),
+        Status::InvalidArgument
+    );
+    // A view of another m40llm context's memory is refused by the cache.
+    let ctx2 = Context::from_cudarc_stream(&other_stream).unwrap();
+    let e = kv
+        .attention(
+            1,
+            0,
+            &ctx2.cudarc_view(&qd.slice(..qrow)).unwrap(),
+            &mut ctx.cudarc_view_mut(&mut out1.slice_mut(..qrow)).unwrap(),
+            None,
+        )
+        .unwrap_err();
+    assert_eq!(e.status(), Status::InvalidArgument);
+    // The per-thread stream is refused; the default (legacy) stream works.
+    assert_eq!(
+        Context::from_cudarc_stream(&cuda.per_thread_stream())
+            .unwrap_err()
+            .status(),
+        Status::Unsupported
+    );
+    let dflt = cuda.default_stream();
+    let dctx = Context::from_cudarc_stream(&dflt).unwrap();
+    assert!(
+        !dctx.cuda_stream().is_null(),
+        "own stream for the legacy one"
+    );
+    let mut dkv = KvCache::new(&dctx, &cfg).unwrap();
+    let (k, v) = (rng.normal_vec(2 * row, 1.0), rng.normal_vec(2 * row, 1.0));
+    let kd = dflt.clone_htod(&k).unwrap();
+    let vd = dflt.clone_htod(&v).unwrap();
+    dkv.append_tokens(
+        0,
+        0,
+        2,
+        &dctx.cudarc_view(&kd).unwrap(),
+        &dctx.cudarc_view(&vd).unwrap(),
+    )
+    .unwrap();
+    let mut dout = dflt.alloc_zeros::<f32>(qrow).unwrap();
+    // q lives on `stream`, in the same CUDA context: allowed, ordered by cudarc's events.
+    dkv.attention(
+        0,
+        0,
+        &dctx.cudarc_view(&qd.slice(..qrow)).unwrap(),
+        &mut dctx.cudarc_view_mut(&mut dout).unwrap(),
+        None,
+    )
+    .unwrap();
+    let got: Vec<f32> = dflt.clone_dtoh(&dout).unwrap();
+    let want = reference_attention(
+        s,
+        &to_f16(&k),
+        &to_f16(&v),
+        &q[..qrow],
+        default_scale(s.head_dim),
+    );
+    assert!(rel_l2(&got, &want) <= TOL);
+    dctx.synchronize().unwrap();
+    ctx.synchronize().unwrap();
+}
+
 fn main() {
     let tests: &[(&str, fn())] = &[
         ("mha_head_dim_64", mha_head_dim_64),
@@ -211,6 +572,14 @@ fn main() {
         ),
         ("errors_and_device_info", errors_and_device_info),
         ("contexts_on_several_threads", contexts_on_several_threads),
+        (
+            "shared_context_across_threads",
+            shared_context_across_threads,
+        ),
+        ("cache_moves_between_threads", cache_moves_between_threads),
+        ("append_row_length_checks", append_row_length_checks),
+        #[cfg(feature = "cudarc")]
+        ("cudarc_interop", cudarc_interop),
     ];
     let filter: Vec<String> = std::env::args()
         .skip(1)

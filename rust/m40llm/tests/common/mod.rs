@@ -186,7 +186,7 @@ pub fn check_attention_case(
         let junk = len.min(3);
         if junk > 0 {
             let j = DeviceBuffer::from_slice(ctx, &rng.normal_vec(junk * row, 5.0)).unwrap();
-            kv.append(0, seq, &j, &j).unwrap();
+            assert_eq!(kv.append(0, seq, &j, &j).unwrap(), junk);
         }
         let mut done = 0;
         while done < len {
@@ -199,16 +199,24 @@ pub fn check_attention_case(
             let k = rng.normal_vec(n * row, 1.0);
             let v = rng.normal_vec(n * row, 1.0);
             let (k16, v16) = (to_f16(&k), to_f16(&v));
-            let appended = if f16_input {
+            // One token: append_token; several: append_tokens (both check the length exactly).
+            if f16_input {
                 let kb = DeviceBuffer::from_slice(ctx, &k16).unwrap();
                 let vb = DeviceBuffer::from_slice(ctx, &v16).unwrap();
-                kv.append(1, seq, &kb, &vb).unwrap()
+                if n == 1 {
+                    kv.append_token(1, seq, &kb, &vb).unwrap();
+                } else {
+                    kv.append_tokens(1, seq, n, &kb, &vb).unwrap();
+                }
             } else {
                 let kb = DeviceBuffer::from_slice(ctx, &k).unwrap();
                 let vb = DeviceBuffer::from_slice(ctx, &v).unwrap();
-                kv.append(1, seq, &kb, &vb).unwrap()
-            };
-            assert_eq!(appended, n);
+                if n == 1 {
+                    kv.append_token(1, seq, &kb, &vb).unwrap();
+                } else {
+                    kv.append_tokens(1, seq, n, &kb, &vb).unwrap();
+                }
+            }
             k_host[seq].extend_from_slice(&k16);
             v_host[seq].extend_from_slice(&v16);
             done += n;
