@@ -7,7 +7,10 @@
 #
 # Without shape arguments it runs the whole grid plus the head_dim 48-112 tail. Make BASE_TREE
 # here with: git archive <rev> | tar -x -C .ab/base (and carry .ab). OUTDIR gets ab.md, ab.json
-# and each run's JSON. Env: CUDA_ARCHS (default: the GPU's), AB_BUILD (default /tmp/m40llm-ab).
+# and each run's JSON. Env: CUDA_ARCHS (default: the GPU's), AB_BUILD (default /tmp/m40llm-ab),
+# AB_BINS=DIR: time DIR/base/bench_attention and DIR/new/bench_attention as they are, built
+# elsewhere (e.g. compute_52 PTX with CUDA 11.8: the M40's path through the JIT); BASE_TREE is
+# then unused.
 set -uo pipefail
 if [ $# -lt 2 ]; then echo "usage: $0 BASE_TREE OUTDIR [ROUNDS] [-- bench args]" >&2; exit 2; fi
 BASE=$(cd "$1" && pwd); OUT=$2; shift 2
@@ -25,10 +28,16 @@ build() {  # tree, dir
     -DM40LLM_BUILD_TESTS=OFF -DM40LLM_BUILD_EXAMPLES=OFF >"$2.log" 2>&1 &&
     cmake --build "$2" --target bench_attention >>"$2.log" 2>&1
 }
-build "$BASE" "$BUILD-base" & b1=$!
-build "$ROOT" "$BUILD-new" & b2=$!
-wait $b1 || { echo "ab: base build failed"; tail -30 "$BUILD-base.log"; exit 1; }
-wait $b2 || { echo "ab: new build failed"; tail -30 "$BUILD-new.log"; exit 1; }
+if [ -n "${AB_BINS:-}" ]; then
+  for side in base new; do
+    mkdir -p "$BUILD-$side/bench" && cp "$AB_BINS/$side/bench_attention" "$BUILD-$side/bench/"
+  done
+else
+  build "$BASE" "$BUILD-base" & b1=$!
+  build "$ROOT" "$BUILD-new" & b2=$!
+  wait $b1 || { echo "ab: base build failed"; tail -30 "$BUILD-base.log"; exit 1; }
+  wait $b2 || { echo "ab: new build failed"; tail -30 "$BUILD-new.log"; exit 1; }
+fi
 
 args=("$@")
 if [ ${#args[@]} -eq 0 ]; then

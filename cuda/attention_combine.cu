@@ -87,8 +87,7 @@ __global__ void __launch_bounds__(kCombineThreads, kCombineMinBlocksPerSm)
   float mx = -INFINITY;
 #pragma unroll
   for (int w = 0; w < kCombineWarps; w++) mx = fmaxf(mx, s_state[w].m);
-  SoftmaxState all = SoftmaxState::empty();
-  all.raise(mx);
+  SoftmaxState all = SoftmaxState::at_max(mx);
 #pragma unroll
   for (int w = 0; w < kCombineWarps; w++) wt[w] = all.add_partial(s_state[w].m, s_state[w].l);
   const float inv_l = all.inv_sum();
@@ -126,8 +125,7 @@ __global__ void __launch_bounds__(32 * kCombineFewHeads, 8)
     load_partial(a, s < n, (size_t)(first + s) * a.n_heads + h, lane, ms[s], ls[s], v[s]);
     m = fmaxf(m, ms[s]);
   }
-  SoftmaxState st = SoftmaxState::empty();
-  st.raise(m);
+  SoftmaxState st = SoftmaxState::at_max(m);
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
   for (int s = 0; s < N; s++)

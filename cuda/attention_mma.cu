@@ -445,8 +445,7 @@ __global__ void __launch_bounds__(32 * W, mma_min_blocks(32 * NC + 16 * TAIL, W)
   }
 #pragma unroll
   for (int off = G; off < kSpan; off <<= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
-  SoftmaxState head = SoftmaxState::empty();
-  head.raise(m);
+  SoftmaxState head = SoftmaxState::at_max(m);
   float wt[P];
 #pragma unroll
   for (int p = 0; p < P; p++) wt[p] = head.add_partial(w_state[p].m, w_state[p].l);
@@ -459,8 +458,12 @@ __global__ void __launch_bounds__(32 * W, mma_min_blocks(32 * NC + 16 * TAIL, W)
   if (!final_out && warp == 0 && lane < b.nh) store_split_stats(a, b.split, b.h0 + lane, head);
   constexpr int D4 = D / 4;
   const float4(*s_o4)[G][D4] = reinterpret_cast<const float4(*)[G][D4]>(s_dyn);
-  for (int i0 = 0; i0 < b.nh * D4; i0 += kThreads) {  // uniform trip count: the shuffles
-    const int i = i0 + threadIdx.x, hh = min(i / D4, G - 1), d4 = i % D4;
+  // A fixed trip count, fully unrolled, stores predicated: every pass's shuffles and shared
+  // loads go out together, and every lane takes part in the shuffles.
+  constexpr int kPasses = (G * D4 + kThreads - 1) / kThreads;
+#pragma unroll
+  for (int pass = 0; pass < kPasses; pass++) {
+    const int i = pass * kThreads + threadIdx.x, hh = min(i / D4, G - 1), d4 = i % D4;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
     for (int w = 0; w < W; w++)

@@ -17,6 +17,8 @@ struct SoftmaxState {
   float m, l;
 
   __device__ __forceinline__ static SoftmaxState empty() { return SoftmaxState{-INFINITY, 0.0f}; }
+  // An empty state whose max is already m (the largest of the states it will merge).
+  __device__ __forceinline__ static SoftmaxState at_max(float m) { return SoftmaxState{m, 0.0f}; }
 
   // m, or the lowest finite float in place of -inf: one FMNMX.
   __device__ __forceinline__ static float reference(float m) { return fmaxf(m, -FLT_MAX); }

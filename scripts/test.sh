@@ -36,9 +36,11 @@ if [ "$what" = all ] || [ "$what" = rust ]; then
   cd "$root/rust"
   cargo fmt --all -- --check
   cargo clippy --workspace --all-targets -- -D warnings
-  RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps
+  cargo clippy --workspace --all-targets --features m40llm/cudarc -- -D warnings
+  RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --features m40llm/cudarc
   bash scripts/regen_bindings.sh --check
   bash scripts/check_package.sh
   cargo test --workspace
+  cargo test --workspace --features m40llm/cudarc
 fi
 echo "test.sh: all steps passed"

@@ -21,7 +21,7 @@ cd "$here"
 log "building tests (profile $profile, CUDA archs $archs)"
 json=$(mktemp)
 trap 'rm -f "$json"' EXIT
-M40LLM_CUDA_ARCHS="$archs" cargo test --workspace --features m40llm/cuda --profile "$profile" \
+M40LLM_CUDA_ARCHS="$archs" cargo test --workspace --features m40llm/cuda,m40llm/cudarc --profile "$profile" \
   --no-run --message-format=json > "$json"
 
 mkdir -p "$out"
