@@ -3,7 +3,7 @@
 # GPU tests report a skip (ctest exit 77) on a machine without a GPU; set M40LLM_REQUIRE_GPU=1
 # to make that a failure. Run scripts/setup.sh first on a fresh machine.
 #   scripts/test.sh          all steps
-#   scripts/test.sh c        the C/CUDA builds only
+#   scripts/test.sh c        the C/CUDA builds and the consumer projects only
 #   scripts/test.sh rust     the Rust workspace only
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -22,6 +22,10 @@ configure_build_test() {  # name, cmake args...
 if [ "$what" = all ] || [ "$what" = c ]; then
   # The M40 (sm_52 SASS + compute_52 PTX) and Hopper (sm_90) in one fat binary: needs CUDA 11.8.
   configure_build_test cuda -DCMAKE_CUDA_ARCHITECTURES="52-real;52-virtual;90-real"
+  # m40llm as users take it (add_subdirectory, find_package, pkg-config, a shared object,
+  # BUILD_SHARED_LIBS), each from scratch; the installed routes use the CUDA build above.
+  echo "== consumers"
+  bash "$root/tests/consumers/run.sh" "$root/build-cuda"
   configure_build_test cpu -DM40LLM_ENABLE_CUDA=OFF
   configure_build_test asan -DM40LLM_ENABLE_CUDA=OFF -DM40LLM_SANITIZE=ON -DCMAKE_BUILD_TYPE=Debug
 fi
