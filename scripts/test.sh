@@ -38,6 +38,22 @@ if [ "$what" = all ] || [ "$what" = rust ]; then
   RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps
   bash scripts/regen_bindings.sh --check
   bash scripts/check_package.sh
+  # The declared MSRV, proved with the committed lockfile (rustup installs the toolchain once,
+  # ~20 s). Without rustup the check cannot run: say so.
+  msrv=$(sed -n 's/^rust-version = "\(.*\)"/\1/p' m40llm/Cargo.toml)
+  [ "$msrv" = "$(sed -n 's/^rust-version = "\(.*\)"/\1/p' m40llm-sys/Cargo.toml)" ] \
+    || { echo "test.sh: the crates declare different rust-version" >&2; exit 1; }
+  if command -v rustup >/dev/null; then
+    echo "== rust MSRV $msrv"
+    toolchain=$msrv
+    case "$msrv" in *.*.*) ;; *) toolchain=$msrv.0 ;; esac   # 1.81 means 1.81.0
+    rustup toolchain list | grep -q "^$toolchain-" \
+      || rustup toolchain install "$toolchain" --profile minimal --no-self-update >/dev/null
+    M40LLM_NO_CUDA=1 cargo "+$toolchain" check --workspace --all-targets --locked \
+      --target-dir target/msrv
+  else
+    echo "test.sh: no rustup: the MSRV ($msrv) check is NOT run" >&2
+  fi
   cargo test --workspace
 fi
 echo "test.sh: all steps passed"
