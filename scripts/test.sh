@@ -3,7 +3,7 @@
 # GPU tests report a skip (ctest exit 77) on a machine without a GPU; set M40LLM_REQUIRE_GPU=1
 # to make that a failure. Run scripts/setup.sh first on a fresh machine.
 #   scripts/test.sh          all steps
-#   scripts/test.sh c        the C/CUDA builds only
+#   scripts/test.sh c        the C/CUDA builds and the consumer projects only
 #   scripts/test.sh rust     the Rust workspace only
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -22,6 +22,10 @@ configure_build_test() {  # name, cmake args...
 if [ "$what" = all ] || [ "$what" = c ]; then
   # The M40 (sm_52 SASS + compute_52 PTX) and Hopper (sm_90) in one fat binary: needs CUDA 11.8.
   configure_build_test cuda -DCMAKE_CUDA_ARCHITECTURES="52-real;52-virtual;90-real"
+  # m40llm as users take it (add_subdirectory, find_package, pkg-config, a shared object,
+  # BUILD_SHARED_LIBS), each from scratch; the installed routes use the CUDA build above.
+  echo "== consumers"
+  bash "$root/tests/consumers/run.sh" "$root/build-cuda"
   # The tensor-core switch off: the library alone, sm_90 (where it would otherwise have them).
   echo "== cuda-no-tensor-cores"
   cmake -S "$root" -B "$root/build-notc" -G Ninja -DCMAKE_BUILD_TYPE=Release \
@@ -40,6 +44,22 @@ if [ "$what" = all ] || [ "$what" = rust ]; then
   RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --features m40llm/cudarc
   bash scripts/regen_bindings.sh --check
   bash scripts/check_package.sh
+  # The declared MSRV, proved with the committed lockfile (rustup installs the toolchain once,
+  # ~20 s). Without rustup the check cannot run: say so.
+  msrv=$(sed -n 's/^rust-version = "\(.*\)"/\1/p' m40llm/Cargo.toml)
+  [ "$msrv" = "$(sed -n 's/^rust-version = "\(.*\)"/\1/p' m40llm-sys/Cargo.toml)" ] \
+    || { echo "test.sh: the crates declare different rust-version" >&2; exit 1; }
+  if command -v rustup >/dev/null; then
+    echo "== rust MSRV $msrv"
+    toolchain=$msrv
+    case "$msrv" in *.*.*) ;; *) toolchain=$msrv.0 ;; esac   # 1.81 means 1.81.0
+    rustup toolchain list | grep -q "^$toolchain-" \
+      || rustup toolchain install "$toolchain" --profile minimal --no-self-update >/dev/null
+    M40LLM_NO_CUDA=1 cargo "+$toolchain" check --workspace --all-targets --locked \
+      --target-dir target/msrv
+  else
+    echo "test.sh: no rustup: the MSRV ($msrv) check is NOT run" >&2
+  fi
   cargo test --workspace
   cargo test --workspace --features m40llm/cudarc
 fi

@@ -9,7 +9,12 @@
 //!   the real nvcc binary, then `g++-11`, `g++-10`, `g++-9`, `clang++-14` on `PATH`).
 //! * `M40LLM_CUDA_ARCHS` — architectures, comma/semicolon/space separated. `52` = sm_52 SASS +
 //!   compute_52 PTX; `sm_52` or `52-real` = SASS only; `compute_52` or `52-virtual` = PTX only.
-//!   Default `52` (the Tesla M40; newer GPUs JIT-compile the PTX).
+//!   Default `52,sm_80,sm_90`: the Tesla M40 (any newer GPU can JIT-compile its PTX) plus native
+//!   code for Ampere (sm_80, its tensor-core path also runs on sm_86/sm_89) and Hopper (sm_90),
+//!   each only when the toolkit can build it.
+//! * `CUDA_COMPUTE_CAP` — the variable candle and cudarc users already set: one compute
+//!   capability or a list (`86`, `8.6`, `52,90`), each built as SASS + PTX. Used when
+//!   `M40LLM_CUDA_ARCHS` is unset.
 //! * `M40LLM_NO_CUDA=1` — build the CPU-only library even when a toolkit is installed.
 //! * `DOCS_RS` — set: build nothing (docs need only the committed bindings).
 
@@ -26,6 +31,7 @@ const ENV_VARS: &[&str] = &[
     "CUDA_ROOT",
     "PATH",
     "M40LLM_CUDA_ARCHS",
+    "CUDA_COMPUTE_CAP",
     "M40LLM_NO_CUDA",
     "DOCS_RS",
 ];
@@ -67,6 +73,9 @@ fn main() {
     }
 
     let toolkit = if no_cuda { None } else { find_toolkit() };
+    if !no_cuda {
+        watch_toolkit_locations(toolkit.as_ref());
+    }
     let out_dir = PathBuf::from(env::var_os("OUT_DIR").expect("OUT_DIR"));
     let target_arch = env::var("CARGO_CFG_TARGET_ARCH").unwrap_or_default();
 
@@ -89,14 +98,17 @@ fn main() {
             }
             if !no_cuda {
                 println!(
-                    "cargo:warning=m40llm-sys: no CUDA toolkit found, building the CPU backend \
-                     only (enable the `cuda` feature to make this an error; to get CUDA, \
-                     {SETUP_HELP})"
+                    "cargo:warning=m40llm-sys: built WITHOUT CUDA, CPU backend only: nvcc was not \
+                     found (NVCC, CUDA_PATH/CUDA_HOME/CUDA_ROOT, /usr/local/cuda/bin, PATH). \
+                     To get the GPU backend, {SETUP_HELP}; a toolkit that appears in one of those \
+                     places is picked up by the next build (or run `cargo clean -p m40llm-sys`). \
+                     Enable the `cuda` feature to make this an error, or set M40LLM_NO_CUDA=1 to \
+                     silence it."
                 );
             }
             for s in sources
                 .iter()
-                .filter(|s| s.group == "common" || s.group == "nocuda")
+                .filter(|s| s.group == "common")
             {
                 c_build.file(&s.path);
             }
@@ -104,12 +116,9 @@ fn main() {
             println!("cargo:cuda=0");
         }
         Some(tk) => {
-            let archs_spec = env::var("M40LLM_CUDA_ARCHS")
-                .ok()
-                .filter(|s| !s.trim().is_empty())
-                .unwrap_or_else(|| default_archs(&tk.nvcc));
+            let (archs_var, archs_spec) = arch_spec(&tk.nvcc);
             let gencode = parse_archs(&archs_spec).unwrap_or_else(|e| {
-                panic!("m40llm-sys: bad M40LLM_CUDA_ARCHS={archs_spec:?}: {e}");
+                panic!("m40llm-sys: bad {archs_var}={archs_spec:?}: {e}");
             });
             let ccbin = find_ccbin(&tk);
 
@@ -199,7 +208,7 @@ fn read_sources(root: &Path) -> Vec<Source> {
             .split_once(char::is_whitespace)
             .unwrap_or_else(|| panic!("{}:{}: expected \"GROUP PATH\"", list.display(), n + 1));
         let group = group.to_string();
-        if !matches!(group.as_str(), "common" | "cuda" | "nocuda") {
+        if !matches!(group.as_str(), "common" | "cuda") {
             panic!("{}:{}: unknown group {group:?}", list.display(), n + 1);
         }
         let path = root.join(path.trim());
@@ -249,14 +258,12 @@ struct Toolkit {
     major: u32,
 }
 
-fn find_toolkit() -> Option<Toolkit> {
+/// Where nvcc is looked for, in order, before `PATH`: `NVCC`, `CUDA_PATH`/`CUDA_HOME`/
+/// `CUDA_ROOT` `/bin/nvcc`, `/usr/local/cuda/bin/nvcc`.
+fn toolkit_candidates() -> Vec<PathBuf> {
     let mut candidates: Vec<PathBuf> = Vec::new();
     if let Some(p) = env::var_os("NVCC").filter(|p| !p.is_empty()) {
-        let p = PathBuf::from(p);
-        if !is_executable(&p) {
-            panic!("m40llm-sys: NVCC={} is not an executable file", p.display());
-        }
-        candidates.push(p);
+        candidates.push(PathBuf::from(p));
     }
     for var in ["CUDA_PATH", "CUDA_HOME", "CUDA_ROOT"] {
         if let Some(r) = env::var_os(var).filter(|p| !p.is_empty()) {
@@ -264,6 +271,17 @@ fn find_toolkit() -> Option<Toolkit> {
         }
     }
     candidates.push(PathBuf::from("/usr/local/cuda/bin/nvcc"));
+    candidates
+}
+
+fn find_toolkit() -> Option<Toolkit> {
+    if let Some(p) = env::var_os("NVCC").filter(|p| !p.is_empty()) {
+        let p = PathBuf::from(p);
+        if !is_executable(&p) {
+            panic!("m40llm-sys: NVCC={} is not an executable file", p.display());
+        }
+    }
+    let mut candidates = toolkit_candidates();
     if let Some(p) = which("nvcc") {
         candidates.push(p);
     }
@@ -350,31 +368,92 @@ fn find_ccbin(tk: &Toolkit) -> Option<PathBuf> {
     None
 }
 
-/// The default: sm_52 SASS + compute_52 PTX, or the lowest architecture this nvcc can build
-/// when it can no longer target the M40.
+/// Which architectures to build, and the variable they came from: `M40LLM_CUDA_ARCHS`, else
+/// `CUDA_COMPUTE_CAP` (candle's convention: `86`, `8.6`, `52,90`), else [`default_archs`].
+fn arch_spec(nvcc: &Path) -> (&'static str, String) {
+    let set = |name: &str| env::var(name).ok().filter(|s| !s.trim().is_empty());
+    if let Some(spec) = set("M40LLM_CUDA_ARCHS") {
+        return ("M40LLM_CUDA_ARCHS", spec);
+    }
+    if let Some(caps) = set("CUDA_COMPUTE_CAP") {
+        // "8.6" (nvidia-smi --query-gpu=compute_cap) is 86; each one is SASS + PTX.
+        let spec = caps
+            .split([',', ';', ' ', '\t'])
+            .filter(|s| !s.is_empty())
+            .map(|c| c.replace('.', ""))
+            .collect::<Vec<_>>()
+            .join(",");
+        return ("CUDA_COMPUTE_CAP", spec);
+    }
+    ("the default architecture list", default_archs(nvcc))
+}
+
+/// The default: sm_52 SASS + compute_52 PTX (the M40; newer GPUs JIT the PTX) plus sm_80 and
+/// sm_90 SASS, so Ampere and Hopper run native code with the tensor-core path. Each only when
+/// this nvcc can build it; when it can no longer target the M40, the lowest architecture it can
+/// build takes sm_52's place.
 fn default_archs(nvcc: &Path) -> String {
-    let Ok(out) = Command::new(nvcc).arg("--list-gpu-arch").output() else {
-        return "52".into();
+    let archs: Vec<u32> = match Command::new(nvcc).arg("--list-gpu-arch").output() {
+        Ok(out) if out.status.success() => {
+            let mut a: Vec<u32> = String::from_utf8_lossy(&out.stdout)
+                .split_whitespace()
+                .filter_map(|w| w.strip_prefix("compute_"))
+                .filter_map(|n| n.parse().ok())
+                .collect();
+            a.sort_unstable();
+            a
+        }
+        // nvcc older than 11.0 has no --list-gpu-arch: the M40 alone.
+        _ => return "52".into(),
     };
-    if !out.status.success() {
+    if archs.is_empty() {
         return "52".into();
     }
-    let text = String::from_utf8_lossy(&out.stdout);
-    let mut archs: Vec<u32> = text
-        .split_whitespace()
-        .filter_map(|w| w.strip_prefix("compute_"))
-        .filter_map(|n| n.parse().ok())
-        .collect();
-    archs.sort_unstable();
-    if archs.is_empty() || archs.contains(&52) {
-        return "52".into();
-    }
-    println!(
-        "cargo:warning=m40llm-sys: this CUDA toolkit cannot build sm_52 (the M40); building for \
-         sm_{0}. Use CUDA 11.8 for M40 support or set M40LLM_CUDA_ARCHS.",
+    let base = if archs.contains(&52) {
+        52
+    } else {
+        println!(
+            "cargo:warning=m40llm-sys: this CUDA toolkit cannot build sm_52 (the M40); building \
+             for sm_{0} instead. Use CUDA 11.8 for M40 support or set M40LLM_CUDA_ARCHS.",
+            archs[0]
+        );
         archs[0]
-    );
-    archs[0].to_string()
+    };
+    let mut spec = base.to_string();
+    for sass in [80, 90] {
+        if sass > base && archs.contains(&sass) {
+            spec.push_str(&format!(",sm_{sass}"));
+        }
+    }
+    spec
+}
+
+/// Makes cargo re-run this script when the toolkit changes or appears. Found: the nvcc used
+/// (and the binary behind a wrapper). Not found: the nearest existing directory above each
+/// place [`find_toolkit`] looks (`/usr/local` for `/usr/local/cuda/bin/nvcc`) and the `PATH`
+/// directories. Cargo re-runs a build script on every build while a watched path is missing, so
+/// only existing paths are named, and never `/`.
+fn watch_toolkit_locations(found: Option<&Toolkit>) {
+    let mut watch: Vec<PathBuf> = Vec::new();
+    if let Some(tk) = found {
+        watch.push(tk.nvcc.clone());
+        watch.push(tk.real_nvcc.clone());
+    } else {
+        for c in toolkit_candidates() {
+            if let Some(dir) = c.ancestors().find(|a| a.is_dir()) {
+                watch.push(dir.to_path_buf());
+            }
+        }
+        if let Some(path) = env::var_os("PATH") {
+            watch.extend(env::split_paths(&path).filter(|d| d.is_absolute() && d.is_dir()));
+        }
+    }
+    let mut seen = std::collections::HashSet::new();
+    for p in watch {
+        if p.parent().is_some() && p.exists() && seen.insert(p.clone()) {
+            println!("cargo:rerun-if-changed={}", p.display());
+        }
+    }
 }
 
 /// Turns an architecture list into nvcc `-gencode` flags (see the module docs for the format).

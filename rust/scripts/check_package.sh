@@ -1,6 +1,11 @@
 #!/usr/bin/env bash
-# Verifies that the packaged m40llm-sys crate is self-contained:
-#   1. `cargo package -p m40llm-sys` succeeds; the .crate is small (< 10 MB) and holds every file
+# Verifies that both crates are ready for crates.io and that the packaged m40llm-sys crate is
+# self-contained:
+#   0. `cargo package --workspace` packages both crates and verifies them (each .crate built on its
+#      own, m40llm against the packaged m40llm-sys, CPU-only), with no cargo warning; each .crate
+#      holds README.md, LICENSE-MIT and LICENSE-APACHE, and its manifest the fields crates.io
+#      needs (license, description, repository);
+#   1. the m40llm-sys .crate is small (< 10 MB) and holds every file
 #      of c/sources.txt, the header, sources.txt and the private headers, as regular files
 #      (rust/m40llm-sys/c and rust/m40llm-sys/cuda are symlinks that cargo must follow);
 #   2. the unpacked crate, copied outside the repository, builds and runs from a scratch crate
@@ -20,10 +25,26 @@ trap 'rm -rf "$work"' EXIT
 
 cd "$here"
 version=$(sed -n 's/^version = "\(.*\)"/\1/p' m40llm-sys/Cargo.toml | head -n 1)
-log "packaging m40llm-sys $version"
-cargo package -p m40llm-sys --allow-dirty --no-verify --target-dir "$work/target" -q
+log "packaging and verifying the workspace (m40llm-sys, m40llm $version; CPU-only)"
+pkg_out=$(M40LLM_NO_CUDA=1 cargo package --workspace --allow-dirty --target-dir "$work/target" 2>&1) \
+  || die "cargo package --workspace failed:"$'\n'"$pkg_out"
+if printf '%s\n' "$pkg_out" | grep -q '^warning'; then
+  die "cargo package warns:"$'\n'"$(printf '%s\n' "$pkg_out" | grep -A3 '^warning')"
+fi
+for name in m40llm-sys m40llm; do
+  c="$work/target/package/$name-$version.crate"
+  [ -f "$c" ] || die "no $c"
+  files=$(tar tzf "$c")
+  for f in README.md LICENSE-MIT LICENSE-APACHE; do
+    printf '%s\n' "$files" | grep -qx "$name-$version/$f" || die "$name: $f missing from the crate"
+  done
+  manifest=$(tar xzf "$c" -O "$name-$version/Cargo.toml")
+  for key in license description repository rust-version; do
+    printf '%s\n' "$manifest" | grep -q "^$key = " || die "$name: no $key in the packaged manifest"
+  done
+done
+log "both crates packaged and verified, licenses and manifest fields present"
 crate="$work/target/package/m40llm-sys-$version.crate"
-[ -f "$crate" ] || die "no $crate"
 size=$(stat -c %s "$crate")
 log "crate size: $size bytes"
 [ "$size" -lt $((10 * 1024 * 1024)) ] || die "crate is $size bytes (limit 10 MB)"
