@@ -243,6 +243,8 @@ struct Options {
   double warmup_ms = 50.0;      // calls before the eager samples
   double graph_below_us = 100;  // also graph any shape whose eager call is faster than this
   int device = 0;
+  int k_format = M40LLM_KV_F16, v_format = M40LLM_KV_SAME;  // --format
+  std::string format_name = "F16";
 };
 
 static std::vector<Shape> full_grid(bool quick) {
@@ -329,6 +331,7 @@ static void usage() {
       "  --no-graph             no CUDA graph timing\n"
       "  --no-check             skip the output check\n"
       "  --device N             CUDA device (default 0)\n"
+      "  --format F             K/V format: F16 (default), Q8, Q4, Q8Q4 (K Q8, V Q4)\n"
       "  --list                 print the selected shapes and exit (no GPU needed)\n");
 }
 
@@ -375,6 +378,18 @@ static Options parse_args(int argc, char **argv) {
     else if (a == "--warmup-ms") o.warmup_ms = std::atof(next());
     else if (a == "--graph-below-us") o.graph_below_us = std::atof(next());
     else if (a == "--device") o.device = parse_int_k(next());
+    else if (a == "--format") {
+      o.format_name = next();
+      const std::string &f = o.format_name;
+      if (f == "F16") o.k_format = M40LLM_KV_F16, o.v_format = M40LLM_KV_SAME;
+      else if (f == "Q8") o.k_format = M40LLM_KV_Q8, o.v_format = M40LLM_KV_SAME;
+      else if (f == "Q4") o.k_format = M40LLM_KV_Q4, o.v_format = M40LLM_KV_SAME;
+      else if (f == "Q8Q4") o.k_format = M40LLM_KV_Q8, o.v_format = M40LLM_KV_Q4;
+      else {
+        std::fprintf(stderr, "bench: --format takes F16, Q8, Q4 or Q8Q4 (K Q8, V Q4)\n");
+        std::exit(2);
+      }
+    }
     else if (a == "-h" || a == "--help") {
       usage();
       std::exit(0);
@@ -646,7 +661,16 @@ static Result run_shape(Bench &B, const Shape &s) {
   r.s = s;
   const Options &o = B.opt;
   cudaStream_t st = B.st;
-  const size_t kv_layer = 2ull * 2ull * s.batch * s.n_kv_heads * (size_t)s.ctx * s.head_dim;
+  // K/V bytes of one layer in the cache's formats (every position of every sequence is read).
+  size_t kv_layer = 0;
+  {
+    m40llm_kvcache_options one = M40LLM_KVCACHE_OPTIONS_INIT;
+    one.n_layers = 1, one.n_heads = s.n_heads, one.n_kv_heads = s.n_kv_heads;
+    one.head_dim = s.head_dim, one.max_seqs = s.batch, one.max_seq_len = s.ctx;
+    one.format = o.k_format, one.v_format = o.v_format;
+    if (m40llm_kvcache_bytes_needed(&kv_layer, &one) != M40LLM_OK)
+      kv_layer = 2ull * 2ull * s.batch * s.n_kv_heads * (size_t)s.ctx * s.head_dim;
+  }
   const size_t q_layer = (size_t)s.batch * s.n_heads * s.head_dim;  // floats
   r.kv_bytes = (double)kv_layer;
   r.qo_bytes = 2.0 * q_layer * sizeof(float);
@@ -668,7 +692,8 @@ static Result run_shape(Bench &B, const Shape &s) {
   ko.head_dim = s.head_dim;
   ko.max_seqs = s.batch;
   ko.max_seq_len = s.ctx;
-  ko.format = M40LLM_KV_F16;
+  ko.format = o.k_format;
+  ko.v_format = o.v_format;
 
   size_t free_b = 0, total_b = 0;
   CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
@@ -907,7 +932,8 @@ static Result run_shape(Bench &B, const Shape &s) {
 // Output
 
 static const char *kMethod =
-    "m40llm_kvcache_attn_batch_f32q, FP32 Q/out, FP16 K/V, every sequence at full ctx. "
+    "m40llm_kvcache_attn_batch_f32q, FP32 Q/out, K/V in the run's format (--format), every "
+    "sequence at full ctx; kv_bytes are that format's bytes (codes and scales). "
     "Cache n_layers = rotation R with R*KV >= max(4*L2, 256MiB) (capped); calls cycle layers. "
     "Warm-up: one call on each of the first 64 layers, then --warmup-ms (default 50) of calls. "
     "eager_us: median over samples of K back-to-back calls between cudaEvents, divided by K. "
@@ -969,6 +995,7 @@ static void write_json(const Bench &B, const std::vector<Result> &rs, bool compl
   }
   std::fprintf(f, "{\n  \"tool\": \"bench_attention\",\n  \"library_version\": %s,\n",
                json_str(m40llm_version_string()).c_str());
+  std::fprintf(f, "  \"format\": %s,\n", json_str(B.opt.format_name).c_str());
   std::fprintf(f,
                "  \"device\": {\"name\": %s, \"cc\": \"%d.%d\", \"sms\": %d, \"l2_bytes\": %d, "
                "\"total_memory\": %zu},\n",
@@ -1059,6 +1086,7 @@ int main(int argc, char **argv) {
   B.ceil0 = measure_ceilings(B.st);
   B.copy_gbps = B.ceil0.copy_gbps;
   B.read_gbps = B.ceil0.read_gbps;
+  std::printf("K/V format: %s\n", B.opt.format_name.c_str());
   std::printf("ceilings: copy %.0f GB/s (read+write, %zu MiB buffer), read sweep %.0f GB/s\n", B.copy_gbps,
               B.ceil0.buffer_bytes >> 20, B.read_gbps);
   B.floor = measure_launch_floor(B.st);

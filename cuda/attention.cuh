@@ -34,19 +34,21 @@ using SplitKernel = void (*)(AttnArgs, m40llm_attn_plan);
 constexpr float kLog2e = 1.4426950408889634f;
 
 // One split block's share: grid x is the split, grid y the K/V head and tile of its query heads.
-template <typename KV>
+// P: the cache's KvPair of formats.
+template <typename P>
 struct SplitBlock {
   int item, split, n_splits;
   int p_begin, p_end;  // positions
   int h0, nh;          // first query head, heads in this tile (<= the tile size)
-  typename KV::Ptr k, v;  // this sequence's and K/V head's rows
+  typename P::K::Ptr k;  // this sequence's and K/V head's rows
+  typename P::V::Ptr v;
 };
 
-template <typename KV>
-__device__ __forceinline__ SplitBlock<KV> split_block(const AttnArgs &a,
-                                                      const m40llm_attn_plan &plan,
-                                                      int group_tile) {
-  SplitBlock<KV> b;
+template <typename P>
+__device__ __forceinline__ SplitBlock<P> split_block(const AttnArgs &a,
+                                                     const m40llm_attn_plan &plan,
+                                                     int group_tile) {
+  SplitBlock<P> b;
   b.split = blockIdx.x;
   int lo = 0, hi = plan.n_items - 1;  // the item owning this split
   while (lo < hi) {
@@ -61,8 +63,8 @@ __device__ __forceinline__ SplitBlock<KV> split_block(const AttnArgs &a,
   b.h0 = kvh * a.group + (blockIdx.y % a.head_tiles) * group_tile;
   b.nh = min(group_tile, (kvh + 1) * a.group - b.h0);
   const size_t base = (size_t)plan.seq[lo] * a.seq_stride + (size_t)kvh * a.head_stride;
-  b.k = KV::at(a.k, base);
-  b.v = KV::at(a.v, base);
+  b.k = P::K::at(a.k, base);
+  b.v = P::V::at(a.v, base);
   return b;
 }
 
@@ -129,13 +131,13 @@ struct SplitPasses {
   SplitPass pass, direct, fine;
 };
 
-// The FP32 family's pass for the cache (never fails to have one).
-template <typename KV>
+// The FP32 family's pass for the cache (never fails to have one). P: the KvPair of formats.
+template <typename P>
 int fp32_split_pass(m40llm_cuda_state *st, int head_dim, const Grouping &g, SplitPass *out);
 
-// The tensor-core family's passes where this build and GPU have its kernels for head_dim;
-// otherwise pass.kernel is null.
-template <typename KV>
+// The tensor-core family's passes where this build and GPU have its kernels for head_dim and
+// the formats (F16 K and V); otherwise pass.kernel is null.
+template <typename P>
 int mma_split_passes(m40llm_cuda_state *st, int head_dim, SplitPasses *out);
 
 // Asks what the combine needs before a call's first launch (whether its image waits).

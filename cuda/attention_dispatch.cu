@@ -20,14 +20,14 @@ Grouping grouping_for(const m40llm_kvcache_options *o) {
 // The split passes for a cache: the tensor-core family where this build and GPU have it (MHA
 // too: it issues fewer instructions per K/V byte even with one query head), else the FP32 one
 // for all three.
-template <typename KV>
+template <typename P>
 int split_passes_for(m40llm_cuda_state *st, const m40llm_kvcache_options *o, const Grouping &g,
                      SplitPasses *p) {
   if (kTensorCores) {
-    const int rc = mma_split_passes<KV>(st, o->head_dim, p);
+    const int rc = mma_split_passes<P>(st, o->head_dim, p);
     if (rc != M40LLM_OK || p->pass.kernel) return rc;
   }
-  const int rc = fp32_split_pass<KV>(st, o->head_dim, g, &p->pass);
+  const int rc = fp32_split_pass<P>(st, o->head_dim, g, &p->pass);
   p->direct = p->fine = p->pass;
   return rc;
 }
@@ -37,7 +37,7 @@ size_t partial_bytes(int splits, int n_heads, int head_dim) {
 }
 
 // One launch's worth of sequences (at most M40LLM_PLAN_MAX_ITEMS: the plan is a kernel argument).
-template <typename KV>
+template <typename P>
 int attend(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, const int32_t *lens,
            int n_seqs, const float *q, float *out, float scale) {
   m40llm_cuda_state *st = cuda_state(c->ctx);
@@ -48,7 +48,7 @@ int attend(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, const int
   // follows a queued kernel.
   SplitPasses passes;
   bool combine_dependent = false;
-  int rc = split_passes_for<KV>(st, o, g, &passes);
+  int rc = split_passes_for<P>(st, o, g, &passes);
   if (rc != M40LLM_OK || (rc = combine_prepare(st, &combine_dependent)) != M40LLM_OK) return rc;
   SplitPass pass = passes.pass;
   m40llm_attn_plan plan;
@@ -107,10 +107,10 @@ int m40llm_cuda_reserve_for(m40llm_kvcache *c) {
   M40LLM_CUDA_ENTER(c->ctx);
   const m40llm_kvcache_options *o = &c->opts;
   const Grouping g = grouping_for(o);
-  return with_kv_format(o->format, [&](auto kv) -> int {
-    using KV = decltype(kv);
+  return with_kv_pair(c->k.layout.fmt->format, c->v.layout.fmt->format, [&](auto pair) -> int {
+    using P = decltype(pair);
     SplitPasses p;
-    const int rc = split_passes_for<KV>(cuda_state(c->ctx), o, g, &p);
+    const int rc = split_passes_for<P>(cuda_state(c->ctx), o, g, &p);
     if (rc != M40LLM_OK) return rc;
     // The bound attention_plan.h promises, for any pass's plans.
     int target = p.pass.target > p.direct.target ? p.pass.target : p.direct.target;
@@ -126,13 +126,13 @@ int m40llm_cuda_attention(const m40llm_kvcache *c, int layer, const int32_t *seq
                                      int n_seqs, const float *q, float *out, float scale) {
   M40LLM_CUDA_ENTER(c->ctx);
   const size_t row = (size_t)c->opts.n_heads * (size_t)c->opts.head_dim;
-  return with_kv_format(c->opts.format, [&](auto kv) -> int {
-    using KV = decltype(kv);
+  return with_kv_pair(c->k.layout.fmt->format, c->v.layout.fmt->format, [&](auto pair) -> int {
+    using P = decltype(pair);
     for (int first = 0; first < n_seqs; first += M40LLM_PLAN_MAX_ITEMS) {
       const int n = n_seqs - first < M40LLM_PLAN_MAX_ITEMS ? n_seqs - first : M40LLM_PLAN_MAX_ITEMS;
       int32_t lens[M40LLM_PLAN_MAX_ITEMS];
       for (int i = 0; i < n; i++) lens[i] = *m40llm_len_slot(c, layer, seq_ids[first + i]);
-      const int rc = attend<KV>(c, layer, seq_ids + first, lens, n, q + (size_t)first * row,
+      const int rc = attend<P>(c, layer, seq_ids + first, lens, n, q + (size_t)first * row,
                                 out + (size_t)first * row, scale);
       if (rc != M40LLM_OK) return rc;
     }

@@ -31,21 +31,33 @@ __device__ __forceinline__ void load_weights(const float *p, float (&w)[GT]) {
   }
 }
 
-// Shared memory of the split kernel, in floats: q [GT][D] and the weight tile [T][GT] while
-// looping, then the per-row-group output partials [row_groups][GT][D] for the final reduction.
+// Shared memory of the split kernel, in floats: q [GT][D], the weight tile [T][GT] and, for a K
+// format with a min, q's sums over each 8-dim chunk [GT][D / 8] while looping; then the
+// per-row-group output partials [row_groups][GT][D] for the final reduction.
 __host__ __device__ constexpr int pv_row_groups(int head_dim, int cols) {
   return kAttnThreads / (head_dim / cols);
 }
 
-constexpr int split_smem_floats(int gt, int dmax, int head_dim) {
-  return gt * (dmax + tile_rows(gt, dmax)) > pv_row_groups(head_dim, pv_columns(gt)) * gt * head_dim
-             ? gt * (dmax + tile_rows(gt, dmax))
+// Formats with a min fold it into the codes (value = (code + min / scale) x scale) in 8-head
+// tiles: the sums that keep it apart (per head, or q's per chunk) would spill on sm_52.
+__host__ __device__ constexpr bool fold_min(int gt) { return gt > 4; }
+
+constexpr int split_smem_floats(int gt, int dmax, int head_dim, bool k_min) {
+  k_min = k_min && !fold_min(gt);
+  return gt * (dmax + tile_rows(gt, dmax) + (k_min ? dmax / 8 : 0)) >
+                 pv_row_groups(head_dim, pv_columns(gt)) * gt * head_dim
+             ? gt * (dmax + tile_rows(gt, dmax) + (k_min ? dmax / 8 : 0))
              : pv_row_groups(head_dim, pv_columns(gt)) * gt * head_dim;
 }
 
-// GT: query heads per block (power of two <= kMaxGroupTile); heads past the group get a zero q
-// and are never written. DMAX: head_dim class (head_dim <= DMAX, a multiple of 8).
-template <typename KV, int GT, int DMAX>
+// P: the KvPair of K and V formats. GT: query heads per block (power of two <= kMaxGroupTile);
+// heads past the group get a zero q and are never written. DMAX: head_dim class (head_dim <=
+// DMAX, a multiple of 8).
+//
+// Quantized formats: a lane's 8-dim K chunk and a thread's COLS V columns lie in one group, so
+// the scale (and min) apply once per chunk: score += scale * (q . codes) + min * sum(q), and
+// o += (w * scale) * codes with sum(w * min) kept apart and added to o at the end.
+template <typename P, int GT, int DMAX>
 __global__ void __launch_bounds__(kAttnThreads, kAttnMinBlocksPerSm)
     attn_fp32_kernel(const AttnArgs a, const m40llm_attn_plan plan) {
   constexpr int T = tile_rows(GT, DMAX);      // positions per tile
@@ -55,8 +67,12 @@ __global__ void __launch_bounds__(kAttnThreads, kAttnMinBlocksPerSm)
   constexpr int VR = T * DMAX / (kAttnThreads * COLS);  // V rows per thread, at most
   constexpr int NS = (T + 31) / 32;           // scores per lane in the softmax pass
   constexpr int GH = heads_per_pass(GT);      // heads a score or output pass takes at once
-  using KRaw = typename KV::template Raw<8>;
-  using VRaw = typename KV::template Raw<COLS>;
+  using KF = typename P::K;
+  using VF = typename P::V;
+  constexpr bool kFoldKMin = KF::kHasMin && fold_min(GT);
+  constexpr bool kSumKMin = KF::kHasMin && !kFoldKMin;
+  using KRaw = typename KF::template Raw<8>;
+  using VRaw = typename VF::template Raw<COLS>;
   static_assert(LPR >= 2 && LPR <= 32 && KC >= 1, "tile shape");
 
   extern __shared__ float smem[];
@@ -70,7 +86,7 @@ __global__ void __launch_bounds__(kAttnThreads, kAttnMinBlocksPerSm)
   float *sp = smem + GT * DMAX;  // [T][GT]: a position's weights for every head together
   const int tid = threadIdx.x;
 
-  const SplitBlock<KV> b = split_block<KV>(a, plan, GT);
+  const SplitBlock<P> b = split_block<P>(a, plan, GT);
   wait_for_prerequisite_grid();
   if (plan.max_splits > 1) allow_dependent_launch();  // the combine kernel: see below
   const int p_begin = b.p_begin, p_end = b.p_end, nh = b.nh;
@@ -79,6 +95,15 @@ __global__ void __launch_bounds__(kAttnThreads, kAttnMinBlocksPerSm)
   for (int i = tid; i < GT * D; i += kAttnThreads) {
     const int g = i / D, d = i % D;
     sq[g * DMAX + (d & 4 ? DMAX / 2 : 0) + (d >> 3) * 4 + (d & 3)] = g < nh ? q[i] * a.q_scale : 0.0f;
+  }
+  float *sqsum = smem + GT * (DMAX + T);  // [GT][DMAX / 8], K formats with a min only
+  if constexpr (kSumKMin) {
+    for (int i = tid; i < GT * (D / 8); i += kAttnThreads) {
+      const int g = i / (D / 8), c = i % (D / 8);
+      float sum = 0.0f;
+      for (int j = 0; j < 8; j++) sum += g < nh ? q[g * D + 8 * c + j] * a.q_scale : 0.0f;
+      sqsum[g * (DMAX / 8) + c] = sum;
+    }
   }
   if (tid < GT) s_state[tid] = SoftmaxState::empty();
 
@@ -91,32 +116,37 @@ __global__ void __launch_bounds__(kAttnThreads, kAttnMinBlocksPerSm)
   const int rg = tid / pv_tpr;
   const int col = (tid % pv_tpr) * COLS;
   const bool pv_active = rg < row_groups;
+  constexpr bool kFoldMin = VF::kHasMin && fold_min(GT);
+  constexpr bool kSumMin = VF::kHasMin && !kFoldMin;
   float o[GT][COLS];
+  float o_min[kSumMin ? GT : 1];  // sum(w * min) over the rows, per head
 #pragma unroll
-  for (int g = 0; g < GT; g++)
+  for (int g = 0; g < GT; g++) {
 #pragma unroll
     for (int i = 0; i < COLS; i++) o[g][i] = 0.0f;
+    if constexpr (kSumMin) o_min[g] = 0.0f;
+  }
 
   // Per-thread cursors, advanced a tile at a time: the loop body computes no 64-bit products.
   const size_t tile_step = (size_t)T * D;
   const int v_step = row_groups * D;
-  typename KV::Ptr kp = KV::add(b.k, (size_t)(p_begin + k_row) * D + k_lane * 8);
-  typename KV::Ptr vp = KV::add(b.v, (size_t)(p_begin + rg) * D + col);
+  typename KF::Ptr kp = KF::add(b.k, (size_t)(p_begin + k_row) * D + k_lane * 8);
+  typename VF::Ptr vp = VF::add(b.v, (size_t)(p_begin + rg) * D + col);
   const float *qp = sq + k_lane * 4;
 
   for (int t0 = p_begin; t0 < p_end;
-       t0 += T, kp = KV::add(kp, tile_step), vp = KV::add(vp, tile_step)) {
+       t0 += T, kp = KF::add(kp, tile_step), vp = VF::add(vp, tile_step)) {
     const int rows = min(T, p_end - t0);
     // Every load of the tile goes out before anything waits on one: one memory latency per
     // tile instead of one per row batch.
     KRaw kraw[KC];
 #pragma unroll
     for (int j = 0; j < KC; j++)
-      if (k_row < rows && k_lane + j * LPR < chunks) kraw[j] = KV::template load<8>(kp, j * LPR * 8);
+      if (k_row < rows && k_lane + j * LPR < chunks) kraw[j] = KF::template load<8>(a.k, kp, j * LPR * 8);
     VRaw vraw[VR];
 #pragma unroll
     for (int i = 0; i < VR; i++)
-      if (pv_active && rg + i * row_groups < rows) vraw[i] = KV::template load<COLS>(vp, i * v_step);
+      if (pv_active && rg + i * row_groups < rows) vraw[i] = VF::template load<COLS>(a.v, vp, i * v_step);
     __syncthreads();  // q is staged, and the previous tile's weights are consumed
 
 #pragma unroll
@@ -129,13 +159,22 @@ __global__ void __launch_bounds__(kAttnThreads, kAttnMinBlocksPerSm)
         const int c = k_lane + j * LPR;
         if (k_row < rows && c < chunks) {
           float kf[8];
-          KV::template widen<8>(kraw[j], kf);
+          KF::template widen<8>(kraw[j], kf);
+          float k_scale = KF::template scale<8>(kraw[j]);
+          const float k_min = KF::template min<8>(kraw[j]);
+          if constexpr (kFoldKMin) {  // as for V below
+            const bool flat = k_scale == 0.0f;
+            const float off = flat ? 1.0f : __fdividef(k_min, k_scale);
+#pragma unroll
+            for (int i = 0; i < 8; i++) kf[i] += off;
+            k_scale = flat ? k_min : k_scale;
+          }
 #pragma unroll
           for (int g = 0; g < GH; g++) {
             const float *qg = qp + (g0 + g) * DMAX + j * LPR * 4;
             const float4 qa = *reinterpret_cast<const float4 *>(qg);
             const float4 qb = *reinterpret_cast<const float4 *>(qg + DMAX / 2);
-            float s = acc[g];
+            float s = KF::kScaled ? 0.0f : acc[g];
             s = fmaf(qa.x, kf[0], s);
             s = fmaf(qa.y, kf[1], s);
             s = fmaf(qa.z, kf[2], s);
@@ -144,6 +183,8 @@ __global__ void __launch_bounds__(kAttnThreads, kAttnMinBlocksPerSm)
             s = fmaf(qb.y, kf[5], s);
             s = fmaf(qb.z, kf[6], s);
             s = fmaf(qb.w, kf[7], s);
+            if constexpr (KF::kScaled) s = fmaf(k_scale, s, acc[g]);
+            if constexpr (kSumKMin) s = fmaf(k_min, sqsum[(g0 + g) * (DMAX / 8) + c], s);
             acc[g] = s;
           }
         }
@@ -197,21 +238,35 @@ __global__ void __launch_bounds__(kAttnThreads, kAttnMinBlocksPerSm)
         const float alpha = s_alpha[g];
 #pragma unroll
         for (int i = 0; i < COLS; i++) o[g][i] *= alpha;
+        if constexpr (kSumMin) o_min[g] *= alpha;
       }
 #pragma unroll
       for (int i = 0; i < VR; i++) {
         const int r = rg + i * row_groups;
         if (r < rows) {
           float vf[COLS];
-          KV::template widen<COLS>(vraw[i], vf);
+          VF::template widen<COLS>(vraw[i], vf);
+          float v_scale = VF::template scale<COLS>(vraw[i]);
+          const float v_min = VF::template min<COLS>(vraw[i]);
+          if constexpr (kFoldMin) {
+            // A group of equal values has scale 0 and codes 0: then value = (0 + 1) x min.
+            // (8-head tiles: see fold_min.)
+            const bool flat = v_scale == 0.0f;
+            const float off = flat ? 1.0f : __fdividef(v_min, v_scale);
+#pragma unroll
+            for (int c = 0; c < COLS; c++) vf[c] += off;
+            v_scale = flat ? v_min : v_scale;
+          }
 #pragma unroll
           for (int g0 = 0; g0 < GT; g0 += GH) {
             float w[GH];
             load_weights<GH>(sp + r * GT + g0, w);
 #pragma unroll
             for (int g = 0; g < GH; g++) {
+              const float wv = VF::kScaled ? w[g] * v_scale : w[g];
 #pragma unroll
-              for (int c = 0; c < COLS; c++) o[g0 + g][c] = fmaf(w[g], vf[c], o[g0 + g][c]);
+              for (int c = 0; c < COLS; c++) o[g0 + g][c] = fmaf(wv, vf[c], o[g0 + g][c]);
+              if constexpr (kSumMin) o_min[g0 + g] = fmaf(w[g], v_min, o_min[g0 + g]);
             }
           }
         }
@@ -229,12 +284,13 @@ __global__ void __launch_bounds__(kAttnThreads, kAttnMinBlocksPerSm)
 #pragma unroll
     for (int g = 0; g < GT; g++)
 #pragma unroll
-      for (int i = 0; i < COLS; i++) red[(rg * GT + g) * D + col + i] = o[g][i];
+      for (int i = 0; i < COLS; i++)
+        red[(rg * GT + g) * D + col + i] = kSumMin ? o[g][i] + o_min[g] : o[g][i];
   }
   __syncthreads();
   // The block's coordinates again rather than kept in registers through the loop (on sm_52 they
   // would be spilled).
-  const SplitBlock<KV> fin = split_block<KV>(a, plan, GT);
+  const SplitBlock<P> fin = split_block<P>(a, plan, GT);
   for (int idx = tid; idx < fin.nh * D; idx += kAttnThreads) {
     const int g = idx / D, d = idx % D;
     float acc = 0.0f;
@@ -252,35 +308,35 @@ int dmax_for(int head_dim) {
 
 int log2_small(int x) { return x >= 8 ? 3 : x >= 4 ? 2 : x >= 2 ? 1 : 0; }
 
-template <typename KV, int GT>
+template <typename P, int GT>
 SplitKernel kernel_for_dmax(int dmax) {
-  return dmax == 64 ? attn_fp32_kernel<KV, GT, 64>
-                    : dmax == 128 ? attn_fp32_kernel<KV, GT, 128> : attn_fp32_kernel<KV, GT, 256>;
+  return dmax == 64 ? attn_fp32_kernel<P, GT, 64>
+                    : dmax == 128 ? attn_fp32_kernel<P, GT, 128> : attn_fp32_kernel<P, GT, 256>;
 }
 
-template <typename KV>
+template <typename P>
 SplitKernel kernel_for(int gt, int head_dim) {
   const int dmax = dmax_for(head_dim);
   switch (gt) {
-    case 1: return kernel_for_dmax<KV, 1>(dmax);
-    case 2: return kernel_for_dmax<KV, 2>(dmax);
-    case 4: return kernel_for_dmax<KV, 4>(dmax);
-    default: return kernel_for_dmax<KV, 8>(dmax);
+    case 1: return kernel_for_dmax<P, 1>(dmax);
+    case 2: return kernel_for_dmax<P, 2>(dmax);
+    case 4: return kernel_for_dmax<P, 4>(dmax);
+    default: return kernel_for_dmax<P, 8>(dmax);
   }
 }
 
 }  // namespace
 
-template <typename KV>
+template <typename P>
 int fp32_split_pass(m40llm_cuda_state *st, int head_dim, const Grouping &g, SplitPass *out) {
   const int dmax = dmax_for(head_dim);
-  SplitPass pass{kernel_for<KV>(g.gt, head_dim), kAttnThreads,
-                 split_smem_floats(g.gt, dmax, head_dim) * sizeof(float), tile_rows(g.gt, dmax),
-                 0, 0, false};
+  SplitPass pass{kernel_for<P>(g.gt, head_dim), kAttnThreads,
+                 split_smem_floats(g.gt, dmax, head_dim, P::K::kHasMin) * sizeof(float),
+                 tile_rows(g.gt, dmax), 0, 0, false};
   int rc = kernel_waits(st, reinterpret_cast<const void *>(pass.kernel), &st->fp32_dependent,
                         &pass.dependent);
   if (rc != M40LLM_OK) return rc;
-  int &occ = st->fp32_occupancy[log2_small(g.gt)][head_dim / 8];
+  int &occ = st->fp32_occupancy[P::K::kFormat][P::V::kFormat][log2_small(g.gt)][head_dim / 8];
   if (occ == 0) {
     M40LLM_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, pass.kernel, pass.threads,
                                                                   pass.smem));
@@ -291,7 +347,7 @@ int fp32_split_pass(m40llm_cuda_state *st, int head_dim, const Grouping &g, Spli
   return M40LLM_OK;
 }
 
-#define M40LLM_INSTANTIATE(KV) \
-  template int fp32_split_pass<KV>(m40llm_cuda_state *, int, const Grouping &, SplitPass *);
-M40LLM_KV_FORMAT_TYPES(M40LLM_INSTANTIATE)
+#define M40LLM_INSTANTIATE(P) \
+  template int fp32_split_pass<P>(m40llm_cuda_state *, int, const Grouping &, SplitPass *);
+M40LLM_KV_PAIRS(M40LLM_INSTANTIATE)
 #undef M40LLM_INSTANTIATE

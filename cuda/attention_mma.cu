@@ -77,7 +77,7 @@ struct SharedHalves {
 // read-only path) or from a staged step.
 template <typename KV, int N>
 __device__ __forceinline__ typename HalfVec<N>::Raw load_halves(typename KV::Ptr p, int n) {
-  return KV::template halves<N>(KV::template load<N>(p, n));
+  return KV::template halves<N>(KV::template load<N>(KvPlanes{}, p, n));  // F16: no planes
 }
 template <typename KV, int N>
 __device__ __forceinline__ typename HalfVec<N>::Raw load_halves(SharedHalves p, int n) {
@@ -164,7 +164,7 @@ struct RegisterSteps {
   typename KV::Ptr kp, vp;  // this lane's first K and V element of the step in flight
   int p_end, g, t;
 
-  __device__ RegisterSteps(const SplitBlock<KV> &b, int p0, int lane, void * /*smem*/,
+  __device__ RegisterSteps(const SplitBlock<KvPair<KV, KV>> &b, int p0, int lane, void * /*smem*/,
                            int /*stages*/)
       : p_end(b.p_end), g(lane >> 2), t(lane & 3) {
     const size_t offset = (size_t)(p0 + g) * D + 8 * t;
@@ -206,7 +206,8 @@ struct StagedSteps {
   int p_end, stages, lane, slot = 0;
   uint32_t parity = 0;
 
-  __device__ StagedSteps(const SplitBlock<KV> &b, int p0, int lane_, void *smem, int stages_)
+  __device__ StagedSteps(const SplitBlock<KvPair<KV, KV>> &b, int p0, int lane_, void *smem,
+                         int stages_)
       : kg(b.k), vg(b.v), p_end(b.p_end), stages(stages_), lane(lane_) {
     __shared__ uint64_t s_bar[kMmaMaxStages][W];
     const int warp = threadIdx.x >> 5;
@@ -277,7 +278,8 @@ __global__ void __launch_bounds__(32 * W, mma_min_blocks(32 * NC + 16 * TAIL, W)
   __shared__ SoftmaxState s_state[W][G];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
-  const SplitBlock<KV> b = split_block<KV>(a, plan, G);
+  static_assert(std::is_same<KV, KvF16>::value, "the tensor-core kernel reads FP16 K/V");
+  const SplitBlock<KvPair<KV, KV>> b = split_block<KvPair<KV, KV>>(a, plan, G);
   wait_for_prerequisite_grid();
   if (plan.max_splits > 1) allow_dependent_launch();  // as in attn_split_kernel
 
@@ -576,11 +578,15 @@ int pass_for(m40llm_cuda_state *st, int head_dim, bool staged, int warps, SplitP
 
 }  // namespace
 
-template <typename KV>
+template <typename P>
 int mma_split_passes(m40llm_cuda_state *st, int head_dim, SplitPasses *p) {
+  p->pass = p->direct = p->fine = SplitPass{};
+  if constexpr (!std::is_same<P, KvPair<KvF16, KvF16>>::value) {
+    return (void)st, (void)head_dim, M40LLM_OK;  // quantized K/V: the FP32 family
+  } else {
+  using KV = KvF16;
   const int warps = mma_warps(head_dim);
   const bool stage = head_dim >= kMmaStagedMinDim && head_dim <= kMmaStagedMaxDim;
-  p->pass = p->fine = SplitPass{};
   int rc = pass_for<KV>(st, head_dim, false, warps, &p->direct);
   if (rc == M40LLM_OK && p->direct.kernel && stage)
     rc = pass_for<KV>(st, head_dim, true, warps, &p->pass);
@@ -589,8 +595,9 @@ int mma_split_passes(m40llm_cuda_state *st, int head_dim, SplitPasses *p) {
   if (!p->pass.kernel) p->pass = p->direct;
   if (!p->fine.kernel) p->fine = p->direct;
   return M40LLM_OK;
+  }
 }
 
-#define M40LLM_INSTANTIATE(KV) template int mma_split_passes<KV>(m40llm_cuda_state *, int, SplitPasses *);
-M40LLM_KV_FORMAT_TYPES(M40LLM_INSTANTIATE)
+#define M40LLM_INSTANTIATE(P) template int mma_split_passes<P>(m40llm_cuda_state *, int, SplitPasses *);
+M40LLM_KV_PAIRS(M40LLM_INSTANTIATE)
 #undef M40LLM_INSTANTIATE

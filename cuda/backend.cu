@@ -7,6 +7,7 @@
 
 #include "backend_cuda.h"
 #include "common.cuh"
+#include "kv_format.cuh"
 
 int m40llm_cuda_error(cudaError_t err, const char *what) {
   (void)cudaGetLastError();  // clears the error unless it is sticky
@@ -131,12 +132,13 @@ int cuda_memset(m40llm_context *ctx, void *dst, int value, size_t bytes) {
   return M40LLM_OK;
 }
 
-// The kernels load K/V rows 16 bytes at a time (8 FP16 elements).
+// The kernels load K/V rows 8 elements at a time, and have kernels for some format pairs.
 int cuda_check_cache(const m40llm_kvcache_options *o) {
   if (o->head_dim % 8 != 0)
     return m40llm_fail(M40LLM_ERR_UNSUPPORTED,
                        "opts->head_dim %d: the CUDA backend needs a multiple of 8", o->head_dim);
-  return M40LLM_OK;
+  const int v_format = o->v_format == M40LLM_KV_SAME ? o->format : o->v_format;
+  return with_kv_pair(o->format, v_format, [](auto) -> int { return M40LLM_OK; });
 }
 
 // A tensor's rows (layer, seq, every K/V head, positions pos ..) out as FP16
@@ -147,8 +149,7 @@ int read_rows(const m40llm_kvcache *c, const m40llm_kv_tensor &t, uint16_t *out,
   if (!out) return M40LLM_OK;
   const m40llm_kvcache_options *o = &c->opts;
   if (t.layout.fmt->format != M40LLM_KV_F16)
-    return m40llm_fail(M40LLM_ERR_UNSUPPORTED, "reading %s K/V as FP16 on the CUDA backend",
-                       t.layout.fmt->name);
+    return m40llm_cuda_read_decoded(c, t, out, layer, seq, pos, n_tokens);
   const size_t row = t.layout.row_bytes[M40LLM_KV_CODES];
   for (int h = 0; h < o->n_kv_heads; h++)
     M40LLM_CUDA_TRY(cudaMemcpy2DAsync(out + (size_t)h * o->head_dim, row * o->n_kv_heads,

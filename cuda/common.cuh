@@ -14,7 +14,8 @@ struct m40llm_cuda_state {
   size_t smem_per_sm, smem_per_block, smem_reserved_per_block;  // shared memory, in bytes
   void *workspace;  // scratch of the attention calls (split-K partials): cuda_workspace()
   size_t workspace_bytes;
-  int fp32_occupancy[4][33];  // FP32 split kernel's resident blocks per SM, [log2 tile][dim / 8]
+  // The FP32 split kernels' resident blocks per SM, by [K format][V format][log2 tile][dim / 8].
+  int fp32_occupancy[3][3][4][33];
   struct {
     signed char usable;  // whether this build runs it here: 0 = not asked yet, 1 yes, -1 no
     signed char stages;  // K/V steps per warp it stages in shared memory (0: in registers)

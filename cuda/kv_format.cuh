@@ -1,23 +1,25 @@
 // The device side of the KV formats (the host side is c/src/kv_format.h): how kernels address,
-// load and widen K/V elements, and how the append kernel encodes them. Kernels take the format
-// as a template parameter and touch K/V only through it. Element e of a tensor is element
-// e % head_dim of row e / head_dim, rows in the order of m40llm_kv_row().
+// load and widen K/V elements, and how the append kernel encodes them. Kernels take the K and V
+// formats as template parameters and touch K/V only through them. Element e of a tensor is
+// element e % head_dim of row e / head_dim, rows in the order of m40llm_kv_row().
 //
 // A format type provides:
-//   Ptr, MutPtr            an element's place in every plane (codes, parameters)
-//   at(planes, e)          element e of a tensor whose planes are given
+//   Ptr                    an element's place in the tensor
+//   at(planes, e)          element e of a tensor whose planes (from a layer's first row) are given
 //   add(ptr, n)            n elements on
-//   Raw<N>, load<N>(p, n)  N consecutive elements from n elements past p, in registers as
-//                          stored (N a power of two up to 8, p + n a multiple of N), through
-//                          the read-only path
-//   widen<N>(raw, f)       those elements as FP32
-//   halves<N>(raw)         those elements as FP16 bit patterns (the tensor-core kernels)
+//   Raw<N>, load<N>(t,p,n) N consecutive elements n past p, in registers as stored (N a power of
+//                          two from 2 to 8, p + n a multiple of N), through the read-only path
+//   widen<N>(raw, f)       those elements as FP32 factors: the values (F16), or the codes
+//   kScaled, scale(raw)    quantized: value = factor x scale (+ min where kHasMin), the same
+//   kHasMin, min(raw)      for the N elements (they lie in one group)
+//   halves<N>(raw)         the elements as FP16 bit patterns (the tensor-core kernels; F16 only)
 //   kEncodeRun, encode()   the append kernel's unit: kEncodeRun elements from FP32 or FP16
 //   kRowBytes(D)           bytes of one codes row (the staged tensor-core kernel copies rows)
 #pragma once
 
 #include <cuda_fp16.h>
 #include <stddef.h>
+#include <stdint.h>
 
 #include "internal.h"
 #include "kv_format.h"
@@ -43,17 +45,14 @@ struct KvMutPlanes {
 // IEEE binary16 codes, no parameters.
 struct KvF16 {
   static constexpr int kFormat = M40LLM_KV_F16;
+  static constexpr bool kScaled = false, kHasMin = false;
   static constexpr int kEncodeRun = 8;
   template <int N>
   using Raw = typename HalfVec<N>::Raw;
   using Ptr = const __half *;
-  using MutPtr = __half *;
 
   __host__ __device__ static Ptr at(const KvPlanes &t, size_t e) {
     return static_cast<const __half *>(t.plane[M40LLM_KV_CODES]) + e;
-  }
-  __host__ __device__ static MutPtr at(const KvMutPlanes &t, size_t e) {
-    return static_cast<__half *>(t.plane[M40LLM_KV_CODES]) + e;
   }
   __host__ __device__ static Ptr add(Ptr p, ptrdiff_t n) { return p + n; }
   __host__ __device__ static constexpr size_t kRowBytes(int head_dim) {
@@ -62,7 +61,7 @@ struct KvF16 {
 
   // The value is used later, after other loads: the read-only path lets them all go out first.
   template <int N>
-  __device__ static Raw<N> load(Ptr p, int n) {
+  __device__ static Raw<N> load(const KvPlanes &, Ptr p, int n) {
     return __ldg(reinterpret_cast<const Raw<N> *>(p + n));
   }
 
@@ -76,6 +75,10 @@ struct KvF16 {
       f[2 * i + 1] = t.y;
     }
   }
+  template <int N>
+  __device__ static float scale(const Raw<N> &) { return 1.0f; }
+  template <int N>
+  __device__ static float min(const Raw<N> &) { return 0.0f; }
 
   template <int N>
   __device__ static const Raw<N> &halves(const Raw<N> &raw) {
@@ -83,31 +86,204 @@ struct KvF16 {
   }
 
   // FP32 rounds to nearest even; FP16 bit patterns are stored unchanged (NaN payloads too).
-  __device__ static void encode(MutPtr dst, const float (&x)[kEncodeRun]) {
+  __device__ static void encode(const KvMutPlanes &t, size_t e, const float (&x)[kEncodeRun]) {
     __align__(16) __half h[kEncodeRun];
 #pragma unroll
     for (int i = 0; i < kEncodeRun; i++) h[i] = __float2half_rn(x[i]);
-    *reinterpret_cast<uint4 *>(dst) = *reinterpret_cast<const uint4 *>(h);
+    store(t, e, h);
   }
-  __device__ static void encode(MutPtr dst, const __half (&x)[kEncodeRun]) {
+  __device__ static void encode(const KvMutPlanes &t, size_t e, const __half (&x)[kEncodeRun]) {
     __align__(16) __half h[kEncodeRun];
 #pragma unroll
     for (int i = 0; i < kEncodeRun; i++) h[i] = x[i];
-    *reinterpret_cast<uint4 *>(dst) = *reinterpret_cast<const uint4 *>(h);
+    store(t, e, h);
+  }
+  __device__ static void store(const KvMutPlanes &t, size_t e, const __half (&h)[kEncodeRun]) {
+    *reinterpret_cast<uint4 *>(static_cast<__half *>(t.plane[M40LLM_KV_CODES]) + e) =
+        *reinterpret_cast<const uint4 *>(h);
   }
 };
 
-// Every format type, for the explicit instantiations of each kernel family: X(KvF16) ...
-#define M40LLM_KV_FORMAT_TYPES(X) X(KvF16)
+// Codes of N elements of a quantized format in one load: N * bits / 8 bytes.
+template <int Bytes>
+struct CodeVec;
+template <>
+struct CodeVec<1> { using Raw = uint8_t; };
+template <>
+struct CodeVec<2> { using Raw = unsigned short; };
+template <>
+struct CodeVec<4> { using Raw = unsigned int; };
+template <>
+struct CodeVec<8> { using Raw = uint2; };
 
-// Calls f(Format{}) with the format type of `format`: the one place a KV format number becomes
-// a type. A format the device side lacks is M40LLM_ERR_UNSUPPORTED.
+// What the quantized formats share: groups of kGroup elements, each with its parameters
+// (Param: an FP16 scale, or an FP16 (scale, min) pair) in the params plane, and the element
+// codes, kBits each, in the codes plane. Ptr is the element's index: the kernels' cursors
+// then cost one 64-bit register, and the two planes' addresses are formed at the load.
+template <int kFormat_, int kBits, typename Param>
+struct KvQuant {
+  static constexpr int kFormat = kFormat_;
+  static constexpr int kGroup = 32;
+  static constexpr bool kScaled = true;
+  static constexpr int kEncodeRun = kGroup;
+  using Ptr = size_t;
+  template <int N>
+  struct Raw {
+    typename CodeVec<N * kBits / 8>::Raw codes;
+    Param param;
+  };
+
+  __host__ __device__ static Ptr at(const KvPlanes &, size_t e) { return e; }
+  __host__ __device__ static Ptr add(Ptr p, ptrdiff_t n) { return p + (size_t)n; }
+  __host__ __device__ static constexpr size_t kRowBytes(int head_dim) {
+    return (size_t)head_dim * kBits / 8;
+  }
+
+  template <int N>
+  __device__ static Raw<N> load(const KvPlanes &t, Ptr p, int n) {
+    const size_t e = p + (size_t)n;
+    Raw<N> r;
+    r.codes = __ldg(reinterpret_cast<const typename CodeVec<N * kBits / 8>::Raw *>(
+        static_cast<const uint8_t *>(t.plane[M40LLM_KV_CODES]) + e * kBits / 8));
+    r.param = __ldg(static_cast<const Param *>(t.plane[M40LLM_KV_PARAMS]) + e / kGroup);
+    return r;
+  }
+};
+
+// Codes become exact FP32 integers by integer bit operations (sm_52 has no fast int8 -> float
+// conversion): the code under the bits of 2^23, then one FP32 subtract of 2^23 (and of Q8's
+// offset of 128).
+// Q8: offset-binary bytes (code + 128), one FP16 scale per group.
+struct KvQ8 : KvQuant<M40LLM_KV_Q8, 8, __half> {
+  static constexpr bool kHasMin = false;
+
+  template <int N>
+  __device__ static void widen(const Raw<N> &raw, float (&f)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; i++) {
+      unsigned word;
+      if constexpr (N == 8) word = i < 4 ? raw.codes.x : raw.codes.y;
+      else word = raw.codes;
+      // 2^23 + byte: byte i % 4 of word under the bits of 2^23 (PRMT selector 7, 4, 4, byte)
+      f[i] = __int_as_float(__byte_perm(word, 0x4B000000u, 0x7440u | (i % 4))) - 8388736.0f;
+    }
+  }
+  template <int N>
+  __device__ static float scale(const Raw<N> &raw) { return __half2float(raw.param); }
+  template <int N>
+  __device__ static float min(const Raw<N> &) { return 0.0f; }
+
+  // One group: amax, its FP16 scale d, codes round(x / d) (rint: to nearest even), as the CPU
+  // reference (c/src/kv_format.c) does.
+  __device__ static void encode(const KvMutPlanes &t, size_t e, const float (&x)[kGroup]) {
+    float amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kGroup; i++) amax = fmaxf(amax, fabsf(x[i]));
+    const __half d = __float2half_rn(amax / 127.0f);
+    const float df = __half2float(d);
+    __align__(16) uint8_t c[kGroup];
+#pragma unroll
+    for (int i = 0; i < kGroup; i++) {
+      const float q = df == 0.0f ? 0.0f : fmaxf(fminf(rintf(x[i] / df), 127.0f), -127.0f);
+      c[i] = (uint8_t)((int)q + 128);
+    }
+    uint4 *dst = reinterpret_cast<uint4 *>(static_cast<uint8_t *>(t.plane[M40LLM_KV_CODES]) + e);
+    dst[0] = reinterpret_cast<const uint4 *>(c)[0];
+    dst[1] = reinterpret_cast<const uint4 *>(c)[1];
+    static_cast<__half *>(t.plane[M40LLM_KV_PARAMS])[e / kGroup] = d;
+  }
+  __device__ static void encode(const KvMutPlanes &t, size_t e, const __half (&h)[kGroup]) {
+    float x[kGroup];
+#pragma unroll
+    for (int i = 0; i < kGroup; i++) x[i] = __half2float(h[i]);
+    encode(t, e, x);
+  }
+};
+
+// Q4: nibbles (element 2j low, 2j + 1 high), one FP16 (scale, min) pair per group.
+struct KvQ4 : KvQuant<M40LLM_KV_Q4, 4, __half2> {
+  static constexpr bool kHasMin = true;
+
+  template <int N>
+  __device__ static void widen(const Raw<N> &raw, float (&f)[N]) {
+    const unsigned word = (unsigned)raw.codes;
+#pragma unroll
+    for (int i = 0; i < N; i++) f[i] = __int_as_float(0x4B000000u | ((word >> (4 * i)) & 0xFu)) - 8388608.0f;
+  }
+  template <int N>
+  __device__ static float scale(const Raw<N> &raw) { return __low2float(raw.param); }
+  template <int N>
+  __device__ static float min(const Raw<N> &raw) { return __high2float(raw.param); }
+
+  __device__ static void encode(const KvMutPlanes &t, size_t e, const float (&x)[kGroup]) {
+    float lo = x[0], hi = x[0];
+#pragma unroll
+    for (int i = 1; i < kGroup; i++) {
+      lo = fminf(lo, x[i]);
+      hi = fmaxf(hi, x[i]);
+    }
+    const __half2 p = __halves2half2(__float2half_rn((hi - lo) / 15.0f), __float2half_rn(lo));
+    const float df = __low2float(p), mf = __high2float(p);
+    __align__(16) uint8_t c[kGroup / 2];
+#pragma unroll
+    for (int i = 0; i < kGroup; i += 2) {
+      unsigned b = 0;
+#pragma unroll
+      for (int j = 0; j < 2; j++) {
+        const float q = df == 0.0f ? 0.0f : fmaxf(fminf(rintf((x[i + j] - mf) / df), 15.0f), 0.0f);
+        b |= (unsigned)q << (4 * j);
+      }
+      c[i / 2] = (uint8_t)b;
+    }
+    *reinterpret_cast<uint4 *>(static_cast<uint8_t *>(t.plane[M40LLM_KV_CODES]) + e / 2) =
+        *reinterpret_cast<const uint4 *>(c);
+    static_cast<__half2 *>(t.plane[M40LLM_KV_PARAMS])[e / kGroup] = p;
+  }
+  __device__ static void encode(const KvMutPlanes &t, size_t e, const __half (&h)[kGroup]) {
+    float x[kGroup];
+#pragma unroll
+    for (int i = 0; i < kGroup; i++) x[i] = __half2float(h[i]);
+    encode(t, e, x);
+  }
+};
+
+// A cache's K and V formats together: what the attention kernels are instantiated for.
+template <typename K_, typename V_>
+struct KvPair {
+  using K = K_;
+  using V = V_;
+};
+
+// Every (K, V) pair the attention kernels are built for, for the families' explicit
+// instantiations; with_kv_pair() below must list the same.
+#define M40LLM_KV_PAIRS(X)                                                            \
+  X(KvPair<KvF16 M40LLM_COMMA KvF16>) X(KvPair<KvQ8 M40LLM_COMMA KvQ8>)              \
+  X(KvPair<KvQ4 M40LLM_COMMA KvQ4>) X(KvPair<KvQ8 M40LLM_COMMA KvQ4>)
+#define M40LLM_COMMA ,
+
+// Calls f(Format{}) with the format type of `format`: where a format number becomes a type. A
+// format the device side lacks is M40LLM_ERR_UNSUPPORTED.
 template <typename F>
 int with_kv_format(int format, F &&f) {
   switch (format) {
     case M40LLM_KV_F16: return f(KvF16{});
+    case M40LLM_KV_Q8: return f(KvQ8{});
+    case M40LLM_KV_Q4: return f(KvQ4{});
     default: return m40llm_fail(M40LLM_ERR_UNSUPPORTED, "KV format %d has no CUDA kernels", format);
   }
+}
+
+// The same for a (K, V) pair of formats; pairs the kernels are not built for are unsupported.
+template <typename F>
+int with_kv_pair(int k_format, int v_format, F &&f) {
+  if (k_format == v_format) return with_kv_format(k_format, [&](auto kv) -> int {
+      return f(KvPair<decltype(kv), decltype(kv)>{});
+    });
+  if (k_format == M40LLM_KV_Q8 && v_format == M40LLM_KV_Q4) return f(KvPair<KvQ8, KvQ4>{});
+  return m40llm_fail(M40LLM_ERR_UNSUPPORTED,
+                     "the CUDA backend has no kernels for K format %d with V format %d (it has "
+                     "every format with itself, and Q8 K with Q4 V)",
+                     k_format, v_format);
 }
 
 // The planes of tensor t from row `row` on (a layer's first row, for the attention kernels).

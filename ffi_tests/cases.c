@@ -59,7 +59,7 @@ static void error_paths_options(m40llm_context *ctx) {
     n++;                                               \
   } while (0)
   BAD(version, 0u, INVALID_ARGUMENT, "version");
-  BAD(version, 2u, INVALID_ARGUMENT, "version");
+  BAD(version, 3u, INVALID_ARGUMENT, "version");
   BAD(n_layers, 0, INVALID_ARGUMENT, "n_layers");
   BAD(n_layers, -1, INVALID_ARGUMENT, "n_layers");
   BAD(n_heads, 0, INVALID_ARGUMENT, "n_heads");
@@ -76,7 +76,7 @@ static void error_paths_options(m40llm_context *ctx) {
   BAD(max_seqs, -1, INVALID_ARGUMENT, "max_seqs");
   BAD(max_seq_len, 0, INVALID_ARGUMENT, "max_seq_len");
   BAD(max_seq_len, INT_MIN, INVALID_ARGUMENT, "max_seq_len");
-  BAD(format, 1, UNSUPPORTED, "format");
+  BAD(format, 3, UNSUPPORTED, "format");
   BAD(format, -1, UNSUPPORTED, "format");
 #undef BAD
   bad[n].what = "n_heads 6 / n_kv_heads 4";

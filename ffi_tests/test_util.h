@@ -149,5 +149,7 @@ void t_cases_error_paths(m40llm_context *ctx);
 void t_cases_sequence_ops(m40llm_context *ctx);
 void t_cases_attention_basic(m40llm_context *ctx);
 void t_cases_fp16_rounding(m40llm_context *ctx);
+/* Q8/Q4 and K/V format pairs (cases_quant.c); small: shorter sequences. */
+void t_cases_quantized(m40llm_context *ctx, int small);
 
 #endif /* M40LLM_TEST_UTIL_H */

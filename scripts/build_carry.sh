@@ -4,14 +4,16 @@
 #   .gpu-carry/ptx52/  C tests and example carrying only compute_52 PTX: the M40's code path,
 #                      JIT-compiled by the driver on the newer GPU
 #   .gpu-carry/rust/   the Rust test binaries (same compute_52 PTX)
+#   .gpu-carry/bench52/bench_attention  the benchmark, same PTX (bench/formats.sh, bench/ab.sh)
 # Pass it to the device run as carry: [".gpu-carry"].
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 carry="$root/.gpu-carry"
-rm -rf "$carry" && mkdir -p "$carry/ptx52" "$carry/rust"
+rm -rf "$carry" && mkdir -p "$carry/ptx52" "$carry/rust" "$carry/bench52"
 cmake -S "$root" -B "$root/build-ptx52" -G Ninja -DCMAKE_BUILD_TYPE=Release \
-  -DCMAKE_CUDA_ARCHITECTURES=52-virtual -DM40LLM_BUILD_BENCH=OFF >/dev/null
+  -DCMAKE_CUDA_ARCHITECTURES=52-virtual -DM40LLM_BUILD_BENCH=ON >/dev/null
 cmake --build "$root/build-ptx52"
+cp "$root/build-ptx52/bench/bench_attention" "$carry/bench52/"
 for f in "$root"/build-ptx52/ffi_tests/test_* "$root/build-ptx52/examples/decode_loop"; do
   [ -x "$f" ] && [ -f "$f" ] && cp "$f" "$carry/ptx52/"
 done

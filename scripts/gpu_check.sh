@@ -6,6 +6,9 @@
 #   rust      run the carried Rust test binaries
 #   sanitize  compute-sanitizer memcheck and racecheck over the GPU tests (small shapes)
 #   bench     bench/run_gpu.sh: m40llm vs PyTorch SDPA vs the copy roofline
+#   formats   bench/formats.sh: F16, Q8, Q4, Q8Q4 side by side, native and compute_52-PTX builds
+#   ab        bench/ab.sh: the previous main (.ab/base, carried) against this tree, native, and
+#             the carried compute_52-PTX benchmarks (.ab/bins/base, .gpu-carry/bench52)
 # Logs and results go to $OUT (or ./gpu-out). Every GPU test must run: a skip is a failure here.
 set -uo pipefail
 out=${OUT:-$PWD/gpu-out}
@@ -55,6 +58,23 @@ sanitize() {  # needs build-native (the native step); each tool gets SANITIZE_TI
   return $rc
 }
 
+formats() {  # needs build-native (the native step)
+  [ -x build-native/bench/bench_attention ] || native || return 1
+  bash bench/formats.sh build-native/bench/bench_attention "$out/formats_native" &&
+    bash bench/formats.sh .gpu-carry/bench52/bench_attention "$out/formats_ptx52"
+}
+
+ab() {
+  local rc=0
+  bash bench/ab.sh .ab/base /tmp/ab_native 2 || rc=1
+  mkdir -p /tmp/ab_bins/base /tmp/ab_bins/new
+  cp .ab/bins/base/bench_attention /tmp/ab_bins/base/ &&
+    cp .gpu-carry/bench52/bench_attention /tmp/ab_bins/new/ &&
+    AB_BINS=/tmp/ab_bins AB_BUILD=/tmp/m40llm-ab52 bash bench/ab.sh .ab/base /tmp/ab_ptx52 2 || rc=1
+  tar czf "$out/ab.tgz" -C /tmp ab_native ab_ptx52
+  return $rc
+}
+
 nvidia-smi --query-gpu=name,memory.total,driver_version,compute_cap --format=csv
 for s in $steps; do
   case $s in
@@ -63,6 +83,8 @@ for s in $steps; do
     rust) run_step rust bash .gpu-carry/rust/run_all.sh ;;
     sanitize) run_step sanitize sanitize ;;
     bench) run_step bench bash bench/run_gpu.sh "$out" ;;
+    formats) run_step formats formats ;;
+    ab) run_step ab ab ;;
     *) echo "unknown step $s"; exit 2 ;;
   esac
 done

@@ -164,23 +164,36 @@ int m40llm_memset(m40llm_context *ctx, void *dst, int value, size_t bytes);
 typedef struct m40llm_kvcache m40llm_kvcache;
 
 typedef enum m40llm_kv_format {
-  M40LLM_KV_F16 = 0 /* IEEE binary16, round-to-nearest-even from FP32 */
+  M40LLM_KV_SAME = -1, /* v_format only: the same as format */
+  M40LLM_KV_F16 = 0,   /* IEEE binary16, round-to-nearest-even from FP32 (16 bits a value) */
+  /* Quantized per group of 32 consecutive dims of one token's K/V head (head_dim a multiple of
+   * 32), from the FP32 (or FP16) values appended, rounded once (to nearest even):
+   *   Q8: codes c = round(x / d) in -127..127, d = fp16(max|x| / 127): x ~ c d (8.5 bits a value)
+   *   Q4: codes c = round((x - m) / d) in 0..15, d = fp16((max - min) / 15), m = fp16(min):
+   *       x ~ c d + m (5 bits a value)
+   * A group whose scale d is 0 stores codes 0. */
+  M40LLM_KV_Q8 = 1,
+  M40LLM_KV_Q4 = 2
 } m40llm_kv_format;
 
-#define M40LLM_KVCACHE_OPTIONS_VERSION 1
+/* Version 2 added v_format. Callers built against version 1 keep working: the library reads and
+ * writes only the fields of the version a struct says it is. */
+#define M40LLM_KVCACHE_OPTIONS_VERSION 2
 typedef struct m40llm_kvcache_options {
-  unsigned version; /* M40LLM_KVCACHE_OPTIONS_VERSION */
+  unsigned version; /* M40LLM_KVCACHE_OPTIONS_VERSION (or 1) */
   int n_layers;     /* >= 1 */
   int n_heads;      /* query heads, >= 1, a multiple of n_kv_heads */
   int n_kv_heads;   /* >= 1; n_heads / n_kv_heads query heads share one K/V head (GQA/MQA) */
-  int head_dim;     /* 1..256; the CUDA backend needs a multiple of 8 */
+  int head_dim;     /* 1..256; the CUDA backend needs a multiple of 8, Q8 and Q4 of 32 */
   int max_seqs;     /* sequence slots, >= 1 */
   int max_seq_len;  /* positions per sequence, >= 1 */
-  int format;       /* m40llm_kv_format; any other value: M40LLM_ERR_UNSUPPORTED */
+  int format;       /* m40llm_kv_format of K, and of V unless v_format names another; any other
+                       value: M40LLM_ERR_UNSUPPORTED */
+  int v_format;     /* version 2: V's m40llm_kv_format, or M40LLM_KV_SAME (the default) */
 } m40llm_kvcache_options;
 #define M40LLM_KVCACHE_OPTIONS_INIT \
-  { M40LLM_KVCACHE_OPTIONS_VERSION, 0, 0, 0, 0, 0, 0, M40LLM_KV_F16 }
-/** Fills *opts with the defaults of the given version (all sizes zero, FP16). */
+  { M40LLM_KVCACHE_OPTIONS_VERSION, 0, 0, 0, 0, 0, 0, M40LLM_KV_F16, M40LLM_KV_SAME }
+/** Fills *opts with the defaults of the given version, 1 or 2 (all sizes zero, FP16). */
 int m40llm_kvcache_options_init(m40llm_kvcache_options *opts, unsigned version);
 
 /** Bytes of backend memory a cache with these options holds (K plus V), without allocating.
@@ -210,15 +223,18 @@ int m40llm_kvcache_seq_truncate(m40llm_kvcache *cache, int seq, int new_len);
 int m40llm_kvcache_seq_fork(m40llm_kvcache *cache, int dst_seq, int src_seq);
 
 /** Appends n_tokens (>= 1) positions to (layer, seq). k and v are [n_tokens][n_kv_heads][head_dim]
- *  FP32 in backend memory, rounded to FP16 on the backend. Fails with M40LLM_ERR_CAPACITY, writing
- *  nothing, if the length would pass max_seq_len. */
+ *  FP32 in backend memory, stored in the cache's K and V formats on the backend (rounded once).
+ *  Fails with M40LLM_ERR_CAPACITY, writing nothing, if the length would pass max_seq_len. */
 int m40llm_kvcache_append_f32(m40llm_kvcache *cache, int layer, int seq, const float *k,
                               const float *v, int n_tokens);
-/** As m40llm_kvcache_append_f32 with k and v already FP16 (binary16 bit patterns), stored
- *  unchanged: NaN payloads, infinities and subnormals included. */
+/** As m40llm_kvcache_append_f32 with k and v already FP16 (binary16 bit patterns); an F16 cache
+ *  stores them unchanged: NaN payloads, infinities and subnormals included. Q8 and Q4 quantize
+ *  their FP32 values. */
 int m40llm_kvcache_append_f16(m40llm_kvcache *cache, int layer, int seq, const uint16_t *k,
                               const uint16_t *v, int n_tokens);
-/** Copies positions [pos, pos + n_tokens) of (layer, seq) out as FP16 into k_out and v_out,
+/** Copies positions [pos, pos + n_tokens) of (layer, seq) out as FP16 into k_out and v_out
+ *  (Q8 and Q4: the dequantized values, rounded to FP16; the CUDA backend reads F16 only and
+ *  answers M40LLM_ERR_UNSUPPORTED for the others),
  *  [n_tokens][n_kv_heads][head_dim] in backend memory. Either output may be NULL to skip it; both
  *  NULL, or n_tokens < 1, fails with M40LLM_ERR_INVALID_ARGUMENT. A range outside
  *  [0, seq_len) fails with M40LLM_ERR_OUT_OF_RANGE. */

@@ -1,29 +1,54 @@
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "internal.h"
 
 #define FAIL(code, ...) m40llm_fail(M40LLM_ERR_##code, __VA_ARGS__)
 
+/* Bytes of the options struct of each version: a version-1 caller's struct ends before v_format. */
+static size_t options_size(unsigned version) {
+  return version == 1 ? offsetof(m40llm_kvcache_options, v_format)
+                      : version == 2 ? sizeof(m40llm_kvcache_options) : 0;
+}
+
 int m40llm_kvcache_options_init(m40llm_kvcache_options *opts, unsigned version) {
   if (!opts) return FAIL(INVALID_ARGUMENT, "opts is NULL");
-  if (version != M40LLM_KVCACHE_OPTIONS_VERSION)
-    return FAIL(INVALID_ARGUMENT, "kvcache options version %u is not supported (this library knows %u)",
+  if (!options_size(version))
+    return FAIL(INVALID_ARGUMENT,
+                "kvcache options version %u is not supported (this library knows 1 to %u)",
                 version, M40LLM_KVCACHE_OPTIONS_VERSION);
   const m40llm_kvcache_options defaults = M40LLM_KVCACHE_OPTIONS_INIT;
-  *opts = defaults;
+  memcpy(opts, &defaults, options_size(version));
+  opts->version = version;
   return M40LLM_OK;
 }
 
-/* Validates opts and computes the layout of K and of V, and their bytes together. */
-static int check_options(const m40llm_kvcache_options *o, m40llm_kv_layout *out_layout,
-                         size_t *out_bytes) {
-  if (!o) return FAIL(INVALID_ARGUMENT, "opts is NULL");
-  if (o->version != M40LLM_KVCACHE_OPTIONS_VERSION)
+/* The caller's options of any known version as the current version (later fields defaulted). */
+static int read_options(m40llm_kvcache_options *out, const m40llm_kvcache_options *in) {
+  if (!in) return FAIL(INVALID_ARGUMENT, "opts is NULL");
+  if (!options_size(in->version))
     return FAIL(INVALID_ARGUMENT,
-                "opts->version %u is not supported (expected %u; use M40LLM_KVCACHE_OPTIONS_INIT)",
-                o->version, M40LLM_KVCACHE_OPTIONS_VERSION);
+                "opts->version %u is not supported (this library knows 1 to %u; use "
+                "M40LLM_KVCACHE_OPTIONS_INIT)",
+                in->version, M40LLM_KVCACHE_OPTIONS_VERSION);
+  const m40llm_kvcache_options defaults = M40LLM_KVCACHE_OPTIONS_INIT;
+  *out = defaults;
+  memcpy(out, in, options_size(in->version));
+  out->version = M40LLM_KVCACHE_OPTIONS_VERSION;
+  return M40LLM_OK;
+}
+
+static int v_format_of(const m40llm_kvcache_options *o) {
+  return o->v_format == M40LLM_KV_SAME ? o->format : o->v_format;
+}
+
+/* Validates opts (already read as the current version) and computes the layouts of K and V and
+ * their bytes together. */
+static int check_options(const m40llm_kvcache_options *o, m40llm_kv_layout *k_layout,
+                         m40llm_kv_layout *v_layout, size_t *out_bytes) {
   if (o->n_layers < 1) return FAIL(INVALID_ARGUMENT, "opts->n_layers is %d, must be >= 1", o->n_layers);
   if (o->n_heads < 1) return FAIL(INVALID_ARGUMENT, "opts->n_heads is %d, must be >= 1", o->n_heads);
   if (o->n_kv_heads < 1)
@@ -37,20 +62,26 @@ static int check_options(const m40llm_kvcache_options *o, m40llm_kv_layout *out_
   if (o->max_seq_len < 1)
     return FAIL(INVALID_ARGUMENT, "opts->max_seq_len is %d, must be >= 1", o->max_seq_len);
   if (!m40llm_kv_format_find(o->format))
-    return FAIL(UNSUPPORTED, "opts->format %d is not supported (only M40LLM_KV_F16)", o->format);
-  size_t bytes = 0;
-  int rc = m40llm_kv_layout_init(out_layout, &bytes, o, o->format);
+    return FAIL(UNSUPPORTED, "opts->format %d is not a KV format of this library", o->format);
+  if (o->v_format != M40LLM_KV_SAME && !m40llm_kv_format_find(o->v_format))
+    return FAIL(UNSUPPORTED, "opts->v_format %d is not a KV format of this library",
+                o->v_format);
+  size_t k_bytes = 0, v_bytes = 0;
+  int rc = m40llm_kv_layout_init(k_layout, &k_bytes, o, o->format);
+  if (rc == M40LLM_OK) rc = m40llm_kv_layout_init(v_layout, &v_bytes, o, v_format_of(o));
   if (rc != M40LLM_OK) return rc;
-  if (bytes > SIZE_MAX / 2) return FAIL(OUT_OF_MEMORY, "cache size overflows size_t");
-  *out_bytes = 2 * bytes; /* K and V */
+  if (k_bytes > SIZE_MAX - v_bytes) return FAIL(OUT_OF_MEMORY, "cache size overflows size_t");
+  *out_bytes = k_bytes + v_bytes;
   return M40LLM_OK;
 }
 
 int m40llm_kvcache_bytes_needed(size_t *out_bytes, const m40llm_kvcache_options *opts) {
   if (!out_bytes) return FAIL(INVALID_ARGUMENT, "out_bytes is NULL");
   size_t bytes = 0;
-  m40llm_kv_layout layout;
-  int rc = check_options(opts, &layout, &bytes);
+  m40llm_kvcache_options o;
+  m40llm_kv_layout k_layout, v_layout;
+  int rc = read_options(&o, opts);
+  if (rc == M40LLM_OK) rc = check_options(&o, &k_layout, &v_layout, &bytes);
   if (rc == M40LLM_OK) *out_bytes = bytes;
   return rc;
 }
@@ -80,20 +111,23 @@ int m40llm_kvcache_create(m40llm_kvcache **out, m40llm_context *ctx,
   if (!out) return FAIL(INVALID_ARGUMENT, "out is NULL");
   if (!ctx) return FAIL(INVALID_ARGUMENT, "ctx is NULL");
   size_t bytes = 0;
-  m40llm_kv_layout layout;
-  int rc = check_options(opts, &layout, &bytes);
-  if (rc != M40LLM_OK || (rc = ctx->ops->check_cache(opts)) != M40LLM_OK) return rc;
+  m40llm_kvcache_options o;
+  m40llm_kv_layout k_layout, v_layout;
+  int rc = read_options(&o, opts);
+  if (rc != M40LLM_OK || (rc = check_options(&o, &k_layout, &v_layout, &bytes)) != M40LLM_OK ||
+      (rc = ctx->ops->check_cache(&o)) != M40LLM_OK)
+    return rc;
   m40llm_kvcache *c = calloc(1, sizeof *c);
   if (!c) return FAIL(OUT_OF_MEMORY, "allocating the cache handle");
   c->ctx = ctx;
-  c->opts = *opts;
-  c->lens = calloc((size_t)opts->n_layers * (size_t)opts->max_seqs, sizeof *c->lens);
+  c->opts = o;
+  c->lens = calloc((size_t)o.n_layers * (size_t)o.max_seqs, sizeof *c->lens);
   if (!c->lens) {
     free(c);
     return FAIL(OUT_OF_MEMORY, "allocating sequence lengths");
   }
-  if ((rc = alloc_tensor(&c->k, ctx, &layout)) != M40LLM_OK ||
-      (rc = alloc_tensor(&c->v, ctx, &layout)) != M40LLM_OK ||
+  if ((rc = alloc_tensor(&c->k, ctx, &k_layout)) != M40LLM_OK ||
+      (rc = alloc_tensor(&c->v, ctx, &v_layout)) != M40LLM_OK ||
       (rc = ctx->ops->cache_created(c)) != M40LLM_OK) {
     release(c);
     return rc;
@@ -111,10 +145,12 @@ void m40llm_kvcache_destroy(m40llm_kvcache *cache) {
 int m40llm_kvcache_get_options(m40llm_kvcache_options *out, const m40llm_kvcache *cache) {
   if (!out) return FAIL(INVALID_ARGUMENT, "out is NULL");
   if (!cache) return FAIL(INVALID_ARGUMENT, "cache is NULL");
-  if (out->version != M40LLM_KVCACHE_OPTIONS_VERSION)
-    return FAIL(INVALID_ARGUMENT, "out->version %u is not supported (expected %u)", out->version,
-                M40LLM_KVCACHE_OPTIONS_VERSION);
-  *out = cache->opts;
+  const unsigned version = out->version;
+  if (!options_size(version))
+    return FAIL(INVALID_ARGUMENT, "out->version %u is not supported (this library knows 1 to %u)",
+                version, M40LLM_KVCACHE_OPTIONS_VERSION);
+  memcpy(out, &cache->opts, options_size(version));
+  out->version = version;
   return M40LLM_OK;
 }
 

@@ -106,10 +106,7 @@ fn main() {
                      silence it."
                 );
             }
-            for s in sources
-                .iter()
-                .filter(|s| s.group == "common")
-            {
+            for s in sources.iter().filter(|s| s.group == "common") {
                 c_build.file(&s.path);
             }
             c_build.compile("m40llm");

@@ -9,7 +9,7 @@ pub const M40LLM_VERSION_PATCH: u32 = 0;
 pub const M40LLM_VERSION_NUMBER: u32 = 100;
 pub const M40LLM_CONTEXT_OPTIONS_VERSION: u32 = 1;
 pub const M40LLM_DEVICE_INFO_VERSION: u32 = 1;
-pub const M40LLM_KVCACHE_OPTIONS_VERSION: u32 = 1;
+pub const M40LLM_KVCACHE_OPTIONS_VERSION: u32 = 2;
 pub const M40LLM_OK: m40llm_status = 0;
 pub const M40LLM_ERR_INVALID_ARGUMENT: m40llm_status = -1;
 pub const M40LLM_ERR_OUT_OF_RANGE: m40llm_status = -2;
@@ -72,8 +72,11 @@ impl Default for m40llm_device_info {
 pub struct m40llm_kvcache {
     _unused: [u8; 0],
 }
+pub const M40LLM_KV_SAME: m40llm_kv_format = -1;
 pub const M40LLM_KV_F16: m40llm_kv_format = 0;
-pub type m40llm_kv_format = ::core::ffi::c_uint;
+pub const M40LLM_KV_Q8: m40llm_kv_format = 1;
+pub const M40LLM_KV_Q4: m40llm_kv_format = 2;
+pub type m40llm_kv_format = ::core::ffi::c_int;
 #[repr(C)]
 #[derive(Debug, Default, Copy, Clone)]
 pub struct m40llm_kvcache_options {
@@ -85,6 +88,7 @@ pub struct m40llm_kvcache_options {
     pub max_seqs: ::core::ffi::c_int,
     pub max_seq_len: ::core::ffi::c_int,
     pub format: ::core::ffi::c_int,
+    pub v_format: ::core::ffi::c_int,
 }
 extern "C" {
     /// Version of the linked library, as M40LLM_VERSION_NUMBER computes it.
@@ -170,7 +174,7 @@ extern "C" {
         value: ::core::ffi::c_int,
         bytes: usize,
     ) -> ::core::ffi::c_int;
-    /// Fills *opts with the defaults of the given version (all sizes zero, FP16).
+    /// Fills *opts with the defaults of the given version, 1 or 2 (all sizes zero, FP16).
     pub fn m40llm_kvcache_options_init(
         opts: *mut m40llm_kvcache_options,
         version: ::core::ffi::c_uint,
@@ -224,8 +228,8 @@ extern "C" {
         src_seq: ::core::ffi::c_int,
     ) -> ::core::ffi::c_int;
     /** Appends n_tokens (>= 1) positions to (layer, seq). k and v are [n_tokens][n_kv_heads][head_dim]
-  FP32 in backend memory, rounded to FP16 on the backend. Fails with M40LLM_ERR_CAPACITY, writing
-  nothing, if the length would pass max_seq_len.*/
+  FP32 in backend memory, stored in the cache's K and V formats on the backend (rounded once).
+  Fails with M40LLM_ERR_CAPACITY, writing nothing, if the length would pass max_seq_len.*/
     pub fn m40llm_kvcache_append_f32(
         cache: *mut m40llm_kvcache,
         layer: ::core::ffi::c_int,
@@ -234,8 +238,9 @@ extern "C" {
         v: *const f32,
         n_tokens: ::core::ffi::c_int,
     ) -> ::core::ffi::c_int;
-    /** As m40llm_kvcache_append_f32 with k and v already FP16 (binary16 bit patterns), stored
-  unchanged: NaN payloads, infinities and subnormals included.*/
+    /** As m40llm_kvcache_append_f32 with k and v already FP16 (binary16 bit patterns); an F16 cache
+  stores them unchanged: NaN payloads, infinities and subnormals included. Q8 and Q4 quantize
+  their FP32 values.*/
     pub fn m40llm_kvcache_append_f16(
         cache: *mut m40llm_kvcache,
         layer: ::core::ffi::c_int,
@@ -244,7 +249,9 @@ extern "C" {
         v: *const u16,
         n_tokens: ::core::ffi::c_int,
     ) -> ::core::ffi::c_int;
-    /** Copies positions [pos, pos + n_tokens) of (layer, seq) out as FP16 into k_out and v_out,
+    /** Copies positions [pos, pos + n_tokens) of (layer, seq) out as FP16 into k_out and v_out
+  (Q8 and Q4: the dequantized values, rounded to FP16; the CUDA backend reads F16 only and
+  answers M40LLM_ERR_UNSUPPORTED for the others),
   [n_tokens][n_kv_heads][head_dim] in backend memory. Either output may be NULL to skip it; both
   NULL, or n_tokens < 1, fails with M40LLM_ERR_INVALID_ARGUMENT. A range outside
   [0, seq_len) fails with M40LLM_ERR_OUT_OF_RANGE.*/

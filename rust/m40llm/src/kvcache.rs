@@ -15,9 +15,26 @@ use crate::error::{check, Error, Result};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 #[non_exhaustive]
 pub enum KvFormat {
-    /// IEEE binary16, rounded to nearest even from FP32.
+    /// IEEE binary16, rounded to nearest even from FP32 (16 bits a value).
     #[default]
     F16,
+    /// 8-bit codes, one FP16 scale per 32 dims of a token's head (8.5 bits a value): `x ≈ c·d`,
+    /// `c = round(x / d)` in -127..=127, `d = fp16(max|x| / 127)`. Needs `head_dim % 32 == 0`.
+    Q8,
+    /// 4-bit codes, one FP16 (scale, min) pair per 32 dims (5 bits a value): `x ≈ c·d + m`,
+    /// `c = round((x − m) / d)` in 0..=15, `d = fp16((max − min) / 15)`, `m = fp16(min)`.
+    /// Needs `head_dim % 32 == 0`.
+    Q4,
+}
+
+impl KvFormat {
+    fn to_c(self) -> c_int {
+        (match self {
+            KvFormat::F16 => sys::M40LLM_KV_F16,
+            KvFormat::Q8 => sys::M40LLM_KV_Q8,
+            KvFormat::Q4 => sys::M40LLM_KV_Q4,
+        }) as c_int
+    }
 }
 
 /// The shape of a [`KvCache`]: built with [`KvCacheConfig::new`] and the setter methods.
@@ -44,8 +61,12 @@ pub struct KvCacheConfig {
     pub max_seqs: usize,
     /// Positions per sequence (>= 1).
     pub max_seq_len: usize,
-    /// Storage format.
+    /// Storage format of K, and of V unless `v_format` is set.
     pub format: KvFormat,
+    /// Storage format of V, where it differs from K's (e.g. K [`KvFormat::Q8`], V
+    /// [`KvFormat::Q4`]). The CPU backend takes any pair; the CUDA backend each format with
+    /// itself and Q8 K with Q4 V.
+    pub v_format: Option<KvFormat>,
 }
 
 impl KvCacheConfig {
@@ -60,6 +81,7 @@ impl KvCacheConfig {
             max_seqs: 1,
             max_seq_len: 2048,
             format: KvFormat::F16,
+            v_format: None,
         }
     }
 
@@ -81,9 +103,15 @@ impl KvCacheConfig {
         self
     }
 
-    /// Sets the storage format.
+    /// Sets the storage format of K and V.
     pub fn format(mut self, format: KvFormat) -> Self {
         self.format = format;
+        self
+    }
+
+    /// Sets V's storage format apart from K's.
+    pub fn v_format(mut self, format: KvFormat) -> Self {
+        self.v_format = Some(format);
         self
     }
 
@@ -120,9 +148,10 @@ impl KvCacheConfig {
         o.head_dim = to_c(self.head_dim, "head_dim")?;
         o.max_seqs = to_c(self.max_seqs, "max_seqs")?;
         o.max_seq_len = to_c(self.max_seq_len, "max_seq_len")?;
-        o.format = match self.format {
-            KvFormat::F16 => sys::M40LLM_KV_F16 as c_int,
-        };
+        o.format = self.format.to_c();
+        o.v_format = self
+            .v_format
+            .map_or(sys::M40LLM_KV_SAME as c_int, KvFormat::to_c);
         Ok(o)
     }
 }

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# K/V formats side by side on the GPU machine: bench_attention with --format F16, Q8, Q4 and
+# Q8Q4 over the same shapes, in one run, and a table of each format's time against F16's.
+#
+#   bench/formats.sh BENCH_BINARY OUTDIR [bench_attention args, default: the shapes below]
+#
+# Run it with the native build (sm_90: F16 takes the tensor-core kernel, quantized formats the
+# FP32 one) and with the carried compute_52-PTX build (every format on the M40's FP32 kernel).
+set -uo pipefail
+if [ $# -lt 2 ]; then echo "usage: $0 BENCH_BINARY OUTDIR [bench args]" >&2; exit 2; fi
+BIN=$1; OUT=$2; shift 2
+mkdir -p "$OUT"
+args=("$@")
+if [ ${#args[@]} -eq 0 ]; then
+  for s in 1,32,32,128,8192 1,32,32,128,32768 8,32,32,128,8192 8,32,8,128,8192 1,32,8,128,32768 \
+           8,64,8,128,8192 8,32,8,64,8192 32,32,8,128,2048 1,32,8,128,1024; do
+    args+=(--shape "$s")
+  done
+fi
+for f in F16 Q8 Q4 Q8Q4; do
+  "$BIN" --format "$f" "${args[@]}" --json "$OUT/$f.json" >"$OUT/$f.txt" 2>&1 ||
+    echo "formats: $f exited $?"
+done
+python3 "$(dirname "$0")/formats_table.py" "$OUT" | tee "$OUT/formats.md"

@@ -1,0 +1,344 @@
+/*
+ * Quantized KV formats (Q8, Q4, and K/V pairs of formats) against an independent quantizer
+ * written from the header's definition: the stored values (read_f16, bit-exact), and attention
+ * against a float64 reference over the dequantized values, on any context (CPU or CUDA).
+ */
+#include <math.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "test_util.h"
+
+enum { GROUP = 32 };
+
+/* The header's rule for one group, dequantized in double (exact: a code times an FP16 scale,
+ * plus an FP16 min). FP32 arithmetic where the header says it is rounded. */
+static void quantize_group(int fmt, const float *x, double *out) {
+  if (fmt == M40LLM_KV_Q8) {
+    float amax = 0.0f;
+    for (int i = 0; i < GROUP; i++) amax = fmaxf(amax, fabsf(x[i]));
+    const float d = t_f16_to_f32(t_f32_to_f16(amax / 127.0f));
+    for (int i = 0; i < GROUP; i++) {
+      const float c = d == 0.0f ? 0.0f : fmaxf(fminf(rintf(x[i] / d), 127.0f), -127.0f);
+      out[i] = (double)(int)c * (double)d; /* an integer code: no -0 */
+    }
+  } else {
+    float lo = x[0], hi = x[0];
+    for (int i = 1; i < GROUP; i++) {
+      lo = fminf(lo, x[i]);
+      hi = fmaxf(hi, x[i]);
+    }
+    const float d = t_f16_to_f32(t_f32_to_f16((hi - lo) / 15.0f));
+    const float m = t_f16_to_f32(t_f32_to_f16(lo));
+    for (int i = 0; i < GROUP; i++) {
+      const float c = d == 0.0f ? 0.0f : fmaxf(fminf(rintf((x[i] - m) / d), 15.0f), 0.0f);
+      out[i] = (double)(int)c * (double)d + (double)m;
+    }
+  }
+}
+
+/* What the cache holds for values x (n a multiple of head_dim): F16 rounds, Q8/Q4 quantize. */
+static void stored_values(int fmt, const float *x, size_t n, double *out) {
+  if (fmt == M40LLM_KV_F16) {
+    for (size_t i = 0; i < n; i++) out[i] = t_f16_to_f32(t_f32_to_f16(x[i]));
+  } else {
+    for (size_t i = 0; i < n; i += GROUP) quantize_group(fmt, x + i, out + i);
+  }
+}
+
+/* Values with structure quantization must survive: outlier channels (x10-30), a group of equal
+ * values (scale 0), a group of zeros, and large magnitudes. */
+static void fill_values(float *x, size_t rows, int d) {
+  const int outlier = t_rand_int(0, d - 1);
+  for (size_t r = 0; r < rows; r++) {
+    float *row = x + r * (size_t)d;
+    t_fill_uniform(row, (size_t)d, -1.0f, 1.0f);
+    row[outlier] *= t_rand_float(10.0f, 30.0f);
+    const int kind = t_rand_int(0, 15);
+    if (kind == 0) for (int i = 0; i < GROUP; i++) row[i] = 0.5f;
+    if (kind == 1) for (int i = 0; i < GROUP; i++) row[i] = 0.0f;
+    if (kind == 2) for (int i = 0; i < d; i++) row[i] *= 1000.0f;
+  }
+}
+
+/* Reference attention of one query head against len rows (double). */
+static void ref_head(const float *q, const double *k, const double *v, int len, int d, int stride,
+                     double scale, double *out) {
+  double mx = -INFINITY, sum = 0.0;
+  double *w = malloc((size_t)(len > 0 ? len : 1) * sizeof(double));
+  for (int t = 0; t < len; t++) {
+    double s = 0.0;
+    for (int i = 0; i < d; i++) s += (double)q[i] * k[(size_t)t * stride + i];
+    w[t] = s * scale;
+    if (w[t] > mx) mx = w[t];
+  }
+  for (int i = 0; i < d; i++) out[i] = 0.0;
+  for (int t = 0; t < len; t++) {
+    w[t] = exp(w[t] - mx);
+    sum += w[t];
+    for (int i = 0; i < d; i++) out[i] += w[t] * v[(size_t)t * stride + i];
+  }
+  for (int i = 0; i < d; i++) out[i] = len > 0 ? out[i] / sum : 0.0;
+  free(w);
+}
+
+typedef struct {
+  int kf, vf, n_heads, n_kv, d;
+} quant_case;
+
+/* One cache: sequences of the given lengths appended (FP32, or FP16 where use_f16) in chunks,
+ * then read back and attended, batched and one by one. */
+static void run_case(m40llm_context *ctx, quant_case c, const int *lens, int n_seqs, int use_f16) {
+  m40llm_kvcache_options o = M40LLM_KVCACHE_OPTIONS_INIT;
+  o.n_layers = 2;
+  o.n_heads = c.n_heads;
+  o.n_kv_heads = c.n_kv;
+  o.head_dim = c.d;
+  o.max_seqs = n_seqs;
+  o.max_seq_len = 1;
+  for (int i = 0; i < n_seqs; i++)
+    if (lens[i] > o.max_seq_len) o.max_seq_len = lens[i];
+  o.format = c.kf;
+  o.v_format = c.vf;
+  t_set_case("quantized K %d / V %d, %d/%d heads, head_dim %d%s: create", c.kf, c.vf, c.n_heads,
+             c.n_kv, c.d, use_f16 ? ", FP16 input" : "");
+  m40llm_kvcache *cache = NULL;
+  int rc = m40llm_kvcache_create(&cache, ctx, &o);
+  if (rc == M40LLM_ERR_UNSUPPORTED) {
+    /* The CUDA backend has kernels for some pairs only; it must say so at create. */
+    T_CHECK(strstr(m40llm_last_error_message(), "format") != NULL);
+    return;
+  }
+  if (!T_OK(rc)) return;
+  const size_t row = (size_t)c.n_kv * (size_t)c.d, qrow = (size_t)c.n_heads * (size_t)c.d;
+  const int layer = 1;
+  double **sk = calloc((size_t)n_seqs, sizeof *sk), **sv = calloc((size_t)n_seqs, sizeof *sv);
+  float *q = malloc((size_t)n_seqs * qrow * sizeof(float));
+  float *got = malloc((size_t)n_seqs * qrow * sizeof(float));
+  double *ref = malloc(qrow * sizeof(double));
+  float *dq = t_dev_alloc(ctx, (size_t)n_seqs * qrow * sizeof(float));
+  float *dout = t_dev_alloc(ctx, (size_t)n_seqs * qrow * sizeof(float));
+  if (!T_CHECK(sk && sv && q && got && ref && dq && dout)) goto done;
+
+  for (int s = 0; s < n_seqs; s++) {
+    const size_t n = (size_t)lens[s] * row;
+    float *k = malloc((n ? n : 1) * sizeof(float)), *v = malloc((n ? n : 1) * sizeof(float));
+    sk[s] = malloc((n ? n : 1) * sizeof(double));
+    sv[s] = malloc((n ? n : 1) * sizeof(double));
+    uint16_t *hk = malloc((n ? n : 1) * sizeof(uint16_t)), *hv = malloc((n ? n : 1) * sizeof(uint16_t));
+    if (!T_CHECK(k && v && sk[s] && sv[s] && hk && hv)) {
+      free(k), free(v), free(hk), free(hv);
+      goto done;
+    }
+    fill_values(k, (size_t)lens[s] * (size_t)c.n_kv, c.d);
+    fill_values(v, (size_t)lens[s] * (size_t)c.n_kv, c.d);
+    if (use_f16) { /* the library quantizes the FP16 values: so does the reference */
+      for (size_t i = 0; i < n; i++) {
+        hk[i] = t_f32_to_f16(k[i]);
+        hv[i] = t_f32_to_f16(v[i]);
+        k[i] = t_f16_to_f32(hk[i]);
+        v[i] = t_f16_to_f32(hv[i]);
+      }
+    }
+    stored_values(c.kf, k, n, sk[s]);
+    stored_values(c.vf == M40LLM_KV_SAME ? c.kf : c.vf, v, n, sv[s]);
+    t_set_case("quantized K %d / V %d, %d/%d heads, head_dim %d: append seq %d (%d positions)",
+               c.kf, c.vf, c.n_heads, c.n_kv, c.d, s, lens[s]);
+    for (int p = 0; p < lens[s];) {
+      const int chunk = t_rand_int(1, lens[s] - p < 97 ? lens[s] - p : 97);
+      const size_t off = (size_t)p * row, bytes = (size_t)chunk * row;
+      void *dk = use_f16 ? t_dev_upload(ctx, hk + off, bytes * 2) : t_dev_upload(ctx, k + off, bytes * 4);
+      void *dv = use_f16 ? t_dev_upload(ctx, hv + off, bytes * 2) : t_dev_upload(ctx, v + off, bytes * 4);
+      rc = !dk || !dv ? M40LLM_ERR_OUT_OF_MEMORY
+           : use_f16  ? m40llm_kvcache_append_f16(cache, layer, s, dk, dv, chunk)
+                      : m40llm_kvcache_append_f32(cache, layer, s, dk, dv, chunk);
+      m40llm_free(ctx, dk);
+      m40llm_free(ctx, dv);
+      if (!T_OK(rc)) break;
+      p += chunk;
+    }
+    free(k), free(v), free(hk), free(hv);
+    if (rc != M40LLM_OK) goto done;
+
+    /* what is stored, bit-exact: FP16 of the dequantized value */
+    if (lens[s] > 0) {
+      t_set_case("quantized K %d / V %d, head_dim %d: read_f16 of seq %d", c.kf, c.vf, c.d, s);
+      const size_t bytes = (size_t)lens[s] * row * sizeof(uint16_t);
+      uint16_t *rk = t_dev_alloc(ctx, bytes), *rv = t_dev_alloc(ctx, bytes);
+      uint16_t *bk = malloc(bytes), *bv = malloc(bytes);
+      if (rk && rv && bk && bv && T_OK(m40llm_memset(ctx, rk, 0xFF, bytes)) &&
+          T_OK(m40llm_memset(ctx, rv, 0xFF, bytes)) &&
+          T_OK(m40llm_kvcache_read_f16(rk, rv, cache, layer, s, 0, lens[s])) &&
+          t_dev_download(ctx, bk, rk, bytes) && t_dev_download(ctx, bv, rv, bytes)) {
+        size_t bad = 0, first = 0;
+        for (size_t i = 0; i < n; i++) {
+          const int ok = bk[i] == t_f32_to_f16((float)sk[s][i]) && bv[i] == t_f32_to_f16((float)sv[s][i]);
+          if (!ok && bad++ == 0) first = i;
+        }
+        T_CHECKF(bad == 0, "%zu stored values differ from the header's rule (first at %zu: K %04x "
+                 "want %04x, V %04x want %04x)", bad, first, bk[first],
+                 t_f32_to_f16((float)sk[s][first]), bv[first], t_f32_to_f16((float)sv[s][first]));
+      }
+      m40llm_free(ctx, rk);
+      m40llm_free(ctx, rv);
+      free(bk);
+      free(bv);
+    }
+  }
+
+  t_fill_uniform(q, (size_t)n_seqs * qrow, -1.0f, 1.0f);
+  if (!T_OK(m40llm_memcpy_to_device(ctx, dq, q, (size_t)n_seqs * qrow * sizeof(float)))) goto done;
+  for (int batch = 0; batch < 2; batch++) {
+    t_set_case("quantized K %d / V %d, %d/%d heads, head_dim %d: attention (%s)", c.kf, c.vf,
+               c.n_heads, c.n_kv, c.d, batch ? "batch" : "one by one");
+    if (!T_OK(m40llm_memset(ctx, dout, 0xFF, (size_t)n_seqs * qrow * sizeof(float)))) goto done;
+    int32_t *ids = malloc((size_t)n_seqs * sizeof(int32_t));
+    if (!T_CHECK(ids)) goto done;
+    for (int i = 0; i < n_seqs; i++) ids[i] = i;
+    if (batch) {
+      rc = m40llm_kvcache_attn_batch_f32q(dout, cache, layer, ids, n_seqs, dq, 0.0f);
+    } else {
+      rc = M40LLM_OK;
+      for (int i = 0; i < n_seqs && rc == M40LLM_OK; i++)
+        rc = m40llm_kvcache_attn_last_token_f32q(dout + (size_t)i * qrow, cache, layer, i,
+                                                 dq + (size_t)i * qrow, 0.0f);
+    }
+    free(ids);
+    if (!T_OK(rc) || !t_dev_download(ctx, got, dout, (size_t)n_seqs * qrow * sizeof(float))) goto done;
+    double worst = 0.0;
+    for (int s = 0; s < n_seqs; s++) {
+      const int group = c.n_heads / c.n_kv;
+      for (int h = 0; h < c.n_heads; h++)
+        ref_head(q + (size_t)s * qrow + (size_t)h * c.d, sk[s] + (size_t)(h / group) * c.d,
+                 sv[s] + (size_t)(h / group) * c.d, lens[s], c.d, (int)row,
+                 1.0 / sqrt((double)c.d), ref + (size_t)h * c.d);
+      const double err = t_rel_l2(got + (size_t)s * qrow, ref, qrow);
+      if (!(err <= worst)) worst = err;
+    }
+    T_CHECKF(worst <= 1e-5, "relative L2 error %.3g over %d sequences (bound 1e-5)", worst, n_seqs);
+  }
+
+done:
+  for (int s = 0; s < n_seqs; s++) {
+    if (sk) free(sk[s]);
+    if (sv) free(sv[s]);
+  }
+  free(sk), free(sv), free(q), free(got), free(ref);
+  m40llm_free(ctx, dq);
+  m40llm_free(ctx, dout);
+  m40llm_kvcache_destroy(cache);
+}
+
+/* Fork and truncate copy and keep every plane. */
+static void fork_truncate(m40llm_context *ctx, int fmt) {
+  t_set_case("quantized %d: fork and truncate", fmt);
+  m40llm_kvcache_options o = M40LLM_KVCACHE_OPTIONS_INIT;
+  o.n_layers = 2, o.n_heads = 4, o.n_kv_heads = 2, o.head_dim = 64, o.max_seqs = 3;
+  o.max_seq_len = 40, o.format = fmt;
+  m40llm_kvcache *cache = NULL;
+  if (!T_OK(m40llm_kvcache_create(&cache, ctx, &o))) return;
+  const size_t row = 2 * 64, n = 40 * row;
+  float *k = malloc(n * sizeof(float));
+  uint16_t *a = malloc(n * 2), *b = malloc(n * 2);
+  void *dk = NULL, *ra = t_dev_alloc(ctx, n * 2), *rb = t_dev_alloc(ctx, n * 2);
+  if (!T_CHECK(k && a && b && ra && rb)) goto done;
+  fill_values(k, 40 * 2, 64);
+  dk = t_dev_upload(ctx, k, n * sizeof(float));
+  for (int l = 0; l < 2; l++) T_OK(m40llm_kvcache_append_f32(cache, l, 0, dk, dk, 40));
+  T_OK(m40llm_kvcache_seq_fork(cache, 2, 0));
+  T_OK(m40llm_kvcache_seq_truncate(cache, 2, 25));
+  int len = -1;
+  T_OK(m40llm_kvcache_seq_len(&len, cache, 1, 2));
+  T_INT_EQ(len, 25);
+  if (T_OK(m40llm_kvcache_read_f16(ra, rb, cache, 1, 0, 0, 25)) &&
+      T_OK(m40llm_kvcache_read_f16(rb, NULL, cache, 1, 2, 0, 25)) &&
+      t_dev_download(ctx, a, ra, 25 * row * 2) && t_dev_download(ctx, b, rb, 25 * row * 2))
+    T_CHECKF(memcmp(a, b, 25 * row * 2) == 0, "the fork's K differs from its source");
+done:
+  m40llm_free(ctx, dk);
+  m40llm_free(ctx, ra);
+  m40llm_free(ctx, rb);
+  free(k), free(a), free(b);
+  m40llm_kvcache_destroy(cache);
+}
+
+/* Options: head_dim must be a multiple of 32; unknown formats are refused; sizes are the
+ * header's bits a value; version-1 structs still work. */
+static void options(m40llm_context *ctx) {
+  t_set_case("quantized options");
+  m40llm_kvcache_options o = M40LLM_KVCACHE_OPTIONS_INIT;
+  o.n_layers = 3, o.n_heads = 8, o.n_kv_heads = 2, o.head_dim = 128, o.max_seqs = 5;
+  o.max_seq_len = 100;
+  const size_t values = 3ull * 5 * 2 * 100 * 128; /* per tensor */
+  size_t bytes = 0;
+  o.format = M40LLM_KV_Q8;
+  if (T_OK(m40llm_kvcache_bytes_needed(&bytes, &o))) T_CHECK(bytes == 2 * (values + values / 16));
+  o.v_format = M40LLM_KV_Q4;
+  if (T_OK(m40llm_kvcache_bytes_needed(&bytes, &o)))
+    T_CHECK(bytes == (values + values / 16) + (values / 2 + values / 8));
+  o.format = M40LLM_KV_F16;
+  if (T_OK(m40llm_kvcache_bytes_needed(&bytes, &o))) T_CHECK(bytes == 2 * values + values / 2 + values / 8);
+  o.format = M40LLM_KV_Q4, o.v_format = M40LLM_KV_SAME, o.head_dim = 48;
+  m40llm_kvcache *c = (m40llm_kvcache *)&bytes;
+  T_FAIL_WITH(m40llm_kvcache_create(&c, ctx, &o), M40LLM_ERR_UNSUPPORTED, "multiple of 32");
+  T_CHECK(c == (m40llm_kvcache *)&bytes);
+  o.head_dim = 64, o.v_format = 3;
+  T_FAIL_WITH(m40llm_kvcache_bytes_needed(&bytes, &o), M40LLM_ERR_UNSUPPORTED, "v_format");
+  o.v_format = -2;
+  T_FAIL_WITH(m40llm_kvcache_bytes_needed(&bytes, &o), M40LLM_ERR_UNSUPPORTED, "v_format");
+
+  /* A version-1 caller's struct (as that header declared it) ends before v_format: the library
+   * must not read past it (the ASan build catches a read of the heap block) and fills only its
+   * fields back. */
+  typedef struct {
+    unsigned version;
+    int n_layers, n_heads, n_kv_heads, head_dim, max_seqs, max_seq_len, format;
+  } options_v1;
+  _Static_assert(sizeof(options_v1) == offsetof(m40llm_kvcache_options, v_format), "v1 layout");
+  options_v1 *old = malloc(sizeof *old);
+  if (!T_CHECK(old)) return;
+  m40llm_kvcache_options *as_v1 = (m40llm_kvcache_options *)(void *)old;
+  if (T_OK(m40llm_kvcache_options_init(as_v1, 1))) {
+    T_INT_EQ(old->version, 1);
+    T_INT_EQ(old->format, M40LLM_KV_F16);
+    old->n_layers = 1, old->n_heads = 2, old->n_kv_heads = 1, old->head_dim = 32;
+    old->max_seqs = 1, old->max_seq_len = 4, old->format = M40LLM_KV_Q8;
+    if (T_OK(m40llm_kvcache_bytes_needed(&bytes, as_v1))) T_CHECK(bytes == 2 * (4 * 32 + 4 * 2));
+    c = NULL;
+    if (T_OK(m40llm_kvcache_create(&c, ctx, as_v1))) {
+      memset(old, 0, sizeof *old);
+      old->version = 1;
+      if (T_OK(m40llm_kvcache_get_options(as_v1, c))) {
+        T_INT_EQ(old->version, 1);
+        T_INT_EQ(old->format, M40LLM_KV_Q8);
+        T_INT_EQ(old->max_seq_len, 4);
+      }
+      m40llm_kvcache_options now = M40LLM_KVCACHE_OPTIONS_INIT;
+      if (T_OK(m40llm_kvcache_get_options(&now, c))) T_INT_EQ(now.v_format, M40LLM_KV_SAME);
+      m40llm_kvcache_destroy(c);
+    }
+  }
+  free(old);
+}
+
+void t_cases_quantized(m40llm_context *ctx, int small) {
+  options(ctx);
+  fork_truncate(ctx, M40LLM_KV_Q8);
+  fork_truncate(ctx, M40LLM_KV_Q4);
+  static const quant_case cases[] = {
+      {M40LLM_KV_Q8, M40LLM_KV_SAME, 4, 4, 64},   {M40LLM_KV_Q4, M40LLM_KV_SAME, 4, 4, 64},
+      {M40LLM_KV_Q8, M40LLM_KV_Q4, 8, 2, 128},     {M40LLM_KV_Q4, M40LLM_KV_SAME, 12, 4, 128},
+      {M40LLM_KV_Q8, M40LLM_KV_SAME, 6, 3, 32},    {M40LLM_KV_Q4, M40LLM_KV_SAME, 16, 2, 256},
+      {M40LLM_KV_Q8, M40LLM_KV_SAME, 32, 8, 128},  {M40LLM_KV_Q8, M40LLM_KV_SAME, 8, 1, 96},
+      {M40LLM_KV_F16, M40LLM_KV_Q4, 4, 2, 64},     {M40LLM_KV_Q4, M40LLM_KV_Q8, 4, 2, 64},
+  };
+  const int lens[6] = {1, 31, 33, 257, small ? 300 : 2100, 0};
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) run_case(ctx, cases[i], lens, 6, 0);
+  /* one long sequence alone: many splits, the combine kernel */
+  const int one[1] = {small ? 900 : 6000};
+  run_case(ctx, cases[2], one, 1, 0);
+  run_case(ctx, cases[1], one, 1, 1);
+  t_set_case("");
+}
