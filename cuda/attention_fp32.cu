@@ -257,13 +257,19 @@ __global__ void __launch_bounds__(kAttnThreads, kAttnMinBlocksPerSm)
             for (int c = 0; c < COLS; c++) vf[c] += off;
             v_scale = flat ? v_min : v_scale;
           }
+          // The scale goes on whichever is fewer: this row's COLS codes, or its GT weights.
+          constexpr bool kScaleCodes = VF::kScaled && COLS < GT;
+          if constexpr (kScaleCodes) {
+#pragma unroll
+            for (int c = 0; c < COLS; c++) vf[c] *= v_scale;
+          }
 #pragma unroll
           for (int g0 = 0; g0 < GT; g0 += GH) {
             float w[GH];
             load_weights<GH>(sp + r * GT + g0, w);
 #pragma unroll
             for (int g = 0; g < GH; g++) {
-              const float wv = VF::kScaled ? w[g] * v_scale : w[g];
+              const float wv = VF::kScaled && !kScaleCodes ? w[g] * v_scale : w[g];
 #pragma unroll
               for (int c = 0; c < COLS; c++) o[g0 + g][c] = fmaf(wv, vf[c], o[g0 + g][c]);
               if constexpr (kSumMin) o_min[g0 + g] = fmaf(w[g], v_min, o_min[g0 + g]);
