@@ -45,7 +45,7 @@ SPECS = [
     Spec("Q8 +rot +prot", "Q8", "Q8", rot_k=True, preview=True, **P4),
     Spec("Q4 +rot", "Q4", "Q4", rot_k=True, preview=True),
     Spec("Q4 +prot", "Q4", "Q4", preview=True, **P4),
-    Spec("Q4 +sinks only", "Q4", "Q4", rot_k=True, sinks=4, preview=True),
+    Spec("Q4 +rot +sinks", "Q4", "Q4", rot_k=True, sinks=4, preview=True),
     Spec("Q4 +rot +prot", "Q4", "Q4", rot_k=True, preview=True, **P4),
     Spec("Q4 +rot K,V +prot", "Q4", "Q4", rot_k=True, rot_v=True, preview=True, **P4),
     Spec("Q8-K/Q4-V +rot +prot", "Q8", "Q4", rot_k=True, preview=True, **P4),
