@@ -1,0 +1,209 @@
+"""ctypes path to the m40llm library's CPU backend: its own KV cache (append_f32 quantizes in the
+cache's format) and its own decode attention (m40llm_kvcache_attn_last_token_f32q /
+attn_batch_f32q, float64 accumulation), as a drop-in `attend` for model.Model.forward.
+
+Build the shared library (no CUDA needed):
+
+    cmake -S . -B /tmp/m40so -DM40LLM_ENABLE_CUDA=OFF -DBUILD_SHARED_LIBS=ON && cmake --build /tmp/m40so
+
+Options struct: version 1 (format only, F16) works with the current header; version 2 adds
+v_format (-1: same as format) and M40LLM_KV_Q8 = 1, M40LLM_KV_Q4 = 2. The struct version is
+picked from what the loaded library accepts (m40llm_kvcache_options_init).
+"""
+import ctypes as C
+import os
+
+import numpy as np
+
+BACKEND_CPU = 2
+
+
+class ContextOptions(C.Structure):
+    _fields_ = [("version", C.c_uint), ("backend", C.c_int), ("device", C.c_int),
+                ("cuda_stream", C.c_void_p)]
+
+
+class KvOptionsV1(C.Structure):
+    _fields_ = [("version", C.c_uint), ("n_layers", C.c_int), ("n_heads", C.c_int),
+                ("n_kv_heads", C.c_int), ("head_dim", C.c_int), ("max_seqs", C.c_int),
+                ("max_seq_len", C.c_int), ("format", C.c_int)]
+
+
+class KvOptionsV2(C.Structure):
+    _fields_ = KvOptionsV1._fields_ + [("v_format", C.c_int)]
+
+
+class LibraryError(RuntimeError):
+    pass
+
+
+class Library:
+    def __init__(self, path):
+        if os.path.isdir(path):
+            path = os.path.join(path, "libm40llm.so")
+        self.path = path
+        L = self.lib = C.CDLL(path)
+        P, I, F = C.c_void_p, C.c_int, C.c_float
+        fp = np.ctypeslib.ndpointer(np.float32, flags="C_CONTIGUOUS")
+        L.m40llm_version_string.restype = C.c_char_p
+        L.m40llm_status_string.restype = C.c_char_p
+        L.m40llm_last_error_message.restype = C.c_char_p
+        L.m40llm_context_options_init.argtypes = [C.POINTER(ContextOptions), C.c_uint]
+        L.m40llm_context_create.argtypes = [C.POINTER(P), C.POINTER(ContextOptions)]
+        L.m40llm_context_destroy.argtypes = [P]
+        L.m40llm_context_destroy.restype = None
+        L.m40llm_kvcache_options_init.argtypes = [P, C.c_uint]
+        L.m40llm_kvcache_create.argtypes = [C.POINTER(P), P, P]
+        L.m40llm_kvcache_destroy.argtypes = [P]
+        L.m40llm_kvcache_destroy.restype = None
+        L.m40llm_kvcache_seq_reset.argtypes = [P, I]
+        L.m40llm_kvcache_seq_len.argtypes = [C.POINTER(I), P, I, I]
+        L.m40llm_kvcache_append_f32.argtypes = [P, I, I, fp, fp, I]
+        L.m40llm_kvcache_read_f16.argtypes = [np.ctypeslib.ndpointer(np.uint16, flags="C_CONTIGUOUS"),
+                                              np.ctypeslib.ndpointer(np.uint16, flags="C_CONTIGUOUS"),
+                                              P, I, I, I, I]
+        L.m40llm_kvcache_attn_last_token_f32q.argtypes = [fp, P, I, I, fp, F]
+        L.m40llm_kvcache_attn_batch_f32q.argtypes = [fp, P, I, np.ctypeslib.ndpointer(np.int32),
+                                                     I, fp, F]
+        self.version = L.m40llm_version_string().decode()
+        probe = KvOptionsV2()
+        self.kv_options_version = 2 if L.m40llm_kvcache_options_init(C.byref(probe), 2) == 0 else 1
+        opts = ContextOptions()
+        self.check(L.m40llm_context_options_init(C.byref(opts), 1), "context_options_init")
+        opts.backend = BACKEND_CPU
+        self.ctx = P()
+        self.check(L.m40llm_context_create(C.byref(self.ctx), C.byref(opts)), "context_create")
+
+    def check(self, rc, what):
+        if rc != 0:
+            raise LibraryError(f"{what}: {self.lib.m40llm_status_string(rc).decode()} "
+                               f"({self.lib.m40llm_last_error_message().decode()})")
+
+    def supports(self, k_format, v_format):
+        if k_format == v_format == 0:
+            return True
+        return self.kv_options_version >= 2
+
+    def cache(self, n_layers, n_heads, n_kv_heads, head_dim, max_seq_len, k_format=0, v_format=-1,
+              max_seqs=1):
+        return Cache(self, n_layers, n_heads, n_kv_heads, head_dim, max_seq_len, k_format,
+                     v_format, max_seqs)
+
+    def close(self):
+        if self.ctx:
+            self.lib.m40llm_context_destroy(self.ctx)
+            self.ctx = None
+
+
+class Cache:
+    def __init__(self, lib, n_layers, n_heads, n_kv_heads, head_dim, max_seq_len, k_format,
+                 v_format, max_seqs):
+        self.lib = lib
+        L = lib.lib
+        if v_format == k_format:
+            v_format = -1
+        if lib.kv_options_version >= 2:
+            o = KvOptionsV2()
+            lib.check(L.m40llm_kvcache_options_init(C.byref(o), 2), "kvcache_options_init(2)")
+            o.v_format = v_format
+        else:
+            if v_format != -1:
+                raise LibraryError("this library has kvcache options version 1: no v_format")
+            o = KvOptionsV1()
+            lib.check(L.m40llm_kvcache_options_init(C.byref(o), 1), "kvcache_options_init(1)")
+        o.n_layers, o.n_heads, o.n_kv_heads, o.head_dim = n_layers, n_heads, n_kv_heads, head_dim
+        o.max_seqs, o.max_seq_len, o.format = max_seqs, max_seq_len, k_format
+        self.H, self.G, self.D = n_heads, n_kv_heads, head_dim
+        self.h = C.c_void_p()
+        lib.check(L.m40llm_kvcache_create(C.byref(self.h), lib.ctx, C.byref(o)), "kvcache_create")
+
+    def reset(self, seq=0):
+        self.lib.check(self.lib.lib.m40llm_kvcache_seq_reset(self.h, seq), "seq_reset")
+
+    def append(self, layer, k, v, seq=0):
+        k = np.ascontiguousarray(k, np.float32)
+        v = np.ascontiguousarray(v, np.float32)
+        n = k.shape[0] if k.ndim == 3 else 1
+        self.lib.check(self.lib.lib.m40llm_kvcache_append_f32(self.h, layer, seq, k, v, n), "append_f32")
+
+    def read_f16(self, layer, pos, n, seq=0):
+        k = np.empty((n, self.G, self.D), np.uint16)
+        v = np.empty_like(k)
+        self.lib.check(self.lib.lib.m40llm_kvcache_read_f16(k, v, self.h, layer, seq, pos, n), "read_f16")
+        return k.view(np.float16).astype(np.float32), v.view(np.float16).astype(np.float32)
+
+    def attn_batch(self, layer, q, seq_ids):
+        q = np.ascontiguousarray(q, np.float32)
+        out = np.empty_like(q)
+        ids = np.ascontiguousarray(seq_ids, np.int32)
+        self.lib.check(self.lib.lib.m40llm_kvcache_attn_batch_f32q(out, self.h, layer, ids, len(ids), q, 0.0),
+                       "attn_batch_f32q")
+        return out
+
+    def decode_layer(self, layer, q, K, V, seq=0):
+        """Decode semantics for every position of one layer: append position t (quantized by the
+        library), then attention of q[t] over the cache (positions 0..t). q [N, H, D],
+        K/V [N, G, D] FP32. Returns [N, H, D]."""
+        L = self.lib.lib
+        N = q.shape[0]
+        q = np.ascontiguousarray(q, np.float32)
+        K = np.ascontiguousarray(K, np.float32)
+        V = np.ascontiguousarray(V, np.float32)
+        out = np.empty_like(q)
+        ids = np.array([seq], np.int32)
+        row = self.G * self.D * 4
+        qrow = self.H * self.D * 4
+        kp, vp, qp, op = (a.ctypes.data for a in (K, V, q, out))
+        for t in range(N):
+            rc = _append(L, self.h, layer, seq, kp + t * row, vp + t * row)
+            if rc:
+                self.lib.check(rc, "append_f32")
+            rc = _attn(L, op + t * qrow, self.h, layer, ids, qp + t * qrow)
+            if rc:
+                self.lib.check(rc, "attn_batch_f32q")
+        return out
+
+    def close(self):
+        if self.h:
+            self.lib.lib.m40llm_kvcache_destroy(self.h)
+            self.h = None
+
+
+_raw = {}
+
+
+def _fn(L, name, argtypes):
+    key = (id(L), name)
+    if key not in _raw:
+        g = C.CFUNCTYPE(C.c_int, *argtypes)((name, L))
+        _raw[key] = g
+    return _raw[key]
+
+
+def _append(L, h, layer, seq, kp, vp):
+    f = _fn(L, "m40llm_kvcache_append_f32",
+            [C.c_void_p, C.c_int, C.c_int, C.c_void_p, C.c_void_p, C.c_int])
+    return f(h, layer, seq, kp, vp, 1)
+
+
+def _attn(L, op, h, layer, ids, qp):
+    f = _fn(L, "m40llm_kvcache_attn_batch_f32q",
+            [C.c_void_p, C.c_void_p, C.c_int, C.c_void_p, C.c_int, C.c_void_p, C.c_float])
+    return f(op, h, layer, ids.ctypes.data, 1, qp, 0.0)
+
+
+class LibraryAttend:
+    """kv_hook/attend pair for Model.forward: the cache is the library's (it quantizes on append),
+    the attention is the library's, position by position (decode)."""
+
+    def __init__(self, lib, n_layers, n_heads, n_kv_heads, head_dim, n_tokens, k_format, v_format):
+        self.cache = lib.cache(n_layers, n_heads, n_kv_heads, head_dim, n_tokens, k_format, v_format)
+
+    def kv_hook(self, layer, K, V):
+        return K, V  # FP32 in; the library quantizes
+
+    def attend(self, layer, q, K, V):
+        return self.cache.decode_layer(layer, q, K, V)
+
+    def close(self):
+        self.cache.close()
