@@ -30,7 +30,7 @@ int cuda_count(int *out_count) {
 
 int cuda_init(m40llm_context *ctx, int device, void *user_stream) {
   // calloc, not new: the C ABI's archive needs no C++ runtime. Zeroed is the state's start.
-  m40llm_cuda_state *st = static_cast<m40llm_cuda_state *>(calloc(1, sizeof *st));
+  m40llm_cuda_state *st = static_cast<m40llm_cuda_state *>(m40llm_host_calloc(1, sizeof *st));
   if (!st) return m40llm_fail(M40LLM_ERR_OUT_OF_MEMORY, "allocating the CUDA state");
   int rc = M40LLM_OK;
   cudaDeviceProp prop;

@@ -694,6 +694,59 @@ done:
   t_kv_destroy(&kv);
 }
 
+/* seq_ids sharing memory with out (issue 21): the library reads the ids once, before it writes
+ * a row, so every row still belongs to the id the caller passed. On the CPU backend out is host
+ * memory, so the caller's id array can be out itself; test_gpu.c does the same with managed
+ * memory on the CUDA backend (t_check_ids_alias_out). */
+void t_check_ids_alias_out(t_kv *kv, int32_t *ids_in_out, float *out, const float *dq,
+                           const float *q) {
+  const m40llm_kvcache_options *o = &kv->opts;
+  const size_t stride = (size_t)o->n_heads * (size_t)o->head_dim;
+  enum { N = 9 };
+  const int32_t ids[N] = {2, 0, 1, 2, 1, 0, 2, 2, 1};
+  float *got = malloc(N * stride * sizeof(float));
+  double *ref = malloc(stride * sizeof(double));
+  if (!T_CHECK(got && ref)) goto done;
+  T_CHECK(N * sizeof(int32_t) <= stride * sizeof(float)); /* the ids lie in out's first row */
+  memcpy(ids_in_out, ids, sizeof ids);
+  if (!T_OK(m40llm_kvcache_attn_batch_f32q(out, kv->cache, 0, ids_in_out, N, dq, 0.0f)) ||
+      !T_OK(m40llm_context_synchronize(kv->ctx)) ||
+      !t_dev_download(kv->ctx, got, out, N * stride * sizeof(float)))
+    goto done;
+  for (int i = 0; i < N; i++) {
+    t_ref_attention(ref, q + (size_t)i * stride, t_model_k(&kv->model, 0, ids[i]),
+                    t_model_v(&kv->model, 0, ids[i]), t_model_len(&kv->model, 0, ids[i]),
+                    o->n_heads, o->n_kv_heads, o->head_dim, 0.0f);
+    const double err = t_rel_l2(got + (size_t)i * stride, ref, stride);
+    T_CHECKF(err <= 1e-5, "row %d (seq %d): rel L2 %.3g", i, (int)ids[i], err);
+  }
+done:
+  free(got);
+  free(ref);
+}
+
+static void attention_ids_alias_out(m40llm_context *ctx) {
+  if (backend_of(ctx) != M40LLM_BACKEND_CPU) return; /* host ids in device memory: test_gpu.c */
+  t_kv kv;
+  t_set_case("attention: seq_ids share memory with out");
+  if (t_kv_create(&kv, ctx, 1, 4, 2, 16, 3, 40) != M40LLM_OK) return;
+  T_OK(t_kv_append_random(&kv, 0, 0, 3, 1.0f));
+  T_OK(t_kv_append_random(&kv, 0, 1, 17, 1.0f));
+  T_OK(t_kv_append_random(&kv, 0, 2, 40, 1.0f));
+  const size_t n = 9 * 4 * 16;
+  float *q = malloc(n * sizeof(float));
+  float *dq = NULL, *out = t_dev_alloc(ctx, n * sizeof(float));
+  if (T_CHECK(q != NULL) && out) {
+    t_fill_uniform(q, n, -2.0f, 2.0f);
+    dq = t_dev_upload(ctx, q, n * sizeof(float));
+    if (dq) t_check_ids_alias_out(&kv, (int32_t *)out, out, dq, q);
+  }
+  m40llm_free(ctx, dq);
+  m40llm_free(ctx, out);
+  free(q);
+  t_kv_destroy(&kv);
+}
+
 void t_cases_attention_basic(m40llm_context *ctx) {
   attention_shape(ctx, 4, 4, 8);
   attention_shape(ctx, 8, 2, 16);
@@ -702,6 +755,7 @@ void t_cases_attention_basic(m40llm_context *ctx) {
   attention_extreme_logits(ctx, 4, 2, 16);
   attention_extreme_logits(ctx, 16, 2, 128); /* the tensor-core kernel on sm_80+ */
   attention_extreme_logits(ctx, 12, 4, 80);  /* the same with a 16-dim tail */
+  attention_ids_alias_out(ctx);
   t_set_case("");
 }
 

@@ -45,6 +45,30 @@ static float *random_q(size_t n) {
 
 static float pick_scale(int i) { return (i & 1) ? t_rand_float(0.03f, 0.2f) : 0.0f; }
 
+#ifdef T_HAVE_CUDART
+/* seq_ids sharing memory with out: managed memory is both the caller's host id array and the
+ * output the kernels write (the CPU backend's version of the case is in cases.c). */
+static void test_ids_alias_out_managed(void) {
+  t_kv kv;
+  t_set_case("attention: seq_ids share (managed) memory with out");
+  if (t_kv_create(&kv, dev, 1, 4, 2, 16, 3, 40) != M40LLM_OK) return;
+  T_OK(t_kv_append_random(&kv, 0, 0, 3, 1.0f));
+  T_OK(t_kv_append_random(&kv, 0, 1, 17, 1.0f));
+  T_OK(t_kv_append_random(&kv, 0, 2, 40, 1.0f));
+  const size_t n = 9 * 4 * 16;
+  float *q = random_q(n), *dq = NULL, *out = NULL;
+  if (q && T_CHECK(cudaMallocManaged((void **)&out, n * sizeof(float), cudaMemAttachGlobal) ==
+                   cudaSuccess)) {
+    dq = t_dev_upload(dev, q, n * sizeof(float));
+    if (dq) t_check_ids_alias_out(&kv, (int32_t *)out, out, dq, q);
+  }
+  if (out) cudaFree(out);
+  m40llm_free(dev, dq);
+  free(q);
+  t_kv_destroy(&kv);
+}
+#endif
+
 /* ---- The CUDA context itself ---------------------------------------------------------------- */
 
 static void test_cuda_context(int count) {
@@ -526,6 +550,7 @@ int main(void) {
     test_cuda_context(count);
 #ifdef T_HAVE_CUDART
     test_user_stream();
+    test_ids_alias_out_managed();
 #endif
   }
   t_cases_error_paths(dev);

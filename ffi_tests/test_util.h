@@ -150,4 +150,11 @@ void t_cases_sequence_ops(m40llm_context *ctx);
 void t_cases_attention_basic(m40llm_context *ctx);
 void t_cases_fp16_rounding(m40llm_context *ctx);
 
+/* Batch attention over seqs 0..2 of layer 0 of kv (n_heads * head_dim >= 9 floats a row) with
+ * the 9 ids written into ids_in_out, which lies in out's first row (host-visible memory the
+ * backend can write: host memory on the CPU, managed memory on CUDA); dq is q in backend
+ * memory, q its host copy. Every row must match the reference for the ids as passed. */
+void t_check_ids_alias_out(t_kv *kv, int32_t *ids_in_out, float *out, const float *dq,
+                           const float *q);
+
 #endif /* M40LLM_TEST_UTIL_H */

@@ -245,7 +245,11 @@ int m40llm_kvcache_attn_last_token_f32q(float *out, m40llm_kvcache *cache, int l
 /** The same for n_seqs (>= 1) sequences at once, one launch over their ragged lengths.
  *  seq_ids is a host array of n_seqs sequence indices (repeats allowed); q and out are
  *  [n_seqs][n_heads][head_dim] FP32 in backend memory, row i belonging to seq_ids[i]; the whole
- *  of q and the whole of out must not overlap. Scale and errors as for the single call. */
+ *  of q and the whole of out must not overlap. The library reads seq_ids once, into its own
+ *  copy, before it writes anything: seq_ids may share memory with out (e.g. host memory on the
+ *  CPU backend, managed memory on CUDA), and row i still belongs to the id passed. A copy of
+ *  more than 64 ids is allocated on the host (M40LLM_ERR_OUT_OF_MEMORY if that fails). Scale and
+ *  errors as for the single call. */
 int m40llm_kvcache_attn_batch_f32q(float *out, m40llm_kvcache *cache, int layer,
                                    const int32_t *seq_ids, int n_seqs, const float *q,
                                    float scale);

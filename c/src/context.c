@@ -69,7 +69,7 @@ int m40llm_context_create(m40llm_context **out, const m40llm_context_options *op
     return m40llm_fail(M40LLM_ERR_INVALID_ARGUMENT,
                        "opts->cuda_stream is set but the context uses the CPU backend");
 
-  m40llm_context *ctx = calloc(1, sizeof *ctx);
+  m40llm_context *ctx = m40llm_host_calloc(1, sizeof *ctx);
   if (!ctx) return m40llm_fail(M40LLM_ERR_OUT_OF_MEMORY, "allocating the context");
   ctx->backend = backend;
   ctx->device = backend == M40LLM_BACKEND_CUDA ? o.device : -1;

@@ -44,7 +44,7 @@ static int cpu_malloc(void **out, m40llm_context *ctx, size_t bytes) {
   (void)ctx;
   if (bytes > SIZE_MAX - 255)
     return m40llm_fail(M40LLM_ERR_OUT_OF_MEMORY, "cannot allocate %zu bytes", bytes);
-  void *p = aligned_alloc(256, (bytes + 255) & ~(size_t)255);
+  void *p = m40llm_host_aligned_alloc(256, (bytes + 255) & ~(size_t)255);
   if (!p) return m40llm_fail(M40LLM_ERR_OUT_OF_MEMORY, "cannot allocate %zu bytes", bytes);
   *out = p;
   return M40LLM_OK;

@@ -37,6 +37,16 @@ int m40llm_fail(int status, const char *fmt, ...)
 #endif
     ;
 
+/* Host memory of the library: every host allocation goes through these (free() releases it), so
+ * that tests can make each one fail in turn. */
+void *m40llm_host_malloc(size_t bytes);
+void *m40llm_host_calloc(size_t n, size_t size);
+void *m40llm_host_aligned_alloc(size_t alignment, size_t bytes);
+
+/* Test-only: when set, called before every host allocation above with its size; a nonzero
+ * return makes that allocation fail (return NULL). Not part of the API; not thread-safe. */
+extern int (*m40llm_host_alloc_hook)(size_t bytes);
+
 /* IEEE binary16 conversions, round-to-nearest-even (what CUDA's __float2half_rn does). */
 uint16_t m40llm_f32_to_f16(float f);
 float m40llm_f16_to_f32(uint16_t h);

@@ -1,6 +1,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "internal.h"
 
@@ -83,11 +84,11 @@ int m40llm_kvcache_create(m40llm_kvcache **out, m40llm_context *ctx,
   m40llm_kv_layout layout;
   int rc = check_options(opts, &layout, &bytes);
   if (rc != M40LLM_OK || (rc = ctx->ops->check_cache(opts)) != M40LLM_OK) return rc;
-  m40llm_kvcache *c = calloc(1, sizeof *c);
+  m40llm_kvcache *c = m40llm_host_calloc(1, sizeof *c);
   if (!c) return FAIL(OUT_OF_MEMORY, "allocating the cache handle");
   c->ctx = ctx;
   c->opts = *opts;
-  c->lens = calloc((size_t)opts->n_layers * (size_t)opts->max_seqs, sizeof *c->lens);
+  c->lens = m40llm_host_calloc((size_t)opts->n_layers * (size_t)opts->max_seqs, sizeof *c->lens);
   if (!c->lens) {
     free(c);
     return FAIL(OUT_OF_MEMORY, "allocating sequence lengths");
@@ -225,6 +226,9 @@ static int check_attention(const m40llm_kvcache *c, int layer, const float *q, c
   return M40LLM_OK;
 }
 
+/* Ids copied on the stack up to this many; more come from the heap. */
+#define M40LLM_IDS_ON_STACK 64
+
 int m40llm_kvcache_attn_batch_f32q(float *out, m40llm_kvcache *cache, int layer,
                                    const int32_t *seq_ids, int n_seqs, const float *q,
                                    float scale) {
@@ -233,11 +237,24 @@ int m40llm_kvcache_attn_batch_f32q(float *out, m40llm_kvcache *cache, int layer,
   if (n_seqs < 1) return FAIL(INVALID_ARGUMENT, "n_seqs is %d, must be >= 1", n_seqs);
   int rc = check_attention(cache, layer, q, out, n_seqs, &scale);
   if (rc != M40LLM_OK) return rc;
-  for (int i = 0; i < n_seqs; i++)
-    if (seq_ids[i] < 0 || seq_ids[i] >= cache->opts.max_seqs)
-      return FAIL(OUT_OF_RANGE, "seq_ids[%d] = %d is outside 0..%d", i, (int)seq_ids[i],
-                  cache->opts.max_seqs - 1);
-  return cache->ctx->ops->attention(cache, layer, seq_ids, n_seqs, q, out, scale);
+  /* The ids are read once, here, into the library's own copy, which is checked and then the
+   * only one the backend sees: the caller's array may share memory with out (which the backend
+   * writes) and is not read again. */
+  int32_t on_stack[M40LLM_IDS_ON_STACK];
+  int32_t *ids = on_stack;
+  if (n_seqs > M40LLM_IDS_ON_STACK) {
+    ids = m40llm_host_malloc((size_t)n_seqs * sizeof *ids);
+    if (!ids)
+      return FAIL(OUT_OF_MEMORY, "allocating the copy of %d sequence ids", n_seqs);
+  }
+  memcpy(ids, seq_ids, (size_t)n_seqs * sizeof *ids);
+  for (int i = 0; i < n_seqs && rc == M40LLM_OK; i++)
+    if (ids[i] < 0 || ids[i] >= cache->opts.max_seqs)
+      rc = FAIL(OUT_OF_RANGE, "seq_ids[%d] = %d is outside 0..%d", i, (int)ids[i],
+                cache->opts.max_seqs - 1);
+  if (rc == M40LLM_OK) rc = cache->ctx->ops->attention(cache, layer, ids, n_seqs, q, out, scale);
+  if (ids != on_stack) free(ids);
+  return rc;
 }
 
 int m40llm_kvcache_attn_last_token_f32q(float *out, m40llm_kvcache *cache, int layer, int seq,

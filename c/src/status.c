@@ -1,5 +1,6 @@
 #include <stdarg.h>
 #include <stdio.h>
+#include <stdlib.h>
 
 #include "internal.h"
 
@@ -37,4 +38,21 @@ int m40llm_fail(int status, const char *fmt, ...) {
   vsnprintf(last_error, sizeof last_error, fmt, ap);
   va_end(ap);
   return status;
+}
+
+int (*m40llm_host_alloc_hook)(size_t bytes);
+
+void *m40llm_host_malloc(size_t bytes) {
+  if (m40llm_host_alloc_hook && m40llm_host_alloc_hook(bytes)) return NULL;
+  return malloc(bytes);
+}
+
+void *m40llm_host_calloc(size_t n, size_t size) {
+  if (m40llm_host_alloc_hook && m40llm_host_alloc_hook(n * size)) return NULL;
+  return calloc(n, size);
+}
+
+void *m40llm_host_aligned_alloc(size_t alignment, size_t bytes) {
+  if (m40llm_host_alloc_hook && m40llm_host_alloc_hook(bytes)) return NULL;
+  return aligned_alloc(alignment, bytes);
 }
