@@ -557,6 +557,7 @@ int main(void) {
   t_cases_sequence_ops(dev);
   t_cases_fp16_rounding(dev);
   t_cases_attention_basic(dev);
+  t_cases_attention_masked(dev);
   test_shape_sweep();
   test_head_dim_sweep();
   test_ragged_batch();

@@ -232,7 +232,12 @@ int m40llm_kvcache_read_f16(uint16_t *k_out, uint16_t *v_out, const m40llm_kvcac
  *  q and out are [n_heads][head_dim] FP32 in backend memory and must not overlap (overlapping
  *  buffers fail with M40LLM_ERR_INVALID_ARGUMENT). scale 0 means 1/sqrt(head_dim); any other
  *  finite scale, negative ones included, is used as given; a NaN or infinite scale fails with
- *  M40LLM_ERR_INVALID_ARGUMENT. A sequence with no positions yields zeros. The CUDA backend
+ *  M40LLM_ERR_INVALID_ARGUMENT. A sequence with no positions yields zeros.
+ *  Masking: K may hold infinities (append_f16 stores any half; append_f32 rounds |x| >= 65520 to
+ *  inf). A position whose score is -inf (e.g. K -inf in a dim where q > 0, the rest finite) has
+ *  weight 0 wherever it falls, on every backend and kernel; a head whose every score is -inf
+ *  yields zeros. Its V is still multiplied by that 0, so it must be finite. A score of +inf or
+ *  NaN (NaN in K, 0 x inf, infinities of both signs) makes the head's output NaN. The CUDA backend
  *  accumulates in FP32. Its arithmetic is FP32 too, except for caches with head_dim 32, 48,
  *  64, 80, 96, 112 or 128 on sm_80+ GPUs, when the library was built with an sm_80+
  *  architecture: there, tensor cores multiply FP16 K/V by q and by the softmax weights,
