@@ -420,6 +420,15 @@ static void error_paths_cache(m40llm_context *ctx) {
                 M40LLM_ERR_INVALID_ARGUMENT, "overlap");
     T_FAIL_WITH(m40llm_kvcache_attn_batch_f32q(out, c, 0, ids_ok, 3, q, -INFINITY),
                 M40LLM_ERR_INVALID_ARGUMENT, "scale");
+    /* n_seqs far past the buffers: named as the mistake, before the overlap it causes */
+    T_FAIL_WITH(m40llm_kvcache_attn_batch_f32q(out, c, 0, ids_ok, INT_MAX, q, 0.0f),
+                M40LLM_ERR_INVALID_ARGUMENT, "n_seqs");
+    T_FAIL_WITH(m40llm_kvcache_attn_batch_f32q(out, c, 0, ids_ok, 3,
+                                               (const float *)(UINTPTR_MAX - 64), 0.0f),
+                M40LLM_ERR_INVALID_ARGUMENT, "address space");
+    T_FAIL_WITH(m40llm_kvcache_attn_batch_f32q((float *)(UINTPTR_MAX - 64), c, 0, ids_ok, 1, q,
+                                               0.0f),
+                M40LLM_ERR_INVALID_ARGUMENT, "address space");
     check_poisoned(ctx, out, bytes, "attention");
   }
 

@@ -206,6 +206,24 @@ static void test_devices_and_contexts(void) {
     }
   }
 
+  /* AUTO: the device is checked only where the context takes CUDA, whatever its value */
+  t_set_case("AUTO context and device ordinals");
+  const int auto_devices[3] = {-1, INT_MAX, INT_MIN};
+  for (int i = 0; i < 3; i++) {
+    o = (m40llm_context_options)M40LLM_CONTEXT_OPTIONS_INIT;
+    o.device = auto_devices[i];
+    ctx = sentinel;
+    if (count > 0) {
+      T_FAIL_WITH(m40llm_context_create(&ctx, &o), M40LLM_ERR_OUT_OF_RANGE, "device");
+      T_CHECK(ctx == sentinel);
+    } else if (T_OK(m40llm_context_create(&ctx, &o))) {
+      m40llm_device_info info = M40LLM_DEVICE_INFO_INIT;
+      T_OK(m40llm_context_device_info(&info, ctx));
+      T_CHECK(info.backend == M40LLM_BACKEND_CPU && info.device == -1);
+      m40llm_context_destroy(ctx);
+    }
+  }
+
   /* defaults: AUTO picks CUDA exactly when a device exists */
   t_set_case("context defaults");
   ctx = NULL;

@@ -103,7 +103,9 @@ typedef struct m40llm_context m40llm_context;
 typedef struct m40llm_context_options {
   unsigned version;   /* M40LLM_CONTEXT_OPTIONS_VERSION */
   int backend;        /* m40llm_backend */
-  int device;         /* CUDA device ordinal (ignored by the CPU backend) */
+  int device;         /* CUDA device ordinal, 0..count-1 where the context uses CUDA (else
+                         M40LLM_ERR_OUT_OF_RANGE); ignored where it uses the CPU: backend CPU,
+                         or AUTO on a machine without a usable GPU */
   void *cuda_stream;  /* a cudaStream_t the caller owns and keeps alive for the context's life,
                          or NULL for a stream the context creates (synchronizing with the legacy
                          default stream) */

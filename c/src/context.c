@@ -45,9 +45,6 @@ int m40llm_context_create(m40llm_context **out, const m40llm_context_options *op
       o.backend != M40LLM_BACKEND_CPU)
     return m40llm_fail(M40LLM_ERR_INVALID_ARGUMENT, "opts->backend %d is not an m40llm_backend",
                        o.backend);
-  if (o.backend != M40LLM_BACKEND_CPU && o.device < 0)
-    return m40llm_fail(M40LLM_ERR_OUT_OF_RANGE, "opts->device %d is negative", o.device);
-
   int backend = o.backend;
   if (backend != M40LLM_BACKEND_CPU) {
     int count = 0;
@@ -61,9 +58,12 @@ int m40llm_context_create(m40llm_context **out, const m40llm_context_options *op
                              ? "CUDA backend requested but no usable CUDA device was found"
                              : "CUDA backend requested but m40llm was built without CUDA");
     }
-    if (backend == M40LLM_BACKEND_CUDA && o.device >= count)
-      return m40llm_fail(M40LLM_ERR_OUT_OF_RANGE, "opts->device %d but only %d CUDA device(s)",
-                         o.device, count);
+    /* The device matters only to the CUDA backend: AUTO on a machine without a usable GPU
+     * takes the CPU and ignores it, as M40LLM_BACKEND_CPU does. */
+    if (backend == M40LLM_BACKEND_CUDA && (o.device < 0 || o.device >= count))
+      return m40llm_fail(M40LLM_ERR_OUT_OF_RANGE,
+                         "opts->device %d is outside 0..%d (%d CUDA device(s))", o.device,
+                         count - 1, count);
   }
   if (backend == M40LLM_BACKEND_CPU && o.cuda_stream)
     return m40llm_fail(M40LLM_ERR_INVALID_ARGUMENT,

@@ -219,10 +219,22 @@ static int check_attention(const m40llm_kvcache *c, int layer, const float *q, c
   if (!out) return FAIL(INVALID_ARGUMENT, "out is NULL");
   if (!isfinite(*scale)) return FAIL(INVALID_ARGUMENT, "scale is not finite");
   if (*scale == 0.0f) *scale = 1.0f / sqrtf((float)c->opts.head_dim);
-  const uintptr_t n = (uintptr_t)n_rows * (uintptr_t)c->opts.n_heads * (uintptr_t)c->opts.head_dim *
-                      sizeof(float);
+  /* Bytes of q and of out: n_rows rows of n_heads x head_dim floats, which must fit in the
+   * address space from where each starts. Said first, so that a wrong n_seqs is named as such. */
+  const uintptr_t row = (uintptr_t)c->opts.n_heads * (uintptr_t)c->opts.head_dim * sizeof(float);
   const uintptr_t qa = (uintptr_t)q, oa = (uintptr_t)out;
-  if (qa < oa + n && oa < qa + n) return FAIL(INVALID_ARGUMENT, "q and out overlap");
+  if ((uintptr_t)n_rows > UINTPTR_MAX / row || (uintptr_t)n_rows * row > UINTPTR_MAX - qa ||
+      (uintptr_t)n_rows * row > UINTPTR_MAX - oa)
+    return FAIL(INVALID_ARGUMENT,
+                "%d row(s) of %ju bytes (n_heads x head_dim floats) from q or out pass the end of "
+                "the address space: n_seqs is too large",
+                n_rows, (uintmax_t)row);
+  const uintptr_t n = (uintptr_t)n_rows * row;
+  if (qa < oa + n && oa < qa + n)
+    return FAIL(INVALID_ARGUMENT,
+                "q and out overlap: %d row(s) of %ju bytes make each %ju bytes, but they start "
+                "%ju bytes apart (is n_seqs larger than the buffers?)",
+                n_rows, (uintmax_t)row, (uintmax_t)n, (uintmax_t)(qa > oa ? qa - oa : oa - qa));
   return M40LLM_OK;
 }
 
