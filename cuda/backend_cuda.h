@@ -8,3 +8,8 @@ int m40llm_cuda_attention(const m40llm_kvcache *c, int layer, const int32_t *seq
                           const float *q, float *out, float scale);
 int m40llm_cuda_append(const m40llm_kvcache *c, int layer, int seq, int pos, const void *k,
                        const void *v, int n_tokens, int src_is_f32);  // append.cu
+
+struct m40llm_cuda_state;
+// M40LLM_OK if the context's kernels can address p (device, managed, or mapped pinned memory),
+// else M40LLM_ERR_INVALID_ARGUMENT naming it; remembers the last few that passed.
+int m40llm_cuda_check_pointer(m40llm_cuda_state *st, const void *p, const char *name);

@@ -25,10 +25,11 @@ static void test_version_and_status(void) {
   t_set_case("status strings");
   const int codes[] = {M40LLM_OK,          M40LLM_ERR_INVALID_ARGUMENT, M40LLM_ERR_OUT_OF_RANGE,
                        M40LLM_ERR_CAPACITY, M40LLM_ERR_OUT_OF_MEMORY,   M40LLM_ERR_NO_DEVICE,
-                       M40LLM_ERR_CUDA,     M40LLM_ERR_UNSUPPORTED};
+                       M40LLM_ERR_CUDA,     M40LLM_ERR_UNSUPPORTED,      M40LLM_ERR_CONTEXT_LOST};
   const char *unknown = m40llm_status_string(-1000);
   T_CHECK(unknown != NULL && strstr(unknown, "unknown") != NULL);
-  const int unknown_codes[] = {1, -8, 42, INT_MIN, INT_MAX};
+  T_CHECK(M40LLM_ERR_CONTEXT_LOST == -8); /* appended: no code renumbered */
+  const int unknown_codes[] = {1, -9, 42, INT_MIN, INT_MAX};
   for (size_t i = 0; i < sizeof unknown_codes / sizeof unknown_codes[0]; i++) {
     const char *s = m40llm_status_string(unknown_codes[i]);
     T_CHECKF(s != NULL && strcmp(s, unknown) == 0, "status %d: \"%s\"", unknown_codes[i],

@@ -8,8 +8,7 @@
  *   m40llm_status_string() names a code; m40llm_last_error_message() gives the detail of the last
  *   failure on the calling thread (thread-local, valid until the next failing call on that thread).
  * - Output parameters come first. On failure nothing is written to them, no cache contents or
- *   lengths change, and the handle stays usable (except after M40LLM_ERR_CUDA from a device fault,
- *   which leaves the CUDA context itself unusable: destroy and recreate it).
+ *   lengths change, and the handle stays usable (except after M40LLM_ERR_CONTEXT_LOST).
  * - destroy(NULL) and free(ctx, NULL) are no-ops.
  * - Options structs carry a version field; initialise them with their *_INIT macro (or the
  *   *_init function) so newer library versions can add fields without breaking older callers.
@@ -19,6 +18,26 @@
  *   device pointers for the CUDA backend (from m40llm_malloc or the caller's own cudaMalloc in the
  *   same CUDA context), host pointers for the CPU backend. m40llm_malloc/m40llm_memcpy_* let code
  *   stay backend-neutral.
+ *
+ * Device faults (CUDA backend)
+ * - A kernel that faults (e.g. an illegal address: a buffer too small for the call, memory freed
+ *   while in use) leaves a "sticky" error in the CUDA context of that device in this process:
+ *   every later CUDA call there fails, for this library and for the caller's own CUDA work alike,
+ *   and the device's memory, every cache on it included, is lost. Only a new process (or
+ *   cudaDeviceReset, once nothing uses the device) recovers. The call that meets such an error
+ *   returns M40LLM_ERR_CONTEXT_LOST with the CUDA error in the message; from then on every call
+ *   on that context, or on a cache made from it, that would use the GPU returns
+ *   M40LLM_ERR_CONTEXT_LOST at once, saying so (calls that only read or change host-side
+ *   state, such as m40llm_kvcache_seq_len and seq_truncate, still work). Other contexts on the
+ *   same device get it at their next GPU call. Destroy the caches and the context as usual (it
+ *   releases their host memory; the device memory went with the CUDA context).
+ * - To keep a wrong pointer from faulting, the CUDA backend checks that q and out (attention),
+ *   k and v (append) and k_out and v_out (read) are memory its kernels can address: device or
+ *   managed memory (of any device), or pinned host memory mapped into the device's address
+ *   space; anything else, e.g. a plain host pointer, fails with M40LLM_ERR_INVALID_ARGUMENT
+ *   naming the argument. The context remembers the last few pointers that passed until
+ *   m40llm_free is called on it, so a decode loop over the same buffers pays for the check
+ *   once. It cannot see a buffer's size, nor memory freed behind its back.
  *
  * Ordering
  * - CUDA backend: append, read, fork, attention, memset and device-to-device copies are enqueued
@@ -69,7 +88,8 @@ typedef enum m40llm_status {
   M40LLM_ERR_OUT_OF_MEMORY = -4,    /* host or device allocation failed */
   M40LLM_ERR_NO_DEVICE = -5,        /* CUDA requested but no usable GPU, or built without CUDA */
   M40LLM_ERR_CUDA = -6,             /* the CUDA runtime reported an error; see the message */
-  M40LLM_ERR_UNSUPPORTED = -7       /* valid request this build or backend cannot serve */
+  M40LLM_ERR_UNSUPPORTED = -7,      /* valid request this build or backend cannot serve */
+  M40LLM_ERR_CONTEXT_LOST = -8      /* the context's GPU had a device fault: see Device faults */
 } m40llm_status;
 
 /** Name and meaning of a status code ("unknown status" for others). Static storage. */

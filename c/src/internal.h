@@ -15,7 +15,16 @@ struct m40llm_context {
   int device;  /* -1 on the CPU */
   const m40llm_backend_ops *ops;
   void *state; /* the backend's own (the CUDA backend's m40llm_cuda_state) */
+  /* Set when a call met M40LLM_ERR_CONTEXT_LOST (a sticky CUDA error): every later call that
+   * would use the backend fails fast with lost_why. */
+  int lost;
+  char lost_why[320];
 };
+
+/* M40LLM_OK, or M40LLM_ERR_CONTEXT_LOST (with its message) for a lost context. */
+int m40llm_context_check(const m40llm_context *ctx);
+/* Passes a backend call's status through, recording a context loss. */
+int m40llm_context_result(m40llm_context *ctx, int status);
 
 struct m40llm_kvcache {
   m40llm_context *ctx;

@@ -83,7 +83,9 @@ int m40llm_kvcache_create(m40llm_kvcache **out, m40llm_context *ctx,
   size_t bytes = 0;
   m40llm_kv_layout layout;
   int rc = check_options(opts, &layout, &bytes);
-  if (rc != M40LLM_OK || (rc = ctx->ops->check_cache(opts)) != M40LLM_OK) return rc;
+  if (rc != M40LLM_OK || (rc = ctx->ops->check_cache(opts)) != M40LLM_OK ||
+      (rc = m40llm_context_check(ctx)) != M40LLM_OK)
+    return rc;
   m40llm_kvcache *c = m40llm_host_calloc(1, sizeof *c);
   if (!c) return FAIL(OUT_OF_MEMORY, "allocating the cache handle");
   c->ctx = ctx;
@@ -95,7 +97,7 @@ int m40llm_kvcache_create(m40llm_kvcache **out, m40llm_context *ctx,
   }
   if ((rc = alloc_tensor(&c->k, ctx, &layout)) != M40LLM_OK ||
       (rc = alloc_tensor(&c->v, ctx, &layout)) != M40LLM_OK ||
-      (rc = ctx->ops->cache_created(c)) != M40LLM_OK) {
+      (rc = m40llm_context_result(ctx, ctx->ops->cache_created(c))) != M40LLM_OK) {
     release(c);
     return rc;
   }
@@ -164,7 +166,10 @@ int m40llm_kvcache_seq_fork(m40llm_kvcache *cache, int dst_seq, int src_seq) {
       (rc = check_seq(cache, "src_seq", src_seq)) != M40LLM_OK)
     return rc;
   if (dst_seq == src_seq) return FAIL(INVALID_ARGUMENT, "dst_seq and src_seq are both %d", dst_seq);
-  if ((rc = cache->ctx->ops->fork(cache, dst_seq, src_seq)) != M40LLM_OK) return rc;
+  if ((rc = m40llm_context_check(cache->ctx)) != M40LLM_OK ||
+      (rc = m40llm_context_result(cache->ctx, cache->ctx->ops->fork(cache, dst_seq, src_seq))) !=
+          M40LLM_OK)
+    return rc;
   for (int l = 0; l < cache->opts.n_layers; l++)
     *m40llm_len_slot(cache, l, dst_seq) = *m40llm_len_slot(cache, l, src_seq);
   return M40LLM_OK;
@@ -182,7 +187,9 @@ static int append(m40llm_kvcache *c, int layer, int seq, const void *k, const vo
   if ((long long)*len + n_tokens > c->opts.max_seq_len)
     return FAIL(CAPACITY, "appending %d token(s) to layer %d seq %d (length %d) passes max_seq_len %d",
                 n_tokens, layer, seq, *len, c->opts.max_seq_len);
-  rc = c->ctx->ops->append(c, layer, seq, *len, k, v, n_tokens, src_is_f32);
+  if ((rc = m40llm_context_check(c->ctx)) != M40LLM_OK) return rc;
+  rc = m40llm_context_result(c->ctx,
+                             c->ctx->ops->append(c, layer, seq, *len, k, v, n_tokens, src_is_f32));
   if (rc == M40LLM_OK) *len += n_tokens;
   return rc;
 }
@@ -208,7 +215,10 @@ int m40llm_kvcache_read_f16(uint16_t *k_out, uint16_t *v_out, const m40llm_kvcac
   if (pos < 0 || (long long)pos + n_tokens > len)
     return FAIL(OUT_OF_RANGE, "positions %d..%lld are outside layer %d seq %d (length %d)", pos,
                 (long long)pos + n_tokens - 1, layer, seq, len);
-  return cache->ctx->ops->read_f16(cache, k_out, v_out, layer, seq, pos, n_tokens);
+  if ((rc = m40llm_context_check(cache->ctx)) != M40LLM_OK) return rc;
+  return m40llm_context_result(cache->ctx,
+                               cache->ctx->ops->read_f16(cache, k_out, v_out, layer, seq, pos,
+                                                         n_tokens));
 }
 
 static int check_attention(const m40llm_kvcache *c, int layer, const float *q, const float *out,
@@ -264,7 +274,10 @@ int m40llm_kvcache_attn_batch_f32q(float *out, m40llm_kvcache *cache, int layer,
     if (ids[i] < 0 || ids[i] >= cache->opts.max_seqs)
       rc = FAIL(OUT_OF_RANGE, "seq_ids[%d] = %d is outside 0..%d", i, (int)ids[i],
                 cache->opts.max_seqs - 1);
-  if (rc == M40LLM_OK) rc = cache->ctx->ops->attention(cache, layer, ids, n_seqs, q, out, scale);
+  if (rc == M40LLM_OK) rc = m40llm_context_check(cache->ctx);
+  if (rc == M40LLM_OK)
+    rc = m40llm_context_result(cache->ctx,
+                               cache->ctx->ops->attention(cache, layer, ids, n_seqs, q, out, scale));
   if (ids != on_stack) free(ids);
   return rc;
 }

@@ -26,6 +26,8 @@ const char *m40llm_status_string(int status) {
     case M40LLM_ERR_NO_DEVICE: return "M40LLM_ERR_NO_DEVICE: no usable CUDA device";
     case M40LLM_ERR_CUDA: return "M40LLM_ERR_CUDA: CUDA runtime error";
     case M40LLM_ERR_UNSUPPORTED: return "M40LLM_ERR_UNSUPPORTED: not supported by this build or backend";
+    case M40LLM_ERR_CONTEXT_LOST:
+      return "M40LLM_ERR_CONTEXT_LOST: the context's GPU had a device fault; the context is lost";
     default: return "unknown status";
   }
 }
