@@ -20,6 +20,11 @@
 
 #include <stdint.h>
 
+#ifdef M40LLM_NO_TENSOR_CORES
+// Built without the tensor-core kernels: the device helpers below are never used.
+#pragma nv_diag_suppress 177
+#endif
+
 #include <type_traits>
 
 namespace {
