@@ -20,6 +20,11 @@
 
 #include <stdint.h>
 
+#ifdef M40LLM_NO_TENSOR_CORES
+// Built without the tensor-core kernels: the device helpers below are never used.
+#pragma nv_diag_suppress 177
+#endif
+
 #include <type_traits>
 
 namespace {
@@ -51,6 +56,16 @@ __device__ __forceinline__ void split_pair(float x0, float x1, uint32_t &hi, uin
   const float2 hf = __half22float2(h);
   hi = bits(h);
   lo = bits(__floats2half2_rn(x0 - hf.x, x1 - hf.y));
+}
+
+// A score from its hi and lo terms' dot products. Where K holds an infinity (a masked position)
+// the hi term is that infinity, but the lo term can be NaN (a lo term of 0 times the infinity)
+// or the opposite infinity (a lo term of the other sign): the score is then the hi term, so a
+// -inf K gives a -inf score (weight 0). Elsewhere the hi term is finite and so is the lo term
+// (a lo term is nonzero only where its hi term is), and this is hi + lo. A NaN in K, or
+// infinities of both signs, still give NaN. Two instructions per score (FSETP, FSEL).
+__device__ __forceinline__ float hi_plus_lo(float hi, float lo) {
+  return fabsf(hi) == INFINITY ? hi : hi + lo;
 }
 
 __device__ __forceinline__ uint32_t word(const uint4 &v, int i) {
@@ -359,8 +374,8 @@ __global__ void __launch_bounds__(32 * W, mma_min_blocks(32 * NC + 16 * TAIL, W)
         for (int h = 0; h < 2; h++)
           mma16816(acc, s_qa[c][h][lane], word(src.k.c[j][c], 2 * h), word(src.k.c[j][c], 2 * h + 1));
       if (TAIL) mma16816(acc, s_qta[lane], src.k.t[j].x, src.k.t[j].y);
-      s[j][0] = acc[0] + acc[2];
-      s[j][1] = acc[1] + acc[3];
+      s[j][0] = hi_plus_lo(acc[0], acc[2]);
+      s[j][1] = hi_plus_lo(acc[1], acc[3]);
     }
 
     // Online softmax; the 4 lanes of a head hold its 16 scores.

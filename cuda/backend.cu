@@ -9,12 +9,64 @@
 #include "common.cuh"
 #include "kv_format.cuh"
 
+namespace {
+
+// The errors that leave the CUDA context unusable ("sticky": every later call returns them).
+bool is_sticky(cudaError_t err) {
+  switch (err) {
+    case cudaErrorIllegalAddress:
+    case cudaErrorLaunchFailure:
+    case cudaErrorHardwareStackError:
+    case cudaErrorIllegalInstruction:
+    case cudaErrorMisalignedAddress:
+    case cudaErrorInvalidAddressSpace:
+    case cudaErrorInvalidPc:
+    case cudaErrorAssert:
+    case cudaErrorLaunchTimeout:
+    case cudaErrorECCUncorrectable:
+      return true;
+    default:
+      return false;
+  }
+}
+
+}  // namespace
+
 int m40llm_cuda_error(cudaError_t err, const char *what) {
   (void)cudaGetLastError();  // clears the error unless it is sticky
+  if (is_sticky(err))
+    return m40llm_fail(M40LLM_ERR_CONTEXT_LOST,
+                       "%s failed: %s (%s): a device fault; the CUDA context of this device is "
+                       "lost for this process",
+                       what, cudaGetErrorName(err), cudaGetErrorString(err));
   const int status =
       err == cudaErrorMemoryAllocation ? M40LLM_ERR_OUT_OF_MEMORY : M40LLM_ERR_CUDA;
   return m40llm_fail(status, "%s failed: %s (%s)", what, cudaGetErrorName(err),
                      cudaGetErrorString(err));
+}
+
+int m40llm_cuda_check_pointer(m40llm_cuda_state *st, const void *p, const char *name) {
+  for (const void *ok : st->ptr_ok)
+    if (ok == p) return M40LLM_OK;
+  cudaPointerAttributes attr;
+  cudaError_t err = cudaPointerGetAttributes(&attr, p);
+  if (err != cudaSuccess) {
+    if (err != cudaErrorInvalidValue) return m40llm_cuda_error(err, "cudaPointerGetAttributes");
+    (void)cudaGetLastError();  // older drivers: an address CUDA does not know
+    attr.type = cudaMemoryTypeUnregistered;
+  }
+  const bool ok = attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged ||
+                  (attr.type == cudaMemoryTypeHost && attr.devicePointer == p);
+  if (!ok)
+    return m40llm_fail(M40LLM_ERR_INVALID_ARGUMENT,
+                       "%s is %s, which the GPU cannot address: the CUDA backend needs device "
+                       "memory (m40llm_malloc or cudaMalloc; copy host data in with "
+                       "m40llm_memcpy_to_device)",
+                       name,
+                       attr.type == cudaMemoryTypeHost ? "pinned host memory not mapped to the device"
+                                                       : "host memory");
+  st->ptr_ok[st->ptr_ok_next++ % (sizeof st->ptr_ok / sizeof st->ptr_ok[0])] = p;
+  return M40LLM_OK;
 }
 
 namespace {
@@ -31,7 +83,7 @@ int cuda_count(int *out_count) {
 
 int cuda_init(m40llm_context *ctx, int device, void *user_stream) {
   // calloc, not new: the C ABI's archive needs no C++ runtime. Zeroed is the state's start.
-  m40llm_cuda_state *st = static_cast<m40llm_cuda_state *>(calloc(1, sizeof *st));
+  m40llm_cuda_state *st = static_cast<m40llm_cuda_state *>(m40llm_host_calloc(1, sizeof *st));
   if (!st) return m40llm_fail(M40LLM_ERR_OUT_OF_MEMORY, "allocating the CUDA state");
   int rc = M40LLM_OK;
   cudaDeviceProp prop;
@@ -109,6 +161,8 @@ int cuda_malloc(void **out, m40llm_context *ctx, size_t bytes) {
 
 int cuda_free(m40llm_context *ctx, void *ptr) {
   M40LLM_CUDA_ENTER(ctx);
+  m40llm_cuda_state *st = cuda_state(ctx);
+  memset(st->ptr_ok, 0, sizeof st->ptr_ok);  // the address may come back as anything
   M40LLM_CUDA_TRY(cudaStreamSynchronize(cuda_state(ctx)->stream));
   M40LLM_CUDA_TRY(cudaFree(ptr));
   return M40LLM_OK;
@@ -163,6 +217,11 @@ int read_rows(const m40llm_kvcache *c, const m40llm_kv_tensor &t, uint16_t *out,
 int cuda_read_f16(const m40llm_kvcache *c, uint16_t *k_out, uint16_t *v_out, int layer, int seq,
                   int pos, int n_tokens) {
   M40LLM_CUDA_ENTER(c->ctx);
+  m40llm_cuda_state *st = cuda_state(c->ctx);
+  int rc0 = M40LLM_OK;
+  if ((k_out && (rc0 = m40llm_cuda_check_pointer(st, k_out, "k_out")) != M40LLM_OK) ||
+      (v_out && (rc0 = m40llm_cuda_check_pointer(st, v_out, "v_out")) != M40LLM_OK))
+    return rc0;
   const int rc = read_rows(c, c->k, k_out, layer, seq, pos, n_tokens);
   return rc != M40LLM_OK ? rc : read_rows(c, c->v, v_out, layer, seq, pos, n_tokens);
 }
@@ -188,6 +247,29 @@ int cuda_fork(const m40llm_kvcache *c, int dst_seq, int src_seq) {
   return M40LLM_OK;
 }
 
+// The kernels' entry points behind the pointer-kind checks.
+int cuda_append(const m40llm_kvcache *c, int layer, int seq, int pos, const void *k,
+                const void *v, int n_tokens, int src_is_f32) {
+  M40LLM_CUDA_ENTER(c->ctx);
+  m40llm_cuda_state *st = cuda_state(c->ctx);
+  int rc;
+  if ((rc = m40llm_cuda_check_pointer(st, k, "k")) != M40LLM_OK ||
+      (rc = m40llm_cuda_check_pointer(st, v, "v")) != M40LLM_OK)
+    return rc;
+  return m40llm_cuda_append(c, layer, seq, pos, k, v, n_tokens, src_is_f32);
+}
+
+int cuda_attention(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, int n_seqs,
+                   const float *q, float *out, float scale) {
+  M40LLM_CUDA_ENTER(c->ctx);
+  m40llm_cuda_state *st = cuda_state(c->ctx);
+  int rc;
+  if ((rc = m40llm_cuda_check_pointer(st, q, "q")) != M40LLM_OK ||
+      (rc = m40llm_cuda_check_pointer(st, out, "out")) != M40LLM_OK)
+    return rc;
+  return m40llm_cuda_attention(c, layer, seq_ids, n_seqs, q, out, scale);
+}
+
 }  // namespace
 
 int m40llm_cuda_workspace(m40llm_cuda_state *st, size_t bytes, void **out) {
@@ -209,6 +291,6 @@ int m40llm_cuda_workspace(m40llm_cuda_state *st, size_t bytes, void **out) {
 const m40llm_backend_ops m40llm_cuda_backend = {
     M40LLM_BACKEND_CUDA, cuda_count,       cuda_init,         cuda_fini,          cuda_synchronize,
     cuda_stream,         cuda_device_info, cuda_malloc,       cuda_free,          cuda_memcpy,
-    cuda_memset,         cuda_check_cache, m40llm_cuda_reserve_for, m40llm_cuda_append,
-    cuda_read_f16,       cuda_fork,        m40llm_cuda_attention,
+    cuda_memset,         cuda_check_cache, m40llm_cuda_reserve_for, cuda_append,
+    cuda_read_f16,       cuda_fork,        cuda_attention,
 };

@@ -11,3 +11,8 @@ int m40llm_cuda_append(const m40llm_kvcache *c, int layer, int seq, int pos, con
 // Positions [pos, pos + n_tokens) of tensor t decoded to FP16 rows (read.cu).
 int m40llm_cuda_read_decoded(const m40llm_kvcache *c, const m40llm_kv_tensor &t, uint16_t *out,
                              int layer, int seq, int pos, int n_tokens);
+
+struct m40llm_cuda_state;
+// M40LLM_OK if the context's kernels can address p (device, managed, or mapped pinned memory),
+// else M40LLM_ERR_INVALID_ARGUMENT naming it; remembers the last few that passed.
+int m40llm_cuda_check_pointer(m40llm_cuda_state *st, const void *p, const char *name);

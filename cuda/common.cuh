@@ -26,6 +26,10 @@ struct m40llm_cuda_state {
   // Whether the FP32 split and the combine kernels' images wait for the grid before them:
   // 0 = not asked yet, 1 yes, -1 no.
   signed char fp32_dependent, combine_dependent;
+  // Pointers that passed the pointer-kind check (m40llm_cuda_check_pointer), round robin;
+  // cleared by every free on the context.
+  const void *ptr_ok[8];
+  unsigned ptr_ok_next;
 };
 
 inline m40llm_cuda_state *cuda_state(const m40llm_context *ctx) {
@@ -33,7 +37,8 @@ inline m40llm_cuda_state *cuda_state(const m40llm_context *ctx) {
 }
 
 // Turns a CUDA error into a status with detail. Clears the error if it is not sticky, so the
-// context stays usable after, e.g., a failed allocation.
+// context stays usable after, e.g., a failed allocation; a sticky error (a device fault) gives
+// M40LLM_ERR_CONTEXT_LOST, which the front end records in the context.
 int m40llm_cuda_error(cudaError_t err, const char *what);
 
 // Grows the context's workspace to at least `bytes` (never shrinks it) and returns it.

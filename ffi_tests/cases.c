@@ -420,6 +420,15 @@ static void error_paths_cache(m40llm_context *ctx) {
                 M40LLM_ERR_INVALID_ARGUMENT, "overlap");
     T_FAIL_WITH(m40llm_kvcache_attn_batch_f32q(out, c, 0, ids_ok, 3, q, -INFINITY),
                 M40LLM_ERR_INVALID_ARGUMENT, "scale");
+    /* n_seqs far past the buffers: named as the mistake, before the overlap it causes */
+    T_FAIL_WITH(m40llm_kvcache_attn_batch_f32q(out, c, 0, ids_ok, INT_MAX, q, 0.0f),
+                M40LLM_ERR_INVALID_ARGUMENT, "n_seqs");
+    T_FAIL_WITH(m40llm_kvcache_attn_batch_f32q(out, c, 0, ids_ok, 3,
+                                               (const float *)(UINTPTR_MAX - 64), 0.0f),
+                M40LLM_ERR_INVALID_ARGUMENT, "address space");
+    T_FAIL_WITH(m40llm_kvcache_attn_batch_f32q((float *)(UINTPTR_MAX - 64), c, 0, ids_ok, 1, q,
+                                               0.0f),
+                M40LLM_ERR_INVALID_ARGUMENT, "address space");
     check_poisoned(ctx, out, bytes, "attention");
   }
 
@@ -694,6 +703,59 @@ done:
   t_kv_destroy(&kv);
 }
 
+/* seq_ids sharing memory with out (issue 21): the library reads the ids once, before it writes
+ * a row, so every row still belongs to the id the caller passed. On the CPU backend out is host
+ * memory, so the caller's id array can be out itself; test_gpu.c does the same with managed
+ * memory on the CUDA backend (t_check_ids_alias_out). */
+void t_check_ids_alias_out(t_kv *kv, int32_t *ids_in_out, float *out, const float *dq,
+                           const float *q) {
+  const m40llm_kvcache_options *o = &kv->opts;
+  const size_t stride = (size_t)o->n_heads * (size_t)o->head_dim;
+  enum { N = 9 };
+  const int32_t ids[N] = {2, 0, 1, 2, 1, 0, 2, 2, 1};
+  float *got = malloc(N * stride * sizeof(float));
+  double *ref = malloc(stride * sizeof(double));
+  if (!T_CHECK(got && ref)) goto done;
+  T_CHECK(N * sizeof(int32_t) <= stride * sizeof(float)); /* the ids lie in out's first row */
+  memcpy(ids_in_out, ids, sizeof ids);
+  if (!T_OK(m40llm_kvcache_attn_batch_f32q(out, kv->cache, 0, ids_in_out, N, dq, 0.0f)) ||
+      !T_OK(m40llm_context_synchronize(kv->ctx)) ||
+      !t_dev_download(kv->ctx, got, out, N * stride * sizeof(float)))
+    goto done;
+  for (int i = 0; i < N; i++) {
+    t_ref_attention(ref, q + (size_t)i * stride, t_model_k(&kv->model, 0, ids[i]),
+                    t_model_v(&kv->model, 0, ids[i]), t_model_len(&kv->model, 0, ids[i]),
+                    o->n_heads, o->n_kv_heads, o->head_dim, 0.0f);
+    const double err = t_rel_l2(got + (size_t)i * stride, ref, stride);
+    T_CHECKF(err <= 1e-5, "row %d (seq %d): rel L2 %.3g", i, (int)ids[i], err);
+  }
+done:
+  free(got);
+  free(ref);
+}
+
+static void attention_ids_alias_out(m40llm_context *ctx) {
+  if (backend_of(ctx) != M40LLM_BACKEND_CPU) return; /* host ids in device memory: test_gpu.c */
+  t_kv kv;
+  t_set_case("attention: seq_ids share memory with out");
+  if (t_kv_create(&kv, ctx, 1, 4, 2, 16, 3, 40) != M40LLM_OK) return;
+  T_OK(t_kv_append_random(&kv, 0, 0, 3, 1.0f));
+  T_OK(t_kv_append_random(&kv, 0, 1, 17, 1.0f));
+  T_OK(t_kv_append_random(&kv, 0, 2, 40, 1.0f));
+  const size_t n = 9 * 4 * 16;
+  float *q = malloc(n * sizeof(float));
+  float *dq = NULL, *out = t_dev_alloc(ctx, n * sizeof(float));
+  if (T_CHECK(q != NULL) && out) {
+    t_fill_uniform(q, n, -2.0f, 2.0f);
+    dq = t_dev_upload(ctx, q, n * sizeof(float));
+    if (dq) t_check_ids_alias_out(&kv, (int32_t *)out, out, dq, q);
+  }
+  m40llm_free(ctx, dq);
+  m40llm_free(ctx, out);
+  free(q);
+  t_kv_destroy(&kv);
+}
+
 void t_cases_attention_basic(m40llm_context *ctx) {
   attention_shape(ctx, 4, 4, 8);
   attention_shape(ctx, 8, 2, 16);
@@ -702,6 +764,103 @@ void t_cases_attention_basic(m40llm_context *ctx) {
   attention_extreme_logits(ctx, 4, 2, 16);
   attention_extreme_logits(ctx, 16, 2, 128); /* the tensor-core kernel on sm_80+ */
   attention_extreme_logits(ctx, 12, 4, 80);  /* the same with a 16-dim tail */
+  attention_ids_alias_out(ctx);
+  t_set_case("");
+}
+
+/* ---- Masked positions ----------------------------------------------------------------------- */
+
+/* K may hold infinities (append_f16 stores any half; append_f32 rounds |x| >= 65520 to inf). A
+ * position whose K has -inf in dim d0, where q[d0] > 0 and the rest of K is finite, scores -inf:
+ * it must have weight 0 wherever it falls (first, last, the first row of every 16-position tile,
+ * whole splits), and a row whose every score is -inf is zeros. */
+enum { MASK_FIRST, MASK_LAST, MASK_TILE_STARTS, MASK_ALL, MASK_ALL_BUT_LAST_5, MASK_ALL_BUT_FIRST_3,
+       MASK_PATTERNS };
+static const char *const mask_names[MASK_PATTERNS] = {
+    "first", "last", "first row of every 16", "all", "all but the last 5", "all but the first 3"};
+
+static int masked(int pattern, int t, int len) {
+  switch (pattern) {
+    case MASK_FIRST: return t == 0;
+    case MASK_LAST: return t == len - 1;
+    case MASK_TILE_STARTS: return t % 16 == 0;
+    case MASK_ALL: return 1;
+    case MASK_ALL_BUT_LAST_5: return t < len - 5;
+    default: return t >= 3;
+  }
+}
+
+static void attention_masked_shape(m40llm_context *ctx, int n_heads, int n_kv, int hd) {
+  enum { N_LENS = 3, N_SEQS = N_LENS * MASK_PATTERNS };
+  const int lens[N_LENS] = {1, 33, 257};
+  t_kv kv;
+  t_set_case("masked scores %d/%d heads, head_dim %d: setup", n_heads, n_kv, hd);
+  if (t_kv_create(&kv, ctx, 1, n_heads, n_kv, hd, N_SEQS, 257) != M40LLM_OK) return;
+  const size_t row = (size_t)n_kv * hd, stride = (size_t)n_heads * hd;
+  uint16_t *k = malloc(257 * row * sizeof(uint16_t));
+  uint16_t *v = malloc(257 * row * sizeof(uint16_t));
+  float *q = malloc(N_SEQS * stride * sizeof(float));
+  float *got = malloc(N_SEQS * stride * sizeof(float));
+  int d0[N_SEQS];
+  int32_t ids[N_SEQS];
+  if (!T_CHECK(k && v && q && got)) goto done;
+  for (int s = 0; s < N_SEQS; s++) {
+    const int len = lens[s / MASK_PATTERNS], pattern = s % MASK_PATTERNS;
+    d0[s] = t_rand_int(0, hd - 1);
+    for (size_t i = 0; i < (size_t)len * row; i++) {
+      k[i] = t_f32_to_f16(t_rand_float(-1.0f, 1.0f));
+      v[i] = t_f32_to_f16(t_rand_float(-1.0f, 1.0f));
+    }
+    for (int t = 0; t < len; t++)
+      if (masked(pattern, t, len))
+        for (int g = 0; g < n_kv; g++) k[(size_t)t * row + (size_t)g * hd + (size_t)d0[s]] = 0xFC00;
+    T_OK(t_kv_append_f16(&kv, 0, s, k, v, len));
+  }
+  /* the rows in shuffled order, so masked sequences sit next to every other kind in a batch */
+  for (int i = 0; i < N_SEQS; i++) ids[i] = i;
+  for (int i = N_SEQS - 1; i > 0; i--) {
+    const int j = t_rand_int(0, i);
+    const int32_t x = ids[i];
+    ids[i] = ids[j];
+    ids[j] = x;
+  }
+  for (int i = 0; i < N_SEQS; i++) {
+    float *qi = q + (size_t)i * stride;
+    t_fill_uniform(qi, stride, -1.0f, 1.0f);
+    for (int h = 0; h < n_heads; h++) qi[(size_t)h * hd + (size_t)d0[ids[i]]] = t_rand_float(0.25f, 1.0f);
+  }
+  const float scales[2] = {0.0f, 0.3f};
+  for (int si = 0; si < 2; si++)
+    for (int use_batch = 1; use_batch >= 0; use_batch--) {
+      t_set_case("masked scores %d/%d heads, head_dim %d, scale %g, %s", n_heads, n_kv, hd,
+                 (double)scales[si], use_batch ? "batch" : "single calls");
+      const double err =
+          t_kv_check_attention(&kv, 0, ids, N_SEQS, q, scales[si], 1e-5, use_batch, got);
+      if (!T_CHECKF(!isnan(err), "no output to check")) continue;
+      for (int i = 0; i < N_SEQS; i++) {
+        const int s = ids[i], len = lens[s / MASK_PATTERNS], pattern = s % MASK_PATTERNS;
+        int all_masked = 1, zeros = 1;
+        for (int t = 0; t < len; t++) all_masked &= masked(pattern, t, len);
+        if (!all_masked) continue;
+        for (size_t j = 0; j < stride; j++) zeros &= got[(size_t)i * stride + j] == 0.0f;
+        T_CHECKF(zeros, "row %d (len %d, masked %s): every score is -inf but the output is not "
+                 "all zeros", i, len, mask_names[pattern]);
+      }
+    }
+done:
+  free(k);
+  free(v);
+  free(q);
+  free(got);
+  t_kv_destroy(&kv);
+}
+
+void t_cases_attention_masked(m40llm_context *ctx) {
+  const int dims[3] = {64, 128, 256};
+  for (int i = 0; i < 3; i++) {
+    attention_masked_shape(ctx, 4, 4, dims[i]); /* group 1 */
+    attention_masked_shape(ctx, 8, 2, dims[i]); /* group 4 */
+  }
   t_set_case("");
 }
 

@@ -25,10 +25,11 @@ static void test_version_and_status(void) {
   t_set_case("status strings");
   const int codes[] = {M40LLM_OK,          M40LLM_ERR_INVALID_ARGUMENT, M40LLM_ERR_OUT_OF_RANGE,
                        M40LLM_ERR_CAPACITY, M40LLM_ERR_OUT_OF_MEMORY,   M40LLM_ERR_NO_DEVICE,
-                       M40LLM_ERR_CUDA,     M40LLM_ERR_UNSUPPORTED};
+                       M40LLM_ERR_CUDA,     M40LLM_ERR_UNSUPPORTED,      M40LLM_ERR_CONTEXT_LOST};
   const char *unknown = m40llm_status_string(-1000);
   T_CHECK(unknown != NULL && strstr(unknown, "unknown") != NULL);
-  const int unknown_codes[] = {1, -8, 42, INT_MIN, INT_MAX};
+  T_CHECK(M40LLM_ERR_CONTEXT_LOST == -8); /* appended: no code renumbered */
+  const int unknown_codes[] = {1, -9, 42, INT_MIN, INT_MAX};
   for (size_t i = 0; i < sizeof unknown_codes / sizeof unknown_codes[0]; i++) {
     const char *s = m40llm_status_string(unknown_codes[i]);
     T_CHECKF(s != NULL && strcmp(s, unknown) == 0, "status %d: \"%s\"", unknown_codes[i],
@@ -206,6 +207,24 @@ static void test_devices_and_contexts(void) {
     }
   }
 
+  /* AUTO: the device is checked only where the context takes CUDA, whatever its value */
+  t_set_case("AUTO context and device ordinals");
+  const int auto_devices[3] = {-1, INT_MAX, INT_MIN};
+  for (int i = 0; i < 3; i++) {
+    o = (m40llm_context_options)M40LLM_CONTEXT_OPTIONS_INIT;
+    o.device = auto_devices[i];
+    ctx = sentinel;
+    if (count > 0) {
+      T_FAIL_WITH(m40llm_context_create(&ctx, &o), M40LLM_ERR_OUT_OF_RANGE, "device");
+      T_CHECK(ctx == sentinel);
+    } else if (T_OK(m40llm_context_create(&ctx, &o))) {
+      m40llm_device_info info = M40LLM_DEVICE_INFO_INIT;
+      T_OK(m40llm_context_device_info(&info, ctx));
+      T_CHECK(info.backend == M40LLM_BACKEND_CPU && info.device == -1);
+      m40llm_context_destroy(ctx);
+    }
+  }
+
   /* defaults: AUTO picks CUDA exactly when a device exists */
   t_set_case("context defaults");
   ctx = NULL;
@@ -376,6 +395,7 @@ int main(void) {
     t_cases_sequence_ops(ctx);
     t_cases_fp16_rounding(ctx);
     t_cases_attention_basic(ctx);
+    t_cases_attention_masked(ctx);
     test_cpu_shapes(ctx);
     test_host_pointers(ctx);
     m40llm_context_destroy(ctx);

@@ -16,6 +16,7 @@
 
 #ifdef T_HAVE_CUDART
 #include <cuda_runtime_api.h>
+#include <dlfcn.h>
 #endif
 
 #include "test_util.h"
@@ -44,6 +45,190 @@ static float *random_q(size_t n) {
 }
 
 static float pick_scale(int i) { return (i & 1) ? t_rand_float(0.03f, 0.2f) : 0.0f; }
+
+#ifdef T_HAVE_CUDART
+/* seq_ids sharing memory with out: managed memory is both the caller's host id array and the
+ * output the kernels write (the CPU backend's version of the case is in cases.c). */
+static void test_ids_alias_out_managed(void) {
+  t_kv kv;
+  t_set_case("attention: seq_ids share (managed) memory with out");
+  if (t_kv_create(&kv, dev, 1, 4, 2, 16, 3, 40) != M40LLM_OK) return;
+  T_OK(t_kv_append_random(&kv, 0, 0, 3, 1.0f));
+  T_OK(t_kv_append_random(&kv, 0, 1, 17, 1.0f));
+  T_OK(t_kv_append_random(&kv, 0, 2, 40, 1.0f));
+  const size_t n = 9 * 4 * 16;
+  float *q = random_q(n), *dq = NULL, *out = NULL;
+  if (q && T_CHECK(cudaMallocManaged((void **)&out, n * sizeof(float), cudaMemAttachGlobal) ==
+                   cudaSuccess)) {
+    dq = t_dev_upload(dev, q, n * sizeof(float));
+    if (dq) t_check_ids_alias_out(&kv, (int32_t *)out, out, dq, q);
+  }
+  if (out) cudaFree(out);
+  m40llm_free(dev, dq);
+  free(q);
+  t_kv_destroy(&kv);
+}
+#endif
+
+#ifdef T_HAVE_CUDART
+/* Host pointers where the kernels need device memory are refused, naming the argument, before
+ * anything is queued: the context stays usable. Pinned host memory mapped into the device's
+ * address space and managed memory are accepted. */
+static void test_pointer_kinds(void) {
+  t_kv kv;
+  t_set_case("pointer kinds: setup");
+  if (t_kv_create(&kv, dev, 1, 4, 2, 16, 2, 8) != M40LLM_OK) return;
+  T_OK(t_kv_append_random(&kv, 0, 0, 5, 1.0f));
+  const size_t n = 4 * 16, row = 2 * 16;
+  float *hq = random_q(n), *hout = malloc(n * sizeof(float));
+  float *hk = calloc(row, sizeof(float)), *hv = calloc(row, sizeof(float));
+  uint16_t *hk16 = malloc(row * sizeof(uint16_t));
+  float *dq = hq ? t_dev_upload(dev, hq, n * sizeof(float)) : NULL;
+  float *dout = t_dev_alloc(dev, n * sizeof(float));
+  float *dk = t_dev_alloc(dev, row * sizeof(float)), *dv = t_dev_alloc(dev, row * sizeof(float));
+  uint16_t *dk16 = t_dev_alloc(dev, row * sizeof(uint16_t));
+  float *pinned = NULL;
+  if (!T_CHECK(hq && hout && hk && hv && hk16) || !dq || !dout || !dk || !dv || !dk16) goto done;
+  T_OK(m40llm_memset(dev, dout, 0xFF, n * sizeof(float)));
+  T_OK(m40llm_memset(dev, dk, 0, row * sizeof(float)));
+  T_OK(m40llm_memset(dev, dv, 0, row * sizeof(float)));
+  memset(hout, 0xFF, n * sizeof(float));
+  T_FAIL_WITH(m40llm_kvcache_attn_last_token_f32q(dout, kv.cache, 0, 0, hq, 0.0f),
+              M40LLM_ERR_INVALID_ARGUMENT, "q is host memory");
+  T_FAIL_WITH(m40llm_kvcache_attn_last_token_f32q(hout, kv.cache, 0, 0, dq, 0.0f),
+              M40LLM_ERR_INVALID_ARGUMENT, "out is host memory");
+  T_CHECK(t_all_bytes(hout, n * sizeof(float), 0xFF));
+  T_FAIL_WITH(m40llm_kvcache_append_f32(kv.cache, 0, 1, hk, dv, 1), M40LLM_ERR_INVALID_ARGUMENT,
+              "k is host memory");
+  T_FAIL_WITH(m40llm_kvcache_append_f32(kv.cache, 0, 1, dk, hv, 1), M40LLM_ERR_INVALID_ARGUMENT,
+              "v is host memory");
+  T_FAIL_WITH(m40llm_kvcache_read_f16(hk16, NULL, kv.cache, 0, 0, 0, 1),
+              M40LLM_ERR_INVALID_ARGUMENT, "k_out is host memory");
+  T_FAIL_WITH(m40llm_kvcache_read_f16(dk16, hk16, kv.cache, 0, 0, 0, 1),
+              M40LLM_ERR_INVALID_ARGUMENT, "v_out is host memory");
+  /* a call that passes, then the same call with a host q: still refused */
+  T_OK(m40llm_kvcache_attn_last_token_f32q(dout, kv.cache, 0, 0, dq, 0.0f));
+  T_FAIL_WITH(m40llm_kvcache_attn_last_token_f32q(dout, kv.cache, 0, 0, hq, 0.0f),
+              M40LLM_ERR_INVALID_ARGUMENT, "q is host memory");
+  /* pinned host memory is mapped into the device's address space (unified addressing) */
+  if (T_CHECK(cudaMallocHost((void **)&pinned, n * sizeof(float)) == cudaSuccess)) {
+    memcpy(pinned, hq, n * sizeof(float));
+    const int32_t id = 0;
+    T_OK(m40llm_kvcache_attn_batch_f32q(dout, kv.cache, 0, &id, 1, pinned, 0.0f));
+    T_OK(m40llm_context_synchronize(dev));
+  }
+  t_set_case("pointer kinds: the cache is unchanged and usable");
+  t_kv_check_contents(&kv);
+  t_kv_check_attention(&kv, 0, (const int32_t[]){0}, 1, hq, 0.0f, 1e-5, 1, NULL);
+done:
+  if (pinned) cudaFreeHost(pinned);
+  free(hq);
+  free(hout);
+  free(hk);
+  free(hv);
+  free(hk16);
+  m40llm_free(dev, dq);
+  m40llm_free(dev, dout);
+  m40llm_free(dev, dk);
+  m40llm_free(dev, dv);
+  m40llm_free(dev, dk16);
+  t_kv_destroy(&kv);
+}
+#endif
+
+#ifdef T_HAVE_CUDART
+/* A device fault, made on purpose with a kernel of our own (PTX through the driver API, loaded
+ * at run time so that the test needs no libcuda at link time): it stores to an unmapped
+ * address. The fault is sticky: it ends every CUDA context of this device in this process, so
+ * this runs last. Skipped with M40LLM_TEST_NO_FAULT=1 (compute-sanitizer runs would report the
+ * fault). */
+static const char fault_ptx[] =
+    ".version 6.0\n.target sm_52\n.address_size 64\n"
+    ".visible .entry m40llm_test_fault(.param .u64 p)\n{\n"
+    "  .reg .u64 %rd<2>;\n  .reg .u32 %r<2>;\n"
+    "  ld.param.u64 %rd1, [p];\n  mov.u32 %r1, 1;\n  st.global.u32 [%rd1], %r1;\n  ret;\n}\n";
+
+static int launch_fault(void *stream) {
+  void *lib = dlopen("libcuda.so.1", RTLD_NOW);
+  if (!T_CHECKF(lib != NULL, "dlopen libcuda.so.1")) return 0;
+  int (*load)(void **, const void *) = NULL;
+  int (*get)(void **, void *, const char *) = NULL;
+  int (*launch)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                void *, void **, void **) = NULL;
+  *(void **)&load = dlsym(lib, "cuModuleLoadData");
+  *(void **)&get = dlsym(lib, "cuModuleGetFunction");
+  *(void **)&launch = dlsym(lib, "cuLaunchKernel");
+  void *mod = NULL, *fn = NULL;
+  unsigned long long bad = 0x10; /* unmapped */
+  void *params[1] = {&bad};
+  const int ok = T_CHECK(load && get && launch) && T_CHECK(load(&mod, fault_ptx) == 0) &&
+                 T_CHECK(get(&fn, mod, "m40llm_test_fault") == 0) &&
+                 T_CHECK(launch(fn, 1, 1, 1, 1, 1, 1, 0, stream, params, NULL) == 0);
+  return ok; /* libcuda stays loaded: cudart uses it too */
+}
+
+static void test_context_lost(void) {
+  const char *no_fault = getenv("M40LLM_TEST_NO_FAULT");
+  if (no_fault && strcmp(no_fault, "1") == 0) {
+    t_skip("the device-fault test (M40LLM_TEST_NO_FAULT=1)");
+    return;
+  }
+  t_set_case("context lost: setup");
+  m40llm_context_options o = M40LLM_CONTEXT_OPTIONS_INIT;
+  o.backend = M40LLM_BACKEND_CUDA;
+  m40llm_context *a = NULL, *b = NULL;
+  t_kv kv;
+  int have_kv = 0;
+  if (!T_OK(m40llm_context_create(&a, &o)) || !T_OK(m40llm_context_create(&b, &o))) goto done;
+  if (t_kv_create(&kv, a, 1, 4, 2, 16, 2, 8) != M40LLM_OK) goto done;
+  have_kv = 1;
+  T_OK(t_kv_append_random(&kv, 0, 0, 3, 1.0f));
+  float *q = t_dev_alloc(a, 64 * sizeof(float)), *out = t_dev_alloc(a, 64 * sizeof(float));
+  if (!q || !out || !T_OK(m40llm_context_synchronize(a))) goto done;
+  if (!launch_fault(m40llm_context_cuda_stream(a))) goto done;
+
+  t_set_case("context lost: the call that meets the fault");
+  T_FAIL_WITH(m40llm_context_synchronize(a), M40LLM_ERR_CONTEXT_LOST, "device fault");
+  t_set_case("context lost: every later GPU call says so at once");
+  void *p = NULL;
+  T_FAIL_WITH(m40llm_context_synchronize(a), M40LLM_ERR_CONTEXT_LOST, "context is lost");
+  T_FAIL_WITH(m40llm_malloc(&p, a, 256), M40LLM_ERR_CONTEXT_LOST, "context is lost");
+  T_CHECK(p == NULL);
+  T_FAIL_WITH(m40llm_kvcache_attn_last_token_f32q(out, kv.cache, 0, 0, q, 0.0f),
+              M40LLM_ERR_CONTEXT_LOST, "context is lost");
+  T_FAIL_WITH(m40llm_kvcache_append_f32(kv.cache, 0, 0, q, q, 1), M40LLM_ERR_CONTEXT_LOST,
+              "context is lost");
+  T_FAIL_WITH(m40llm_kvcache_read_f16((uint16_t *)out, NULL, kv.cache, 0, 0, 0, 1),
+              M40LLM_ERR_CONTEXT_LOST, "context is lost");
+  T_FAIL_WITH(m40llm_kvcache_seq_fork(kv.cache, 1, 0), M40LLM_ERR_CONTEXT_LOST, "context is lost");
+  m40llm_device_info info = M40LLM_DEVICE_INFO_INIT;
+  T_FAIL_WITH(m40llm_context_device_info(&info, a), M40LLM_ERR_CONTEXT_LOST, "context is lost");
+  t_set_case("context lost: host-side state still answers");
+  int len = -1;
+  if (T_OK(m40llm_kvcache_seq_len(&len, kv.cache, 0, 0))) T_INT_EQ(len, 3);
+  t_set_case("context lost: another context on the device, and a new one");
+  T_FAIL_WITH(m40llm_context_synchronize(b), M40LLM_ERR_CONTEXT_LOST, "device fault");
+  T_FAIL_WITH(m40llm_context_synchronize(b), M40LLM_ERR_CONTEXT_LOST, "context is lost");
+  /* a new context: refused, or (if the runtime let it be made) lost at its first GPU call */
+  m40llm_context *c = NULL;
+  const int rc = m40llm_context_create(&c, &o);
+  if (rc == M40LLM_OK)
+    T_FAIL_WITH(m40llm_context_synchronize(c), M40LLM_ERR_CONTEXT_LOST, "device fault");
+  else
+    T_CHECKF(rc == M40LLM_ERR_CONTEXT_LOST && c == NULL,
+             "creating a context after the fault: %s (%s)", m40llm_status_string(rc),
+             m40llm_last_error_message());
+  m40llm_context_destroy(c);
+  /* the buffers and the cache go with the context: destroy them as usual */
+  m40llm_free(a, q);
+  m40llm_free(a, out);
+done:
+  if (have_kv) t_kv_destroy(&kv);
+  m40llm_context_destroy(a);
+  m40llm_context_destroy(b);
+  t_set_case("");
+}
+#endif
 
 /* ---- The CUDA context itself ---------------------------------------------------------------- */
 
@@ -526,6 +711,8 @@ int main(void) {
     test_cuda_context(count);
 #ifdef T_HAVE_CUDART
     test_user_stream();
+    test_ids_alias_out_managed();
+    test_pointer_kinds();
 #endif
   }
   t_cases_error_paths(dev);
@@ -533,6 +720,7 @@ int main(void) {
   t_cases_fp16_rounding(dev);
   t_cases_attention_basic(dev);
   t_cases_quantized(dev, small);
+  t_cases_attention_masked(dev);
   test_shape_sweep();
   test_head_dim_sweep();
   test_ragged_batch();
@@ -547,6 +735,9 @@ int main(void) {
   T_OK(m40llm_context_synchronize(dev));
   m40llm_context_destroy(cpu);
   m40llm_context_destroy(dev);
+#ifdef T_HAVE_CUDART
+  if (on_cuda) test_context_lost(); /* last: the fault ends CUDA on this device */
+#endif
   t_set_case("");
   return t_finish();
 }

@@ -274,7 +274,7 @@ void t_ref_attention(double *out, const float *q, const uint16_t *k, const uint1
     }
     double z = 0.0;
     for (int t = 0; t < len; t++) {
-      w[t] = exp(w[t] - mx);
+      w[t] = w[t] == -INFINITY ? 0.0 : exp(w[t] - mx); /* masked: weight 0 */
       z += w[t];
     }
     for (int d = 0; d < head_dim; d++) acc[d] = 0.0;
@@ -282,7 +282,7 @@ void t_ref_attention(double *out, const float *q, const uint16_t *k, const uint1
       const uint16_t *vt = v + (size_t)t * row + (size_t)g * (size_t)head_dim;
       for (int d = 0; d < head_dim; d++) acc[d] += w[t] * lut[vt[d]];
     }
-    for (int d = 0; d < head_dim; d++) oh[d] = len > 0 ? acc[d] / z : 0.0;
+    for (int d = 0; d < head_dim; d++) oh[d] = z > 0.0 ? acc[d] / z : 0.0;
   }
   free(w);
   free(acc);

@@ -68,7 +68,8 @@ uint32_t t_f32_bits(float f);
 
 /* out[h][d] (float64) = softmax_t(scale * q[h] . K[t][g]) V[t][g][d], g = h / (n_heads/n_kv_heads);
  * k, v are [len][n_kv_heads][head_dim] FP16 bits; q is [n_heads][head_dim]; scale 0 means
- * 1/sqrt(head_dim); len 0 gives zeros. */
+ * 1/sqrt(head_dim); len 0 gives zeros. A score of -inf has weight 0; a head whose every score is
+ * -inf gives zeros. */
 void t_ref_attention(double *out, const float *q, const uint16_t *k, const uint16_t *v, int len,
                      int n_heads, int n_kv_heads, int head_dim, float scale);
 
@@ -151,5 +152,15 @@ void t_cases_attention_basic(m40llm_context *ctx);
 void t_cases_fp16_rounding(m40llm_context *ctx);
 /* Q8/Q4 and K/V format pairs (cases_quant.c); small: shorter sequences. */
 void t_cases_quantized(m40llm_context *ctx, int small);
+
+/* Positions whose K holds -inf (weight 0), first, last, at tile starts, whole splits, all. */
+void t_cases_attention_masked(m40llm_context *ctx);
+
+/* Batch attention over seqs 0..2 of layer 0 of kv (n_heads * head_dim >= 9 floats a row) with
+ * the 9 ids written into ids_in_out, which lies in out's first row (host-visible memory the
+ * backend can write: host memory on the CPU, managed memory on CUDA); dq is q in backend
+ * memory, q its host copy. Every row must match the reference for the ids as passed. */
+void t_check_ids_alias_out(t_kv *kv, int32_t *ids_in_out, float *out, const float *dq,
+                           const float *q);
 
 #endif /* M40LLM_TEST_UTIL_H */

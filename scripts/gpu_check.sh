@@ -4,7 +4,8 @@
 #   native    build with the machine's CUDA for its GPU (e.g. sm_90) and run ctest
 #   ptx52     run the carried compute_52-PTX C tests: the M40 code path through the JIT
 #   rust      run the carried Rust test binaries
-#   sanitize  compute-sanitizer memcheck and racecheck over the GPU tests (small shapes)
+#   sanitize  compute-sanitizer memcheck and racecheck over the GPU tests (small shapes), the
+#             native build and the carried compute_52-PTX one
 #   bench     bench/run_gpu.sh: m40llm vs PyTorch SDPA vs the copy roofline
 #   formats   bench/formats.sh: F16, Q8, Q4, Q8Q4 side by side, native and compute_52-PTX builds
 #   ab        bench/ab.sh: the previous main (.ab/base, carried) against this tree, native, and
@@ -42,18 +43,26 @@ run_all() {  # dir: every executable in it must exit 0
   return $rc
 }
 
-sanitize() {  # needs build-native (the native step); each tool gets SANITIZE_TIMEOUT seconds
-  local rc=0 tool
+sanitize() {  # needs build-native (the native step); each run gets SANITIZE_TIMEOUT seconds
+  local rc=0 tool bin name
   [ -x build-native/ffi_tests/test_gpu ] || native || return 1
-  # The error-path tests make cudaMalloc fail on purpose: API errors are not reported.
+  # The native build and the carried compute_52-PTX one (the M40's code path, JIT-compiled).
+  local bins=(build-native/ffi_tests/test_gpu)
+  if [ -x .gpu-carry/ptx52/test_gpu ]; then bins+=(.gpu-carry/ptx52/test_gpu)
+  else echo "no .gpu-carry/ptx52/test_gpu (scripts/build_carry.sh): the PTX build is NOT sanitized"; rc=1; fi
+  # The error-path tests make cudaMalloc fail on purpose: API errors are not reported. The
+  # device-fault test is skipped (M40LLM_TEST_NO_FAULT=1): its fault is on purpose too.
   # racecheck counts warnings too: any hazard fails the step.
-  for tool in memcheck racecheck; do
-    echo "--- compute-sanitizer --tool $tool"
-    M40LLM_TEST_SMALL=1 timeout "${SANITIZE_TIMEOUT:-240}" compute-sanitizer --tool "$tool" \
-      --report-api-errors no --error-exitcode 1 build-native/ffi_tests/test_gpu \
-      >"$out/$tool.txt" 2>&1 || rc=1
-    tail -n 3 "$out/$tool.txt"
-    if grep -q "Potential .* hazard" "$out/$tool.txt"; then echo "hazards reported"; rc=1; fi
+  for bin in "${bins[@]}"; do
+    name=$(basename "$(dirname "$(dirname "$bin")")")  # build-native or .gpu-carry
+    for tool in memcheck racecheck; do
+      echo "--- compute-sanitizer --tool $tool $bin"
+      M40LLM_TEST_SMALL=1 M40LLM_TEST_NO_FAULT=1 timeout "${SANITIZE_TIMEOUT:-240}" \
+        compute-sanitizer --tool "$tool" --report-api-errors no --error-exitcode 1 "$bin" \
+        >"$out/$tool-$name.txt" 2>&1 || rc=1
+      tail -n 3 "$out/$tool-$name.txt"
+      if grep -q "Potential .* hazard" "$out/$tool-$name.txt"; then echo "hazards reported"; rc=1; fi
+    done
   done
   return $rc
 }

@@ -31,6 +31,10 @@ have_libclang() {
     compgen -G '/usr/lib/*-linux-gnu/libclang-[0-9]*.so*' >/dev/null
 }
 have_libclang || need+=(libclang-dev)
+# The fuzz target (scripts/fuzz.sh): clang with its libFuzzer and sanitizer runtimes.
+command -v clang >/dev/null || need+=(clang)
+compgen -G '/usr/lib/llvm-*/lib/clang/*/lib/linux/libclang_rt.fuzzer-x86_64.a' >/dev/null ||
+  need+=(libclang-rt-dev)
 
 nvcc=""
 if [ "${M40LLM_SKIP_CUDA:-0}" != 1 ]; then

@@ -8,8 +8,7 @@
  *   m40llm_status_string() names a code; m40llm_last_error_message() gives the detail of the last
  *   failure on the calling thread (thread-local, valid until the next failing call on that thread).
  * - Output parameters come first. On failure nothing is written to them, no cache contents or
- *   lengths change, and the handle stays usable (except after M40LLM_ERR_CUDA from a device fault,
- *   which leaves the CUDA context itself unusable: destroy and recreate it).
+ *   lengths change, and the handle stays usable (except after M40LLM_ERR_CONTEXT_LOST).
  * - destroy(NULL) and free(ctx, NULL) are no-ops.
  * - Options structs carry a version field; initialise them with their *_INIT macro (or the
  *   *_init function) so newer library versions can add fields without breaking older callers.
@@ -19,6 +18,26 @@
  *   device pointers for the CUDA backend (from m40llm_malloc or the caller's own cudaMalloc in the
  *   same CUDA context), host pointers for the CPU backend. m40llm_malloc/m40llm_memcpy_* let code
  *   stay backend-neutral.
+ *
+ * Device faults (CUDA backend)
+ * - A kernel that faults (e.g. an illegal address: a buffer too small for the call, memory freed
+ *   while in use) leaves a "sticky" error in the CUDA context of that device in this process:
+ *   every later CUDA call there fails, for this library and for the caller's own CUDA work alike,
+ *   and the device's memory, every cache on it included, is lost. Only a new process (or
+ *   cudaDeviceReset, once nothing uses the device) recovers. The call that meets such an error
+ *   returns M40LLM_ERR_CONTEXT_LOST with the CUDA error in the message; from then on every call
+ *   on that context, or on a cache made from it, that would use the GPU returns
+ *   M40LLM_ERR_CONTEXT_LOST at once, saying so (calls that only read or change host-side
+ *   state, such as m40llm_kvcache_seq_len and seq_truncate, still work). Other contexts on the
+ *   same device get it at their next GPU call. Destroy the caches and the context as usual (it
+ *   releases their host memory; the device memory went with the CUDA context).
+ * - To keep a wrong pointer from faulting, the CUDA backend checks that q and out (attention),
+ *   k and v (append) and k_out and v_out (read) are memory its kernels can address: device or
+ *   managed memory (of any device), or pinned host memory mapped into the device's address
+ *   space; anything else, e.g. a plain host pointer, fails with M40LLM_ERR_INVALID_ARGUMENT
+ *   naming the argument. The context remembers the last few pointers that passed until
+ *   m40llm_free is called on it, so a decode loop over the same buffers pays for the check
+ *   once. It cannot see a buffer's size, nor memory freed behind its back.
  *
  * Ordering
  * - CUDA backend: append, read, fork, attention, memset and device-to-device copies are enqueued
@@ -69,7 +88,8 @@ typedef enum m40llm_status {
   M40LLM_ERR_OUT_OF_MEMORY = -4,    /* host or device allocation failed */
   M40LLM_ERR_NO_DEVICE = -5,        /* CUDA requested but no usable GPU, or built without CUDA */
   M40LLM_ERR_CUDA = -6,             /* the CUDA runtime reported an error; see the message */
-  M40LLM_ERR_UNSUPPORTED = -7       /* valid request this build or backend cannot serve */
+  M40LLM_ERR_UNSUPPORTED = -7,      /* valid request this build or backend cannot serve */
+  M40LLM_ERR_CONTEXT_LOST = -8      /* the context's GPU had a device fault: see Device faults */
 } m40llm_status;
 
 /** Name and meaning of a status code ("unknown status" for others). Static storage. */
@@ -103,7 +123,9 @@ typedef struct m40llm_context m40llm_context;
 typedef struct m40llm_context_options {
   unsigned version;   /* M40LLM_CONTEXT_OPTIONS_VERSION */
   int backend;        /* m40llm_backend */
-  int device;         /* CUDA device ordinal (ignored by the CPU backend) */
+  int device;         /* CUDA device ordinal, 0..count-1 where the context uses CUDA (else
+                         M40LLM_ERR_OUT_OF_RANGE); ignored where it uses the CPU: backend CPU,
+                         or AUTO on a machine without a usable GPU */
   void *cuda_stream;  /* a cudaStream_t the caller owns and keeps alive for the context's life,
                          or NULL for a stream the context creates (synchronizing with the legacy
                          default stream) */
@@ -248,7 +270,12 @@ int m40llm_kvcache_read_f16(uint16_t *k_out, uint16_t *v_out, const m40llm_kvcac
  *  q and out are [n_heads][head_dim] FP32 in backend memory and must not overlap (overlapping
  *  buffers fail with M40LLM_ERR_INVALID_ARGUMENT). scale 0 means 1/sqrt(head_dim); any other
  *  finite scale, negative ones included, is used as given; a NaN or infinite scale fails with
- *  M40LLM_ERR_INVALID_ARGUMENT. A sequence with no positions yields zeros. The CUDA backend
+ *  M40LLM_ERR_INVALID_ARGUMENT. A sequence with no positions yields zeros.
+ *  Masking: K may hold infinities (append_f16 stores any half; append_f32 rounds |x| >= 65520 to
+ *  inf). A position whose score is -inf (e.g. K -inf in a dim where q > 0, the rest finite) has
+ *  weight 0 wherever it falls, on every backend and kernel; a head whose every score is -inf
+ *  yields zeros. Its V is still multiplied by that 0, so it must be finite. A score of +inf or
+ *  NaN (NaN in K, 0 x inf, infinities of both signs) makes the head's output NaN. The CUDA backend
  *  accumulates in FP32. Its arithmetic is FP32 too, except for caches with head_dim 32, 48,
  *  64, 80, 96, 112 or 128 on sm_80+ GPUs, when the library was built with an sm_80+
  *  architecture: there, tensor cores multiply FP16 K/V by q and by the softmax weights,
@@ -261,7 +288,11 @@ int m40llm_kvcache_attn_last_token_f32q(float *out, m40llm_kvcache *cache, int l
 /** The same for n_seqs (>= 1) sequences at once, one launch over their ragged lengths.
  *  seq_ids is a host array of n_seqs sequence indices (repeats allowed); q and out are
  *  [n_seqs][n_heads][head_dim] FP32 in backend memory, row i belonging to seq_ids[i]; the whole
- *  of q and the whole of out must not overlap. Scale and errors as for the single call. */
+ *  of q and the whole of out must not overlap. The library reads seq_ids once, into its own
+ *  copy, before it writes anything: seq_ids may share memory with out (e.g. host memory on the
+ *  CPU backend, managed memory on CUDA), and row i still belongs to the id passed. A copy of
+ *  more than 64 ids is allocated on the host (M40LLM_ERR_OUT_OF_MEMORY if that fails). Scale and
+ *  errors as for the single call. */
 int m40llm_kvcache_attn_batch_f32q(float *out, m40llm_kvcache *cache, int layer,
                                    const int32_t *seq_ids, int n_seqs, const float *q,
                                    float scale);

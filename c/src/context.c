@@ -1,3 +1,4 @@
+#include <stdio.h>
 #include <stdlib.h>
 
 #include "internal.h"
@@ -10,6 +11,27 @@ static const m40llm_backend_ops *cuda_backend(void) {
   return NULL;
 #endif
 }
+
+int m40llm_context_check(const m40llm_context *ctx) {
+  if (!ctx->lost) return M40LLM_OK;
+  return m40llm_fail(M40LLM_ERR_CONTEXT_LOST,
+                     "the context is lost: an earlier call met a device fault (%s); destroy its "
+                     "caches and the context, and use the GPU from a new process",
+                     ctx->lost_why);
+}
+
+int m40llm_context_result(m40llm_context *ctx, int status) {
+  if (status == M40LLM_ERR_CONTEXT_LOST && !ctx->lost) {
+    snprintf(ctx->lost_why, sizeof ctx->lost_why, "%s", m40llm_last_error_message());
+    ctx->lost = 1;
+  }
+  return status;
+}
+
+/* A backend call on ctx: refused fast on a lost context, and a loss it meets is recorded. */
+#define BACKEND_CALL(ctx, call) \
+  (m40llm_context_check(ctx) != M40LLM_OK ? M40LLM_ERR_CONTEXT_LOST \
+                                          : m40llm_context_result((ctx), (call)))
 
 int m40llm_built_with_cuda(void) { return cuda_backend() != NULL; }
 
@@ -45,9 +67,6 @@ int m40llm_context_create(m40llm_context **out, const m40llm_context_options *op
       o.backend != M40LLM_BACKEND_CPU)
     return m40llm_fail(M40LLM_ERR_INVALID_ARGUMENT, "opts->backend %d is not an m40llm_backend",
                        o.backend);
-  if (o.backend != M40LLM_BACKEND_CPU && o.device < 0)
-    return m40llm_fail(M40LLM_ERR_OUT_OF_RANGE, "opts->device %d is negative", o.device);
-
   int backend = o.backend;
   if (backend != M40LLM_BACKEND_CPU) {
     int count = 0;
@@ -61,20 +80,27 @@ int m40llm_context_create(m40llm_context **out, const m40llm_context_options *op
                              ? "CUDA backend requested but no usable CUDA device was found"
                              : "CUDA backend requested but m40llm was built without CUDA");
     }
-    if (backend == M40LLM_BACKEND_CUDA && o.device >= count)
-      return m40llm_fail(M40LLM_ERR_OUT_OF_RANGE, "opts->device %d but only %d CUDA device(s)",
-                         o.device, count);
+    /* The device matters only to the CUDA backend: AUTO on a machine without a usable GPU
+     * takes the CPU and ignores it, as M40LLM_BACKEND_CPU does. */
+    if (backend == M40LLM_BACKEND_CUDA && (o.device < 0 || o.device >= count))
+      return m40llm_fail(M40LLM_ERR_OUT_OF_RANGE,
+                         "opts->device %d is outside 0..%d (%d CUDA device(s))", o.device,
+                         count - 1, count);
   }
   if (backend == M40LLM_BACKEND_CPU && o.cuda_stream)
     return m40llm_fail(M40LLM_ERR_INVALID_ARGUMENT,
                        "opts->cuda_stream is set but the context uses the CPU backend");
 
-  m40llm_context *ctx = calloc(1, sizeof *ctx);
+  m40llm_context *ctx = m40llm_host_calloc(1, sizeof *ctx);
   if (!ctx) return m40llm_fail(M40LLM_ERR_OUT_OF_MEMORY, "allocating the context");
   ctx->backend = backend;
   ctx->device = backend == M40LLM_BACKEND_CUDA ? o.device : -1;
   ctx->ops = backend == M40LLM_BACKEND_CUDA ? cuda_backend() : &m40llm_cpu_backend;
   int rc = ctx->ops->init(ctx, ctx->device, o.cuda_stream);
+  if (rc == M40LLM_ERR_CONTEXT_LOST)
+    rc = m40llm_fail(M40LLM_ERR_CONTEXT_LOST,
+                     "CUDA device %d is lost to an earlier device fault in this process (%s)",
+                     ctx->device, m40llm_last_error_message());
   if (rc != M40LLM_OK) {
     free(ctx);
     return rc;
@@ -91,7 +117,7 @@ void m40llm_context_destroy(m40llm_context *ctx) {
 
 int m40llm_context_synchronize(m40llm_context *ctx) {
   if (!ctx) return m40llm_fail(M40LLM_ERR_INVALID_ARGUMENT, "ctx is NULL");
-  return ctx->ops->synchronize(ctx);
+  return BACKEND_CALL(ctx, ctx->ops->synchronize(ctx));
 }
 
 void *m40llm_context_cuda_stream(const m40llm_context *ctx) {
@@ -106,20 +132,21 @@ int m40llm_context_device_info(m40llm_device_info *out, const m40llm_context *ct
                        "out->version %u is not supported (expected %u; use "
                        "M40LLM_DEVICE_INFO_INIT)",
                        out->version, M40LLM_DEVICE_INFO_VERSION);
-  return ctx->ops->device_info(out, ctx);
+  m40llm_context *c = (m40llm_context *)ctx; /* the loss is recorded in the handle */
+  return BACKEND_CALL(c, ctx->ops->device_info(out, ctx));
 }
 
 int m40llm_malloc(void **out_ptr, m40llm_context *ctx, size_t bytes) {
   if (!out_ptr) return m40llm_fail(M40LLM_ERR_INVALID_ARGUMENT, "out_ptr is NULL");
   if (!ctx) return m40llm_fail(M40LLM_ERR_INVALID_ARGUMENT, "ctx is NULL");
   if (bytes == 0) return m40llm_fail(M40LLM_ERR_INVALID_ARGUMENT, "bytes is 0");
-  return ctx->ops->malloc(out_ptr, ctx, bytes);
+  return BACKEND_CALL(ctx, ctx->ops->malloc(out_ptr, ctx, bytes));
 }
 
 int m40llm_free(m40llm_context *ctx, void *ptr) {
   if (!ptr) return M40LLM_OK;
   if (!ctx) return m40llm_fail(M40LLM_ERR_INVALID_ARGUMENT, "ctx is NULL");
-  return ctx->ops->free(ctx, ptr);
+  return BACKEND_CALL(ctx, ctx->ops->free(ctx, ptr));
 }
 
 static int copy_args(m40llm_context *ctx, void *dst, const void *src, size_t bytes) {
@@ -132,7 +159,7 @@ static int copy_args(m40llm_context *ctx, void *dst, const void *src, size_t byt
 static int copy(m40llm_context *ctx, void *dst, const void *src, size_t bytes, int kind) {
   int rc = copy_args(ctx, dst, src, bytes);
   if (rc != M40LLM_OK || bytes == 0) return rc;
-  return ctx->ops->memcpy(ctx, dst, src, bytes, kind);
+  return BACKEND_CALL(ctx, ctx->ops->memcpy(ctx, dst, src, bytes, kind));
 }
 
 int m40llm_memcpy_to_device(m40llm_context *ctx, void *dst, const void *src_host, size_t bytes) {
@@ -151,5 +178,5 @@ int m40llm_memset(m40llm_context *ctx, void *dst, int value, size_t bytes) {
   if (!ctx) return m40llm_fail(M40LLM_ERR_INVALID_ARGUMENT, "ctx is NULL");
   if (bytes && !dst) return m40llm_fail(M40LLM_ERR_INVALID_ARGUMENT, "dst is NULL");
   if (bytes == 0) return M40LLM_OK;
-  return ctx->ops->memset(ctx, dst, value, bytes);
+  return BACKEND_CALL(ctx, ctx->ops->memset(ctx, dst, value, bytes));
 }

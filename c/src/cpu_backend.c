@@ -44,7 +44,7 @@ static int cpu_malloc(void **out, m40llm_context *ctx, size_t bytes) {
   (void)ctx;
   if (bytes > SIZE_MAX - 255)
     return m40llm_fail(M40LLM_ERR_OUT_OF_MEMORY, "cannot allocate %zu bytes", bytes);
-  void *p = aligned_alloc(256, (bytes + 255) & ~(size_t)255);
+  void *p = m40llm_host_aligned_alloc(256, (bytes + 255) & ~(size_t)255);
   if (!p) return m40llm_fail(M40LLM_ERR_OUT_OF_MEMORY, "cannot allocate %zu bytes", bytes);
   *out = p;
   return M40LLM_OK;
@@ -147,7 +147,8 @@ static void decode_row(float *dst, const m40llm_kv_tensor *x, size_t row, int d)
 }
 
 /* One query head against the len rows of one K/V head from row base, in double, with a running
- * (online) softmax so no per-position scratch is needed. */
+ * (online) softmax so no per-position scratch is needed. A -inf score has weight 0; a row whose
+ * every score is -inf yields zeros. */
 static void attend_head(const m40llm_kvcache *c, size_t base, int len, const float *q,
                         float *out, double scale, double *acc, float *row) {
   const int d = c->opts.head_dim;
@@ -168,12 +169,14 @@ static void attend_head(const m40llm_kvcache *c, size_t base, int len, const flo
       for (int i = 0; i < d; i++) acc[i] *= r;
       max = s;
     }
-    const double w = exp(s - max);
+    /* A score of -inf (K holds an infinity) has weight 0, even while max is still -inf. */
+    const double w = s == -INFINITY ? 0.0 : exp(s - max);
     sum += w;
     decode_row(row, &c->v, base + (size_t)p, d);
     for (int i = 0; i < d; i++) acc[i] += w * (double)row[i];
   }
-  for (int i = 0; i < d; i++) out[i] = (float)(acc[i] / sum);
+  /* Every score -inf: nothing had weight, the output is zeros. */
+  for (int i = 0; i < d; i++) out[i] = sum > 0.0 ? (float)(acc[i] / sum) : 0.0f;
 }
 
 static int cpu_attention(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, int n_seqs,

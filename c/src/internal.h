@@ -15,7 +15,16 @@ struct m40llm_context {
   int device;  /* -1 on the CPU */
   const m40llm_backend_ops *ops;
   void *state; /* the backend's own (the CUDA backend's m40llm_cuda_state) */
+  /* Set when a call met M40LLM_ERR_CONTEXT_LOST (a sticky CUDA error): every later call that
+   * would use the backend fails fast with lost_why. */
+  int lost;
+  char lost_why[320];
 };
+
+/* M40LLM_OK, or M40LLM_ERR_CONTEXT_LOST (with its message) for a lost context. */
+int m40llm_context_check(const m40llm_context *ctx);
+/* Passes a backend call's status through, recording a context loss. */
+int m40llm_context_result(m40llm_context *ctx, int status);
 
 struct m40llm_kvcache {
   m40llm_context *ctx;
@@ -36,6 +45,16 @@ int m40llm_fail(int status, const char *fmt, ...)
     __attribute__((format(printf, 2, 3)))
 #endif
     ;
+
+/* Host memory of the library: every host allocation goes through these (free() releases it), so
+ * that tests can make each one fail in turn. */
+void *m40llm_host_malloc(size_t bytes);
+void *m40llm_host_calloc(size_t n, size_t size);
+void *m40llm_host_aligned_alloc(size_t alignment, size_t bytes);
+
+/* Test-only: when set, called before every host allocation above with its size; a nonzero
+ * return makes that allocation fail (return NULL). Not part of the API; not thread-safe. */
+extern int (*m40llm_host_alloc_hook)(size_t bytes);
 
 /* IEEE binary16 conversions, round-to-nearest-even (what CUDA's __float2half_rn does). */
 uint16_t m40llm_f32_to_f16(float f);

@@ -115,20 +115,20 @@ int m40llm_kvcache_create(m40llm_kvcache **out, m40llm_context *ctx,
   m40llm_kv_layout k_layout, v_layout;
   int rc = read_options(&o, opts);
   if (rc != M40LLM_OK || (rc = check_options(&o, &k_layout, &v_layout, &bytes)) != M40LLM_OK ||
-      (rc = ctx->ops->check_cache(&o)) != M40LLM_OK)
+      (rc = ctx->ops->check_cache(&o)) != M40LLM_OK || (rc = m40llm_context_check(ctx)) != M40LLM_OK)
     return rc;
-  m40llm_kvcache *c = calloc(1, sizeof *c);
+  m40llm_kvcache *c = m40llm_host_calloc(1, sizeof *c);
   if (!c) return FAIL(OUT_OF_MEMORY, "allocating the cache handle");
   c->ctx = ctx;
   c->opts = o;
-  c->lens = calloc((size_t)o.n_layers * (size_t)o.max_seqs, sizeof *c->lens);
+  c->lens = m40llm_host_calloc((size_t)o.n_layers * (size_t)o.max_seqs, sizeof *c->lens);
   if (!c->lens) {
     free(c);
     return FAIL(OUT_OF_MEMORY, "allocating sequence lengths");
   }
   if ((rc = alloc_tensor(&c->k, ctx, &k_layout)) != M40LLM_OK ||
       (rc = alloc_tensor(&c->v, ctx, &v_layout)) != M40LLM_OK ||
-      (rc = ctx->ops->cache_created(c)) != M40LLM_OK) {
+      (rc = m40llm_context_result(ctx, ctx->ops->cache_created(c))) != M40LLM_OK) {
     release(c);
     return rc;
   }
@@ -199,7 +199,10 @@ int m40llm_kvcache_seq_fork(m40llm_kvcache *cache, int dst_seq, int src_seq) {
       (rc = check_seq(cache, "src_seq", src_seq)) != M40LLM_OK)
     return rc;
   if (dst_seq == src_seq) return FAIL(INVALID_ARGUMENT, "dst_seq and src_seq are both %d", dst_seq);
-  if ((rc = cache->ctx->ops->fork(cache, dst_seq, src_seq)) != M40LLM_OK) return rc;
+  if ((rc = m40llm_context_check(cache->ctx)) != M40LLM_OK ||
+      (rc = m40llm_context_result(cache->ctx, cache->ctx->ops->fork(cache, dst_seq, src_seq))) !=
+          M40LLM_OK)
+    return rc;
   for (int l = 0; l < cache->opts.n_layers; l++)
     *m40llm_len_slot(cache, l, dst_seq) = *m40llm_len_slot(cache, l, src_seq);
   return M40LLM_OK;
@@ -217,7 +220,9 @@ static int append(m40llm_kvcache *c, int layer, int seq, const void *k, const vo
   if ((long long)*len + n_tokens > c->opts.max_seq_len)
     return FAIL(CAPACITY, "appending %d token(s) to layer %d seq %d (length %d) passes max_seq_len %d",
                 n_tokens, layer, seq, *len, c->opts.max_seq_len);
-  rc = c->ctx->ops->append(c, layer, seq, *len, k, v, n_tokens, src_is_f32);
+  if ((rc = m40llm_context_check(c->ctx)) != M40LLM_OK) return rc;
+  rc = m40llm_context_result(c->ctx,
+                             c->ctx->ops->append(c, layer, seq, *len, k, v, n_tokens, src_is_f32));
   if (rc == M40LLM_OK) *len += n_tokens;
   return rc;
 }
@@ -243,7 +248,10 @@ int m40llm_kvcache_read_f16(uint16_t *k_out, uint16_t *v_out, const m40llm_kvcac
   if (pos < 0 || (long long)pos + n_tokens > len)
     return FAIL(OUT_OF_RANGE, "positions %d..%lld are outside layer %d seq %d (length %d)", pos,
                 (long long)pos + n_tokens - 1, layer, seq, len);
-  return cache->ctx->ops->read_f16(cache, k_out, v_out, layer, seq, pos, n_tokens);
+  if ((rc = m40llm_context_check(cache->ctx)) != M40LLM_OK) return rc;
+  return m40llm_context_result(cache->ctx,
+                               cache->ctx->ops->read_f16(cache, k_out, v_out, layer, seq, pos,
+                                                         n_tokens));
 }
 
 static int check_attention(const m40llm_kvcache *c, int layer, const float *q, const float *out,
@@ -254,12 +262,27 @@ static int check_attention(const m40llm_kvcache *c, int layer, const float *q, c
   if (!out) return FAIL(INVALID_ARGUMENT, "out is NULL");
   if (!isfinite(*scale)) return FAIL(INVALID_ARGUMENT, "scale is not finite");
   if (*scale == 0.0f) *scale = 1.0f / sqrtf((float)c->opts.head_dim);
-  const uintptr_t n = (uintptr_t)n_rows * (uintptr_t)c->opts.n_heads * (uintptr_t)c->opts.head_dim *
-                      sizeof(float);
+  /* Bytes of q and of out: n_rows rows of n_heads x head_dim floats, which must fit in the
+   * address space from where each starts. Said first, so that a wrong n_seqs is named as such. */
+  const uintptr_t row = (uintptr_t)c->opts.n_heads * (uintptr_t)c->opts.head_dim * sizeof(float);
   const uintptr_t qa = (uintptr_t)q, oa = (uintptr_t)out;
-  if (qa < oa + n && oa < qa + n) return FAIL(INVALID_ARGUMENT, "q and out overlap");
+  if ((uintptr_t)n_rows > UINTPTR_MAX / row || (uintptr_t)n_rows * row > UINTPTR_MAX - qa ||
+      (uintptr_t)n_rows * row > UINTPTR_MAX - oa)
+    return FAIL(INVALID_ARGUMENT,
+                "%d row(s) of %ju bytes (n_heads x head_dim floats) from q or out pass the end of "
+                "the address space: n_seqs is too large",
+                n_rows, (uintmax_t)row);
+  const uintptr_t n = (uintptr_t)n_rows * row;
+  if (qa < oa + n && oa < qa + n)
+    return FAIL(INVALID_ARGUMENT,
+                "q and out overlap: %d row(s) of %ju bytes make each %ju bytes, but they start "
+                "%ju bytes apart (is n_seqs larger than the buffers?)",
+                n_rows, (uintmax_t)row, (uintmax_t)n, (uintmax_t)(qa > oa ? qa - oa : oa - qa));
   return M40LLM_OK;
 }
+
+/* Ids copied on the stack up to this many; more come from the heap. */
+#define M40LLM_IDS_ON_STACK 64
 
 int m40llm_kvcache_attn_batch_f32q(float *out, m40llm_kvcache *cache, int layer,
                                    const int32_t *seq_ids, int n_seqs, const float *q,
@@ -269,11 +292,27 @@ int m40llm_kvcache_attn_batch_f32q(float *out, m40llm_kvcache *cache, int layer,
   if (n_seqs < 1) return FAIL(INVALID_ARGUMENT, "n_seqs is %d, must be >= 1", n_seqs);
   int rc = check_attention(cache, layer, q, out, n_seqs, &scale);
   if (rc != M40LLM_OK) return rc;
-  for (int i = 0; i < n_seqs; i++)
-    if (seq_ids[i] < 0 || seq_ids[i] >= cache->opts.max_seqs)
-      return FAIL(OUT_OF_RANGE, "seq_ids[%d] = %d is outside 0..%d", i, (int)seq_ids[i],
-                  cache->opts.max_seqs - 1);
-  return cache->ctx->ops->attention(cache, layer, seq_ids, n_seqs, q, out, scale);
+  /* The ids are read once, here, into the library's own copy, which is checked and then the
+   * only one the backend sees: the caller's array may share memory with out (which the backend
+   * writes) and is not read again. */
+  int32_t on_stack[M40LLM_IDS_ON_STACK];
+  int32_t *ids = on_stack;
+  if (n_seqs > M40LLM_IDS_ON_STACK) {
+    ids = m40llm_host_malloc((size_t)n_seqs * sizeof *ids);
+    if (!ids)
+      return FAIL(OUT_OF_MEMORY, "allocating the copy of %d sequence ids", n_seqs);
+  }
+  memcpy(ids, seq_ids, (size_t)n_seqs * sizeof *ids);
+  for (int i = 0; i < n_seqs && rc == M40LLM_OK; i++)
+    if (ids[i] < 0 || ids[i] >= cache->opts.max_seqs)
+      rc = FAIL(OUT_OF_RANGE, "seq_ids[%d] = %d is outside 0..%d", i, (int)ids[i],
+                cache->opts.max_seqs - 1);
+  if (rc == M40LLM_OK) rc = m40llm_context_check(cache->ctx);
+  if (rc == M40LLM_OK)
+    rc = m40llm_context_result(cache->ctx,
+                               cache->ctx->ops->attention(cache, layer, ids, n_seqs, q, out, scale));
+  if (ids != on_stack) free(ids);
+  return rc;
 }
 
 int m40llm_kvcache_attn_last_token_f32q(float *out, m40llm_kvcache *cache, int layer, int seq,

@@ -1,5 +1,6 @@
 #include <stdarg.h>
 #include <stdio.h>
+#include <stdlib.h>
 
 #include "internal.h"
 
@@ -25,6 +26,8 @@ const char *m40llm_status_string(int status) {
     case M40LLM_ERR_NO_DEVICE: return "M40LLM_ERR_NO_DEVICE: no usable CUDA device";
     case M40LLM_ERR_CUDA: return "M40LLM_ERR_CUDA: CUDA runtime error";
     case M40LLM_ERR_UNSUPPORTED: return "M40LLM_ERR_UNSUPPORTED: not supported by this build or backend";
+    case M40LLM_ERR_CONTEXT_LOST:
+      return "M40LLM_ERR_CONTEXT_LOST: the context's GPU had a device fault; the context is lost";
     default: return "unknown status";
   }
 }
@@ -37,4 +40,21 @@ int m40llm_fail(int status, const char *fmt, ...) {
   vsnprintf(last_error, sizeof last_error, fmt, ap);
   va_end(ap);
   return status;
+}
+
+int (*m40llm_host_alloc_hook)(size_t bytes);
+
+void *m40llm_host_malloc(size_t bytes) {
+  if (m40llm_host_alloc_hook && m40llm_host_alloc_hook(bytes)) return NULL;
+  return malloc(bytes);
+}
+
+void *m40llm_host_calloc(size_t n, size_t size) {
+  if (m40llm_host_alloc_hook && m40llm_host_alloc_hook(n * size)) return NULL;
+  return calloc(n, size);
+}
+
+void *m40llm_host_aligned_alloc(size_t alignment, size_t bytes) {
+  if (m40llm_host_alloc_hook && m40llm_host_alloc_hook(bytes)) return NULL;
+  return aligned_alloc(alignment, bytes);
 }

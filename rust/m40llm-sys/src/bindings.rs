@@ -18,6 +18,7 @@ pub const M40LLM_ERR_OUT_OF_MEMORY: m40llm_status = -4;
 pub const M40LLM_ERR_NO_DEVICE: m40llm_status = -5;
 pub const M40LLM_ERR_CUDA: m40llm_status = -6;
 pub const M40LLM_ERR_UNSUPPORTED: m40llm_status = -7;
+pub const M40LLM_ERR_CONTEXT_LOST: m40llm_status = -8;
 pub type m40llm_status = ::core::ffi::c_int;
 pub const M40LLM_BACKEND_AUTO: m40llm_backend = 0;
 pub const M40LLM_BACKEND_CUDA: m40llm_backend = 1;
@@ -269,7 +270,12 @@ extern "C" {
   q and out are [n_heads][head_dim] FP32 in backend memory and must not overlap (overlapping
   buffers fail with M40LLM_ERR_INVALID_ARGUMENT). scale 0 means 1/sqrt(head_dim); any other
   finite scale, negative ones included, is used as given; a NaN or infinite scale fails with
-  M40LLM_ERR_INVALID_ARGUMENT. A sequence with no positions yields zeros. The CUDA backend
+  M40LLM_ERR_INVALID_ARGUMENT. A sequence with no positions yields zeros.
+  Masking: K may hold infinities (append_f16 stores any half; append_f32 rounds |x| >= 65520 to
+  inf). A position whose score is -inf (e.g. K -inf in a dim where q > 0, the rest finite) has
+  weight 0 wherever it falls, on every backend and kernel; a head whose every score is -inf
+  yields zeros. Its V is still multiplied by that 0, so it must be finite. A score of +inf or
+  NaN (NaN in K, 0 x inf, infinities of both signs) makes the head's output NaN. The CUDA backend
   accumulates in FP32. Its arithmetic is FP32 too, except for caches with head_dim 32, 48,
   64, 80, 96, 112 or 128 on sm_80+ GPUs, when the library was built with an sm_80+
   architecture: there, tensor cores multiply FP16 K/V by q and by the softmax weights,
@@ -287,7 +293,11 @@ extern "C" {
     /** The same for n_seqs (>= 1) sequences at once, one launch over their ragged lengths.
   seq_ids is a host array of n_seqs sequence indices (repeats allowed); q and out are
   [n_seqs][n_heads][head_dim] FP32 in backend memory, row i belonging to seq_ids[i]; the whole
-  of q and the whole of out must not overlap. Scale and errors as for the single call.*/
+  of q and the whole of out must not overlap. The library reads seq_ids once, into its own
+  copy, before it writes anything: seq_ids may share memory with out (e.g. host memory on the
+  CPU backend, managed memory on CUDA), and row i still belongs to the id passed. A copy of
+  more than 64 ids is allocated on the host (M40LLM_ERR_OUT_OF_MEMORY if that fails). Scale and
+  errors as for the single call.*/
     pub fn m40llm_kvcache_attn_batch_f32q(
         out: *mut f32,
         cache: *mut m40llm_kvcache,

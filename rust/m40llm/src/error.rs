@@ -19,11 +19,14 @@ pub enum Status {
     OutOfMemory,
     /// CUDA was requested but there is no usable GPU, or the library was built without CUDA.
     NoDevice,
-    /// The CUDA runtime reported an error. After a device fault the context is unusable: drop it
-    /// (and everything made from it) and create a new one.
+    /// The CUDA runtime reported an error (a device fault is [`Status::ContextLost`] instead).
     Cuda,
     /// A valid request that this build or backend cannot serve.
     Unsupported,
+    /// The context's GPU had a device fault (a sticky CUDA error): every later call on the
+    /// context that would use the GPU fails with this at once. Drop its caches and the context;
+    /// only a new process can use that GPU again.
+    ContextLost,
     /// A code this version of the crate does not know.
     Unknown(i32),
 }
@@ -40,6 +43,7 @@ impl Status {
             sys::M40LLM_ERR_NO_DEVICE => Status::NoDevice,
             sys::M40LLM_ERR_CUDA => Status::Cuda,
             sys::M40LLM_ERR_UNSUPPORTED => Status::Unsupported,
+            sys::M40LLM_ERR_CONTEXT_LOST => Status::ContextLost,
             other => Status::Unknown(other),
         })
     }
@@ -54,6 +58,7 @@ impl Status {
             Status::NoDevice => sys::M40LLM_ERR_NO_DEVICE,
             Status::Cuda => sys::M40LLM_ERR_CUDA,
             Status::Unsupported => sys::M40LLM_ERR_UNSUPPORTED,
+            Status::ContextLost => sys::M40LLM_ERR_CONTEXT_LOST,
             Status::Unknown(c) => c,
         }
     }

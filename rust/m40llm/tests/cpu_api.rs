@@ -114,6 +114,7 @@ fn status_and_error() {
         Status::NoDevice,
         Status::Cuda,
         Status::Unsupported,
+        Status::ContextLost,
     ] {
         assert_eq!(Status::from_code(s.code()), Some(s));
         assert!(!s.description().is_empty());
