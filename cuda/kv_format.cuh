@@ -119,8 +119,9 @@ struct CodeVec<8> { using Raw = uint2; };
 // What the quantized formats share: groups of kGroup elements, each with its parameters
 // (Param: an FP16 scale, or an FP16 (scale, min) pair) in the params plane, and the element
 // codes, kBits each, in the codes plane. Ptr is the element's index: the kernels' cursors
-// then cost one 64-bit register, and the two planes' addresses are formed at the load.
-template <int kFormat_, int kBits, typename Param>
+// then cost one 64-bit register, and the two planes' addresses are formed at the load. Format:
+// the derived type, whose encode() of FP32 values the FP16 one widens for.
+template <typename Format, int kFormat_, int kBits, typename Param>
 struct KvQuant {
   static constexpr int kFormat = kFormat_;
   static constexpr int kGroup = 32;
@@ -148,14 +149,22 @@ struct KvQuant {
     r.param = __ldg(static_cast<const Param *>(t.plane[M40LLM_KV_PARAMS]) + e / kGroup);
     return r;
   }
+
+  __device__ static void encode(const KvMutPlanes &t, size_t e, const __half (&h)[kGroup]) {
+    float x[kGroup];
+#pragma unroll
+    for (int i = 0; i < kGroup; i++) x[i] = __half2float(h[i]);
+    Format::encode(t, e, x);
+  }
 };
 
 // Codes become exact FP32 integers by integer bit operations (sm_52 has no fast int8 -> float
 // conversion): the code under the bits of 2^23, then one FP32 subtract of 2^23 (and of Q8's
 // offset of 128).
 // Q8: offset-binary bytes (code + 128), one FP16 scale per group.
-struct KvQ8 : KvQuant<M40LLM_KV_Q8, 8, __half> {
+struct KvQ8 : KvQuant<KvQ8, M40LLM_KV_Q8, 8, __half> {
   static constexpr bool kHasMin = false;
+  using KvQuant::encode;
 
   template <int N>
   __device__ static void widen(const Raw<N> &raw, float (&f)[N]) {
@@ -192,17 +201,12 @@ struct KvQ8 : KvQuant<M40LLM_KV_Q8, 8, __half> {
     dst[1] = reinterpret_cast<const uint4 *>(c)[1];
     static_cast<__half *>(t.plane[M40LLM_KV_PARAMS])[e / kGroup] = d;
   }
-  __device__ static void encode(const KvMutPlanes &t, size_t e, const __half (&h)[kGroup]) {
-    float x[kGroup];
-#pragma unroll
-    for (int i = 0; i < kGroup; i++) x[i] = __half2float(h[i]);
-    encode(t, e, x);
-  }
 };
 
 // Q4: nibbles (element 2j low, 2j + 1 high), one FP16 (scale, min) pair per group.
-struct KvQ4 : KvQuant<M40LLM_KV_Q4, 4, __half2> {
+struct KvQ4 : KvQuant<KvQ4, M40LLM_KV_Q4, 4, __half2> {
   static constexpr bool kHasMin = true;
+  using KvQuant::encode;
 
   template <int N>
   __device__ static void widen(const Raw<N> &raw, float (&f)[N]) {
@@ -238,12 +242,6 @@ struct KvQ4 : KvQuant<M40LLM_KV_Q4, 4, __half2> {
     *reinterpret_cast<uint4 *>(static_cast<uint8_t *>(t.plane[M40LLM_KV_CODES]) + e / 2) =
         *reinterpret_cast<const uint4 *>(c);
     static_cast<__half2 *>(t.plane[M40LLM_KV_PARAMS])[e / kGroup] = p;
-  }
-  __device__ static void encode(const KvMutPlanes &t, size_t e, const __half (&h)[kGroup]) {
-    float x[kGroup];
-#pragma unroll
-    for (int i = 0; i < kGroup; i++) x[i] = __half2float(h[i]);
-    encode(t, e, x);
   }
 };
 
