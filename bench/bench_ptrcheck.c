@@ -55,10 +55,12 @@ static double time_calls(m40llm_context *ctx, m40llm_kvcache *c, float **q, floa
   return t[SAMPLES / 2];
 }
 
-int main(int argc, char **argv) {
+/* Hit and miss times per call on a context with the check on or off (check_pointers). */
+static int measure(int device, int check, double *hit, double *miss, double *raw) {
   m40llm_context_options o = M40LLM_CONTEXT_OPTIONS_INIT;
   o.backend = M40LLM_BACKEND_CUDA;
-  o.device = argc > 1 ? atoi(argv[1]) : 0;
+  o.device = device;
+  o.check_pointers = check;
   m40llm_context *ctx = NULL;
   m40llm_kvcache *c = NULL;
   CHECK(m40llm_context_create(&ctx, &o));
@@ -85,17 +87,10 @@ int main(int argc, char **argv) {
     const double t = (now_us() - t0) / 10000;
     if (t < best) best = t;
   }
+  *raw = best;
   (void)time_calls(ctx, c, q, out, PAIRS); /* warm-up */
-  const double hit = time_calls(ctx, c, q, out, 1);
-  const double miss = time_calls(ctx, c, q, out, PAIRS);
-  if (hit < 0 || miss < 0) {
-    fprintf(stderr, "attention failed: %s\n", m40llm_last_error_message());
-    return 1;
-  }
-  printf("raw cudaPointerGetAttributes: %.3f us\n", best);
-  printf("attention batch 1, same q/out (memo hit): %.3f us/call\n", hit);
-  printf("attention batch 1, 16 q/out pairs (memo miss, 2 checks): %.3f us/call\n", miss);
-  printf("miss - hit: %.3f us/call\n", miss - hit);
+  *hit = time_calls(ctx, c, q, out, 1);
+  *miss = time_calls(ctx, c, q, out, PAIRS);
   for (int i = 0; i < PAIRS; i++) {
     m40llm_free(ctx, q[i]);
     m40llm_free(ctx, out[i]);
@@ -103,5 +98,24 @@ int main(int argc, char **argv) {
   m40llm_free(ctx, kv);
   m40llm_kvcache_destroy(c);
   m40llm_context_destroy(ctx);
+  if (*hit < 0 || *miss < 0) {
+    fprintf(stderr, "attention failed: %s\n", m40llm_last_error_message());
+    return 1;
+  }
+  return 0;
+}
+
+int main(int argc, char **argv) {
+  const int device = argc > 1 ? atoi(argv[1]) : 0;
+  double hit, miss, raw, off_hit, off_miss;
+  if (measure(device, 1, &hit, &miss, &raw) || measure(device, 0, &off_hit, &off_miss, &raw))
+    return 1;
+  printf("raw cudaPointerGetAttributes: %.3f us\n", raw);
+  printf("attention batch 1, same q/out (memo hit): %.3f us/call\n", hit);
+  printf("attention batch 1, 16 q/out pairs (memo miss, 2 checks): %.3f us/call\n", miss);
+  printf("miss - hit: %.3f us/call\n", miss - hit);
+  printf("check_pointers = 0: same q/out %.3f us/call, 16 pairs %.3f us/call\n", off_hit, off_miss);
+  printf("check cost against check_pointers = 0: hit %+.3f us/call, miss %+.3f us/call\n",
+         hit - off_hit, miss - off_miss);
   return 0;
 }

@@ -46,6 +46,7 @@ int m40llm_cuda_error(cudaError_t err, const char *what) {
 }
 
 int m40llm_cuda_check_pointer(m40llm_cuda_state *st, const void *p, const char *name) {
+  if (!st->check_pointers) return M40LLM_OK;
   for (const void *ok : st->ptr_ok)
     if (ok == p) return M40LLM_OK;
   cudaPointerAttributes attr;
@@ -97,6 +98,7 @@ int cuda_init(m40llm_context *ctx, int device, void *user_stream) {
   }
   if (user_stream) st->stream = static_cast<cudaStream_t>(user_stream);
   st->owns_stream = user_stream == nullptr;
+  st->check_pointers = ctx->check_pointers != 0;
   st->sm_count = prop.multiProcessorCount;
   st->cc_major = prop.major;
   st->smem_per_sm = prop.sharedMemPerMultiprocessor;

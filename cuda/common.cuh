@@ -28,6 +28,7 @@ struct m40llm_cuda_state {
   signed char fp32_dependent, combine_dependent;
   // Pointers that passed the pointer-kind check (m40llm_cuda_check_pointer), round robin;
   // cleared by every free on the context.
+  bool check_pointers;  // the context's option: false skips m40llm_cuda_check_pointer
   const void *ptr_ok[8];
   unsigned ptr_ok_next;
 };

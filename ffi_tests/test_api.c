@@ -163,6 +163,27 @@ static void test_devices_and_contexts(void) {
     const m40llm_context_options want = M40LLM_CONTEXT_OPTIONS_INIT;
     T_CHECK(co.version == want.version && co.version == M40LLM_CONTEXT_OPTIONS_VERSION);
     T_CHECK(co.backend == M40LLM_BACKEND_AUTO && co.device == 0 && co.cuda_stream == NULL);
+    T_CHECK(co.check_pointers == 1);
+  }
+  /* A version-1 caller's struct ends before check_pointers: nothing past it is read or written
+   * (the ASan build catches either on this heap block). */
+  {
+    typedef struct {
+      unsigned version;
+      int backend, device;
+      void *cuda_stream;
+    } options_v1;
+    _Static_assert(sizeof(options_v1) == offsetof(m40llm_context_options, check_pointers),
+                   "v1 layout");
+    options_v1 *v1 = malloc(sizeof *v1);
+    m40llm_context_options *as_v1 = (m40llm_context_options *)(void *)v1;
+    m40llm_context *c1 = NULL;
+    if (T_CHECK(v1) && T_OK(m40llm_context_options_init(as_v1, 1))) {
+      T_INT_EQ(v1->version, 1);
+      v1->backend = M40LLM_BACKEND_CPU;
+      if (T_OK(m40llm_context_create(&c1, as_v1))) m40llm_context_destroy(c1);
+    }
+    free(v1);
   }
 
   t_set_case("context_create error paths");
@@ -176,6 +197,9 @@ static void test_devices_and_contexts(void) {
   o.version = M40LLM_CONTEXT_OPTIONS_VERSION + 1;
   T_FAIL_WITH(m40llm_context_create(&ctx, &o), M40LLM_ERR_INVALID_ARGUMENT, "version");
   o.version = M40LLM_CONTEXT_OPTIONS_VERSION;
+  o.check_pointers = 2;
+  T_FAIL_WITH(m40llm_context_create(&ctx, &o), M40LLM_ERR_INVALID_ARGUMENT, "check_pointers");
+  o.check_pointers = 1;
   o.backend = 3;
   T_FAIL_WITH(m40llm_context_create(&ctx, &o), M40LLM_ERR_INVALID_ARGUMENT, "backend");
   o.backend = -1;

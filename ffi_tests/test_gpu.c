@@ -136,6 +136,29 @@ done:
 }
 #endif
 
+/* A context with check_pointers = 0 skips the pointer check: every call still computes what
+ * the reference says (device pointers throughout; a host pointer would fault it). */
+static void test_pointer_checks_off(void) {
+  t_set_case("check_pointers = 0: setup");
+  m40llm_context_options o = M40LLM_CONTEXT_OPTIONS_INIT;
+  o.backend = M40LLM_BACKEND_CUDA;
+  o.check_pointers = 0;
+  m40llm_context *ctx = NULL;
+  if (!T_OK(m40llm_context_create(&ctx, &o))) return;
+  t_kv kv;
+  if (t_kv_create(&kv, ctx, 1, 8, 2, 64, 3, 300) == M40LLM_OK) {
+    const int lens[3] = {1, 33, 257};
+    for (int s = 0; s < 3; s++) T_OK(t_kv_append_random(&kv, 0, s, lens[s], 1.0f));
+    float *q = random_q(3 * 8 * 64);
+    const int32_t ids[3] = {2, 0, 1};
+    t_set_case("check_pointers = 0: attention");
+    if (T_CHECK(q)) t_kv_check_attention(&kv, 0, ids, 3, q, 0.0f, 1e-5, 1, NULL);
+    free(q);
+    t_kv_destroy(&kv);
+  }
+  m40llm_context_destroy(ctx);
+}
+
 #ifdef T_HAVE_CUDART
 /* A device fault, made on purpose with a kernel of our own (PTX through the driver API, loaded
  * at run time so that the test needs no libcuda at link time): it stores to an unmapped
@@ -714,6 +737,7 @@ int main(void) {
     test_ids_alias_out_managed();
     test_pointer_kinds();
 #endif
+    test_pointer_checks_off();
   }
   t_cases_error_paths(dev);
   t_cases_sequence_ops(dev);

@@ -119,9 +119,11 @@ int m40llm_cuda_device_count(int *out_count);
 /** A backend plus, for CUDA, one device and one stream. Owns the scratch memory of attention. */
 typedef struct m40llm_context m40llm_context;
 
-#define M40LLM_CONTEXT_OPTIONS_VERSION 1
+/* Version 2 added check_pointers; version-1 structs are still taken (the library reads only the
+ * fields of the version a struct says it is). */
+#define M40LLM_CONTEXT_OPTIONS_VERSION 2
 typedef struct m40llm_context_options {
-  unsigned version;   /* M40LLM_CONTEXT_OPTIONS_VERSION */
+  unsigned version;   /* M40LLM_CONTEXT_OPTIONS_VERSION (or 1) */
   int backend;        /* m40llm_backend */
   int device;         /* CUDA device ordinal, 0..count-1 where the context uses CUDA (else
                          M40LLM_ERR_OUT_OF_RANGE); ignored where it uses the CPU: backend CPU,
@@ -129,10 +131,15 @@ typedef struct m40llm_context_options {
   void *cuda_stream;  /* a cudaStream_t the caller owns and keeps alive for the context's life,
                          or NULL for a stream the context creates (synchronizing with the legacy
                          default stream) */
+  int check_pointers; /* version 2: 1 (the default) checks on the CUDA backend that the q, out,
+                         K/V and read pointers of each call are memory the GPU can address, and
+                         refuses others with M40LLM_ERR_INVALID_ARGUMENT before they fault and
+                         lose the context; 0 skips the check (it costs about 0.4 us for a call
+                         whose pointers are not among the last 8 that passed) */
 } m40llm_context_options;
 #define M40LLM_CONTEXT_OPTIONS_INIT \
-  { M40LLM_CONTEXT_OPTIONS_VERSION, M40LLM_BACKEND_AUTO, 0, NULL }
-/** Fills *opts with the defaults of the given version (M40LLM_CONTEXT_OPTIONS_VERSION). */
+  { M40LLM_CONTEXT_OPTIONS_VERSION, M40LLM_BACKEND_AUTO, 0, NULL, 1 }
+/** Fills *opts with the defaults of the given version (1 or 2). */
 int m40llm_context_options_init(m40llm_context_options *opts, unsigned version);
 
 /** Creates a context. opts may be NULL for the defaults. The caller owns *out and frees it with

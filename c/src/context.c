@@ -1,5 +1,7 @@
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "internal.h"
 
@@ -41,14 +43,21 @@ int m40llm_cuda_device_count(int *out_count) {
   return cuda_backend() ? cuda_backend()->device_count(out_count) : M40LLM_OK;
 }
 
+/* Bytes of the options struct of each version: a version-1 caller's ends before check_pointers. */
+static size_t options_size(unsigned version) {
+  return version == 1 ? offsetof(m40llm_context_options, check_pointers)
+                      : version == 2 ? sizeof(m40llm_context_options) : 0;
+}
+
 int m40llm_context_options_init(m40llm_context_options *opts, unsigned version) {
   if (!opts) return m40llm_fail(M40LLM_ERR_INVALID_ARGUMENT, "opts is NULL");
-  if (version != M40LLM_CONTEXT_OPTIONS_VERSION)
+  if (!options_size(version))
     return m40llm_fail(M40LLM_ERR_INVALID_ARGUMENT,
-                       "context options version %u is not supported (this library knows %u)",
+                       "context options version %u is not supported (this library knows 1 to %u)",
                        version, M40LLM_CONTEXT_OPTIONS_VERSION);
   const m40llm_context_options defaults = M40LLM_CONTEXT_OPTIONS_INIT;
-  *opts = defaults;
+  memcpy(opts, &defaults, options_size(version));
+  opts->version = version;
   return M40LLM_OK;
 }
 
@@ -56,13 +65,17 @@ int m40llm_context_create(m40llm_context **out, const m40llm_context_options *op
   if (!out) return m40llm_fail(M40LLM_ERR_INVALID_ARGUMENT, "out is NULL");
   m40llm_context_options o = M40LLM_CONTEXT_OPTIONS_INIT;
   if (opts) {
-    if (opts->version != M40LLM_CONTEXT_OPTIONS_VERSION)
+    if (!options_size(opts->version))
       return m40llm_fail(M40LLM_ERR_INVALID_ARGUMENT,
-                         "opts->version %u is not supported (expected %u; use "
+                         "opts->version %u is not supported (this library knows 1 to %u; use "
                          "M40LLM_CONTEXT_OPTIONS_INIT)",
                          opts->version, M40LLM_CONTEXT_OPTIONS_VERSION);
-    o = *opts;
+    memcpy(&o, opts, options_size(opts->version));
+    o.version = M40LLM_CONTEXT_OPTIONS_VERSION;
   }
+  if (o.check_pointers != 0 && o.check_pointers != 1)
+    return m40llm_fail(M40LLM_ERR_INVALID_ARGUMENT, "opts->check_pointers is %d, must be 0 or 1",
+                       o.check_pointers);
   if (o.backend != M40LLM_BACKEND_AUTO && o.backend != M40LLM_BACKEND_CUDA &&
       o.backend != M40LLM_BACKEND_CPU)
     return m40llm_fail(M40LLM_ERR_INVALID_ARGUMENT, "opts->backend %d is not an m40llm_backend",
@@ -96,6 +109,7 @@ int m40llm_context_create(m40llm_context **out, const m40llm_context_options *op
   ctx->backend = backend;
   ctx->device = backend == M40LLM_BACKEND_CUDA ? o.device : -1;
   ctx->ops = backend == M40LLM_BACKEND_CUDA ? cuda_backend() : &m40llm_cpu_backend;
+  ctx->check_pointers = o.check_pointers;
   int rc = ctx->ops->init(ctx, ctx->device, o.cuda_stream);
   if (rc == M40LLM_ERR_CONTEXT_LOST)
     rc = m40llm_fail(M40LLM_ERR_CONTEXT_LOST,

@@ -13,6 +13,7 @@ extern "C" {
 struct m40llm_context {
   int backend; /* M40LLM_BACKEND_CUDA or M40LLM_BACKEND_CPU */
   int device;  /* -1 on the CPU */
+  int check_pointers; /* m40llm_context_options.check_pointers */
   const m40llm_backend_ops *ops;
   void *state; /* the backend's own (the CUDA backend's m40llm_cuda_state) */
   /* Set when a call met M40LLM_ERR_CONTEXT_LOST (a sticky CUDA error): every later call that

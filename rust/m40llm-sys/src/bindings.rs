@@ -7,7 +7,7 @@ pub const M40LLM_VERSION_MAJOR: u32 = 0;
 pub const M40LLM_VERSION_MINOR: u32 = 1;
 pub const M40LLM_VERSION_PATCH: u32 = 0;
 pub const M40LLM_VERSION_NUMBER: u32 = 100;
-pub const M40LLM_CONTEXT_OPTIONS_VERSION: u32 = 1;
+pub const M40LLM_CONTEXT_OPTIONS_VERSION: u32 = 2;
 pub const M40LLM_DEVICE_INFO_VERSION: u32 = 1;
 pub const M40LLM_KVCACHE_OPTIONS_VERSION: u32 = 2;
 pub const M40LLM_OK: m40llm_status = 0;
@@ -36,6 +36,7 @@ pub struct m40llm_context_options {
     pub backend: ::core::ffi::c_int,
     pub device: ::core::ffi::c_int,
     pub cuda_stream: *mut ::core::ffi::c_void,
+    pub check_pointers: ::core::ffi::c_int,
 }
 impl Default for m40llm_context_options {
     fn default() -> Self {
@@ -110,7 +111,7 @@ extern "C" {
     pub fn m40llm_cuda_device_count(
         out_count: *mut ::core::ffi::c_int,
     ) -> ::core::ffi::c_int;
-    /// Fills *opts with the defaults of the given version (M40LLM_CONTEXT_OPTIONS_VERSION).
+    /// Fills *opts with the defaults of the given version (1 or 2).
     pub fn m40llm_context_options_init(
         opts: *mut m40llm_context_options,
         version: ::core::ffi::c_uint,
