@@ -72,15 +72,24 @@ int m40llm_cuda_check_pointer(m40llm_cuda_state *st, const void *p, const char *
 
 namespace {
 
+thread_local char no_device_why[160];
+
 int cuda_count(int *out_count) {
   int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+  const cudaError_t err = cudaGetDeviceCount(&n);
+  if (err != cudaSuccess) {
     (void)cudaGetLastError();  // no driver or no GPU: zero devices, not an error
     n = 0;
+    snprintf(no_device_why, sizeof no_device_why, "cudaGetDeviceCount failed with %s (%s)",
+             cudaGetErrorName(err), cudaGetErrorString(err));
+  } else if (n == 0) {
+    snprintf(no_device_why, sizeof no_device_why, "cudaGetDeviceCount reports 0 devices");
   }
   *out_count = n;
   return M40LLM_OK;
 }
+
+const char *cuda_no_device_reason() { return no_device_why; }
 
 int cuda_init(m40llm_context *ctx, int device, void *user_stream) {
   // calloc, not new: the C ABI's archive needs no C++ runtime. Zeroed is the state's start.
@@ -291,8 +300,8 @@ int m40llm_cuda_workspace(m40llm_cuda_state *st, size_t bytes, void **out) {
 
 // Positional: designated initialisers are C++20.
 const m40llm_backend_ops m40llm_cuda_backend = {
-    M40LLM_BACKEND_CUDA, cuda_count,       cuda_init,         cuda_fini,          cuda_synchronize,
-    cuda_stream,         cuda_device_info, cuda_malloc,       cuda_free,          cuda_memcpy,
-    cuda_memset,         cuda_check_cache, m40llm_cuda_reserve_for, cuda_append,
-    cuda_read_f16,       cuda_fork,        cuda_attention,
+    M40LLM_BACKEND_CUDA, cuda_count,   cuda_no_device_reason,   cuda_init,   cuda_fini,
+    cuda_synchronize,    cuda_stream,  cuda_device_info,        cuda_malloc, cuda_free,
+    cuda_memcpy,         cuda_memset,  cuda_check_cache,        m40llm_cuda_reserve_for,
+    cuda_append,         cuda_read_f16, cuda_fork,              cuda_attention,
 };

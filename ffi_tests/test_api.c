@@ -206,7 +206,9 @@ static void test_devices_and_contexts(void) {
   T_FAIL_WITH(m40llm_context_create(&ctx, &o), M40LLM_ERR_INVALID_ARGUMENT, "backend");
   o.backend = M40LLM_BACKEND_CUDA;
   if (count == 0) {
-    T_FAIL_WITH(m40llm_context_create(&ctx, &o), M40LLM_ERR_NO_DEVICE, NULL);
+    /* the message says why: the runtime's own words, or how to get a CUDA build */
+    T_FAIL_WITH(m40llm_context_create(&ctx, &o), M40LLM_ERR_NO_DEVICE,
+                built ? "cudaGetDeviceCount" : "rebuild");
   } else {
     o.device = count;
     T_FAIL_WITH(m40llm_context_create(&ctx, &o), M40LLM_ERR_OUT_OF_RANGE, "device");

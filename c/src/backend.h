@@ -21,6 +21,9 @@ typedef struct m40llm_backend_ops {
   int kind; /* m40llm_backend */
   /* Devices this backend can open (0: none, which is not an error). */
   int (*device_count)(int *out_count);
+  /* Why the last device_count on this thread found none (the runtime's own words), or NULL
+   * where the backend has no devices to count. */
+  const char *(*no_device_reason)(void);
   /* Sets ctx->state; user_stream is the caller's stream or NULL. */
   int (*init)(m40llm_context *ctx, int device, void *user_stream);
   void (*fini)(m40llm_context *ctx);

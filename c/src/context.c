@@ -88,10 +88,16 @@ int m40llm_context_create(m40llm_context **out, const m40llm_context_options *op
     if (backend == M40LLM_BACKEND_AUTO) {
       backend = count > 0 ? M40LLM_BACKEND_CUDA : M40LLM_BACKEND_CPU;
     } else if (count == 0) {
-      return m40llm_fail(M40LLM_ERR_NO_DEVICE, "%s",
-                         m40llm_built_with_cuda()
-                             ? "CUDA backend requested but no usable CUDA device was found"
-                             : "CUDA backend requested but m40llm was built without CUDA");
+      if (!cuda_backend())
+        return m40llm_fail(M40LLM_ERR_NO_DEVICE,
+                           "CUDA backend requested but m40llm was built without CUDA (no CUDA "
+                           "toolkit was found when it was built): install one (scripts/setup.sh "
+                           "does on Debian/Ubuntu) or point NVCC or CUDA_PATH at one, then "
+                           "rebuild (cargo clean -p m40llm-sys; with CMake, a new build "
+                           "directory)");
+      return m40llm_fail(M40LLM_ERR_NO_DEVICE,
+                         "CUDA backend requested but no usable CUDA device was found: %s",
+                         cuda_backend()->no_device_reason());
     }
     /* The device matters only to the CUDA backend: AUTO on a machine without a usable GPU
      * takes the CPU and ignores it, as M40LLM_BACKEND_CPU does. */

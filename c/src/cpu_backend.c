@@ -200,6 +200,7 @@ static int cpu_attention(const m40llm_kvcache *c, int layer, const int32_t *seq_
 const m40llm_backend_ops m40llm_cpu_backend = {
     .kind = M40LLM_BACKEND_CPU,
     .device_count = cpu_device_count,
+    .no_device_reason = NULL,
     .init = cpu_init,
     .fini = cpu_fini,
     .synchronize = cpu_synchronize,
