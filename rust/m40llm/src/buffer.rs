@@ -400,9 +400,39 @@ fn sub_range(range: impl RangeBounds<usize>, len: usize) -> (usize, usize) {
 
 // ---- trait impls and the shared copy operations ----
 
+/// `Sealed` and [`DeviceRead`] (and [`DeviceWrite`] with `mut`) for a borrowed view type with
+/// fields `ptr` (`*const T` or `*mut T`), `len` and `ctx: &Context`.
+macro_rules! device_view {
+    ($ty:ty) => {
+        impl<T: $crate::buffer::Element> $crate::buffer::private::Sealed for $ty {}
+        impl<T: $crate::buffer::Element> $crate::buffer::DeviceRead<T> for $ty {
+            fn device_ptr(&self) -> *const T {
+                let p: *const T = self.ptr;
+                p
+            }
+            fn len(&self) -> usize {
+                self.len
+            }
+            fn context(&self) -> &$crate::context::Context {
+                self.ctx
+            }
+        }
+    };
+    ($ty:ty, mut) => {
+        device_view!($ty);
+        impl<T: $crate::buffer::Element> $crate::buffer::DeviceWrite<T> for $ty {
+            fn device_ptr_mut(&mut self) -> *mut T {
+                self.ptr
+            }
+        }
+    };
+}
+#[cfg(feature = "cudarc")]
+pub(crate) use device_view;
+
 impl<T: Element> private::Sealed for DeviceBuffer<T> {}
-impl<T: Element> private::Sealed for DeviceSlice<'_, T> {}
-impl<T: Element> private::Sealed for DeviceSliceMut<'_, T> {}
+device_view!(DeviceSlice<'_, T>);
+device_view!(DeviceSliceMut<'_, T>, mut);
 
 impl<T: Element> DeviceRead<T> for DeviceBuffer<T> {
     fn device_ptr(&self) -> *const T {
@@ -416,33 +446,6 @@ impl<T: Element> DeviceRead<T> for DeviceBuffer<T> {
     }
 }
 impl<T: Element> DeviceWrite<T> for DeviceBuffer<T> {
-    fn device_ptr_mut(&mut self) -> *mut T {
-        self.ptr
-    }
-}
-impl<T: Element> DeviceRead<T> for DeviceSlice<'_, T> {
-    fn device_ptr(&self) -> *const T {
-        self.ptr
-    }
-    fn len(&self) -> usize {
-        self.len
-    }
-    fn context(&self) -> &Context {
-        self.ctx
-    }
-}
-impl<T: Element> DeviceRead<T> for DeviceSliceMut<'_, T> {
-    fn device_ptr(&self) -> *const T {
-        self.ptr
-    }
-    fn len(&self) -> usize {
-        self.len
-    }
-    fn context(&self) -> &Context {
-        self.ctx
-    }
-}
-impl<T: Element> DeviceWrite<T> for DeviceSliceMut<'_, T> {
     fn device_ptr_mut(&mut self) -> *mut T {
         self.ptr
     }

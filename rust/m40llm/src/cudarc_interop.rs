@@ -9,7 +9,7 @@
 //!    CUDA runtime inside m40llm uses.
 //! 2. [`CudarcView::new`] / [`CudarcViewMut::new`] (or [`Context::cudarc_view`] /
 //!    [`Context::cudarc_view_mut`]) borrow cudarc memory of the same CUDA context as a
-//!    [`DeviceRead`] / [`DeviceWrite`] of that m40llm context, so every cache method takes
+//!    [`DeviceRead`](crate::DeviceRead) / [`DeviceWrite`](crate::DeviceWrite) of that m40llm context, so every cache method takes
 //!    them. Lengths are checked by the cache methods as for any buffer.
 //!
 //! Ordering follows cudarc's own rules: creating a view makes the context's stream wait for
@@ -51,7 +51,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut, SyncOnDrop};
 
-use crate::buffer::{private::Sealed, DeviceRead, DeviceWrite, Element};
+use crate::buffer::{device_view, Element};
 use crate::context::{Backend, Context};
 use crate::error::{Error, Result, Status};
 
@@ -188,7 +188,7 @@ fn checked_stream<'a>(ctx: &'a Context, memory: &Arc<CudaContext>) -> Result<&'a
     Ok(stream)
 }
 
-/// cudarc device memory read by an m40llm [`Context`]'s calls (K, V, q): a [`DeviceRead`] that
+/// cudarc device memory read by an m40llm [`Context`]'s calls (K, V, q): a [`DeviceRead`](crate::DeviceRead) that
 /// every cache method accepts. Borrows the cudarc memory and the context; see the
 /// [module docs](self) for ordering.
 pub struct CudarcView<'a, T: Element> {
@@ -229,7 +229,7 @@ impl<'a, T: Element> CudarcView<'a, T> {
 }
 
 /// cudarc device memory written by an m40llm [`Context`]'s calls (out, read-backs): a
-/// [`DeviceWrite`] that every cache method accepts. Borrows the cudarc memory exclusively; see
+/// [`DeviceWrite`](crate::DeviceWrite) that every cache method accepts. Borrows the cudarc memory exclusively; see
 /// the [module docs](self) for ordering.
 pub struct CudarcViewMut<'a, T: Element> {
     ptr: *mut T,
@@ -266,38 +266,8 @@ impl<'a, T: Element> CudarcViewMut<'a, T> {
     }
 }
 
-impl<T: Element> Sealed for CudarcView<'_, T> {}
-impl<T: Element> Sealed for CudarcViewMut<'_, T> {}
-
-impl<T: Element> DeviceRead<T> for CudarcView<'_, T> {
-    fn device_ptr(&self) -> *const T {
-        self.ptr
-    }
-    fn len(&self) -> usize {
-        self.len
-    }
-    fn context(&self) -> &Context {
-        self.ctx
-    }
-}
-
-impl<T: Element> DeviceRead<T> for CudarcViewMut<'_, T> {
-    fn device_ptr(&self) -> *const T {
-        self.ptr
-    }
-    fn len(&self) -> usize {
-        self.len
-    }
-    fn context(&self) -> &Context {
-        self.ctx
-    }
-}
-
-impl<T: Element> DeviceWrite<T> for CudarcViewMut<'_, T> {
-    fn device_ptr_mut(&mut self) -> *mut T {
-        self.ptr
-    }
-}
+device_view!(CudarcView<'_, T>);
+device_view!(CudarcViewMut<'_, T>, mut);
 
 impl<T: Element> std::fmt::Debug for CudarcView<'_, T> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
