@@ -262,8 +262,7 @@ int m40llm_kvcache_append_f32(m40llm_kvcache *cache, int layer, int seq, const f
 int m40llm_kvcache_append_f16(m40llm_kvcache *cache, int layer, int seq, const uint16_t *k,
                               const uint16_t *v, int n_tokens);
 /** Copies positions [pos, pos + n_tokens) of (layer, seq) out as FP16 into k_out and v_out
- *  (Q8 and Q4: the dequantized values, rounded to FP16; the CUDA backend reads F16 only and
- *  answers M40LLM_ERR_UNSUPPORTED for the others),
+ *  (Q8 and Q4: the dequantized values, rounded to FP16),
  *  [n_tokens][n_kv_heads][head_dim] in backend memory. Either output may be NULL to skip it; both
  *  NULL, or n_tokens < 1, fails with M40LLM_ERR_INVALID_ARGUMENT. A range outside
  *  [0, seq_len) fails with M40LLM_ERR_OUT_OF_RANGE. */
@@ -283,9 +282,10 @@ int m40llm_kvcache_read_f16(uint16_t *k_out, uint16_t *v_out, const m40llm_kvcac
  *  weight 0 wherever it falls, on every backend and kernel; a head whose every score is -inf
  *  yields zeros. Its V is still multiplied by that 0, so it must be finite. A score of +inf or
  *  NaN (NaN in K, 0 x inf, infinities of both signs) makes the head's output NaN. The CUDA backend
- *  accumulates in FP32. Its arithmetic is FP32 too, except for caches with head_dim 32, 48,
- *  64, 80, 96, 112 or 128 on sm_80+ GPUs, when the library was built with an sm_80+
- *  architecture: there, tensor cores multiply FP16 K/V by q and by the softmax weights,
+ *  accumulates in FP32. Its arithmetic is FP32 too (Q8/Q4 codes are exact in FP32), except for
+ *  F16 caches with head_dim 32, 48, 64, 80, 96, 112 or 128 on sm_80+ GPUs, when the library was
+ *  built with an sm_80+ architecture: there, tensor cores multiply FP16 K/V by q and by the
+ *  softmax weights,
  *  each passed as two FP16 terms (hi + lo, 22 significant bits), with the products exact and
  *  the sums in FP32. Both paths agree with the reference to about 1e-6 (relative L2). The CPU
  *  backend (the reference) accumulates in float64 and rounds the result to FP32. */

@@ -160,8 +160,8 @@ fn to_c(v: usize, what: &str) -> Result<c_int> {
     c_int::try_from(v).map_err(|_| Error::invalid(format!("{what} = {v} does not fit in a C int")))
 }
 
-/// Input element types for [`KvCache::append`]: `f32` (rounded to FP16 on the backend), and
-/// `f16`/`u16` (stored as is). Sealed.
+/// Input element types for [`KvCache::append`]: `f32` (stored in the cache's formats on the
+/// backend, rounded once), and `f16`/`u16` (an F16 cache stores them as is). Sealed.
 pub trait KvInput: Element {
     /// Calls the library's append for this element type (used by [`KvCache::append`]).
     ///
@@ -555,7 +555,8 @@ impl KvCache {
         self.call(|c| unsafe { sys::m40llm_kvcache_read_f16(k, v, c, l, s, p, n) })
     }
 
-    /// Copies positions `pos..pos + n` of `(layer, seq)` out as FP16 into `k_out` and `v_out`
+    /// Copies positions `pos..pos + n` of `(layer, seq)` out as FP16 (for Q8/Q4 the dequantized
+    /// values) into `k_out` and `v_out`
     /// (`[n][n_kv_heads][head_dim]` each, same length; `n` follows from it). The positions must
     /// be below the sequence's length.
     pub fn read_f16<T: HalfElement>(
