@@ -59,7 +59,7 @@ static void error_paths_options(m40llm_context *ctx) {
     n++;                                               \
   } while (0)
   BAD(version, 0u, INVALID_ARGUMENT, "version");
-  BAD(version, 3u, INVALID_ARGUMENT, "version");
+  BAD(version, 4u, INVALID_ARGUMENT, "version");
   BAD(n_layers, 0, INVALID_ARGUMENT, "n_layers");
   BAD(n_layers, -1, INVALID_ARGUMENT, "n_layers");
   BAD(n_heads, 0, INVALID_ARGUMENT, "n_heads");
@@ -78,6 +78,10 @@ static void error_paths_options(m40llm_context *ctx) {
   BAD(max_seq_len, INT_MIN, INVALID_ARGUMENT, "max_seq_len");
   BAD(format, 3, UNSUPPORTED, "format");
   BAD(format, -1, UNSUPPORTED, "format");
+  BAD(rotation, -1, INVALID_ARGUMENT, "rotation");
+  BAD(rotation, 4, INVALID_ARGUMENT, "rotation");
+  BAD(n_sinks, -1, INVALID_ARGUMENT, "n_sinks");
+  BAD(window, -1, INVALID_ARGUMENT, "window");
 #undef BAD
   bad[n].what = "n_heads 6 / n_kv_heads 4";
   bad[n].o = good;
@@ -149,7 +153,10 @@ static void error_paths_options(m40llm_context *ctx) {
     T_CHECK(init.n_layers == 0 && init.n_heads == 0 && init.n_kv_heads == 0 &&
             init.head_dim == 0 && init.max_seqs == 0 && init.max_seq_len == 0);
     T_CHECK(init.format == M40LLM_KV_F16);
-    T_CHECK(init.version == want.version && init.format == want.format);
+    T_CHECK(init.rotation == M40LLM_ROTATE_AUTO && init.n_sinks == 4 && init.window == 128);
+    T_CHECK(init.version == want.version && init.format == want.format &&
+            init.rotation == want.rotation && init.n_sinks == want.n_sinks &&
+            init.window == want.window);
   }
 
   /* head_dim must be a multiple of 8 on CUDA, anything in 1..256 on the CPU */

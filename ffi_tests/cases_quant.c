@@ -1,7 +1,8 @@
 /*
- * Quantized KV formats (Q8, Q4, and K/V pairs of formats) against an independent quantizer
+ * Quantized KV formats (Q8, Q4, and K/V pairs of formats), rotated or not, with protected tokens
+ * (sinks and a window kept FP16) or without, against an independent quantizer and rotation
  * written from the header's definition: the stored values (read_f16, bit-exact), and attention
- * against a float64 reference over the dequantized values, on any context (CPU or CUDA).
+ * against a float64 reference over the stored values, on any context (CPU or CUDA).
  */
 #include <math.h>
 #include <stddef.h>
@@ -39,13 +40,49 @@ static void quantize_group(int fmt, const float *x, double *out) {
   }
 }
 
-/* What the cache holds for values x (n a multiple of head_dim): F16 rounds, Q8/Q4 quantize. */
-static void stored_values(int fmt, const float *x, size_t n, double *out) {
-  if (fmt == M40LLM_KV_F16) {
-    for (size_t i = 0; i < n; i++) out[i] = t_f16_to_f32(t_f32_to_f16(x[i]));
-  } else {
-    for (size_t i = 0; i < n; i += GROUP) quantize_group(fmt, x + i, out + i);
+/* The header's rotation of one row of d dims: butterfly stages over blocks of the largest
+ * power of two dividing d, then 1/sqrt(block); in FP32 (as rounded by the library) or double. */
+#define ROTATE_ROW(T, x, d, scale)                                      \
+  do {                                                                  \
+    const int b_ = (d) & -(d);                                          \
+    for (int o_ = 0; o_ < (d); o_ += b_) {                              \
+      for (int h = 1; h < b_; h *= 2)                                   \
+        for (int i = o_; i < o_ + b_; i++)                              \
+          if (((i - o_) & h) == 0) {                                    \
+            const T a_ = (x)[i], c_ = (x)[i + h];                       \
+            (x)[i] = a_ + c_, (x)[i + h] = a_ - c_;                     \
+          }                                                             \
+      for (int i = o_; i < o_ + b_; i++) (x)[i] *= (scale);             \
+    }                                                                   \
+  } while (0)
+static void rotate_f32(float *x, int d) { ROTATE_ROW(float, x, d, 1.0f / sqrtf((float)(d & -d))); }
+static void rotate_f64(double *x, int d) { ROTATE_ROW(double, x, d, 1.0 / sqrt((double)(d & -d))); }
+
+/* How one tensor of a cache stores a row: its format, rotated or not, and whether the row is a
+ * protected position (kept as FP16 of the rotated values). */
+typedef struct {
+  int fmt, rotated;
+} tensor_rule;
+
+/* What attention reads for one row x (d dims), in the tensor's (rotated) frame, in double; and
+ * what read_f16 returns for it. */
+static void stored_row(tensor_rule r, int kept, const float *x, int d, double *val, uint16_t *read) {
+  float y[256];
+  for (int i = 0; i < d; i++) y[i] = x[i];
+  if (r.fmt == M40LLM_KV_F16) { /* never rotated, never a copy */
+    for (int i = 0; i < d; i++) read[i] = t_f32_to_f16(y[i]), val[i] = t_f16_to_f32(read[i]);
+    return;
   }
+  if (r.rotated) rotate_f32(y, d);
+  if (kept) {
+    for (int i = 0; i < d; i++) val[i] = t_f16_to_f32(t_f32_to_f16(y[i]));
+  } else {
+    for (int i = 0; i < d; i += GROUP) quantize_group(r.fmt, y + i, val + i);
+  }
+  for (int i = 0; i < d; i++) y[i] = (float)val[i]; /* exact: FP16 values, or code x scale + min
+                                                       rounded once as the library's FMA */
+  if (r.rotated) rotate_f32(y, d);
+  for (int i = 0; i < d; i++) read[i] = t_f32_to_f16(y[i]);
 }
 
 /* Values with structure quantization must survive: outlier channels (x10-30), a group of equal
@@ -87,12 +124,16 @@ static void ref_head(const float *q, const double *k, const double *v, int len, 
 
 typedef struct {
   int kf, vf, n_heads, n_kv, d;
+  int rotation, sinks, window; /* the options' (rotation: m40llm_kv_rotation) */
 } quant_case;
 
 /* One cache: sequences of the given lengths appended (FP32, or FP16 where use_f16) in chunks,
  * then read back and attended, batched and one by one. */
 static void run_case(m40llm_context *ctx, quant_case c, const int *lens, int n_seqs, int use_f16) {
   m40llm_kvcache_options o = M40LLM_KVCACHE_OPTIONS_INIT;
+  o.rotation = c.rotation;
+  o.n_sinks = c.sinks;
+  o.window = c.window;
   o.n_layers = 2;
   o.n_heads = c.n_heads;
   o.n_kv_heads = c.n_kv;
@@ -103,8 +144,14 @@ static void run_case(m40llm_context *ctx, quant_case c, const int *lens, int n_s
     if (lens[i] > o.max_seq_len) o.max_seq_len = lens[i];
   o.format = c.kf;
   o.v_format = c.vf;
-  t_set_case("quantized K %d / V %d, %d/%d heads, head_dim %d%s: create", c.kf, c.vf, c.n_heads,
-             c.n_kv, c.d, use_f16 ? ", FP16 input" : "");
+  const int vf = c.vf == M40LLM_KV_SAME ? c.kf : c.vf;
+  const int quantized = c.kf != M40LLM_KV_F16 || vf != M40LLM_KV_F16;
+  const tensor_rule rule_k = {c.kf, c.kf != M40LLM_KV_F16 && c.rotation != M40LLM_ROTATE_NONE};
+  const tensor_rule rule_v = {vf, vf != M40LLM_KV_F16 && (c.rotation == M40LLM_ROTATE_AUTO ||
+                                                      c.rotation == M40LLM_ROTATE_KV)};
+  t_set_case("quantized K %d / V %d, %d/%d heads, head_dim %d, rotation %d, sinks %d, window "
+             "%d%s: create", c.kf, c.vf, c.n_heads, c.n_kv, c.d, c.rotation, c.sinks, c.window,
+             use_f16 ? ", FP16 input" : "");
   m40llm_kvcache *cache = NULL;
   int rc = m40llm_kvcache_create(&cache, ctx, &o);
   if (rc == M40LLM_ERR_UNSUPPORTED) {
@@ -143,8 +190,19 @@ static void run_case(m40llm_context *ctx, quant_case c, const int *lens, int n_s
         v[i] = t_f16_to_f32(hv[i]);
       }
     }
-    stored_values(c.kf, k, n, sk[s]);
-    stored_values(c.vf == M40LLM_KV_SAME ? c.kf : c.vf, v, n, sv[s]);
+    /* Appends only: the window ends as the last c.window positions. */
+    uint16_t *want_k = malloc((n ? n : 1) * sizeof(uint16_t)), *want_v = malloc((n ? n : 1) * sizeof(uint16_t));
+    if (!T_CHECK(want_k && want_v)) {
+      free(k), free(v), free(hk), free(hv), free(want_k), free(want_v);
+      goto done;
+    }
+    for (size_t r = 0; r < (size_t)lens[s] * (size_t)c.n_kv; r++) {
+      const int p = (int)(r / (size_t)c.n_kv);
+      const int kept = quantized && (p < c.sinks || p >= lens[s] - c.window);
+      const size_t e = r * (size_t)c.d;
+      stored_row(rule_k, kept, k + e, c.d, sk[s] + e, want_k + e);
+      stored_row(rule_v, kept, v + e, c.d, sv[s] + e, want_v + e);
+    }
     t_set_case("quantized K %d / V %d, %d/%d heads, head_dim %d: append seq %d (%d positions)",
                c.kf, c.vf, c.n_heads, c.n_kv, c.d, s, lens[s]);
     for (int p = 0; p < lens[s];) {
@@ -161,7 +219,10 @@ static void run_case(m40llm_context *ctx, quant_case c, const int *lens, int n_s
       p += chunk;
     }
     free(k), free(v), free(hk), free(hv);
-    if (rc != M40LLM_OK) goto done;
+    if (rc != M40LLM_OK) {
+      free(want_k), free(want_v);
+      goto done;
+    }
 
     /* what is stored, bit-exact: FP16 of the dequantized value */
     if (lens[s] > 0) {
@@ -175,18 +236,19 @@ static void run_case(m40llm_context *ctx, quant_case c, const int *lens, int n_s
           t_dev_download(ctx, bk, rk, bytes) && t_dev_download(ctx, bv, rv, bytes)) {
         size_t bad = 0, first = 0;
         for (size_t i = 0; i < n; i++) {
-          const int ok = bk[i] == t_f32_to_f16((float)sk[s][i]) && bv[i] == t_f32_to_f16((float)sv[s][i]);
+          const int ok = bk[i] == want_k[i] && bv[i] == want_v[i];
           if (!ok && bad++ == 0) first = i;
         }
-        T_CHECKF(bad == 0, "%zu stored values differ from the header's rule (first at %zu: K %04x "
-                 "want %04x, V %04x want %04x)", bad, first, bk[first],
-                 t_f32_to_f16((float)sk[s][first]), bv[first], t_f32_to_f16((float)sv[s][first]));
+        T_CHECKF(bad == 0, "%zu stored values differ from the header's rule (first at %zu, "
+                 "position %zu: K %04x want %04x, V %04x want %04x)", bad, first,
+                 first / (size_t)row, bk[first], want_k[first], bv[first], want_v[first]);
       }
       m40llm_free(ctx, rk);
       m40llm_free(ctx, rv);
       free(bk);
       free(bv);
     }
+    free(want_k), free(want_v);
   }
 
   t_fill_uniform(q, (size_t)n_seqs * qrow, -1.0f, 1.0f);
@@ -211,10 +273,19 @@ static void run_case(m40llm_context *ctx, quant_case c, const int *lens, int n_s
     double worst = 0.0;
     for (int s = 0; s < n_seqs; s++) {
       const int group = c.n_heads / c.n_kv;
-      for (int h = 0; h < c.n_heads; h++)
-        ref_head(q + (size_t)s * qrow + (size_t)h * c.d, sk[s] + (size_t)(h / group) * c.d,
+      for (int h = 0; h < c.n_heads; h++) {
+        /* in the tensors' frames: q rotated as K is, the output rotated back as V is */
+        const float *qh = q + (size_t)s * qrow + (size_t)h * c.d;
+        float qr[256];
+        double qd[256];
+        for (int i = 0; i < c.d; i++) qd[i] = qh[i];
+        if (rule_k.rotated) rotate_f64(qd, c.d);
+        for (int i = 0; i < c.d; i++) qr[i] = (float)qd[i];
+        ref_head(rule_k.rotated ? qr : qh, sk[s] + (size_t)(h / group) * c.d,
                  sv[s] + (size_t)(h / group) * c.d, lens[s], c.d, (int)row,
                  1.0 / sqrt((double)c.d), ref + (size_t)h * c.d);
+        if (rule_v.rotated) rotate_f64(ref + (size_t)h * c.d, c.d);
+      }
       const double err = t_rel_l2(got + (size_t)s * qrow, ref, qrow);
       if (!(err <= worst)) worst = err;
     }
@@ -272,15 +343,26 @@ static void options(m40llm_context *ctx) {
   m40llm_kvcache_options o = M40LLM_KVCACHE_OPTIONS_INIT;
   o.n_layers = 3, o.n_heads = 8, o.n_kv_heads = 2, o.head_dim = 128, o.max_seqs = 5;
   o.max_seq_len = 100;
+  o.n_sinks = 4, o.window = 20;
   const size_t values = 3ull * 5 * 2 * 100 * 128; /* per tensor */
+  const size_t kept = 3ull * 5 * 2 * 24 * 128 * 2;  /* FP16 slots per quantized tensor */
   size_t bytes = 0;
   o.format = M40LLM_KV_Q8;
-  if (T_OK(m40llm_kvcache_bytes_needed(&bytes, &o))) T_CHECK(bytes == 2 * (values + values / 16));
+  if (T_OK(m40llm_kvcache_bytes_needed(&bytes, &o)))
+    T_CHECK(bytes == 2 * (values + values / 16) + 2 * kept);
   o.v_format = M40LLM_KV_Q4;
   if (T_OK(m40llm_kvcache_bytes_needed(&bytes, &o)))
-    T_CHECK(bytes == (values + values / 16) + (values / 2 + values / 8));
+    T_CHECK(bytes == (values + values / 16) + (values / 2 + values / 8) + 2 * kept);
   o.format = M40LLM_KV_F16;
-  if (T_OK(m40llm_kvcache_bytes_needed(&bytes, &o))) T_CHECK(bytes == 2 * values + values / 2 + values / 8);
+  if (T_OK(m40llm_kvcache_bytes_needed(&bytes, &o)))
+    T_CHECK(bytes == 2 * values + values / 2 + values / 8 + kept);
+  o.v_format = M40LLM_KV_SAME; /* all F16: nothing to protect */
+  if (T_OK(m40llm_kvcache_bytes_needed(&bytes, &o))) T_CHECK(bytes == 4 * values);
+  o.format = M40LLM_KV_Q8, o.window = 1000, o.n_sinks = 0; /* capped at max_seq_len */
+  if (T_OK(m40llm_kvcache_bytes_needed(&bytes, &o)))
+    T_CHECK(bytes == 2 * (values + values / 16) + 2 * (kept / 24 * 100));
+  o.window = 0;
+  if (T_OK(m40llm_kvcache_bytes_needed(&bytes, &o))) T_CHECK(bytes == 2 * (values + values / 16));
   o.format = M40LLM_KV_Q4, o.v_format = M40LLM_KV_SAME, o.head_dim = 48;
   m40llm_kvcache *c = (m40llm_kvcache *)&bytes;
   T_FAIL_WITH(m40llm_kvcache_create(&c, ctx, &o), M40LLM_ERR_UNSUPPORTED, "multiple of 32");
@@ -322,24 +404,116 @@ static void options(m40llm_context *ctx) {
     }
   }
   free(old);
+
+  /* A version-2 struct (ends before rotation) keeps version 2's behaviour: no rotation, no
+   * protected tokens. */
+  typedef struct {
+    unsigned version;
+    int n_layers, n_heads, n_kv_heads, head_dim, max_seqs, max_seq_len, format, v_format;
+  } options_v2;
+  _Static_assert(sizeof(options_v2) == offsetof(m40llm_kvcache_options, rotation), "v2 layout");
+  options_v2 *old2 = malloc(sizeof *old2);
+  if (!T_CHECK(old2)) return;
+  m40llm_kvcache_options *v2 = (m40llm_kvcache_options *)(void *)old2;
+  if (T_OK(m40llm_kvcache_options_init(v2, 2))) {
+    old2->n_layers = 1, old2->n_heads = 2, old2->n_kv_heads = 1, old2->head_dim = 32;
+    old2->max_seqs = 1, old2->max_seq_len = 4, old2->format = M40LLM_KV_Q8;
+    if (T_OK(m40llm_kvcache_bytes_needed(&bytes, v2))) T_CHECK(bytes == 2 * (4 * 32 + 4 * 2));
+    c = NULL;
+    if (T_OK(m40llm_kvcache_create(&c, ctx, v2))) {
+      m40llm_kvcache_options now = M40LLM_KVCACHE_OPTIONS_INIT;
+      if (T_OK(m40llm_kvcache_get_options(&now, c))) {
+        T_INT_EQ(now.rotation, M40LLM_ROTATE_NONE);
+        T_INT_EQ(now.n_sinks, 0);
+        T_INT_EQ(now.window, 0);
+      }
+      m40llm_kvcache_destroy(c);
+    }
+  }
+  free(old2);
+}
+
+/* The window after truncation and appends, and across a fork: position by position, read_f16
+ * returns the FP16 copy (exactly the FP16 input: no rotation) where the position is protected,
+ * else the dequantized value. */
+static void window_history(m40llm_context *ctx, int fmt) {
+  t_set_case("quantized %d: the window through truncate, append and fork", fmt);
+  enum { D = 32, SINKS = 2, WINDOW = 8, N = 40 };
+  m40llm_kvcache_options o = M40LLM_KVCACHE_OPTIONS_INIT;
+  o.n_layers = 1, o.n_heads = 1, o.n_kv_heads = 1, o.head_dim = D, o.max_seqs = 2;
+  o.max_seq_len = N, o.format = fmt, o.rotation = M40LLM_ROTATE_NONE;
+  o.n_sinks = SINKS, o.window = WINDOW;
+  m40llm_kvcache *cache = NULL;
+  if (!T_OK(m40llm_kvcache_create(&cache, ctx, &o))) return;
+  uint16_t x[N * D], got[N * D];
+  for (int i = 0; i < N * D; i++) x[i] = t_f32_to_f16(t_rand_float(-1.0f, 1.0f));
+  uint16_t *dx = t_dev_upload(ctx, x, sizeof x);
+  uint16_t *dr = t_dev_alloc(ctx, sizeof got);
+  const tensor_rule rule = {fmt, 0};
+  /* 30 positions; back to 27 (the window keeps 22..26); 5 more, 27..31 (window 24..31, and
+   * 22, 23 left it); fork; back to 20 (the window is empty: 20..22 were never refilled); 3
+   * more, 20..22 (window 20..22). */
+  struct { int op, n; int lo; } steps[] = {{0, 30, 22}, {1, 27, 22}, {0, 5, 24}, {2, 0, 24},
+                                          {1, 20, 20}, {0, 3, 20}};
+  int len = 0;
+  for (size_t i = 0; dx && dr && i < sizeof steps / sizeof steps[0]; i++) {
+    if (steps[i].op == 0) {
+      if (!T_OK(m40llm_kvcache_append_f16(cache, 0, 0, dx + len * D, dx + len * D, steps[i].n))) break;
+      len += steps[i].n;
+    } else if (steps[i].op == 1) {
+      if (!T_OK(m40llm_kvcache_seq_truncate(cache, 0, steps[i].n))) break;
+      len = steps[i].n;
+    } else if (!T_OK(m40llm_kvcache_seq_fork(cache, 1, 0))) {
+      break;
+    }
+    for (int seq = 0; seq < (steps[i].op == 2 ? 2 : 1); seq++) {
+      if (!T_OK(m40llm_kvcache_read_f16(dr, NULL, cache, 0, seq, 0, len)) ||
+          !t_dev_download(ctx, got, dr, (size_t)len * D * 2))
+        break;
+      int bad = -1;
+      for (int p = 0; p < len && bad < 0; p++) {
+        float f[D];
+        double val[D];
+        uint16_t want[D];
+        for (int j = 0; j < D; j++) f[j] = t_f16_to_f32(x[p * D + j]);
+        stored_row(rule, p < SINKS || p >= steps[i].lo, f, D, val, want);
+        if (memcmp(want, got + p * D, sizeof want) != 0) bad = p;
+      }
+      T_CHECKF(bad < 0, "step %zu, seq %d: position %d is not what the window says", i, seq, bad);
+    }
+  }
+  m40llm_free(ctx, dx);
+  m40llm_free(ctx, dr);
+  m40llm_kvcache_destroy(cache);
 }
 
 void t_cases_quantized(m40llm_context *ctx, int small) {
   options(ctx);
   fork_truncate(ctx, M40LLM_KV_Q8);
   fork_truncate(ctx, M40LLM_KV_Q4);
+  window_history(ctx, M40LLM_KV_Q8);
+  window_history(ctx, M40LLM_KV_Q4);
+  enum { AUTO = M40LLM_ROTATE_AUTO, NONE = M40LLM_ROTATE_NONE, K = M40LLM_ROTATE_K,
+         KV = M40LLM_ROTATE_KV };
   static const quant_case cases[] = {
-      {M40LLM_KV_Q8, M40LLM_KV_SAME, 4, 4, 64},   {M40LLM_KV_Q4, M40LLM_KV_SAME, 4, 4, 64},
-      {M40LLM_KV_Q8, M40LLM_KV_Q4, 8, 2, 128},     {M40LLM_KV_Q4, M40LLM_KV_SAME, 12, 4, 128},
-      {M40LLM_KV_Q8, M40LLM_KV_SAME, 6, 3, 32},    {M40LLM_KV_Q4, M40LLM_KV_SAME, 16, 2, 256},
-      {M40LLM_KV_Q8, M40LLM_KV_SAME, 32, 8, 128},  {M40LLM_KV_Q8, M40LLM_KV_SAME, 8, 1, 96},
-      {M40LLM_KV_F16, M40LLM_KV_Q4, 4, 2, 64},     {M40LLM_KV_Q4, M40LLM_KV_Q8, 4, 2, 64},
+      {M40LLM_KV_Q8, M40LLM_KV_SAME, 4, 4, 64, AUTO, 4, 128},
+      {M40LLM_KV_Q4, M40LLM_KV_SAME, 4, 4, 64, NONE, 0, 0},
+      {M40LLM_KV_Q8, M40LLM_KV_Q4, 8, 2, 128, AUTO, 4, 128},
+      {M40LLM_KV_Q4, M40LLM_KV_SAME, 12, 4, 128, K, 3, 17},
+      {M40LLM_KV_Q8, M40LLM_KV_SAME, 6, 3, 32, KV, 0, 40},
+      {M40LLM_KV_Q4, M40LLM_KV_SAME, 16, 2, 256, AUTO, 4, 128},
+      {M40LLM_KV_Q8, M40LLM_KV_SAME, 32, 8, 128, NONE, 2, 0},
+      {M40LLM_KV_Q8, M40LLM_KV_SAME, 8, 1, 96, AUTO, 1, 5},
+      {M40LLM_KV_Q4, M40LLM_KV_SAME, 8, 1, 192, KV, 4, 128},
+      {M40LLM_KV_F16, M40LLM_KV_Q4, 4, 2, 64, AUTO, 4, 128},
+      {M40LLM_KV_Q4, M40LLM_KV_Q8, 4, 2, 64, KV, 4, 64},
   };
   const int lens[6] = {1, 31, 33, 257, small ? 300 : 2100, 0};
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) run_case(ctx, cases[i], lens, 6, 0);
   /* one long sequence alone: many splits, the combine kernel */
   const int one[1] = {small ? 900 : 6000};
   run_case(ctx, cases[2], one, 1, 0);
+  run_case(ctx, cases[3], one, 1, 1);
   run_case(ctx, cases[1], one, 1, 1);
   t_set_case("");
 }

@@ -205,11 +205,28 @@ typedef enum m40llm_kv_format {
   M40LLM_KV_Q4 = 2
 } m40llm_kv_format;
 
-/* Version 2 added v_format. Callers built against version 1 keep working: the library reads and
- * writes only the fields of the version a struct says it is. */
-#define M40LLM_KVCACHE_OPTIONS_VERSION 2
+/* How K and V are rotated before they are quantized (m40llm_kvcache_options.rotation). The
+ * rotation is the normalized Walsh-Hadamard transform over blocks of b dims (b = the largest
+ * power of two dividing head_dim, at most 256: the whole head at 32, 64, 128, 256): it is
+ * orthogonal and its own inverse, so q.k and the attention output are unchanged, while outlier
+ * channels are spread over the block before the per-32-dim quantizer sees them. Appended K
+ * (and V) rows are rotated in FP32 before they are quantized; attention rotates q and, for a
+ * rotated V, rotates the output back; read_f16 returns rows rotated back. A tensor stored F16
+ * is never rotated. */
+typedef enum m40llm_kv_rotation {
+  M40LLM_ROTATE_AUTO = 0, /* the library's choice: today every quantized tensor (as KV) */
+  M40LLM_ROTATE_NONE = 1,
+  M40LLM_ROTATE_K = 2,    /* K where it is quantized */
+  M40LLM_ROTATE_KV = 3    /* K and V, each where it is quantized */
+} m40llm_kv_rotation;
+
+/* Version 2 added v_format; version 3 rotation, n_sinks and window. Callers built against an
+ * older version keep working, and keep the behaviour of their version: the library reads and
+ * writes only the fields of the version a struct says it is, and a version-1 or -2 struct means
+ * no rotation and no protected tokens. */
+#define M40LLM_KVCACHE_OPTIONS_VERSION 3
 typedef struct m40llm_kvcache_options {
-  unsigned version; /* M40LLM_KVCACHE_OPTIONS_VERSION (or 1) */
+  unsigned version; /* M40LLM_KVCACHE_OPTIONS_VERSION (or 1 or 2) */
   int n_layers;     /* >= 1 */
   int n_heads;      /* query heads, >= 1, a multiple of n_kv_heads */
   int n_kv_heads;   /* >= 1; n_heads / n_kv_heads query heads share one K/V head (GQA/MQA) */
@@ -219,10 +236,24 @@ typedef struct m40llm_kvcache_options {
   int format;       /* m40llm_kv_format of K, and of V unless v_format names another; any other
                        value: M40LLM_ERR_UNSUPPORTED */
   int v_format;     /* version 2: V's m40llm_kv_format, or M40LLM_KV_SAME (the default) */
+  int rotation;     /* version 3: m40llm_kv_rotation (default AUTO) */
+  /* Version 3, protected tokens: where K or V is quantized, the first n_sinks positions of a
+   * sequence (attention sinks; default 4) and its most recent `window` positions (default
+   * 128; the newest one included) are also kept in FP16, and attention and read_f16 use those
+   * FP16 values (rotated as the tensor is). Every position is quantized when appended; a
+   * position leaves the window when `window` newer ones are appended, and its FP16 copy is then
+   * gone: after seq_truncate, the positions that had left the window stay quantized until
+   * appends refill it. 0 turns either off. Both are capped at max_seq_len; the FP16 copies take
+   * (n_sinks + window) x head_dim x 2 bytes per layer, sequence, K/V head and quantized tensor
+   * (counted by m40llm_kvcache_bytes_needed). An all-F16 cache ignores them. */
+  int n_sinks;
+  int window;
 } m40llm_kvcache_options;
-#define M40LLM_KVCACHE_OPTIONS_INIT \
-  { M40LLM_KVCACHE_OPTIONS_VERSION, 0, 0, 0, 0, 0, 0, M40LLM_KV_F16, M40LLM_KV_SAME }
-/** Fills *opts with the defaults of the given version, 1 or 2 (all sizes zero, FP16). */
+#define M40LLM_KVCACHE_OPTIONS_INIT                                                     \
+  { M40LLM_KVCACHE_OPTIONS_VERSION, 0, 0, 0, 0, 0, 0, M40LLM_KV_F16, M40LLM_KV_SAME, \
+    M40LLM_ROTATE_AUTO, 4, 128 }
+/** Fills *opts with the defaults of the given version, 1 to 3 (all sizes zero, FP16; version 3:
+ *  rotation AUTO, 4 sinks, a window of 128). */
 int m40llm_kvcache_options_init(m40llm_kvcache_options *opts, unsigned version);
 
 /** Bytes of backend memory a cache with these options holds (K plus V), without allocating.
@@ -262,7 +293,8 @@ int m40llm_kvcache_append_f32(m40llm_kvcache *cache, int layer, int seq, const f
 int m40llm_kvcache_append_f16(m40llm_kvcache *cache, int layer, int seq, const uint16_t *k,
                               const uint16_t *v, int n_tokens);
 /** Copies positions [pos, pos + n_tokens) of (layer, seq) out as FP16 into k_out and v_out
- *  (Q8 and Q4: the dequantized values, rounded to FP16),
+ *  (Q8 and Q4: what attention reads: the dequantized values, or a protected position's FP16
+ *  copy, rotated back where the tensor is rotated, rounded to FP16),
  *  [n_tokens][n_kv_heads][head_dim] in backend memory. Either output may be NULL to skip it; both
  *  NULL, or n_tokens < 1, fails with M40LLM_ERR_INVALID_ARGUMENT. A range outside
  *  [0, seq_len) fails with M40LLM_ERR_OUT_OF_RANGE. */

@@ -39,7 +39,9 @@ typedef struct m40llm_backend_ops {
   /* A new cache's planes are allocated: reserve what its calls need so they never allocate. */
   int (*cache_created)(m40llm_kvcache *c);
   /* Writes positions [pos, pos + n_tokens) of (layer, seq) from [n_tokens][n_kv_heads][dim]
-   * FP32 (src_is_f32) or FP16 rows. */
+   * FP32 (src_is_f32) or FP16 rows, rotated where the tensor is; a quantized tensor's FP16
+   * slots get the positions p < c->n_sinks and p >= pos + n_tokens - c->window (the window
+   * after this append). */
   int (*append)(const m40llm_kvcache *c, int layer, int seq, int pos, const void *k,
                 const void *v, int n_tokens, int src_is_f32);
   int (*read_f16)(const m40llm_kvcache *c, uint16_t *k_out, uint16_t *v_out, int layer,

@@ -78,120 +78,165 @@ static int cpu_cache_created(m40llm_kvcache *c) {
   return M40LLM_OK;
 }
 
+/* Encodes one row of a tensor from FP32 or FP16 input: an F16 tensor stores it as it is (FP16
+ * bits unchanged); a quantized one takes it as FP32, rotated where the tensor is, and keeps the
+ * FP16 copy in slot `slot` (-1: none). */
+static void append_row(const m40llm_kvcache *c, const m40llm_kv_tensor *x, size_t row,
+                       const void *src, int src_is_f32, size_t protected_row) {
+  const int d = c->opts.head_dim;
+  void *codes = m40llm_kv_at(x, M40LLM_KV_CODES, row);
+  void *params = m40llm_kv_at(x, M40LLM_KV_PARAMS, row);
+  if (x->layout.fmt->format == M40LLM_KV_F16) {
+    if (src_is_f32) x->layout.fmt->encode_f32(codes, params, src, d);
+    else x->layout.fmt->encode_f16(codes, params, src, d);
+    return;
+  }
+  float f[256];
+  for (int i = 0; i < d; i++)
+    f[i] = src_is_f32 ? ((const float *)src)[i] : m40llm_f16_to_f32(((const uint16_t *)src)[i]);
+  if (x->rotated) m40llm_rotate_f32(f, d);
+  x->layout.fmt->encode_f32(codes, params, f, d);
+  if (protected_row != SIZE_MAX)
+    for (int i = 0; i < d; i++) x->fp16[protected_row * (size_t)d + i] = m40llm_f32_to_f16(f[i]);
+}
+
 static int cpu_append(const m40llm_kvcache *c, int layer, int seq, int pos, const void *k,
                       const void *v, int n_tokens, int src_is_f32) {
   const m40llm_kvcache_options *o = &c->opts;
-  const int d = o->head_dim;
+  const size_t d = (size_t)o->head_dim, elem = src_is_f32 ? sizeof(float) : sizeof(uint16_t);
+  const m40llm_kv_tensor *tensors[2] = {&c->k, &c->v};
+  const unsigned char *srcs[2] = {k, v};
   for (int t = 0; t < n_tokens; t++) {
+    const int p = pos + t;
+    const int kept = c->slots > 0 && (p < c->n_sinks || p >= pos + n_tokens - c->window);
     for (int h = 0; h < o->n_kv_heads; h++) {
-      const size_t src = ((size_t)t * (size_t)o->n_kv_heads + (size_t)h) * (size_t)d;
-      const size_t row = m40llm_kv_row(o, layer, seq, h, pos + t);
-      const m40llm_kv_tensor *tensors[2] = {&c->k, &c->v};
-      const void *srcs[2] = {k, v};
-      for (int i = 0; i < 2; i++) {
-        const m40llm_kv_tensor *x = tensors[i];
-        void *codes = m40llm_kv_at(x, M40LLM_KV_CODES, row);
-        void *params = m40llm_kv_at(x, M40LLM_KV_PARAMS, row);
-        if (src_is_f32)
-          x->layout.fmt->encode_f32(codes, params, (const float *)srcs[i] + src, d);
-        else
-          x->layout.fmt->encode_f16(codes, params, (const uint16_t *)srcs[i] + src, d);
-      }
+      const size_t src = ((size_t)t * (size_t)o->n_kv_heads + (size_t)h) * d * elem;
+      const size_t prow =
+          kept ? m40llm_kv_protected_row(o, c->slots, layer, seq, h,
+                                         m40llm_kv_protected_slot(c->n_sinks, c->window, p))
+               : SIZE_MAX;
+      for (int i = 0; i < 2; i++)
+        append_row(c, tensors[i], m40llm_kv_row(o, layer, seq, h, p), srcs[i] + src, src_is_f32,
+                   prow);
     }
   }
   return M40LLM_OK;
 }
 
-static void read_rows(const m40llm_kv_tensor *x, uint16_t *out, const m40llm_kvcache_options *o,
+/* Row (layer, seq, h, pos) of a tensor as attention reads it, in FP32 and as stored (rotated
+ * where the tensor is): the FP16 copy of a protected position, else the decoded row. */
+static void row_values(const m40llm_kvcache *c, const m40llm_kv_tensor *x, int layer, int seq,
+                       int h, int pos, float *dst) {
+  const m40llm_kvcache_options *o = &c->opts;
+  const int d = o->head_dim;
+  if (x->fp16 && m40llm_is_protected(c, layer, seq, pos)) {
+    const size_t r = m40llm_kv_protected_row(o, c->slots, layer, seq, h,
+                                             m40llm_kv_protected_slot(c->n_sinks, c->window, pos));
+    for (int i = 0; i < d; i++) dst[i] = m40llm_f16_to_f32(x->fp16[r * (size_t)d + i]);
+    return;
+  }
+  const size_t row = m40llm_kv_row(o, layer, seq, h, pos);
+  x->layout.fmt->decode(dst, m40llm_kv_at(x, M40LLM_KV_CODES, row),
+                        m40llm_kv_at(x, M40LLM_KV_PARAMS, row), d);
+}
+
+static void read_rows(const m40llm_kvcache *c, const m40llm_kv_tensor *x, uint16_t *out,
                       int layer, int seq, int pos, int n_tokens) {
   if (!out) return;
+  const m40llm_kvcache_options *o = &c->opts;
   const int d = o->head_dim;
+  float f[256];
   for (int t = 0; t < n_tokens; t++)
     for (int h = 0; h < o->n_kv_heads; h++) {
-      const size_t row = m40llm_kv_row(o, layer, seq, h, pos + t);
-      x->layout.fmt->read_f16(out + ((size_t)t * (size_t)o->n_kv_heads + (size_t)h) * (size_t)d,
-                              m40llm_kv_at(x, M40LLM_KV_CODES, row),
-                              m40llm_kv_at(x, M40LLM_KV_PARAMS, row), d);
+      uint16_t *dst = out + ((size_t)t * (size_t)o->n_kv_heads + (size_t)h) * (size_t)d;
+      if (x->layout.fmt->format == M40LLM_KV_F16) { /* stored bits, NaN payloads included */
+        const size_t row = m40llm_kv_row(o, layer, seq, h, pos + t);
+        x->layout.fmt->read_f16(dst, m40llm_kv_at(x, M40LLM_KV_CODES, row), NULL, d);
+        continue;
+      }
+      row_values(c, x, layer, seq, h, pos + t, f);
+      if (x->rotated) m40llm_rotate_f32(f, d);
+      for (int i = 0; i < d; i++) dst[i] = m40llm_f32_to_f16(f[i]);
     }
 }
 
 static int cpu_read_f16(const m40llm_kvcache *c, uint16_t *k_out, uint16_t *v_out, int layer,
                         int seq, int pos, int n_tokens) {
-  read_rows(&c->k, k_out, &c->opts, layer, seq, pos, n_tokens);
-  read_rows(&c->v, v_out, &c->opts, layer, seq, pos, n_tokens);
+  read_rows(c, &c->k, k_out, layer, seq, pos, n_tokens);
+  read_rows(c, &c->v, v_out, layer, seq, pos, n_tokens);
   return M40LLM_OK;
 }
 
 static int cpu_fork(const m40llm_kvcache *c, int dst_seq, int src_seq) {
   const m40llm_kvcache_options *o = &c->opts;
   const m40llm_kv_tensor *tensors[2] = {&c->k, &c->v};
+  const size_t d = (size_t)o->head_dim;
   for (int l = 0; l < o->n_layers; l++) {
     const size_t n = (size_t)*m40llm_len_slot(c, l, src_seq);
-    for (int h = 0; h < o->n_kv_heads; h++) {
-      const size_t src = m40llm_kv_row(o, l, src_seq, h, 0);
-      const size_t dst = m40llm_kv_row(o, l, dst_seq, h, 0);
-      for (int i = 0; i < 2; i++)
+    for (int i = 0; i < 2; i++) {
+      const m40llm_kv_tensor *x = tensors[i];
+      for (int h = 0; h < o->n_kv_heads; h++) {
+        const size_t src = m40llm_kv_row(o, l, src_seq, h, 0);
+        const size_t dst = m40llm_kv_row(o, l, dst_seq, h, 0);
         for (int p = 0; p < M40LLM_KV_PLANES; p++)
-          if (tensors[i]->plane[p])
-            memcpy(m40llm_kv_at(tensors[i], p, dst), m40llm_kv_at(tensors[i], p, src),
-                   n * tensors[i]->layout.row_bytes[p]);
+          if (x->plane[p])
+            memcpy(m40llm_kv_at(x, p, dst), m40llm_kv_at(x, p, src), n * x->layout.row_bytes[p]);
+      }
+      if (x->fp16) /* every head's slots of a (layer, seq) are one run */
+        memcpy(x->fp16 + m40llm_kv_protected_row(o, c->slots, l, dst_seq, 0, 0) * d,
+               x->fp16 + m40llm_kv_protected_row(o, c->slots, l, src_seq, 0, 0) * d,
+               (size_t)o->n_kv_heads * (size_t)c->slots * d * sizeof(uint16_t));
     }
   }
   return M40LLM_OK;
 }
 
-/* A row of K or V as floats. */
-static void decode_row(float *dst, const m40llm_kv_tensor *x, size_t row, int d) {
-  x->layout.fmt->decode(dst, m40llm_kv_at(x, M40LLM_KV_CODES, row),
-                        m40llm_kv_at(x, M40LLM_KV_PARAMS, row), d);
-}
-
-/* One query head against the len rows of one K/V head from row base, in double, with a running
- * (online) softmax so no per-position scratch is needed. A -inf score has weight 0; a row whose
- * every score is -inf yields zeros. */
-static void attend_head(const m40llm_kvcache *c, size_t base, int len, const float *q,
-                        float *out, double scale, double *acc, float *row) {
+/* One query head against the len positions of K/V head h of (layer, seq), in double, with a
+ * running (online) softmax so no per-position scratch is needed; q and the output in the
+ * tensors' rotated frames (the caller rotates). A -inf score has weight 0; a row whose every
+ * score is -inf yields zeros. */
+static void attend_head(const m40llm_kvcache *c, int layer, int seq, int h, int len,
+                        const double *q, double *out, double scale, float *row) {
   const int d = c->opts.head_dim;
-  if (len == 0) {
-    memset(out, 0, (size_t)d * sizeof(float));
-    return;
-  }
+  for (int i = 0; i < d; i++) out[i] = 0.0;
   double max = -INFINITY, sum = 0.0;
-  for (int i = 0; i < d; i++) acc[i] = 0.0;
   for (int p = 0; p < len; p++) {
-    decode_row(row, &c->k, base + (size_t)p, d);
+    row_values(c, &c->k, layer, seq, h, p, row);
     double s = 0.0;
-    for (int i = 0; i < d; i++) s += (double)q[i] * (double)row[i];
+    for (int i = 0; i < d; i++) s += q[i] * (double)row[i];
     s *= scale;
     if (s > max) {
       const double r = exp(max - s);
       sum *= r;
-      for (int i = 0; i < d; i++) acc[i] *= r;
+      for (int i = 0; i < d; i++) out[i] *= r;
       max = s;
     }
     /* A score of -inf (K holds an infinity) has weight 0, even while max is still -inf. */
     const double w = s == -INFINITY ? 0.0 : exp(s - max);
     sum += w;
-    decode_row(row, &c->v, base + (size_t)p, d);
-    for (int i = 0; i < d; i++) acc[i] += w * (double)row[i];
+    row_values(c, &c->v, layer, seq, h, p, row);
+    for (int i = 0; i < d; i++) out[i] += w * (double)row[i];
   }
-  /* Every score -inf: nothing had weight, the output is zeros. */
-  for (int i = 0; i < d; i++) out[i] = sum > 0.0 ? (float)(acc[i] / sum) : 0.0f;
+  /* Every score -inf (or no position): nothing had weight, the output is zeros. */
+  for (int i = 0; i < d; i++) out[i] = sum > 0.0 ? out[i] / sum : 0.0;
 }
 
 static int cpu_attention(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, int n_seqs,
                          const float *q, float *out, float scale) {
   const m40llm_kvcache_options *o = &c->opts;
   const int group = o->n_heads / o->n_kv_heads;
-  const size_t d = (size_t)o->head_dim;
-  double acc[256];
+  const int d = o->head_dim;
+  double qd[256], acc[256];
   float row[256];
   for (int i = 0; i < n_seqs; i++) {
     const int len = *m40llm_len_slot(c, layer, seq_ids[i]);
     for (int h = 0; h < o->n_heads; h++) {
-      const size_t base = m40llm_kv_row(o, layer, seq_ids[i], h / group, 0);
-      const size_t r = ((size_t)i * (size_t)o->n_heads + (size_t)h) * d;
-      attend_head(c, base, len, q + r, out + r, (double)scale, acc, row);
+      const size_t r = ((size_t)i * (size_t)o->n_heads + (size_t)h) * (size_t)d;
+      for (int j = 0; j < d; j++) qd[j] = q[r + j];
+      if (c->k.rotated) m40llm_rotate_f64(qd, d);
+      attend_head(c, layer, seq_ids[i], h / group, len, qd, acc, (double)scale, row);
+      if (c->v.rotated) m40llm_rotate_f64(acc, d);
+      for (int j = 0; j < d; j++) out[r + j] = (float)acc[j];
     }
   }
   return M40LLM_OK;

@@ -34,10 +34,32 @@ struct m40llm_kvcache {
   /* Authoritative lengths, [layer][seq], on the host: every change goes through this API in
    * host order, so they always match what the stream will see. */
   int *lens;
+  /* Protected tokens (m40llm_kv_protection): FP16 slots a head, sinks then the window's ring. */
+  int n_sinks, window, slots;
+  /* [layer][seq]: positions from max(lo, n_sinks) to the length have their FP16 copy in the
+   * ring (the window's; appends raise it, truncation lowers it). */
+  int *lo;
 };
 
 static inline int *m40llm_len_slot(const m40llm_kvcache *c, int layer, int seq) {
   return &c->lens[(size_t)layer * (size_t)c->opts.max_seqs + (size_t)seq];
+}
+
+static inline int *m40llm_lo_slot(const m40llm_kvcache *c, int layer, int seq) {
+  return &c->lo[(size_t)layer * (size_t)c->opts.max_seqs + (size_t)seq];
+}
+
+/* The first window position of (layer, seq): positions below min(n_sinks, length) and from
+ * here to the length are read from the FP16 slots, the rest from the quantized rows. */
+static inline int m40llm_window_begin(const m40llm_kvcache *c, int layer, int seq) {
+  const int len = *m40llm_len_slot(c, layer, seq), lo = *m40llm_lo_slot(c, layer, seq);
+  const int w = lo > c->n_sinks ? lo : c->n_sinks;
+  return w < len ? w : len;
+}
+
+/* Whether position pos of (layer, seq) is read from the FP16 slots. */
+static inline int m40llm_is_protected(const m40llm_kvcache *c, int layer, int seq, int pos) {
+  return c->slots > 0 && (pos < c->n_sinks || pos >= m40llm_window_begin(c, layer, seq));
 }
 
 /* Records a failure for m40llm_last_error_message() and returns status. */

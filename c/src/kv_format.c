@@ -121,6 +121,41 @@ const m40llm_kv_format_desc *m40llm_kv_format_find(int format) {
   return NULL;
 }
 
+float m40llm_rotation_scale(int block) { return 1.0f / sqrtf((float)block); }
+
+#define ROTATE(T, x, n, scale)                                            \
+  do {                                                                    \
+    const int b_ = m40llm_rotation_block(n);                              \
+    for (int base = 0; base < (n); base += b_) {                          \
+      T *y = (x) + base;                                                  \
+      for (int h = 1; h < b_; h <<= 1)                                    \
+        for (int i = 0; i < b_; i++)                                      \
+          if (!(i & h)) {                                                 \
+            const T a = y[i], c = y[i + h];                               \
+            y[i] = a + c;                                                 \
+            y[i + h] = a - c;                                             \
+          }                                                               \
+      for (int i = 0; i < b_; i++) y[i] *= (scale);                       \
+    }                                                                     \
+  } while (0)
+
+void m40llm_rotate_f32(float *x, int n) {
+  ROTATE(float, x, n, m40llm_rotation_scale(m40llm_rotation_block(n)));
+}
+
+void m40llm_rotate_f64(double *x, int n) {
+  ROTATE(double, x, n, 1.0 / sqrt((double)m40llm_rotation_block(n)));
+}
+
+void m40llm_kv_protection(const m40llm_kvcache_options *o, int k_format, int v_format,
+                          int *out_sinks, int *out_window) {
+  const int quantized = k_format != M40LLM_KV_F16 || v_format != M40LLM_KV_F16;
+  const int sinks = !quantized ? 0 : o->n_sinks < o->max_seq_len ? o->n_sinks : o->max_seq_len;
+  const int room = o->max_seq_len - sinks;
+  *out_sinks = sinks;
+  *out_window = !quantized ? 0 : o->window < room ? o->window : room;
+}
+
 static int mul_checked(size_t *acc, size_t x) {
   if (x != 0 && *acc > SIZE_MAX / x) return 0;
   *acc *= x;

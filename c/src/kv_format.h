@@ -56,7 +56,43 @@ static inline size_t m40llm_kv_row(const m40llm_kvcache_options *o, int layer, i
 typedef struct m40llm_kv_tensor {
   m40llm_kv_layout layout;
   unsigned char *plane[M40LLM_KV_PLANES];
+  int rotated;       /* rows are stored rotated (m40llm_rotate_f32) */
+  uint16_t *fp16;    /* protected positions' FP16 rows (m40llm_kv_protected_row), or NULL */
 } m40llm_kv_tensor;
+
+/* ---- Rotation: the normalized Walsh-Hadamard transform over blocks of the row ---- */
+
+/* The block of a row of n dims: the largest power of two dividing n (n <= 256). */
+static inline int m40llm_rotation_block(int n) { return n & -n; }
+/* 1 / sqrt(block) in FP32, the last step of the FP32 transform. */
+float m40llm_rotation_scale(int block);
+/* x (n dims) rotated in place: in each block, stages h = 1, 2, 4, .. of butterflies
+ * (x[i], x[i + h]) -> (x[i] + x[i + h], x[i] - x[i + h]) for every i with bit h clear, then
+ * every element times m40llm_rotation_scale. The CUDA kernels do the same FP32 operations. Its
+ * own inverse up to rounding. */
+void m40llm_rotate_f32(float *x, int n);
+/* The same in double with the exact scale (the reference attention's). */
+void m40llm_rotate_f64(double *x, int n);
+
+/* ---- Protected tokens: FP16 copies of a quantized tensor's sinks and recent window ---- */
+
+/* Sinks and window as a cache uses them: capped at max_seq_len, 0 where no tensor is
+ * quantized. */
+void m40llm_kv_protection(const m40llm_kvcache_options *o, int k_format, int v_format,
+                          int *out_sinks, int *out_window);
+
+/* Where position pos lies among the FP16 slots: sinks at their position, then a ring of
+ * `window` slots (pos must be protected: pos < sinks or window > 0). */
+static inline int m40llm_kv_protected_slot(int sinks, int window, int pos) {
+  return pos < sinks ? pos : sinks + (pos - sinks) % window;
+}
+
+/* Row index of (layer, seq, kv_head, slot) in a protected plane of slots rows a head. */
+static inline size_t m40llm_kv_protected_row(const m40llm_kvcache_options *o, int slots,
+                                             int layer, int seq, int kv_head, int slot) {
+  return (((size_t)layer * (size_t)o->max_seqs + (size_t)seq) * (size_t)o->n_kv_heads +
+          (size_t)kv_head) * (size_t)slots + (size_t)slot;
+}
 
 static inline unsigned char *m40llm_kv_at(const m40llm_kv_tensor *t, int plane, size_t row) {
   return t->plane[plane] ? t->plane[plane] + row * t->layout.row_bytes[plane] : NULL;

@@ -8,10 +8,15 @@
 
 #define FAIL(code, ...) m40llm_fail(M40LLM_ERR_##code, __VA_ARGS__)
 
-/* Bytes of the options struct of each version: a version-1 caller's struct ends before v_format. */
+/* Bytes of the options struct of each version: a version-1 caller's struct ends before
+ * v_format, a version-2 one before rotation. */
 static size_t options_size(unsigned version) {
-  return version == 1 ? offsetof(m40llm_kvcache_options, v_format)
-                      : version == 2 ? sizeof(m40llm_kvcache_options) : 0;
+  switch (version) {
+    case 1: return offsetof(m40llm_kvcache_options, v_format);
+    case 2: return offsetof(m40llm_kvcache_options, rotation);
+    case 3: return sizeof(m40llm_kvcache_options);
+    default: return 0;
+  }
 }
 
 int m40llm_kvcache_options_init(m40llm_kvcache_options *opts, unsigned version) {
@@ -36,6 +41,10 @@ static int read_options(m40llm_kvcache_options *out, const m40llm_kvcache_option
                 in->version, M40LLM_KVCACHE_OPTIONS_VERSION);
   const m40llm_kvcache_options defaults = M40LLM_KVCACHE_OPTIONS_INIT;
   *out = defaults;
+  if (in->version < 3) { /* what caches of versions 1 and 2 did */
+    out->rotation = M40LLM_ROTATE_NONE;
+    out->n_sinks = out->window = 0;
+  }
   memcpy(out, in, options_size(in->version));
   out->version = M40LLM_KVCACHE_OPTIONS_VERSION;
   return M40LLM_OK;
@@ -45,8 +54,21 @@ static int v_format_of(const m40llm_kvcache_options *o) {
   return o->v_format == M40LLM_KV_SAME ? o->format : o->v_format;
 }
 
+/* Bytes of one tensor's FP16 protected slots, added to *bytes (0 on overflow). */
+static int add_protected_bytes(size_t *bytes, const m40llm_kvcache_options *o, int slots) {
+  size_t n = (size_t)slots * (size_t)o->head_dim * sizeof(uint16_t);
+  const size_t dims[] = {(size_t)o->n_layers, (size_t)o->max_seqs, (size_t)o->n_kv_heads};
+  for (size_t i = 0; i < sizeof dims / sizeof dims[0]; i++) {
+    if (n != 0 && n > SIZE_MAX / dims[i]) return 0;
+    n *= dims[i];
+  }
+  if (*bytes > SIZE_MAX - n) return 0;
+  *bytes += n;
+  return 1;
+}
+
 /* Validates opts (already read as the current version) and computes the layouts of K and V and
- * their bytes together. */
+ * their bytes together, FP16 slots included. */
 static int check_options(const m40llm_kvcache_options *o, m40llm_kv_layout *k_layout,
                          m40llm_kv_layout *v_layout, size_t *out_bytes) {
   if (o->n_layers < 1) return FAIL(INVALID_ARGUMENT, "opts->n_layers is %d, must be >= 1", o->n_layers);
@@ -66,13 +88,30 @@ static int check_options(const m40llm_kvcache_options *o, m40llm_kv_layout *k_la
   if (o->v_format != M40LLM_KV_SAME && !m40llm_kv_format_find(o->v_format))
     return FAIL(UNSUPPORTED, "opts->v_format %d is not a KV format of this library",
                 o->v_format);
+  if (o->rotation < M40LLM_ROTATE_AUTO || o->rotation > M40LLM_ROTATE_KV)
+    return FAIL(INVALID_ARGUMENT, "opts->rotation is %d, not an m40llm_kv_rotation", o->rotation);
+  if (o->n_sinks < 0) return FAIL(INVALID_ARGUMENT, "opts->n_sinks is %d, must be >= 0", o->n_sinks);
+  if (o->window < 0) return FAIL(INVALID_ARGUMENT, "opts->window is %d, must be >= 0", o->window);
   size_t k_bytes = 0, v_bytes = 0;
   int rc = m40llm_kv_layout_init(k_layout, &k_bytes, o, o->format);
   if (rc == M40LLM_OK) rc = m40llm_kv_layout_init(v_layout, &v_bytes, o, v_format_of(o));
   if (rc != M40LLM_OK) return rc;
   if (k_bytes > SIZE_MAX - v_bytes) return FAIL(OUT_OF_MEMORY, "cache size overflows size_t");
-  *out_bytes = k_bytes + v_bytes;
+  size_t bytes = k_bytes + v_bytes;
+  int sinks, window;
+  m40llm_kv_protection(o, o->format, v_format_of(o), &sinks, &window);
+  const int formats[2] = {o->format, v_format_of(o)};
+  for (int i = 0; i < 2; i++)
+    if (formats[i] != M40LLM_KV_F16 && !add_protected_bytes(&bytes, o, sinks + window))
+      return FAIL(OUT_OF_MEMORY, "cache size overflows size_t");
+  *out_bytes = bytes;
   return M40LLM_OK;
+}
+
+/* Whether a tensor of this format is stored rotated under rotation (m40llm_kv_rotation). */
+static int is_rotated(int format, int rotation, int is_v) {
+  if (format == M40LLM_KV_F16 || rotation == M40LLM_ROTATE_NONE) return 0;
+  return !is_v || rotation != M40LLM_ROTATE_K;
 }
 
 int m40llm_kvcache_bytes_needed(size_t *out_bytes, const m40llm_kvcache_options *opts) {
@@ -87,23 +126,30 @@ int m40llm_kvcache_bytes_needed(size_t *out_bytes, const m40llm_kvcache_options 
 }
 
 static void release(m40llm_kvcache *c) {
-  for (int p = 0; p < M40LLM_KV_PLANES; p++) {
-    m40llm_free(c->ctx, c->k.plane[p]);
-    m40llm_free(c->ctx, c->v.plane[p]);
+  m40llm_kv_tensor *tensors[2] = {&c->k, &c->v};
+  for (int i = 0; i < 2; i++) {
+    for (int p = 0; p < M40LLM_KV_PLANES; p++) m40llm_free(c->ctx, tensors[i]->plane[p]);
+    m40llm_free(c->ctx, tensors[i]->fp16);
   }
   free(c->lens);
+  free(c->lo);
   free(c);
 }
 
-/* The planes of one tensor, each its own allocation (aligned for the widest loads). */
-static int alloc_tensor(m40llm_kv_tensor *t, m40llm_context *ctx, const m40llm_kv_layout *l) {
+/* The planes of one tensor, each its own allocation (aligned for the widest loads), and a
+ * quantized tensor's FP16 slots where the cache has any. */
+static int alloc_tensor(m40llm_kv_tensor *t, m40llm_kvcache *c, const m40llm_kv_layout *l,
+                        int is_v) {
   t->layout = *l;
+  t->rotated = is_rotated(l->fmt->format, c->opts.rotation, is_v);
   for (int p = 0; p < M40LLM_KV_PLANES; p++) {
     if (l->row_bytes[p] == 0) continue;
-    const int rc = m40llm_malloc((void **)&t->plane[p], ctx, l->rows * l->row_bytes[p]);
+    const int rc = m40llm_malloc((void **)&t->plane[p], c->ctx, l->rows * l->row_bytes[p]);
     if (rc != M40LLM_OK) return rc;
   }
-  return M40LLM_OK;
+  if (l->fmt->format == M40LLM_KV_F16 || c->slots == 0) return M40LLM_OK;
+  const size_t rows = m40llm_kv_protected_row(&c->opts, c->slots, c->opts.n_layers, 0, 0, 0);
+  return m40llm_malloc((void **)&t->fp16, c->ctx, rows * (size_t)c->opts.head_dim * sizeof(uint16_t));
 }
 
 int m40llm_kvcache_create(m40llm_kvcache **out, m40llm_context *ctx,
@@ -121,13 +167,18 @@ int m40llm_kvcache_create(m40llm_kvcache **out, m40llm_context *ctx,
   if (!c) return FAIL(OUT_OF_MEMORY, "allocating the cache handle");
   c->ctx = ctx;
   c->opts = o;
+  m40llm_kv_protection(&o, o.format, v_format_of(&o), &c->n_sinks, &c->window);
+  c->slots = c->n_sinks + c->window;
   c->lens = m40llm_host_calloc((size_t)o.n_layers * (size_t)o.max_seqs, sizeof *c->lens);
-  if (!c->lens) {
+  c->lo = m40llm_host_calloc((size_t)o.n_layers * (size_t)o.max_seqs, sizeof *c->lo);
+  if (!c->lens || !c->lo) {
+    free(c->lens);
+    free(c->lo);
     free(c);
     return FAIL(OUT_OF_MEMORY, "allocating sequence lengths");
   }
-  if ((rc = alloc_tensor(&c->k, ctx, &k_layout)) != M40LLM_OK ||
-      (rc = alloc_tensor(&c->v, ctx, &v_layout)) != M40LLM_OK ||
+  if ((rc = alloc_tensor(&c->k, c, &k_layout, 0)) != M40LLM_OK ||
+      (rc = alloc_tensor(&c->v, c, &v_layout, 1)) != M40LLM_OK ||
       (rc = m40llm_context_result(ctx, ctx->ops->cache_created(c))) != M40LLM_OK) {
     release(c);
     return rc;
@@ -186,8 +237,9 @@ int m40llm_kvcache_seq_truncate(m40llm_kvcache *cache, int seq, int new_len) {
   if (rc != M40LLM_OK) return rc;
   if (new_len < 0) return FAIL(INVALID_ARGUMENT, "new_len is %d, must be >= 0", new_len);
   for (int l = 0; l < cache->opts.n_layers; l++) {
-    int *len = m40llm_len_slot(cache, l, seq);
+    int *len = m40llm_len_slot(cache, l, seq), *lo = m40llm_lo_slot(cache, l, seq);
     if (*len > new_len) *len = new_len;
+    if (*lo > new_len) *lo = new_len;
   }
   return M40LLM_OK;
 }
@@ -203,8 +255,10 @@ int m40llm_kvcache_seq_fork(m40llm_kvcache *cache, int dst_seq, int src_seq) {
       (rc = m40llm_context_result(cache->ctx, cache->ctx->ops->fork(cache, dst_seq, src_seq))) !=
           M40LLM_OK)
     return rc;
-  for (int l = 0; l < cache->opts.n_layers; l++)
+  for (int l = 0; l < cache->opts.n_layers; l++) {
     *m40llm_len_slot(cache, l, dst_seq) = *m40llm_len_slot(cache, l, src_seq);
+    *m40llm_lo_slot(cache, l, dst_seq) = *m40llm_lo_slot(cache, l, src_seq);
+  }
   return M40LLM_OK;
 }
 
@@ -223,7 +277,11 @@ static int append(m40llm_kvcache *c, int layer, int seq, const void *k, const vo
   if ((rc = m40llm_context_check(c->ctx)) != M40LLM_OK) return rc;
   rc = m40llm_context_result(c->ctx,
                              c->ctx->ops->append(c, layer, seq, *len, k, v, n_tokens, src_is_f32));
-  if (rc == M40LLM_OK) *len += n_tokens;
+  if (rc == M40LLM_OK) {
+    int *lo = m40llm_lo_slot(c, layer, seq);
+    *len += n_tokens;
+    if (*lo < *len - c->window) *lo = *len - c->window;
+  }
   return rc;
 }
 
