@@ -3,11 +3,12 @@
 #include "backend_cuda.h"
 #include "common.cuh"
 #include "kv_format.cuh"
+#include "rotation.cuh"
 #include "tuning.cuh"
 
 namespace {
 
-// P: the cache's KvPair of formats. Each thread takes R elements of one token's K/V head row (R
+// An F16 cache's rows, element-parallel. P: the cache's KvPair of formats. Each thread takes R elements of one token's K/V head row (R
 // the larger of the formats' encode runs: head_dim is a multiple of it) and encodes them in the
 // formats' runs.
 template <typename P, typename T>
@@ -39,6 +40,87 @@ __global__ void append_kernel(const T *__restrict__ k, const T *__restrict__ v, 
   }
 }
 
+// A quantized cache's rows: one warp a (token, K/V head) row. The row is staged in shared
+// memory as FP32, rotated there where the tensor is (the same FP32 operations as the CPU
+// backend), then encoded in groups, one lane a group. P: the cache's KvPair of formats
+// (quantized ones: their encode run is the group).
+constexpr int kAppendRowWarps = kAppendThreads / 32;
+
+struct AppendRows {
+  KvMutPlanes k, v;
+  size_t first;       // element of the first row ([kv_head][pos][dim] from (layer, seq, 0, pos))
+  size_t head_stride; // elements between K/V heads
+  int n_tokens, n_kv_heads, head_dim;
+  bool rot_k, rot_v;
+  float rot_scale;
+};
+
+template <typename F, typename T>
+__device__ __forceinline__ void append_row(float *x, const T *src, const KvMutPlanes &planes,
+                                           size_t dst, bool rotate, const AppendRows &r,
+                                           int lane) {
+  const int D = r.head_dim;
+  for (int i = lane; i < D; i += 32) x[i] = (float)src[i];
+  __syncwarp();
+  if (rotate) rotate_rows(x, 1, D, D, r.rot_scale, lane, 32, IdentityIndex(), [] { __syncwarp(); });
+  for (int g = lane; g < D / F::kEncodeRun; g += 32) {
+    float v[F::kEncodeRun];
+#pragma unroll
+    for (int i = 0; i < F::kEncodeRun; i++) v[i] = x[g * F::kEncodeRun + i];
+    F::encode(planes, dst + (size_t)g * F::kEncodeRun, v);
+  }
+  __syncwarp();  // the row is read before the next one is staged
+}
+
+template <typename P, typename T>
+__global__ void __launch_bounds__(kAppendThreads)
+    append_rows_kernel(const T *__restrict__ k, const T *__restrict__ v, const AppendRows r) {
+  allow_dependent_launch();
+  __shared__ float stage[kAppendRowWarps][2][256];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int rows = r.n_tokens * r.n_kv_heads;
+  for (int row = blockIdx.x * kAppendRowWarps + warp; row < rows;
+       row += gridDim.x * kAppendRowWarps) {
+    const int t = row / r.n_kv_heads, h = row % r.n_kv_heads;
+    const size_t dst = r.first + (size_t)h * r.head_stride + (size_t)t * r.head_dim;
+    const size_t src = (size_t)row * r.head_dim;
+    append_row<typename P::K>(stage[warp][0], k + src, r.k, dst, r.rot_k, r, lane);
+    append_row<typename P::V>(stage[warp][1], v + src, r.v, dst, r.rot_v, r, lane);
+  }
+}
+
+}  // namespace
+
+namespace {
+
+template <typename P>
+int append_rows(const m40llm_kvcache *c, int layer, int seq, int pos, const void *k,
+                const void *v, int n_tokens, int src_is_f32, P) {
+  const m40llm_kvcache_options *o = &c->opts;
+  AppendRows r;
+  r.k = kv_mut_planes(c->k);
+  r.v = kv_mut_planes(c->v);
+  r.first = m40llm_kv_row(o, layer, seq, 0, pos) * o->head_dim;
+  r.head_stride = (size_t)o->max_seq_len * o->head_dim;
+  r.n_tokens = n_tokens;
+  r.n_kv_heads = o->n_kv_heads;
+  r.head_dim = o->head_dim;
+  r.rot_k = c->k.rotated;
+  r.rot_v = c->v.rotated;
+  r.rot_scale = m40llm_rotation_scale(m40llm_rotation_block(o->head_dim));
+  const size_t want = ((size_t)n_tokens * o->n_kv_heads + kAppendRowWarps - 1) / kAppendRowWarps;
+  const unsigned blocks = (unsigned)(want < kAppendMaxBlocks ? want : kAppendMaxBlocks);
+  cudaStream_t s = cuda_state(c->ctx)->stream;
+  if (src_is_f32)
+    append_rows_kernel<P, float><<<blocks, kAppendThreads, 0, s>>>(
+        static_cast<const float *>(k), static_cast<const float *>(v), r);
+  else
+    append_rows_kernel<P, __half><<<blocks, kAppendThreads, 0, s>>>(
+        static_cast<const __half *>(k), static_cast<const __half *>(v), r);
+  M40LLM_CUDA_CHECK_LAUNCH("append_rows_kernel");
+  return M40LLM_OK;
+}
+
 }  // namespace
 
 int m40llm_cuda_append(const m40llm_kvcache *c, int layer, int seq, int pos, const void *k,
@@ -47,23 +129,27 @@ int m40llm_cuda_append(const m40llm_kvcache *c, int layer, int seq, int pos, con
   const m40llm_kvcache_options *o = &c->opts;
   return with_kv_pair(c->k.layout.fmt->format, c->v.layout.fmt->format, [&](auto pair) -> int {
     using P = decltype(pair);
-    constexpr int R = P::K::kEncodeRun > P::V::kEncodeRun ? P::K::kEncodeRun : P::V::kEncodeRun;
-    const size_t runs = (size_t)n_tokens * o->n_kv_heads * o->head_dim / R;
-    const size_t first = m40llm_kv_row(o, layer, seq, 0, pos) * o->head_dim;
-    const size_t head_stride = (size_t)o->max_seq_len * o->head_dim;
-    const size_t want = (runs + kAppendThreads - 1) / kAppendThreads;
-    const unsigned blocks = (unsigned)(want < kAppendMaxBlocks ? want : kAppendMaxBlocks);
-    const KvMutPlanes ck = kv_mut_planes(c->k), cv = kv_mut_planes(c->v);
-    cudaStream_t s = cuda_state(c->ctx)->stream;
-    if (src_is_f32)
-      append_kernel<P, float><<<blocks, kAppendThreads, 0, s>>>(
-          static_cast<const float *>(k), static_cast<const float *>(v), ck, cv, first,
-          head_stride, runs, o->n_kv_heads, o->head_dim);
-    else
-      append_kernel<P, __half><<<blocks, kAppendThreads, 0, s>>>(
-          static_cast<const __half *>(k), static_cast<const __half *>(v), ck, cv, first,
-          head_stride, runs, o->n_kv_heads, o->head_dim);
-    M40LLM_CUDA_CHECK_LAUNCH("append_kernel");
-    return M40LLM_OK;
+    if constexpr (P::K::kScaled || P::V::kScaled) {
+      return append_rows(c, layer, seq, pos, k, v, n_tokens, src_is_f32, P{});
+    } else {
+      constexpr int R = P::K::kEncodeRun > P::V::kEncodeRun ? P::K::kEncodeRun : P::V::kEncodeRun;
+      const size_t runs = (size_t)n_tokens * o->n_kv_heads * o->head_dim / R;
+      const size_t first = m40llm_kv_row(o, layer, seq, 0, pos) * o->head_dim;
+      const size_t head_stride = (size_t)o->max_seq_len * o->head_dim;
+      const size_t want = (runs + kAppendThreads - 1) / kAppendThreads;
+      const unsigned blocks = (unsigned)(want < kAppendMaxBlocks ? want : kAppendMaxBlocks);
+      const KvMutPlanes ck = kv_mut_planes(c->k), cv = kv_mut_planes(c->v);
+      cudaStream_t s = cuda_state(c->ctx)->stream;
+      if (src_is_f32)
+        append_kernel<P, float><<<blocks, kAppendThreads, 0, s>>>(
+            static_cast<const float *>(k), static_cast<const float *>(v), ck, cv, first,
+            head_stride, runs, o->n_kv_heads, o->head_dim);
+      else
+        append_kernel<P, __half><<<blocks, kAppendThreads, 0, s>>>(
+            static_cast<const __half *>(k), static_cast<const __half *>(v), ck, cv, first,
+            head_stride, runs, o->n_kv_heads, o->head_dim);
+      M40LLM_CUDA_CHECK_LAUNCH("append_kernel");
+      return M40LLM_OK;
+    }
   });
 }

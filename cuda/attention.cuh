@@ -9,6 +9,7 @@
 #include "attention_plan.h"
 #include "common.cuh"
 #include "kv_format.cuh"
+#include "rotation.cuh"
 #include "softmax.cuh"
 #include "tuning.cuh"
 
@@ -27,6 +28,11 @@ struct AttnArgs {
   int head_dim;
   float q_scale;    // scale * log2(e)
   int stages;       // tensor-core kernel: K/V steps each warp stages in shared memory (0: none)
+  // Quantized caches (the FP32 kernel): K and V rotated (q is rotated to meet K, the output back
+  // from V's frame) by rot_scale's transform. (This struct is at 128 bytes: 32 more made the
+  // sm_52 kernels of 4 and 8 heads spill, with CUDA 11.8.)
+  bool rot_k, rot_v;
+  float rot_scale;
 };
 
 using SplitKernel = void (*)(AttnArgs, m40llm_attn_plan);

@@ -92,6 +92,9 @@ int attend(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, const int
   a.head_dim = o->head_dim;
   a.q_scale = scale * kLog2e;
   a.stages = pass.stages;
+  a.rot_k = c->k.rotated;
+  a.rot_v = c->v.rotated;
+  a.rot_scale = m40llm_rotation_scale(m40llm_rotation_block(o->head_dim));
 
   const dim3 grid((unsigned)plan.total_splits, (unsigned)g.units);
   rc = launch_attention_kernel(st, "launching the attention split kernel", pass.kernel, grid,

@@ -1,28 +1,47 @@
-// Reading K/V rows out as FP16 for a quantized format (F16 rows are copied as they are, in
-// backend.cu): each thread decodes 8 elements of one token's K/V head row through the format
-// and rounds them to FP16, into the caller's [token][kv_head][dim] rows.
+// Reading a quantized tensor's rows out as FP16 (F16 rows are copied as they are, in
+// backend.cu): one warp a (token, K/V head) row, decoded through the format (8 elements a
+// lane), staged in shared memory as FP32, rotated back where the tensor is rotated (the CPU
+// backend's FP32 operations), and rounded to FP16 into the caller's [token][kv_head][dim] rows.
 #include "backend_cuda.h"
 #include "common.cuh"
 #include "kv_format.cuh"
+#include "rotation.cuh"
 #include "tuning.cuh"
 
 namespace {
 
+constexpr int kReadWarps = kAppendThreads / 32;
+
+struct ReadRows {
+  KvPlanes t;
+  size_t first, head_stride;
+  int pos, n_tokens, n_kv_heads, head_dim;
+  bool rotated;
+  float rot_scale;
+};
+
 template <typename KV>
-__global__ void read_kernel(KvPlanes t, __half *__restrict__ out, size_t first, size_t head_stride,
-                            size_t chunks, int n_kv_heads, int head_dim) {
-  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < chunks;
-       i += (size_t)gridDim.x * blockDim.x) {
-    const size_t e = i * 8;  // the chunk's first element in the output rows
-    const size_t d = e % head_dim;
-    const size_t th = e / head_dim;
-    const size_t src = first + (th % n_kv_heads) * head_stride + (th / n_kv_heads) * head_dim + d;
-    const auto r = KV::template load<8>(t, KV::add(KV::at(t, 0), (ptrdiff_t)src), 0);
-    float f[8];
-    KV::template widen<8>(r, f);
-    const float s = KV::template scale<8>(r), m = KV::template min<8>(r);
+__global__ void __launch_bounds__(kAppendThreads)
+    read_kernel(const ReadRows r, __half *__restrict__ out) {
+  __shared__ float stage[kReadWarps][256];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, D = r.head_dim;
+  float *x = stage[warp];
+  for (int row = blockIdx.x * kReadWarps + warp; row < r.n_tokens * r.n_kv_heads;
+       row += gridDim.x * kReadWarps) {
+    const int t = row / r.n_kv_heads, h = row % r.n_kv_heads, p = r.pos + t;
+    if (lane < D / 8) {
+      const size_t e = r.first + (size_t)h * r.head_stride + (size_t)p * D + lane * 8;
+      const auto raw = KV::template load<8>(r.t, KV::at(r.t, e), 0);
+      float f[8];
+      KV::template widen<8>(raw, f);
+      const float s = KV::template scale<8>(raw), m = KV::template min<8>(raw);
 #pragma unroll
-    for (int j = 0; j < 8; j++) out[e + j] = __float2half_rn(KV::kScaled ? fmaf(f[j], s, m) : f[j]);
+      for (int j = 0; j < 8; j++) x[lane * 8 + j] = fmaf(f[j], s, m);
+    }
+    __syncwarp();
+    if (r.rotated) rotate_rows(x, 1, D, D, r.rot_scale, lane, 32, IdentityIndex(), [] { __syncwarp(); });
+    for (int i = lane; i < D; i += 32) out[(size_t)row * D + i] = __float2half_rn(x[i]);
+    __syncwarp();  // the row is written out before the next one is staged
   }
 }
 
@@ -33,13 +52,20 @@ int m40llm_cuda_read_decoded(const m40llm_kvcache *c, const m40llm_kv_tensor &t,
   const m40llm_kvcache_options *o = &c->opts;
   return with_kv_format(t.layout.fmt->format, [&](auto kv) -> int {
     using KV = decltype(kv);
-    const size_t chunks = (size_t)n_tokens * o->n_kv_heads * o->head_dim / 8;
-    const size_t want = (chunks + kAppendThreads - 1) / kAppendThreads;
+    ReadRows r;
+    r.t = kv_planes_at(t, 0);
+    r.first = m40llm_kv_row(o, layer, seq, 0, 0) * o->head_dim;
+    r.head_stride = (size_t)o->max_seq_len * o->head_dim;
+    r.pos = pos;
+    r.n_tokens = n_tokens;
+    r.n_kv_heads = o->n_kv_heads;
+    r.head_dim = o->head_dim;
+    r.rotated = t.rotated;
+    r.rot_scale = m40llm_rotation_scale(m40llm_rotation_block(o->head_dim));
+    const size_t want = ((size_t)n_tokens * o->n_kv_heads + kReadWarps - 1) / kReadWarps;
     const unsigned blocks = (unsigned)(want < kAppendMaxBlocks ? want : kAppendMaxBlocks);
     read_kernel<KV><<<blocks, kAppendThreads, 0, cuda_state(c->ctx)->stream>>>(
-        kv_planes_at(t, 0), reinterpret_cast<__half *>(out),
-        m40llm_kv_row(o, layer, seq, 0, pos) * o->head_dim, (size_t)o->max_seq_len * o->head_dim,
-        chunks, o->n_kv_heads, o->head_dim);
+        r, reinterpret_cast<__half *>(out));
     M40LLM_CUDA_CHECK_LAUNCH("read_kernel");
     return M40LLM_OK;
   });
