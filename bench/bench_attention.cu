@@ -245,6 +245,7 @@ struct Options {
   int device = 0;
   int k_format = M40LLM_KV_F16, v_format = M40LLM_KV_SAME;  // --format
   std::string format_name = "F16";
+  int kv_rotation = M40LLM_ROTATE_AUTO;  // --kv-rotation
 };
 
 static std::vector<Shape> full_grid(bool quick) {
@@ -332,6 +333,7 @@ static void usage() {
       "  --no-check             skip the output check\n"
       "  --device N             CUDA device (default 0)\n"
       "  --format F             K/V format: F16 (default), Q8, Q4, Q8Q4 (K Q8, V Q4)\n"
+      "  --kv-rotation R        quantized K/V rotated: auto (the library's default) or none\n"
       "  --list                 print the selected shapes and exit (no GPU needed)\n");
 }
 
@@ -387,6 +389,15 @@ static Options parse_args(int argc, char **argv) {
       else if (f == "Q8Q4") o.k_format = M40LLM_KV_Q8, o.v_format = M40LLM_KV_Q4;
       else {
         std::fprintf(stderr, "bench: --format takes F16, Q8, Q4 or Q8Q4 (K Q8, V Q4)\n");
+        std::exit(2);
+      }
+    }
+    else if (a == "--kv-rotation") {
+      const std::string r = next();
+      if (r == "auto") o.kv_rotation = M40LLM_ROTATE_AUTO;
+      else if (r == "none") o.kv_rotation = M40LLM_ROTATE_NONE;
+      else {
+        std::fprintf(stderr, "bench: --kv-rotation takes auto or none\n");
         std::exit(2);
       }
     }
@@ -693,6 +704,7 @@ static Result run_shape(Bench &B, const Shape &s) {
   ko.max_seqs = s.batch;
   ko.max_seq_len = s.ctx;
   ko.format = o.k_format;
+  ko.rotation = o.kv_rotation;
   ko.v_format = o.v_format;
 
   size_t free_b = 0, total_b = 0;
@@ -996,6 +1008,8 @@ static void write_json(const Bench &B, const std::vector<Result> &rs, bool compl
   std::fprintf(f, "{\n  \"tool\": \"bench_attention\",\n  \"library_version\": %s,\n",
                json_str(m40llm_version_string()).c_str());
   std::fprintf(f, "  \"format\": %s,\n", json_str(B.opt.format_name).c_str());
+  std::fprintf(f, "  \"kv_rotation\": %s,\n",
+               B.opt.kv_rotation == M40LLM_ROTATE_NONE ? "\"none\"" : "\"auto\"");
   std::fprintf(f,
                "  \"device\": {\"name\": %s, \"cc\": \"%d.%d\", \"sms\": %d, \"l2_bytes\": %d, "
                "\"total_memory\": %zu},\n",
@@ -1086,7 +1100,8 @@ int main(int argc, char **argv) {
   B.ceil0 = measure_ceilings(B.st);
   B.copy_gbps = B.ceil0.copy_gbps;
   B.read_gbps = B.ceil0.read_gbps;
-  std::printf("K/V format: %s\n", B.opt.format_name.c_str());
+  std::printf("K/V format: %s%s\n", B.opt.format_name.c_str(),
+              B.opt.kv_rotation == M40LLM_ROTATE_NONE ? ", not rotated" : "");
   std::printf("ceilings: copy %.0f GB/s (read+write, %zu MiB buffer), read sweep %.0f GB/s\n", B.copy_gbps,
               B.ceil0.buffer_bytes >> 20, B.read_gbps);
   B.floor = measure_launch_floor(B.st);

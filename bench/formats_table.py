@@ -11,7 +11,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import grid  # noqa: E402
 
-FORMATS = ["F16", "Q8", "Q4", "Q8Q4"]
+# "-norot": the quantized formats with --kv-rotation none (the rotation's cost).
+FORMATS = ["F16", "Q8", "Q4", "Q8Q4", "Q8-norot", "Q4-norot"]
 
 
 def main():
