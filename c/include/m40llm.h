@@ -84,7 +84,7 @@ typedef enum m40llm_status {
   M40LLM_OK = 0,
   M40LLM_ERR_INVALID_ARGUMENT = -1, /* NULL pointer, non-positive size, inconsistent shape */
   M40LLM_ERR_OUT_OF_RANGE = -2,     /* layer, sequence, position or device index outside bounds */
-  M40LLM_ERR_CAPACITY = -3,         /* an append would pass max_seq_len */
+  M40LLM_ERR_CAPACITY = -3,         /* an append would pass max_seq_len; nothing fits a plan */
   M40LLM_ERR_OUT_OF_MEMORY = -4,    /* host or device allocation failed */
   M40LLM_ERR_NO_DEVICE = -5,        /* CUDA requested but no usable GPU, or built without CUDA */
   M40LLM_ERR_CUDA = -6,             /* the CUDA runtime reported an error; see the message */
@@ -303,6 +303,41 @@ int m40llm_kvcache_append_f16(m40llm_kvcache *cache, int layer, int seq, const u
  *  [0, seq_len) fails with M40LLM_ERR_OUT_OF_RANGE. */
 int m40llm_kvcache_read_f16(uint16_t *k_out, uint16_t *v_out, const m40llm_kvcache *cache,
                             int layer, int seq, int pos, int n_tokens);
+
+/* ---- Capacity planning ----------------------------------------------------------------------- */
+
+/** The largest max_seq_len (1..INT_MAX) whose cache, with the other fields of opts, fits in
+ *  budget_bytes: a cache of *out_max_seq_len positions a sequence needs at most budget_bytes,
+ *  and one of a position more needs more (unless the answer is INT_MAX).
+ *  Bytes are those m40llm_kvcache_bytes_needed counts (the call asks it): K and V, every plane
+ *  of each (codes, and a quantized format's scales and minimums), for max_seqs sequences of
+ *  n_layers layers. Not counted: the attention workspace a cache's creation reserves on the
+ *  CUDA backend, the allocator's rounding of each plane, the model's weights and activations.
+ *  opts->max_seq_len is ignored (it is the answer); the other fields are checked as
+ *  bytes_needed checks them with max_seq_len 1, and options it refuses fail with its status
+ *  and message. When not even one position fits, fails with M40LLM_ERR_CAPACITY. On failure
+ *  *out_max_seq_len is left unchanged. Host-only: needs no context. */
+int m40llm_kvcache_max_seq_len(int *out_max_seq_len, const m40llm_kvcache_options *opts,
+                               size_t budget_bytes);
+
+/** Memory to leave free on the device beyond a cache's K/V planes for the library's own use:
+ *  the attention workspace m40llm_kvcache_create reserves (split partials; a few MiB for
+ *  common shapes), the driver's rounding of each plane's allocation, and kernel code CUDA may
+ *  load at first use. A suggestion for reserve_bytes below, to which a caller adds what it
+ *  will allocate itself (weights, activations). 256 MiB. */
+#define M40LLM_DEVICE_RESERVE_DEFAULT (256u << 20)
+
+/** As m40llm_kvcache_max_seq_len, with the budget ctx's device has free at the time of the call
+ *  (m40llm_device_info.free_memory) less reserve_bytes (see M40LLM_DEVICE_RESERVE_DEFAULT), and
+ *  opts checked against ctx's backend as m40llm_kvcache_create checks them (the CUDA backend's
+ *  head_dim rule: M40LLM_ERR_UNSUPPORTED). A cache of the answer can then be created unless
+ *  other allocations take the memory first. Free memory not above reserve_bytes, or too little
+ *  for one position: M40LLM_ERR_CAPACITY. The CPU backend has no device memory to plan against:
+ *  M40LLM_ERR_UNSUPPORTED (pass a budget to m40llm_kvcache_max_seq_len). On failure
+ *  *out_max_seq_len is left unchanged. */
+int m40llm_kvcache_max_seq_len_on_device(int *out_max_seq_len, m40llm_context *ctx,
+                                         const m40llm_kvcache_options *opts,
+                                         size_t reserve_bytes);
 
 /* ---- Decode attention ------------------------------------------------------------------------ */
 

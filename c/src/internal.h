@@ -41,6 +41,11 @@ struct m40llm_kvcache {
   int *lo;
 };
 
+/* The caller's options of any known version as the current version (later fields defaulted);
+ * M40LLM_ERR_INVALID_ARGUMENT for NULL or an unknown version. Only reads and converts: the
+ * fields are checked by m40llm_kvcache_bytes_needed and create. */
+int m40llm_kvcache_read_options(m40llm_kvcache_options *out, const m40llm_kvcache_options *in);
+
 static inline int *m40llm_len_slot(const m40llm_kvcache *c, int layer, int seq) {
   return &c->lens[(size_t)layer * (size_t)c->opts.max_seqs + (size_t)seq];
 }

@@ -381,3 +381,9 @@ int m40llm_kvcache_attn_last_token_f32q(float *out, m40llm_kvcache *cache, int l
   const int32_t id = seq;
   return m40llm_kvcache_attn_batch_f32q(out, cache, layer, &id, 1, q, scale);
 }
+
+/* ---- For the capacity planner (capacity.c) ---- */
+
+int m40llm_kvcache_read_options(m40llm_kvcache_options *out, const m40llm_kvcache_options *in) {
+  return read_options(out, in);
+}

@@ -10,6 +10,7 @@ pub const M40LLM_VERSION_NUMBER: u32 = 100;
 pub const M40LLM_CONTEXT_OPTIONS_VERSION: u32 = 2;
 pub const M40LLM_DEVICE_INFO_VERSION: u32 = 1;
 pub const M40LLM_KVCACHE_OPTIONS_VERSION: u32 = 2;
+pub const M40LLM_DEVICE_RESERVE_DEFAULT: u32 = 268435456;
 pub const M40LLM_OK: m40llm_status = 0;
 pub const M40LLM_ERR_INVALID_ARGUMENT: m40llm_status = -1;
 pub const M40LLM_ERR_OUT_OF_RANGE: m40llm_status = -2;
@@ -264,6 +265,36 @@ extern "C" {
         seq: ::core::ffi::c_int,
         pos: ::core::ffi::c_int,
         n_tokens: ::core::ffi::c_int,
+    ) -> ::core::ffi::c_int;
+    /** The largest max_seq_len (1..INT_MAX) whose cache, with the other fields of opts, fits in
+  budget_bytes: a cache of *out_max_seq_len positions a sequence needs at most budget_bytes,
+  and one of a position more needs more (unless the answer is INT_MAX).
+  Bytes are those m40llm_kvcache_bytes_needed counts (the call asks it): K and V, every plane
+  of each (codes, and a quantized format's scales and minimums), for max_seqs sequences of
+  n_layers layers. Not counted: the attention workspace a cache's creation reserves on the
+  CUDA backend, the allocator's rounding of each plane, the model's weights and activations.
+  opts->max_seq_len is ignored (it is the answer); the other fields are checked as
+  bytes_needed checks them with max_seq_len 1, and options it refuses fail with its status
+  and message. When not even one position fits, fails with M40LLM_ERR_CAPACITY. On failure
+  *out_max_seq_len is left unchanged. Host-only: needs no context.*/
+    pub fn m40llm_kvcache_max_seq_len(
+        out_max_seq_len: *mut ::core::ffi::c_int,
+        opts: *const m40llm_kvcache_options,
+        budget_bytes: usize,
+    ) -> ::core::ffi::c_int;
+    /** As m40llm_kvcache_max_seq_len, with the budget ctx's device has free at the time of the call
+  (m40llm_device_info.free_memory) less reserve_bytes (see M40LLM_DEVICE_RESERVE_DEFAULT), and
+  opts checked against ctx's backend as m40llm_kvcache_create checks them (the CUDA backend's
+  head_dim rule: M40LLM_ERR_UNSUPPORTED). A cache of the answer can then be created unless
+  other allocations take the memory first. Free memory not above reserve_bytes, or too little
+  for one position: M40LLM_ERR_CAPACITY. The CPU backend has no device memory to plan against:
+  M40LLM_ERR_UNSUPPORTED (pass a budget to m40llm_kvcache_max_seq_len). On failure
+  *out_max_seq_len is left unchanged.*/
+    pub fn m40llm_kvcache_max_seq_len_on_device(
+        out_max_seq_len: *mut ::core::ffi::c_int,
+        ctx: *mut m40llm_context,
+        opts: *const m40llm_kvcache_options,
+        reserve_bytes: usize,
     ) -> ::core::ffi::c_int;
     /** Attention of one new query token against every cached position of (layer, seq):
   out[h] = softmax(scale * q[h] . K[g]^T) V[g] with g = h / (n_heads / n_kv_heads).

@@ -13,7 +13,8 @@ pub enum Status {
     InvalidArgument,
     /// A layer, sequence, position or device index outside its bounds.
     OutOfRange,
-    /// An append would pass the cache's `max_seq_len`.
+    /// An append would pass the cache's `max_seq_len`, or a capacity plan found that not even
+    /// one position fits.
     Capacity,
     /// A host or device allocation failed.
     OutOfMemory,

@@ -136,6 +136,59 @@ impl KvCacheConfig {
         Ok(bytes)
     }
 
+    /// Memory to leave free on the device beyond a cache's K/V planes for the library's own use
+    /// (the attention workspace, the allocator's rounding, kernel code loaded at first use):
+    /// a starting point for the `reserve` of
+    /// [`max_seq_len_on_device`](Self::max_seq_len_on_device), to which you add what you will
+    /// allocate yourself. 256 MiB.
+    pub const DEVICE_RESERVE_DEFAULT: usize = sys::M40LLM_DEVICE_RESERVE_DEFAULT as usize;
+
+    /// The largest `max_seq_len` (at most `i32::MAX`) whose cache, with the rest of this config,
+    /// fits in `budget` bytes as [`bytes_needed`](Self::bytes_needed) counts them (K and V,
+    /// every plane; not the attention workspace, weights or activations). `self.max_seq_len`
+    /// is ignored. Fails with [`Status::Capacity`](crate::Status) when not even one position
+    /// fits, and as `bytes_needed` does for a config it refuses.
+    ///
+    /// ```
+    /// use m40llm::{KvCacheConfig, KvFormat};
+    /// // Llama-3-8B's shape, K/V in Q8, one sequence, in 6 GiB.
+    /// let cfg = KvCacheConfig::new(32, 32, 128).kv_heads(8).format(KvFormat::Q8);
+    /// let len = cfg.max_seq_len_for_budget(6 << 30)?;
+    /// assert_eq!(len, 92_521);
+    /// assert!(cfg.max_seq_len(len).bytes_needed()? <= 6 << 30);
+    /// assert!(cfg.max_seq_len(len + 1).bytes_needed()? > 6 << 30);
+    /// # Ok::<(), m40llm::Error>(())
+    /// ```
+    pub fn max_seq_len_for_budget(&self, budget: usize) -> Result<usize> {
+        let opts = self.planned().to_raw()?;
+        let mut len: c_int = 0;
+        // SAFETY: valid pointers.
+        check(unsafe { sys::m40llm_kvcache_max_seq_len(&mut len, &opts, budget) })?;
+        Ok(len as usize)
+    }
+
+    /// As [`max_seq_len_for_budget`](Self::max_seq_len_for_budget) with the budget `ctx`'s
+    /// device has free now less `reserve` bytes (see
+    /// [`DEVICE_RESERVE_DEFAULT`](Self::DEVICE_RESERVE_DEFAULT)), and the config checked against
+    /// the backend as [`KvCache::new`] checks it. On the CPU backend, which has no device
+    /// memory to plan against, fails with [`Status::Unsupported`](crate::Status).
+    pub fn max_seq_len_on_device(&self, ctx: &Context, reserve: usize) -> Result<usize> {
+        let opts = self.planned().to_raw()?;
+        let mut len: c_int = 0;
+        ctx.with_raw(|raw| {
+            // SAFETY: valid pointers and context; with_raw holds the lock.
+            check(unsafe {
+                sys::m40llm_kvcache_max_seq_len_on_device(&mut len, raw, &opts, reserve)
+            })
+        })?;
+        Ok(len as usize)
+    }
+
+    /// This config with a `max_seq_len` the planner ignores but the conversion to C accepts.
+    fn planned(&self) -> KvCacheConfig {
+        self.max_seq_len(1)
+    }
+
     fn to_raw(self) -> Result<sys::m40llm_kvcache_options> {
         let mut o = sys::m40llm_kvcache_options::default();
         // SAFETY: valid out struct.

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use common::{check_attention_case, reference_attention, rel_l2, to_f16, Rng, Shape, TOL};
 use m40llm::{
     built_with_cuda, cuda_device_count, f16, library_version, Backend, Context, DeviceBuffer,
-    DeviceSlice, DeviceSliceMut, Error, KvCache, KvCacheConfig, Status,
+    DeviceSlice, DeviceSliceMut, Error, KvCache, KvCacheConfig, KvFormat, Status,
 };
 
 fn cpu() -> Context {
@@ -231,6 +231,69 @@ fn config_and_planner() {
         .max_seqs(1 << 20)
         .max_seq_len(1 << 30);
     assert_status(huge.bytes_needed(), Status::OutOfMemory);
+}
+
+#[test]
+fn capacity_planner() {
+    // Every format: the answer fits the budget and one position more does not.
+    let llama = KvCacheConfig::new(32, 32, 128).kv_heads(8);
+    let formats = [
+        (KvFormat::F16, None),
+        (KvFormat::Q8, None),
+        (KvFormat::Q4, None),
+        (KvFormat::Q8, Some(KvFormat::Q4)),
+    ];
+    let budget = 7 << 30;
+    let mut previous = 0;
+    for (format, v_format) in formats {
+        let mut cfg = llama.format(format).max_seqs(8).max_seq_len(usize::MAX);
+        if let Some(v) = v_format {
+            cfg = cfg.v_format(v);
+        }
+        let len = cfg.max_seq_len_for_budget(budget).unwrap();
+        assert!(cfg.max_seq_len(len).bytes_needed().unwrap() <= budget);
+        assert!(cfg.max_seq_len(len + 1).bytes_needed().unwrap() > budget);
+        assert!(
+            len != previous,
+            "{format:?}/{v_format:?} plans as the previous format"
+        );
+        previous = len;
+    }
+    // F16: 128 KiB a position, so 7 GiB hold exactly 57344.
+    assert_eq!(llama.max_seq_len_for_budget(budget).unwrap(), 57344);
+    assert_eq!(llama.max_seq_len_for_budget(131072).unwrap(), 1);
+    // Past i32::MAX positions: the answer stops there.
+    let tiny = KvCacheConfig::new(1, 1, 1);
+    assert_eq!(
+        tiny.max_seq_len_for_budget(usize::MAX).unwrap(),
+        i32::MAX as usize
+    );
+    // Not one position, and configs bytes_needed refuses.
+    let e = assert_status(llama.max_seq_len_for_budget(131071), Status::Capacity);
+    assert!(e.message().contains("one position"), "{e}");
+    assert_status(
+        KvCacheConfig::new(0, 8, 64).max_seq_len_for_budget(budget),
+        Status::InvalidArgument,
+    );
+    assert_status(
+        llama
+            .format(KvFormat::Q4)
+            .kv_heads(3)
+            .max_seq_len_for_budget(budget),
+        Status::InvalidArgument,
+    );
+    assert_status(
+        KvCacheConfig::new(1, 8, 48)
+            .format(KvFormat::Q8)
+            .max_seq_len_for_budget(budget),
+        Status::Unsupported,
+    );
+    // The CPU backend has no device memory to plan against.
+    let e = assert_status(
+        llama.max_seq_len_on_device(&cpu(), KvCacheConfig::DEVICE_RESERVE_DEFAULT),
+        Status::Unsupported,
+    );
+    assert!(e.message().contains("m40llm_kvcache_max_seq_len"), "{e}");
 }
 
 #[test]
