@@ -7,8 +7,9 @@ pub const M40LLM_VERSION_MAJOR: u32 = 0;
 pub const M40LLM_VERSION_MINOR: u32 = 1;
 pub const M40LLM_VERSION_PATCH: u32 = 0;
 pub const M40LLM_VERSION_NUMBER: u32 = 100;
+pub const M40LLM_BUILD_INFO_VERSION: u32 = 1;
 pub const M40LLM_CONTEXT_OPTIONS_VERSION: u32 = 2;
-pub const M40LLM_DEVICE_INFO_VERSION: u32 = 1;
+pub const M40LLM_DEVICE_INFO_VERSION: u32 = 2;
 pub const M40LLM_KVCACHE_OPTIONS_VERSION: u32 = 2;
 pub const M40LLM_OK: m40llm_status = 0;
 pub const M40LLM_ERR_INVALID_ARGUMENT: m40llm_status = -1;
@@ -24,6 +25,24 @@ pub const M40LLM_BACKEND_AUTO: m40llm_backend = 0;
 pub const M40LLM_BACKEND_CUDA: m40llm_backend = 1;
 pub const M40LLM_BACKEND_CPU: m40llm_backend = 2;
 pub type m40llm_backend = ::core::ffi::c_uint;
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct m40llm_build_info {
+    pub version: ::core::ffi::c_uint,
+    pub cuda: ::core::ffi::c_int,
+    pub cuda_architectures: *const ::core::ffi::c_char,
+    pub cuda_toolkit_version: ::core::ffi::c_int,
+    pub tensor_cores: ::core::ffi::c_int,
+}
+impl Default for m40llm_build_info {
+    fn default() -> Self {
+        let mut s = ::core::mem::MaybeUninit::<Self>::uninit();
+        unsafe {
+            ::core::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
+            s.assume_init()
+        }
+    }
+}
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
 pub struct m40llm_context {
@@ -59,6 +78,9 @@ pub struct m40llm_device_info {
     pub multiprocessors: ::core::ffi::c_int,
     pub total_memory: usize,
     pub free_memory: usize,
+    pub kernel_arch: ::core::ffi::c_int,
+    pub native_code: ::core::ffi::c_int,
+    pub tensor_cores: ::core::ffi::c_int,
 }
 impl Default for m40llm_device_info {
     fn default() -> Self {
@@ -111,6 +133,8 @@ extern "C" {
     pub fn m40llm_cuda_device_count(
         out_count: *mut ::core::ffi::c_int,
     ) -> ::core::ffi::c_int;
+    /// Describes the build. out->version must be set (use the INIT macro). Needs no context or GPU.
+    pub fn m40llm_build_info_get(out: *mut m40llm_build_info) -> ::core::ffi::c_int;
     /// Fills *opts with the defaults of the given version (1 or 2).
     pub fn m40llm_context_options_init(
         opts: *mut m40llm_context_options,
@@ -131,7 +155,9 @@ extern "C" {
     pub fn m40llm_context_cuda_stream(
         ctx: *const m40llm_context,
     ) -> *mut ::core::ffi::c_void;
-    /// Describes the context's backend and device. out->version must be set (use the INIT macro).
+    /** Describes the context's backend and device. out->version must be set (use the INIT macro).
+  Version 2's fields make the CUDA backend load its kernels for the device (the JIT compile,
+  where it runs PTX), which a version-1 call does not.*/
     pub fn m40llm_context_device_info(
         out: *mut m40llm_device_info,
         ctx: *const m40llm_context,
