@@ -195,10 +195,12 @@ def parse_patterns(items):
         out.append((re.compile(pat), int(val)))
     return out
 
-# Kernels compiled for every architecture but launched only on newer GPUs: their sm_52 image is
-# an empty body.
+# Kernels the M40 never runs: compiled for every architecture but launched only on newer GPUs
+# (their sm_52 image is an empty body), or never launched at all.
 NOT_ON_SM52 = {"attn_mma_kernel": "tensor cores (sm_80+): the host launches it only where this build "
-                                  "has an sm_80+ image of it"}
+                                  "has an sm_80+ image of it",
+               "probe_kernel": "never launched: its attributes tell which image a GPU loads "
+                               "(cuda/build_info.cu)"}
 
 
 def main():

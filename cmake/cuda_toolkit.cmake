@@ -1,4 +1,5 @@
-# Finds a CUDA toolkit and picks architectures. Sets M40LLM_HAVE_CUDA.
+# Finds a CUDA toolkit and picks architectures. Sets M40LLM_HAVE_CUDA and, with CUDA,
+# M40LLM_CUDA_ARCHITECTURES (the list as the library reports it, in one form for every build).
 #
 # Default architectures: the M40 (sm_52 SASS plus compute_52 PTX, which newer GPUs JIT-compile)
 # when the toolkit can build it; otherwise the lowest architecture it can build, with a message.
@@ -65,5 +66,34 @@ endif()
 enable_language(CUDA)
 find_package(CUDAToolkit REQUIRED)
 set(M40LLM_HAVE_CUDA ON)
+
+# The architectures as m40llm_build_info reports them, in the form rust/m40llm-sys/build.rs writes
+# too: each entry NN-real (SASS) or NN-virtual (PTX), sorted, no duplicates. CMake's all,
+# all-major and native become the lists CMake itself builds for them. cuda/build_info.cu checks
+# the result against what nvcc compiles.
+set(M40LLM_CUDA_ARCHITECTURES)
+foreach(_arch IN LISTS CMAKE_CUDA_ARCHITECTURES)
+  string(TOUPPER "${_arch}" _named)
+  string(REPLACE "-" "_" _named "CMAKE_CUDA_ARCHITECTURES_${_named}")
+  if(_arch MATCHES "^(all|all-major|native)$" AND DEFINED ${_named})
+    set(_entries ${${_named}})
+  else()
+    set(_entries ${_arch})
+  endif()
+  foreach(_entry IN LISTS _entries)
+    if(_entry MATCHES "^[0-9]+[a-z]*$")
+      list(APPEND M40LLM_CUDA_ARCHITECTURES "${_entry}-real" "${_entry}-virtual")
+    elseif(_entry MATCHES "^[0-9]+[a-z]*-(real|virtual)$")
+      list(APPEND M40LLM_CUDA_ARCHITECTURES "${_entry}")
+    else()
+      message(FATAL_ERROR "m40llm: CMAKE_CUDA_ARCHITECTURES=${CMAKE_CUDA_ARCHITECTURES}: m40llm "
+                          "reports the architectures it carries (m40llm_build_info_get) and "
+                          "cannot tell them from \"${_entry}\": name them, e.g. "
+                          "\"52-real;52-virtual;90-real\"")
+    endif()
+  endforeach()
+endforeach()
+list(REMOVE_DUPLICATES M40LLM_CUDA_ARCHITECTURES)
+list(SORT M40LLM_CUDA_ARCHITECTURES COMPARE NATURAL)
 message(STATUS "m40llm: CUDA backend ON, nvcc ${CMAKE_CUDA_COMPILER_VERSION}, "
-               "architectures ${CMAKE_CUDA_ARCHITECTURES}")
+               "architectures ${M40LLM_CUDA_ARCHITECTURES}")

@@ -17,17 +17,23 @@ Grouping grouping_for(const m40llm_kvcache_options *o) {
   return g;
 }
 
+// The tensor-core family's passes where this build has the family (M40LLM_TENSOR_CORES) and it
+// runs on this GPU; otherwise p->pass.kernel is null.
+template <typename P>
+int tensor_core_passes(m40llm_cuda_state *st, int head_dim, SplitPasses *p) {
+  *p = SplitPasses{};
+  return kTensorCores ? mma_split_passes<P>(st, head_dim, p) : M40LLM_OK;
+}
+
 // The split passes for a cache: the tensor-core family where this build and GPU have it (MHA
 // too: it issues fewer instructions per K/V byte even with one query head), else the FP32 one
 // for all three.
 template <typename P>
 int split_passes_for(m40llm_cuda_state *st, const m40llm_kvcache_options *o, const Grouping &g,
                      SplitPasses *p) {
-  if (kTensorCores) {
-    const int rc = mma_split_passes<P>(st, o->head_dim, p);
-    if (rc != M40LLM_OK || p->pass.kernel) return rc;
-  }
-  const int rc = fp32_split_pass<P>(st, o->head_dim, g, &p->pass);
+  int rc = tensor_core_passes<P>(st, o->head_dim, p);
+  if (rc != M40LLM_OK || p->pass.kernel) return rc;
+  rc = fp32_split_pass<P>(st, o->head_dim, g, &p->pass);
   p->direct = p->fine = p->pass;
   return rc;
 }
@@ -123,6 +129,14 @@ int m40llm_cuda_reserve_for(m40llm_kvcache *c) {
     return m40llm_cuda_workspace(cuda_state(c->ctx),
                                  partial_bytes(max_splits, o->n_heads, o->head_dim), &ws);
   });
+}
+
+int m40llm_cuda_tensor_cores(m40llm_cuda_state *st, int *out) {
+  // Every head_dim the family serves is compiled for the same architectures: one answers for all.
+  SplitPasses p;
+  const int rc = tensor_core_passes<KvPair<KvF16, KvF16>>(st, 128, &p);
+  if (rc == M40LLM_OK) *out = p.pass.kernel != nullptr;
+  return rc;
 }
 
 int m40llm_cuda_attention(const m40llm_kvcache *c, int layer, const int32_t *seq_ids,

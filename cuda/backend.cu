@@ -144,16 +144,20 @@ int cuda_device_info(m40llm_device_info *out, const m40llm_context *ctx) {
   M40LLM_CUDA_TRY(cudaGetDeviceProperties(&prop, ctx->device));
   size_t free_bytes = 0, total_bytes = 0;
   M40LLM_CUDA_TRY(cudaMemGetInfo(&free_bytes, &total_bytes));
-  m40llm_device_info info = M40LLM_DEVICE_INFO_INIT;
-  info.backend = M40LLM_BACKEND_CUDA;
-  info.device = ctx->device;
-  snprintf(info.name, sizeof info.name, "%s", prop.name);
-  info.compute_major = prop.major;
-  info.compute_minor = prop.minor;
-  info.multiprocessors = prop.multiProcessorCount;
-  info.total_memory = total_bytes;
-  info.free_memory = free_bytes;
-  *out = info;
+  // Version 2's facts load kernels for this GPU (a JIT compile where it runs PTX): only when asked.
+  if (out->version >= 2) {
+    int rc = m40llm_cuda_device_code(&out->kernel_arch, &out->native_code);
+    if (rc == M40LLM_OK) rc = m40llm_cuda_tensor_cores(cuda_state(ctx), &out->tensor_cores);
+    if (rc != M40LLM_OK) return rc;
+  }
+  out->backend = M40LLM_BACKEND_CUDA;
+  out->device = ctx->device;
+  snprintf(out->name, sizeof out->name, "%s", prop.name);
+  out->compute_major = prop.major;
+  out->compute_minor = prop.minor;
+  out->multiprocessors = prop.multiProcessorCount;
+  out->total_memory = total_bytes;
+  out->free_memory = free_bytes;
   return M40LLM_OK;
 }
 

@@ -16,3 +16,10 @@ struct m40llm_cuda_state;
 // M40LLM_OK if the context's kernels can address p (device, managed, or mapped pinned memory),
 // else M40LLM_ERR_INVALID_ARGUMENT naming it; remembers the last few that passed.
 int m40llm_cuda_check_pointer(m40llm_cuda_state *st, const void *p, const char *name);
+
+// For m40llm_context_device_info version 2: the architecture the GPU's kernels were compiled
+// for, and whether they are SASS built in for it rather than JIT-compiled PTX (build_info.cu).
+int m40llm_cuda_device_code(int *kernel_arch, int *native);
+// Whether F16 caches run the tensor-core kernels on the context's GPU: the dispatcher's own
+// decision (attention_dispatch.cu).
+int m40llm_cuda_tensor_cores(m40llm_cuda_state *st, int *out);

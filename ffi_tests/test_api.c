@@ -264,6 +264,58 @@ static void test_devices_and_contexts(void) {
   }
 }
 
+/* ---- Build info ------------------------------------------------------------------------------ */
+
+static void test_build_info(void) {
+  t_set_case("build info error paths");
+  m40llm_build_info b;
+  memset(&b, 0x5A, sizeof b);
+  T_FAIL_WITH(m40llm_build_info_get(NULL), M40LLM_ERR_INVALID_ARGUMENT, "out");
+  const unsigned bad_versions[] = {0, M40LLM_BUILD_INFO_VERSION + 1};
+  for (int i = 0; i < 2; i++) {
+    b.version = bad_versions[i];
+    const m40llm_build_info before = b;
+    T_FAIL_WITH(m40llm_build_info_get(&b), M40LLM_ERR_INVALID_ARGUMENT, "version");
+    T_CHECK(memcmp(&b, &before, sizeof b) == 0);
+  }
+
+  t_set_case("build info");
+  b = (m40llm_build_info)M40LLM_BUILD_INFO_INIT;
+  if (!T_OK(m40llm_build_info_get(&b))) return;
+  T_INT_EQ(b.version, M40LLM_BUILD_INFO_VERSION);
+  T_INT_EQ(b.cuda, m40llm_built_with_cuda());
+  if (!T_CHECK(b.cuda_architectures != NULL)) return;
+  printf("build: CUDA %d, toolkit %d, architectures \"%s\", tensor cores %d\n", b.cuda,
+         b.cuda_toolkit_version, b.cuda_architectures, b.tensor_cores);
+  m40llm_build_info again = M40LLM_BUILD_INFO_INIT;
+  if (T_OK(m40llm_build_info_get(&again))) T_CHECK(memcmp(&again, &b, sizeof b) == 0);
+  if (!b.cuda) {
+    T_CHECK(b.cuda_architectures[0] == '\0');
+    T_INT_EQ(b.cuda_toolkit_version, 0);
+    T_INT_EQ(b.tensor_cores, 0);
+    return;
+  }
+  int arch[64], real[64];
+  const int n = t_parse_archs(b.cuda_architectures, arch, real, 64);
+  T_CHECKF(n >= 1, "\"%s\" is not a list of NN-real and NN-virtual", b.cuda_architectures);
+  int newest = 0;
+  for (int i = 0; i < n; i++) {
+    newest = arch[i] > newest ? arch[i] : newest;
+    if (i > 0) /* sorted by architecture, SASS first */
+      T_CHECKF(arch[i - 1] < arch[i] || (arch[i - 1] == arch[i] && real[i - 1] >= real[i]),
+               "\"%s\" is not sorted", b.cuda_architectures);
+  }
+  T_CHECKF(b.cuda_toolkit_version >= 11080 && b.cuda_toolkit_version % 10 == 0,
+           "cuda_toolkit_version %d", b.cuda_toolkit_version);
+  T_CHECK(b.tensor_cores == 0 || newest >= 80);
+#ifdef T_CUDA_ARCHITECTURES
+  /* the list CMake configured arrives intact through the compile definition */
+  T_CHECKF(strcmp(b.cuda_architectures, T_CUDA_ARCHITECTURES) == 0, "\"%s\", expected \"%s\"",
+           b.cuda_architectures, T_CUDA_ARCHITECTURES);
+  T_INT_EQ(b.tensor_cores, T_TENSOR_CORES_OPTION && newest >= 80);
+#endif
+}
+
 static void test_cpu_context_info(m40llm_context *ctx) {
   t_set_case("CPU device info");
   m40llm_device_info info;
@@ -276,6 +328,35 @@ static void test_cpu_context_info(m40llm_context *ctx) {
     T_CHECK(memchr(info.name, '\0', sizeof info.name) != NULL && strcmp(info.name, "CPU") == 0);
     T_CHECK(info.compute_major == 0 && info.compute_minor == 0 && info.multiprocessors == 0);
     T_CHECK(info.total_memory == 0 && info.free_memory == 0);
+    T_CHECK(info.kernel_arch == 0 && info.native_code == 0 && info.tensor_cores == 0);
+  }
+  /* A version-1 caller's struct ends before kernel_arch: nothing past it is written (the ASan
+   * build catches a write past the heap block; the poison, one in a larger struct). */
+  t_set_case("CPU device info, version 1");
+  typedef struct {
+    unsigned version;
+    int backend, device;
+    char name[256];
+    int compute_major, compute_minor, multiprocessors;
+    size_t total_memory, free_memory;
+  } device_info_v1;
+  const size_t v1_size = offsetof(m40llm_device_info, kernel_arch);
+  _Static_assert(sizeof(device_info_v1) == offsetof(m40llm_device_info, kernel_arch), "v1 layout");
+  device_info_v1 *v1 = malloc(sizeof *v1);
+  if (T_CHECK(v1 != NULL)) {
+    v1->version = 1;
+    if (T_OK(m40llm_context_device_info((m40llm_device_info *)(void *)v1, ctx))) {
+      T_INT_EQ(v1->version, 1);
+      T_CHECK(v1->backend == M40LLM_BACKEND_CPU && strcmp(v1->name, "CPU") == 0);
+    }
+    free(v1);
+  }
+  memset(&info, 0x5A, sizeof info);
+  info.version = 1;
+  if (T_OK(m40llm_context_device_info(&info, ctx))) {
+    T_INT_EQ(info.version, 1);
+    T_CHECK(info.backend == M40LLM_BACKEND_CPU && info.device == -1);
+    T_CHECK(t_all_bytes((const char *)&info + v1_size, sizeof info - v1_size, 0x5A));
   }
   T_CHECK(m40llm_context_cuda_stream(ctx) == NULL);
   T_OK(m40llm_context_synchronize(ctx));
@@ -409,6 +490,7 @@ int main(void) {
   test_last_error_thread_local();
   test_fp16_converter();
   test_devices_and_contexts();
+  test_build_info();
 
   m40llm_context_options o = M40LLM_CONTEXT_OPTIONS_INIT;
   o.backend = M40LLM_BACKEND_CPU;

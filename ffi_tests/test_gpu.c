@@ -255,6 +255,46 @@ done:
 
 /* ---- The CUDA context itself ---------------------------------------------------------------- */
 
+/* The device facts of version 2 against the build's list and what the driver loads from it:
+ * the newest SASS of the GPU's major version not newer than the GPU, else the newest PTX not
+ * newer than it, JIT-compiled. */
+static void test_device_code(const m40llm_device_info *info) {
+  t_set_case("CUDA device code");
+  m40llm_build_info b = M40LLM_BUILD_INFO_INIT;
+  if (!T_OK(m40llm_build_info_get(&b)) || !T_CHECK(b.cuda == 1)) return;
+  int arch[64], real[64];
+  const int n = t_parse_archs(b.cuda_architectures, arch, real, 64);
+  if (!T_CHECKF(n >= 1, "cuda_architectures \"%s\"", b.cuda_architectures)) return;
+  const int cc = 10 * info->compute_major + info->compute_minor;
+  int sass = 0, ptx = 0;
+  for (int i = 0; i < n; i++) {
+    if (arch[i] > cc) continue;
+    if (real[i] && arch[i] / 10 == info->compute_major && arch[i] > sass) sass = arch[i];
+    if (!real[i] && arch[i] > ptx) ptx = arch[i];
+  }
+  if (!T_CHECKF(sass || ptx, "the build (%s) has no code for sm_%d", b.cuda_architectures, cc))
+    return;
+  T_INT_EQ(info->native_code, sass != 0);
+  T_INT_EQ(info->kernel_arch, sass ? sass : ptx);
+  T_INT_EQ(info->tensor_cores, b.tensor_cores && info->kernel_arch >= 80);
+  printf("code: %s_%d %s (build: %s, CUDA %d.%d), tensor cores: %s\n",
+         info->native_code ? "sm" : "compute", info->kernel_arch,
+         info->native_code ? "SASS, native" : "PTX, JIT-compiled by the driver",
+         b.cuda_architectures, b.cuda_toolkit_version / 1000, b.cuda_toolkit_version % 1000 / 10,
+         info->tensor_cores ? "yes" : "no");
+
+  t_set_case("CUDA device info, version 1");
+  m40llm_device_info v1;
+  memset(&v1, 0x5A, sizeof v1);
+  v1.version = 1;
+  const size_t v1_size = offsetof(m40llm_device_info, kernel_arch);
+  if (T_OK(m40llm_context_device_info(&v1, dev))) {
+    T_INT_EQ(v1.version, 1);
+    T_CHECK(v1.backend == M40LLM_BACKEND_CUDA && strcmp(v1.name, info->name) == 0);
+    T_CHECK(t_all_bytes((const char *)&v1 + v1_size, sizeof v1 - v1_size, 0x5A));
+  }
+}
+
 static void test_cuda_context(int count) {
   t_set_case("CUDA device info");
   m40llm_device_info info = M40LLM_DEVICE_INFO_INIT;
@@ -273,6 +313,7 @@ static void test_cuda_context(int count) {
   }
   T_CHECK(m40llm_context_cuda_stream(dev) != NULL);
   T_OK(m40llm_context_synchronize(dev));
+  test_device_code(&info);
 
   t_set_case("CUDA context creation");
   m40llm_context_options o = M40LLM_CONTEXT_OPTIONS_INIT;

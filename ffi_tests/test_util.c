@@ -306,6 +306,29 @@ int t_all_bytes(const void *p, size_t n, unsigned char byte) {
   return 1;
 }
 
+int t_parse_archs(const char *list, int *arch, int *real, int max) {
+  int n = 0;
+  for (const char *s = list; *s;) {
+    if (n == max || !isdigit((unsigned char)*s)) return -1;
+    arch[n] = 0;
+    while (isdigit((unsigned char)*s)) arch[n] = 10 * arch[n] + (*s++ - '0');
+    while (islower((unsigned char)*s)) s++;
+    if (strncmp(s, "-real", 5) == 0) {
+      real[n] = 1;
+      s += 5;
+    } else if (strncmp(s, "-virtual", 8) == 0) {
+      real[n] = 0;
+      s += 8;
+    } else {
+      return -1;
+    }
+    n++;
+    if (*s == ';' && s[1]) s++;
+    else if (*s) return -1;
+  }
+  return n;
+}
+
 /* ---- Host model ------------------------------------------------------------------------------ */
 
 static size_t t_model_index(const t_model *m, int layer, int seq) {

@@ -80,6 +80,11 @@ double t_rel_l2(const float *got, const double *ref, size_t n);
 /* 1 if every byte of p is `byte`. */
 int t_all_bytes(const void *p, size_t n, unsigned char byte);
 
+/* The entries of an m40llm_build_info.cuda_architectures list, "NN-real" (real[i] = 1) or
+ * "NN-virtual", NN possibly followed by letters (arch[i] = NN): up to max of them. Returns the
+ * count, or -1 when an entry has another form or there are more than max. */
+int t_parse_archs(const char *list, int *arch, int *real, int max);
+
 /* ---- Host model of a KV cache ------------------------------------------------------------------ */
 
 typedef struct t_model {

@@ -114,6 +114,29 @@ int m40llm_built_with_cuda(void);
  *  (that is not an error). */
 int m40llm_cuda_device_count(int *out_count);
 
+/* What this library was built with (it logs nothing itself: the caller may check or log it).
+ * An architecture is 10 x major + minor of a compute capability (52 for the M40, 90 for H100). */
+#define M40LLM_BUILD_INFO_VERSION 1
+typedef struct m40llm_build_info {
+  unsigned version;               /* set by the caller: M40LLM_BUILD_INFO_VERSION */
+  int cuda;                       /* 1 with the CUDA backend (as m40llm_built_with_cuda), else 0 */
+  const char *cuda_architectures; /* the GPU code built in, in CMake's CUDA_ARCHITECTURES form,
+                                     sorted: "NN-real" is sm_NN SASS (machine code, run by GPUs
+                                     of NN's major version from NN up), "NN-virtual" compute_NN
+                                     PTX (which the driver JIT-compiles for a GPU of NN or newer
+                                     that has no SASS here), e.g. "52-real;52-virtual;90-real";
+                                     "" without CUDA. Static storage. */
+  int cuda_toolkit_version;       /* the CUDA toolkit built with, as CUDART_VERSION: 1000 x major
+                                     + 10 x minor (11080 for 11.8); 0 without CUDA */
+  int tensor_cores;               /* 1 if the tensor-core attention kernels are built in (CMake
+                                     option M40LLM_TENSOR_CORES, on by default, and an
+                                     architecture of 80 or newer in the list); whether a GPU runs
+                                     them is m40llm_device_info.tensor_cores */
+} m40llm_build_info;
+#define M40LLM_BUILD_INFO_INIT { M40LLM_BUILD_INFO_VERSION, 0, NULL, 0, 0 }
+/** Describes the build. out->version must be set (use the INIT macro). Needs no context or GPU. */
+int m40llm_build_info_get(m40llm_build_info *out);
+
 /* ---- Context ------------------------------------------------------------------------------- */
 
 /** A backend plus, for CUDA, one device and one stream. Owns the scratch memory of attention. */
@@ -153,9 +176,11 @@ int m40llm_context_synchronize(m40llm_context *ctx);
 /** The context's cudaStream_t (NULL for the CPU backend), for ordering the caller's own work. */
 void *m40llm_context_cuda_stream(const m40llm_context *ctx);
 
-#define M40LLM_DEVICE_INFO_VERSION 1
+/* Version 2 added kernel_arch, native_code and tensor_cores; version-1 structs are still taken
+ * (the library writes only the fields of the version a struct says it is). */
+#define M40LLM_DEVICE_INFO_VERSION 2
 typedef struct m40llm_device_info {
-  unsigned version;        /* set by the caller: M40LLM_DEVICE_INFO_VERSION */
+  unsigned version;        /* set by the caller: M40LLM_DEVICE_INFO_VERSION (or 1) */
   int backend;             /* M40LLM_BACKEND_CUDA or M40LLM_BACKEND_CPU, never AUTO */
   int device;              /* CUDA ordinal, -1 for the CPU backend */
   char name[256];          /* GPU name, or "CPU" */
@@ -164,9 +189,22 @@ typedef struct m40llm_device_info {
   int multiprocessors;     /* SM count; 0 for the CPU backend */
   size_t total_memory;     /* bytes of device memory; 0 for the CPU backend */
   size_t free_memory;      /* bytes free at the time of the call; 0 for the CPU backend */
+  /* Version 2: the code the library runs on this GPU (all 0 for the CPU backend). */
+  int kernel_arch;         /* the architecture its kernels were compiled for (see
+                              m40llm_build_info): the SASS the GPU runs (e.g. 80 on an sm_86 GPU)
+                              or the PTX the driver JIT-compiled (e.g. 52 on an sm_90 GPU) */
+  int native_code;         /* 1 if the GPU runs SASS built in for it (an "NN-real" of its major
+                              version, at most its own); 0 if the driver JIT-compiled PTX
+                              (once per process, or from its disk cache) */
+  int tensor_cores;        /* 1 if F16 caches with head_dim 32..128, a multiple of 16, run the
+                              tensor-core attention kernels here (sm_80+ code on an sm_80+ GPU);
+                              0 if every cache runs the FP32 kernels */
 } m40llm_device_info;
-#define M40LLM_DEVICE_INFO_INIT { M40LLM_DEVICE_INFO_VERSION, 0, 0, {0}, 0, 0, 0, 0, 0 }
-/** Describes the context's backend and device. out->version must be set (use the INIT macro). */
+#define M40LLM_DEVICE_INFO_INIT \
+  { M40LLM_DEVICE_INFO_VERSION, 0, 0, {0}, 0, 0, 0, 0, 0, 0, 0, 0 }
+/** Describes the context's backend and device. out->version must be set (use the INIT macro).
+ *  Version 2's fields make the CUDA backend load its kernels for the device (the JIT compile,
+ *  where it runs PTX), which a version-1 call does not. */
 int m40llm_context_device_info(m40llm_device_info *out, const m40llm_context *ctx);
 
 /* ---- Backend memory ------------------------------------------------------------------------ */

@@ -29,6 +29,7 @@ typedef struct m40llm_backend_ops {
   void (*fini)(m40llm_context *ctx);
   int (*synchronize)(m40llm_context *ctx);
   void *(*stream)(const m40llm_context *ctx);
+  /* Fills the fields of out->version; out is the front end's own, M40LLM_DEVICE_INFO_INIT. */
   int (*device_info)(m40llm_device_info *out, const m40llm_context *ctx);
   int (*malloc)(void **out, m40llm_context *ctx, size_t bytes);
   int (*free)(m40llm_context *ctx, void *ptr);
@@ -56,6 +57,10 @@ typedef struct m40llm_backend_ops {
 extern const m40llm_backend_ops m40llm_cpu_backend;
 /* Defined only in builds with the CUDA backend (M40LLM_HAVE_CUDA). */
 extern const m40llm_backend_ops m40llm_cuda_backend;
+
+/* The CUDA backend's build facts (cuda/build_info.cu, CUDA builds only): fills
+ * cuda_architectures, cuda_toolkit_version and tensor_cores. */
+void m40llm_cuda_build_info(m40llm_build_info *out);
 
 #ifdef __cplusplus
 }

@@ -144,16 +144,28 @@ void *m40llm_context_cuda_stream(const m40llm_context *ctx) {
   return ctx ? ctx->ops->stream(ctx) : NULL;
 }
 
+/* Bytes of the device info of each version: a version-1 caller's ends before kernel_arch. */
+static size_t device_info_size(unsigned version) {
+  return version == 1 ? offsetof(m40llm_device_info, kernel_arch)
+                      : version == 2 ? sizeof(m40llm_device_info) : 0;
+}
+
 int m40llm_context_device_info(m40llm_device_info *out, const m40llm_context *ctx) {
   if (!out) return m40llm_fail(M40LLM_ERR_INVALID_ARGUMENT, "out is NULL");
   if (!ctx) return m40llm_fail(M40LLM_ERR_INVALID_ARGUMENT, "ctx is NULL");
-  if (out->version != M40LLM_DEVICE_INFO_VERSION)
+  const unsigned version = out->version;
+  if (!device_info_size(version))
     return m40llm_fail(M40LLM_ERR_INVALID_ARGUMENT,
-                       "out->version %u is not supported (expected %u; use "
+                       "out->version %u is not supported (this library knows 1 to %u; use "
                        "M40LLM_DEVICE_INFO_INIT)",
-                       out->version, M40LLM_DEVICE_INFO_VERSION);
+                       version, M40LLM_DEVICE_INFO_VERSION);
+  /* The backend fills a whole struct, asked for the caller's version; the caller gets its part. */
+  m40llm_device_info info = M40LLM_DEVICE_INFO_INIT;
+  info.version = version;
   m40llm_context *c = (m40llm_context *)ctx; /* the loss is recorded in the handle */
-  return BACKEND_CALL(c, ctx->ops->device_info(out, ctx));
+  const int rc = BACKEND_CALL(c, ctx->ops->device_info(&info, ctx));
+  if (rc == M40LLM_OK) memcpy(out, &info, device_info_size(version));
+  return rc;
 }
 
 int m40llm_malloc(void **out_ptr, m40llm_context *ctx, size_t bytes) {

@@ -32,11 +32,9 @@ static void *cpu_stream(const m40llm_context *ctx) {
 
 static int cpu_device_info(m40llm_device_info *out, const m40llm_context *ctx) {
   (void)ctx;
-  m40llm_device_info info = M40LLM_DEVICE_INFO_INIT;
-  info.backend = M40LLM_BACKEND_CPU;
-  info.device = -1;
-  strcpy(info.name, "CPU");
-  *out = info;
+  out->backend = M40LLM_BACKEND_CPU;
+  out->device = -1;
+  strcpy(out->name, "CPU");
   return M40LLM_OK;
 }
 

@@ -114,9 +114,10 @@ fn main() {
         }
         Some(tk) => {
             let (archs_var, archs_spec) = arch_spec(&tk.nvcc);
-            let gencode = parse_archs(&archs_spec).unwrap_or_else(|e| {
+            let archs = parse_archs(&archs_spec).unwrap_or_else(|e| {
                 panic!("m40llm-sys: bad {archs_var}={archs_spec:?}: {e}");
             });
+            let archs_reported = cmake_form(&archs);
             let ccbin = find_ccbin(&tk);
 
             // cc's CUDA mode runs the nvcc named by NVCC. Build scripts run single-threaded,
@@ -138,13 +139,18 @@ fn main() {
                     .include(root.join("c/src"))
                     .include(root.join("cuda"))
                     .define("M40LLM_HAVE_CUDA", "1")
+                    // What m40llm_build_info reports; CMake defines the same, in the same form.
+                    .define(
+                        "M40LLM_CUDA_ARCHITECTURES",
+                        format!("\"{archs_reported}\"").as_str(),
+                    )
                     .flag("-std=c++17");
                 if let Some(cc) = &ccbin {
                     b.flag("-ccbin")
                         .flag(cc.to_str().expect("utf-8 ccbin path"));
                 }
-                for g in &gencode {
-                    b.flag(g);
+                for a in &archs {
+                    b.flag(a.gencode());
                 }
                 b.file(&s.path);
                 cu_objects.extend(b.compile_intermediates());
@@ -172,7 +178,7 @@ fn main() {
             // nvcc's host side is C++ (g++): its objects may need the C++ runtime.
             println!("cargo:rustc-link-lib=dylib=stdc++");
             println!("cargo:cuda=1");
-            println!("cargo:cuda_archs={archs_spec}");
+            println!("cargo:cuda_archs={archs_reported}");
         }
     }
     println!("cargo:rustc-link-lib=dylib=m");
@@ -453,9 +459,51 @@ fn watch_toolkit_locations(found: Option<&Toolkit>) {
     }
 }
 
-/// Turns an architecture list into nvcc `-gencode` flags (see the module docs for the format).
-fn parse_archs(spec: &str) -> Result<Vec<String>, String> {
-    let mut flags = Vec::new();
+/// One architecture of the list: sm_NN SASS, compute_NN PTX, or both.
+struct Arch {
+    n: u32,
+    sass: bool,
+    ptx: bool,
+}
+
+impl Arch {
+    /// Its nvcc `-gencode` flag.
+    fn gencode(&self) -> String {
+        let n = self.n;
+        let code = match (self.sass, self.ptx) {
+            (true, true) => format!("[sm_{n},compute_{n}]"),
+            (true, false) => format!("sm_{n}"),
+            _ => format!("compute_{n}"),
+        };
+        format!("-gencode=arch=compute_{n},code={code}")
+    }
+}
+
+/// The list in CMake's CUDA_ARCHITECTURES form, as cmake/cuda_toolkit.cmake writes it for the
+/// same list: `NN-real` (SASS) and `NN-virtual` (PTX) entries, sorted, without duplicates
+/// (`52,sm_90` is `52-real;52-virtual;90-real`).
+fn cmake_form(archs: &[Arch]) -> String {
+    let mut entries: Vec<(u32, &str)> = Vec::new();
+    for a in archs {
+        if a.sass {
+            entries.push((a.n, "real"));
+        }
+        if a.ptx {
+            entries.push((a.n, "virtual"));
+        }
+    }
+    entries.sort_unstable();
+    entries.dedup();
+    entries
+        .iter()
+        .map(|(n, kind)| format!("{n}-{kind}"))
+        .collect::<Vec<_>>()
+        .join(";")
+}
+
+/// Parses an architecture list (see the module docs for the format).
+fn parse_archs(spec: &str) -> Result<Vec<Arch>, String> {
+    let mut archs = Vec::new();
     for item in spec.split([',', ';', ' ', '\t']).filter(|s| !s.is_empty()) {
         let num = |s: &str| -> Result<u32, String> {
             s.parse::<u32>().map_err(|_| {
@@ -473,17 +521,12 @@ fn parse_archs(spec: &str) -> Result<Vec<String>, String> {
         } else {
             (num(item)?, true, true)
         };
-        let code = match (sass, ptx) {
-            (true, true) => format!("[sm_{n},compute_{n}]"),
-            (true, false) => format!("sm_{n}"),
-            _ => format!("compute_{n}"),
-        };
-        flags.push(format!("-gencode=arch=compute_{n},code={code}"));
+        archs.push(Arch { n, sass, ptx });
     }
-    if flags.is_empty() {
+    if archs.is_empty() {
         return Err("no architecture given".into());
     }
-    Ok(flags)
+    Ok(archs)
 }
 
 fn find_cudart_dir(tk: &Toolkit, target_arch: &str) -> Option<PathBuf> {

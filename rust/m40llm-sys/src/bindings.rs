@@ -7,9 +7,10 @@ pub const M40LLM_VERSION_MAJOR: u32 = 0;
 pub const M40LLM_VERSION_MINOR: u32 = 1;
 pub const M40LLM_VERSION_PATCH: u32 = 0;
 pub const M40LLM_VERSION_NUMBER: u32 = 100;
+pub const M40LLM_BUILD_INFO_VERSION: u32 = 1;
 pub const M40LLM_CONTEXT_OPTIONS_VERSION: u32 = 2;
-pub const M40LLM_DEVICE_INFO_VERSION: u32 = 1;
-pub const M40LLM_KVCACHE_OPTIONS_VERSION: u32 = 2;
+pub const M40LLM_DEVICE_INFO_VERSION: u32 = 2;
+pub const M40LLM_KVCACHE_OPTIONS_VERSION: u32 = 3;
 pub const M40LLM_DEVICE_RESERVE_DEFAULT: u32 = 268435456;
 pub const M40LLM_OK: m40llm_status = 0;
 pub const M40LLM_ERR_INVALID_ARGUMENT: m40llm_status = -1;
@@ -25,6 +26,24 @@ pub const M40LLM_BACKEND_AUTO: m40llm_backend = 0;
 pub const M40LLM_BACKEND_CUDA: m40llm_backend = 1;
 pub const M40LLM_BACKEND_CPU: m40llm_backend = 2;
 pub type m40llm_backend = ::core::ffi::c_uint;
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct m40llm_build_info {
+    pub version: ::core::ffi::c_uint,
+    pub cuda: ::core::ffi::c_int,
+    pub cuda_architectures: *const ::core::ffi::c_char,
+    pub cuda_toolkit_version: ::core::ffi::c_int,
+    pub tensor_cores: ::core::ffi::c_int,
+}
+impl Default for m40llm_build_info {
+    fn default() -> Self {
+        let mut s = ::core::mem::MaybeUninit::<Self>::uninit();
+        unsafe {
+            ::core::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
+            s.assume_init()
+        }
+    }
+}
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
 pub struct m40llm_context {
@@ -60,6 +79,9 @@ pub struct m40llm_device_info {
     pub multiprocessors: ::core::ffi::c_int,
     pub total_memory: usize,
     pub free_memory: usize,
+    pub kernel_arch: ::core::ffi::c_int,
+    pub native_code: ::core::ffi::c_int,
+    pub tensor_cores: ::core::ffi::c_int,
 }
 impl Default for m40llm_device_info {
     fn default() -> Self {
@@ -80,6 +102,11 @@ pub const M40LLM_KV_F16: m40llm_kv_format = 0;
 pub const M40LLM_KV_Q8: m40llm_kv_format = 1;
 pub const M40LLM_KV_Q4: m40llm_kv_format = 2;
 pub type m40llm_kv_format = ::core::ffi::c_int;
+pub const M40LLM_ROTATE_AUTO: m40llm_kv_rotation = 0;
+pub const M40LLM_ROTATE_NONE: m40llm_kv_rotation = 1;
+pub const M40LLM_ROTATE_K: m40llm_kv_rotation = 2;
+pub const M40LLM_ROTATE_KV: m40llm_kv_rotation = 3;
+pub type m40llm_kv_rotation = ::core::ffi::c_uint;
 #[repr(C)]
 #[derive(Debug, Default, Copy, Clone)]
 pub struct m40llm_kvcache_options {
@@ -92,6 +119,9 @@ pub struct m40llm_kvcache_options {
     pub max_seq_len: ::core::ffi::c_int,
     pub format: ::core::ffi::c_int,
     pub v_format: ::core::ffi::c_int,
+    pub rotation: ::core::ffi::c_int,
+    pub n_sinks: ::core::ffi::c_int,
+    pub window: ::core::ffi::c_int,
 }
 extern "C" {
     /// Version of the linked library, as M40LLM_VERSION_NUMBER computes it.
@@ -112,6 +142,8 @@ extern "C" {
     pub fn m40llm_cuda_device_count(
         out_count: *mut ::core::ffi::c_int,
     ) -> ::core::ffi::c_int;
+    /// Describes the build. out->version must be set (use the INIT macro). Needs no context or GPU.
+    pub fn m40llm_build_info_get(out: *mut m40llm_build_info) -> ::core::ffi::c_int;
     /// Fills *opts with the defaults of the given version (1 or 2).
     pub fn m40llm_context_options_init(
         opts: *mut m40llm_context_options,
@@ -132,7 +164,9 @@ extern "C" {
     pub fn m40llm_context_cuda_stream(
         ctx: *const m40llm_context,
     ) -> *mut ::core::ffi::c_void;
-    /// Describes the context's backend and device. out->version must be set (use the INIT macro).
+    /** Describes the context's backend and device. out->version must be set (use the INIT macro).
+  Version 2's fields make the CUDA backend load its kernels for the device (the JIT compile,
+  where it runs PTX), which a version-1 call does not.*/
     pub fn m40llm_context_device_info(
         out: *mut m40llm_device_info,
         ctx: *const m40llm_context,
@@ -177,7 +211,8 @@ extern "C" {
         value: ::core::ffi::c_int,
         bytes: usize,
     ) -> ::core::ffi::c_int;
-    /// Fills *opts with the defaults of the given version, 1 or 2 (all sizes zero, FP16).
+    /** Fills *opts with the defaults of the given version, 1 to 3 (all sizes zero, FP16; version 3:
+  rotation AUTO, no protected tokens).*/
     pub fn m40llm_kvcache_options_init(
         opts: *mut m40llm_kvcache_options,
         version: ::core::ffi::c_uint,
@@ -253,7 +288,8 @@ extern "C" {
         n_tokens: ::core::ffi::c_int,
     ) -> ::core::ffi::c_int;
     /** Copies positions [pos, pos + n_tokens) of (layer, seq) out as FP16 into k_out and v_out
-  (Q8 and Q4: the dequantized values, rounded to FP16),
+  (Q8 and Q4: what attention reads: the dequantized values, or a protected position's FP16
+  copy, rotated back where the tensor is rotated, rounded to FP16),
   [n_tokens][n_kv_heads][head_dim] in backend memory. Either output may be NULL to skip it; both
   NULL, or n_tokens < 1, fails with M40LLM_ERR_INVALID_ARGUMENT. A range outside
   [0, seq_len) fails with M40LLM_ERR_OUT_OF_RANGE.*/

@@ -5,8 +5,10 @@
 //! backend when an nvcc is found (cudart linked statically), else CPU-only with a build warning.
 //! Enable the `cuda` feature to make a missing toolkit a build error. Environment variables:
 //! `NVCC`, `NVCC_CCBIN`, `CUDA_PATH`/`CUDA_HOME`/`CUDA_ROOT`, `M40LLM_NO_CUDA=1` (force CPU-only)
-//! and `M40LLM_CUDA_ARCHS` (comma-separated: `52` = sm_52 SASS + compute_52 PTX, the default;
-//! `sm_90`/`90-real` = SASS only; `compute_52`/`52-virtual` = PTX only).
+//! and `M40LLM_CUDA_ARCHS` (comma-separated: `52` = sm_52 SASS + compute_52 PTX; `sm_90`/
+//! `90-real` = SASS only; `compute_52`/`52-virtual` = PTX only; default `52,sm_80,sm_90`, each
+//! where the toolkit builds it), or candle's `CUDA_COMPUTE_CAP`. `m40llm_build_info_get` reports
+//! at run time what a build carries.
 //!
 //! Everything here is `unsafe` and follows the C header's rules on ownership, ordering and
 //! threading. Use the safe `m40llm` crate unless you need the raw calls.

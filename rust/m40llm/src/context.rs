@@ -12,10 +12,17 @@ use crate::error::{check, Error, Result};
 /// Which backend a [`Context`] runs on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum Backend {
-    /// CUDA when a usable GPU exists, else the CPU. A created context never reports `Auto`.
+    /// CUDA when a usable GPU exists, else the CPU, without a word: the library logs nothing.
+    /// Ask [`Context::backend`] which one a context got (it never reports `Auto`), and
+    /// [`build_info`](crate::build_info) whether the library has the CUDA backend at all (a
+    /// build without a CUDA toolkit has the CPU backend only). A program that needs the GPU
+    /// should ask for [`Backend::Cuda`], which fails with the reason instead.
     #[default]
     Auto,
     /// The CUDA backend: buffers live in GPU memory and work is queued on a CUDA stream.
+    /// Creating a context fails with [`Status::NoDevice`](crate::Status) where there is no
+    /// usable GPU, or the library was built without CUDA; the message says which, and how to
+    /// fix it.
     Cuda,
     /// The CPU backend: buffers live in host memory and every call completes before returning.
     Cpu,
@@ -128,8 +135,9 @@ impl ContextBuilder {
             #[cfg(feature = "cudarc")]
             cudarc_stream: self.cudarc_stream,
         };
-        // The context is not shared yet; if this fails, dropping `inner` destroys it.
-        let info = device_info_raw(raw.as_ptr())?;
+        // The context is not shared yet; if this fails, dropping `inner` destroys it. Version 1:
+        // the backend and device only, without loading the GPU's kernels.
+        let info = device_info_raw(raw.as_ptr(), 1)?;
         inner.backend = info.backend;
         inner.device = info.device;
         Ok(Context {
@@ -215,7 +223,17 @@ impl PartialEq for Context {
 impl Eq for Context {}
 
 impl Context {
-    /// A context on the given backend (CUDA device 0 for CUDA or Auto).
+    /// A context on the given backend (CUDA device 0 for CUDA or Auto). [`Backend::Auto`]
+    /// quietly takes the CPU where no GPU is usable; check [`backend`](Self::backend):
+    ///
+    /// ```
+    /// use m40llm::{Backend, Context};
+    /// let ctx = Context::new(Backend::Auto)?;
+    /// if ctx.backend() == Backend::Cpu {
+    ///     eprintln!("no usable GPU; m40llm build: {}", m40llm::build_info()?);
+    /// }
+    /// # Ok::<(), m40llm::Error>(())
+    /// ```
     pub fn new(backend: Backend) -> Result<Context> {
         ContextBuilder::new().backend(backend).build()
     }
@@ -249,10 +267,12 @@ impl Context {
         self.inner.device
     }
 
-    /// Describes the backend and device (free memory is read at the time of the call).
+    /// Describes the backend and device (free memory is read at the time of the call), and
+    /// the code the library runs on the GPU. The first call on a GPU that runs PTX makes the
+    /// driver JIT-compile the library's kernels (as the first attention call would).
     pub fn device_info(&self) -> Result<DeviceInfo> {
         let _lock = self.lock();
-        device_info_raw(self.as_raw())
+        device_info_raw(self.as_raw(), sys::M40LLM_DEVICE_INFO_VERSION)
     }
 
     /// Blocks until all work queued on the context is done and reports errors raised by it.
@@ -317,10 +337,11 @@ impl Context {
     }
 }
 
-/// `m40llm_context_device_info`; the caller holds the lock (or owns the only handle).
-fn device_info_raw(raw: *mut sys::m40llm_context) -> Result<DeviceInfo> {
+/// `m40llm_context_device_info` of the given struct version (version 1 leaves the code facts
+/// unset); the caller holds the lock (or owns the only handle).
+fn device_info_raw(raw: *mut sys::m40llm_context, version: u32) -> Result<DeviceInfo> {
     let mut info = sys::m40llm_device_info {
-        version: sys::M40LLM_DEVICE_INFO_VERSION,
+        version,
         ..Default::default()
     };
     // SAFETY: valid out struct with its version set; valid context, not used concurrently.
@@ -334,6 +355,7 @@ fn device_info_raw(raw: *mut sys::m40llm_context) -> Result<DeviceInfo> {
         .collect();
     let name = String::from_utf8_lossy(&name_bytes).into_owned();
     let backend = Backend::from_raw(info.backend);
+    let kernel_arch = info.kernel_arch.max(0) as u32;
     Ok(DeviceInfo {
         backend,
         device: u32::try_from(info.device).ok(),
@@ -345,6 +367,9 @@ fn device_info_raw(raw: *mut sys::m40llm_context) -> Result<DeviceInfo> {
         multiprocessors: info.multiprocessors.max(0) as u32,
         total_memory: info.total_memory,
         free_memory: info.free_memory,
+        kernel_arch: (kernel_arch > 0).then_some((kernel_arch / 10, kernel_arch % 10)),
+        native_code: info.native_code != 0,
+        tensor_cores: info.tensor_cores != 0,
     })
 }
 
@@ -376,19 +401,45 @@ pub struct DeviceInfo {
     pub total_memory: usize,
     /// Bytes of device memory free when queried; 0 for the CPU backend.
     pub free_memory: usize,
+    /// The architecture, `(major, minor)`, the library's kernels on this GPU were compiled for:
+    /// the SASS it runs (e.g. `(8, 0)` on an sm_86 GPU) or the PTX the driver JIT-compiled
+    /// (e.g. `(5, 2)` on an H100 with a build for the M40 only); `None` for the CPU backend.
+    pub kernel_arch: Option<(u32, u32)>,
+    /// Whether the GPU runs SASS built in for it; `false` where the driver JIT-compiled PTX
+    /// (once per process, or from its disk cache), and for the CPU backend. See
+    /// [`BuildInfo::cuda_architectures`](crate::BuildInfo::cuda_architectures).
+    pub native_code: bool,
+    /// Whether F16 caches with head_dim 32..=128, a multiple of 16, run the tensor-core
+    /// attention kernels here (sm_80+ code on an sm_80+ GPU); `false` where every cache runs
+    /// the FP32 kernels.
+    pub tensor_cores: bool,
 }
 
 impl fmt::Display for DeviceInfo {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match (self.device, self.compute_capability) {
-            (Some(dev), Some((major, minor))) => write!(
-                f,
-                "CUDA device {dev}: {} (sm_{major}{minor}, {} SMs, {:.1}/{:.1} GiB free)",
-                self.name,
-                self.multiprocessors,
-                self.free_memory as f64 / (1u64 << 30) as f64,
-                self.total_memory as f64 / (1u64 << 30) as f64
-            ),
+            (Some(dev), Some((major, minor))) => {
+                write!(
+                    f,
+                    "CUDA device {dev}: {} (sm_{major}{minor}, {} SMs, {:.1}/{:.1} GiB free)",
+                    self.name,
+                    self.multiprocessors,
+                    self.free_memory as f64 / (1u64 << 30) as f64,
+                    self.total_memory as f64 / (1u64 << 30) as f64
+                )?;
+                if let Some((kmajor, kminor)) = self.kernel_arch {
+                    let (code, how) = if self.native_code {
+                        ("sm", "SASS")
+                    } else {
+                        ("compute", "PTX, JIT-compiled")
+                    };
+                    write!(f, ", runs {code}_{kmajor}{kminor} {how}")?;
+                    if self.tensor_cores {
+                        f.write_str(", tensor cores")?;
+                    }
+                }
+                Ok(())
+            }
             _ => write!(f, "{} backend", self.name),
         }
     }

@@ -87,7 +87,7 @@
 //! | [`KvCache`], [`DeviceBuffer`] | yes | yes | Own their handle and a [`Context`]; every call takes the lock; changes need `&mut self` (share a cache that others append to as `Mutex<KvCache>`). |
 //! | [`DeviceSlice`], [`DeviceSliceMut`] | yes | yes | Borrowed views, like `&[T]` and `&mut [T]`. |
 //! | `CudarcView`, `CudarcViewMut` (feature `cudarc`) | no | no | Short-lived views that record cudarc's events on drop. |
-//! | [`Error`], [`Status`], [`KvCacheConfig`], [`DeviceInfo`], [`Backend`] | yes | yes | Plain data. |
+//! | [`Error`], [`Status`], [`KvCacheConfig`], [`DeviceInfo`], [`BuildInfo`], [`Backend`] | yes | yes | Plain data. |
 //!
 //! Threads that share one context take turns call by call (on the GPU each call only queues
 //! work, so the lock is held briefly); for parallel work use one context per thread. The lock
@@ -152,12 +152,21 @@
 //! kv.seq_len(0, 0).unwrap(); // use after move
 //! ```
 //!
-//! # Building
+//! # Building, and which backend you got
 //! `m40llm-sys` compiles the C/CUDA library. The CUDA backend is built when `nvcc` is found
-//! (`NVCC`, `CUDA_PATH`, `/usr/local/cuda`, `PATH`), else a CPU-only library with a warning;
-//! the `cuda` feature makes a missing toolkit an error. `M40LLM_CUDA_ARCHS` picks GPU
-//! architectures (default `52`: sm_52 SASS + compute_52 PTX). The CUDA runtime is linked
-//! statically, so binaries need only the NVIDIA driver.
+//! (`NVCC`, `CUDA_PATH`, `/usr/local/cuda`, `PATH`), else a CPU-only library with a cargo
+//! warning (which cargo shows only for path dependencies); the `cuda` feature makes a missing
+//! toolkit an error. `M40LLM_CUDA_ARCHS`, or candle's `CUDA_COMPUTE_CAP`, picks the GPU
+//! architectures (default `52,sm_80,sm_90`, each where the toolkit builds it: sm_52 SASS and
+//! compute_52 PTX for the M40 and, through the driver's JIT, any newer GPU; native code with
+//! the tensor-core path for Ampere and Hopper). The CUDA runtime is linked statically, so
+//! binaries need only the NVIDIA driver.
+//!
+//! At run time, [`build_info`] says what the library carries, [`Context::backend`] which
+//! backend a context got ([`Backend::Auto`] takes the CPU, quietly, where no GPU is usable; the
+//! library logs nothing), and [`Context::device_info`] whether the GPU runs native code or
+//! JIT-compiled PTX and whether it takes the tensor-core path. Ask for [`Backend::Cuda`] where
+//! the GPU is required: it fails with the reason.
 //!
 //! Features: `cuda` (require the CUDA backend), `cudarc` (the `cudarc_interop` module; cudarc
 //! is built with its driver API loaded at run time, so building needs no CUDA toolkit).
@@ -166,6 +175,7 @@
 #![warn(rust_2018_idioms)]
 
 mod buffer;
+mod build_info;
 mod context;
 #[cfg(feature = "cudarc")]
 pub mod cudarc_interop;
@@ -175,6 +185,7 @@ mod kvcache;
 pub use buffer::{
     DeviceBuffer, DeviceRead, DeviceSlice, DeviceSliceMut, DeviceWrite, Element, HalfElement,
 };
+pub use build_info::{build_info, BuildInfo};
 pub use context::{
     built_with_cuda, cuda_device_count, library_version, Backend, Context, ContextBuilder,
     DeviceInfo,

@@ -6,10 +6,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::{check_attention_case, reference_attention, rel_l2, to_f16, Rng, Shape, TOL};
+use common::{
+    check_attention_case, parse_archs, reference_attention, rel_l2, to_f16, Rng, Shape, TOL,
+};
 use m40llm::{
-    built_with_cuda, cuda_device_count, f16, library_version, Backend, Context, DeviceBuffer,
-    DeviceSlice, DeviceSliceMut, Error, KvCache, KvCacheConfig, KvFormat, Status,
+    build_info, built_with_cuda, cuda_device_count, f16, library_version, Backend, Context,
+    DeviceBuffer, DeviceSlice, DeviceSliceMut, Error, KvCache, KvCacheConfig, KvFormat, Status,
 };
 
 fn cpu() -> Context {
@@ -38,6 +40,37 @@ fn library_facts() {
 }
 
 #[test]
+fn build_info_is_consistent() {
+    let b = build_info().unwrap();
+    println!("build: {b}");
+    assert_eq!(b.cuda, built_with_cuda());
+    assert_eq!(build_info().unwrap(), b);
+    if !b.cuda {
+        assert_eq!(b.cuda_architectures, "");
+        assert_eq!(b.cuda_toolkit, None);
+        assert!(!b.tensor_cores);
+        assert!(b.to_string().contains("without CUDA"));
+        return;
+    }
+    let archs = parse_archs(b.cuda_architectures)
+        .unwrap_or_else(|| panic!("{:?}: not NN-real/NN-virtual", b.cuda_architectures));
+    // Sorted by architecture, SASS before PTX, without duplicates: the form CMake's build and
+    // m40llm-sys's build script both write.
+    let key = |&(n, real): &(u32, bool)| (n, !real);
+    assert!(
+        archs.windows(2).all(|w| key(&w[0]) < key(&w[1])),
+        "{:?} is not sorted",
+        b.cuda_architectures
+    );
+    let (major, minor) = b.cuda_toolkit.expect("toolkit version");
+    assert!((major, minor) >= (11, 8), "CUDA {major}.{minor}");
+    let newest = archs.iter().map(|a| a.0).max().unwrap();
+    // m40llm-sys builds the tensor-core kernels whenever an sm_80+ architecture is listed.
+    assert_eq!(b.tensor_cores, newest >= 80);
+    assert!(b.to_string().contains(b.cuda_architectures));
+}
+
+#[test]
 fn thread_safety_markers() {
     fn send_sync<T: Send + Sync>() {}
     send_sync::<Context>();
@@ -63,6 +96,8 @@ fn context_cpu() {
     assert_eq!(info.name, "CPU");
     assert_eq!(info.compute_capability, None);
     assert_eq!(info.total_memory, 0);
+    assert_eq!(info.kernel_arch, None);
+    assert!(!info.native_code && !info.tensor_cores);
     assert!(ctx.cuda_stream().is_null());
     ctx.synchronize().unwrap();
     assert!(format!("{info}").contains("CPU"));

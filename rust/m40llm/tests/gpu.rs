@@ -8,10 +8,10 @@ mod common;
 use std::sync::Arc;
 
 use common::{
-    check_attention_case, default_scale, gpu_context, reference_attention, rel_l2, to_f16, Rng,
-    Shape, TOL,
+    check_attention_case, default_scale, gpu_context, parse_archs, reference_attention, rel_l2,
+    to_f16, Rng, Shape, TOL,
 };
-use m40llm::{f16, Backend, Context, DeviceBuffer, KvCache, KvCacheConfig, Status};
+use m40llm::{build_info, f16, Backend, Context, DeviceBuffer, KvCache, KvCacheConfig, Status};
 
 const LENS: [usize; 5] = [1, 31, 33, 257, 4099];
 
@@ -139,6 +139,37 @@ fn gpu_matches_cpu_backend_bitwise_storage() {
         caches[0].read_to_host(1, 0, 0, 1).unwrap().0[0],
         f16::INFINITY
     );
+}
+
+/// The device facts against the build's list and what the driver loads from it: the newest
+/// SASS of the GPU's major version not newer than the GPU, else the newest PTX not newer than
+/// it, JIT-compiled.
+fn device_code() {
+    let Some(ctx) = gpu_context("device_code") else {
+        return;
+    };
+    let b = build_info().unwrap();
+    let info = ctx.device_info().unwrap();
+    println!("device_code: build {b}");
+    assert!(b.cuda);
+    let archs = parse_archs(b.cuda_architectures).expect("architecture list");
+    let (major, minor) = info.compute_capability.unwrap();
+    let cc = 10 * major + minor;
+    let newest = |sass: bool| {
+        archs
+            .iter()
+            .filter(|&&(n, real)| real == sass && n <= cc && (!sass || n / 10 == major))
+            .map(|a| a.0)
+            .max()
+    };
+    let (sass, ptx) = (newest(true), newest(false));
+    let expected = sass.or(ptx).expect("the build has code for this GPU");
+    assert_eq!(info.native_code, sass.is_some());
+    assert_eq!(info.kernel_arch, Some((expected / 10, expected % 10)));
+    assert_eq!(info.tensor_cores, b.tensor_cores && expected >= 80);
+    assert!(info
+        .to_string()
+        .contains(if info.native_code { "SASS" } else { "JIT" }));
 }
 
 fn errors_and_device_info() {
@@ -570,6 +601,7 @@ fn main() {
             "gpu_matches_cpu_backend_bitwise_storage",
             gpu_matches_cpu_backend_bitwise_storage,
         ),
+        ("device_code", device_code),
         ("errors_and_device_info", errors_and_device_info),
         ("contexts_on_several_threads", contexts_on_several_threads),
         (

@@ -158,6 +158,24 @@ pub fn gpu_context(test: &str) -> Option<Context> {
     Some(ctx)
 }
 
+/// The entries of a [`m40llm::BuildInfo::cuda_architectures`] list: `(NN, true)` for `NN-real`
+/// (SASS), `(NN, false)` for `NN-virtual` (PTX), NN possibly followed by letters; `None` when
+/// an entry has another form.
+pub fn parse_archs(list: &str) -> Option<Vec<(u32, bool)>> {
+    list.split(';')
+        .map(|e| {
+            let (arch, kind) = e.split_once('-')?;
+            let digits = arch.trim_end_matches(|c: char| c.is_ascii_lowercase());
+            let real = match kind {
+                "real" => true,
+                "virtual" => false,
+                _ => return None,
+            };
+            Some((digits.parse().ok()?, real))
+        })
+        .collect()
+}
+
 /// Fills a cache (2 layers; layer 0 gets unrelated data to catch layer mix-ups) with random
 /// sequences of the given lengths, appended in random-sized chunks (FP32 or FP16 input), then
 /// checks single-sequence and batched attention of layer 1 against the float64 reference.
