@@ -42,23 +42,25 @@ __global__ void append_kernel(const T *__restrict__ k, const T *__restrict__ v, 
 
 // A quantized cache's rows: one warp a (token, K/V head) row. The row is staged in shared
 // memory as FP32, rotated there where the tensor is (the same FP32 operations as the CPU
-// backend), then encoded in groups, one lane a group. P: the cache's KvPair of formats
-// (quantized ones: their encode run is the group).
+// backend), then encoded in groups, one lane a group; a protected position's FP16 copy goes to
+// its slot. P: the cache's KvPair of formats (quantized ones: their encode run is the group).
 constexpr int kAppendRowWarps = kAppendThreads / 32;
 
 struct AppendRows {
   KvMutPlanes k, v;
+  __half *k16, *v16;  // this layer's and sequence's first FP16 slot, or null
   size_t first;       // element of the first row ([kv_head][pos][dim] from (layer, seq, 0, pos))
   size_t head_stride; // elements between K/V heads
-  int n_tokens, n_kv_heads, head_dim;
+  size_t slot_head_stride;
+  int pos, n_tokens, n_kv_heads, head_dim, n_sinks, window;
   bool rot_k, rot_v;
   float rot_scale;
 };
 
 template <typename F, typename T>
 __device__ __forceinline__ void append_row(float *x, const T *src, const KvMutPlanes &planes,
-                                           size_t dst, bool rotate, const AppendRows &r,
-                                           int lane) {
+                                           __half *slot, size_t dst, bool rotate,
+                                           const AppendRows &r, int lane) {
   const int D = r.head_dim;
   for (int i = lane; i < D; i += 32) x[i] = (float)src[i];
   __syncwarp();
@@ -69,6 +71,8 @@ __device__ __forceinline__ void append_row(float *x, const T *src, const KvMutPl
     for (int i = 0; i < F::kEncodeRun; i++) v[i] = x[g * F::kEncodeRun + i];
     F::encode(planes, dst + (size_t)g * F::kEncodeRun, v);
   }
+  if (slot)
+    for (int i = lane; i < D; i += 32) slot[i] = __float2half_rn(x[i]);
   __syncwarp();  // the row is read before the next one is staged
 }
 
@@ -81,11 +85,18 @@ __global__ void __launch_bounds__(kAppendThreads)
   const int rows = r.n_tokens * r.n_kv_heads;
   for (int row = blockIdx.x * kAppendRowWarps + warp; row < rows;
        row += gridDim.x * kAppendRowWarps) {
-    const int t = row / r.n_kv_heads, h = row % r.n_kv_heads;
+    const int t = row / r.n_kv_heads, h = row % r.n_kv_heads, p = r.pos + t;
     const size_t dst = r.first + (size_t)h * r.head_stride + (size_t)t * r.head_dim;
+    // The positions kept in FP16: sinks, and the window as it stands after this append.
+    const bool kept = r.k16 && (p < r.n_sinks || p >= r.pos + r.n_tokens - r.window);
+    const size_t slot = kept ? (size_t)h * r.slot_head_stride +
+                                   (size_t)m40llm_kv_protected_slot(r.n_sinks, r.window, p) * r.head_dim
+                             : 0;
     const size_t src = (size_t)row * r.head_dim;
-    append_row<typename P::K>(stage[warp][0], k + src, r.k, dst, r.rot_k, r, lane);
-    append_row<typename P::V>(stage[warp][1], v + src, r.v, dst, r.rot_v, r, lane);
+    append_row<typename P::K>(stage[warp][0], k + src, r.k, kept ? r.k16 + slot : nullptr, dst,
+                              r.rot_k, r, lane);
+    append_row<typename P::V>(stage[warp][1], v + src, r.v, kept ? r.v16 + slot : nullptr, dst,
+                              r.rot_v, r, lane);
   }
 }
 
@@ -100,11 +111,18 @@ int append_rows(const m40llm_kvcache *c, int layer, int seq, int pos, const void
   AppendRows r;
   r.k = kv_mut_planes(c->k);
   r.v = kv_mut_planes(c->v);
+  const size_t slot_row = m40llm_kv_protected_row(o, c->slots, layer, seq, 0, 0) * o->head_dim;
+  r.k16 = c->k.fp16 ? reinterpret_cast<__half *>(c->k.fp16) + slot_row : nullptr;
+  r.v16 = c->v.fp16 ? reinterpret_cast<__half *>(c->v.fp16) + slot_row : nullptr;
   r.first = m40llm_kv_row(o, layer, seq, 0, pos) * o->head_dim;
   r.head_stride = (size_t)o->max_seq_len * o->head_dim;
+  r.slot_head_stride = (size_t)c->slots * o->head_dim;
+  r.pos = pos;
   r.n_tokens = n_tokens;
   r.n_kv_heads = o->n_kv_heads;
   r.head_dim = o->head_dim;
+  r.n_sinks = c->n_sinks;
+  r.window = c->window;
   r.rot_k = c->k.rotated;
   r.rot_v = c->v.rotated;
   r.rot_scale = m40llm_rotation_scale(m40llm_rotation_block(o->head_dim));

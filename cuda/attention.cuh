@@ -44,7 +44,8 @@ constexpr float kLog2e = 1.4426950408889634f;
 template <typename P>
 struct SplitBlock {
   int item, split, n_splits;
-  int p_begin, p_end;  // positions
+  int p_begin, p_end;  // positions (or, for a plan's kept rows, FP16 slot rows)
+  bool skip;           // the split is another launch's (m40llm_attn_plan_protect)
   int h0, nh;          // first query head, heads in this tile (<= the tile size)
   typename P::K::Ptr k;  // this sequence's and K/V head's rows
   typename P::V::Ptr v;
@@ -65,6 +66,24 @@ __device__ __forceinline__ SplitBlock<P> split_block(const AttnArgs &a,
   b.n_splits = plan.split_begin[lo + 1] - plan.split_begin[lo];
   b.p_begin = (b.split - plan.split_begin[lo]) * plan.chunk;
   b.p_end = min(plan.len[lo], b.p_begin + plan.chunk);
+  b.skip = false;
+  if (plan.role != M40LLM_PLAN_ALL) {  // protected tokens: find the split's part
+    const m40llm_attn_parts parts =
+        m40llm_attn_item_parts(plan.len[lo], plan.window_begin[lo], plan.sinks, plan.window);
+    int j = b.split - plan.split_begin[lo], part = 3;
+    b.p_begin = b.p_end = 0;  // an empty item's one split: the codes launch writes zeros
+    for (int k = 0; k < 4; k++) {
+      const int splits = (parts.count[k] + plan.chunk - 1) / plan.chunk;
+      if (j < splits) {
+        part = k;
+        b.p_begin = parts.first[k] + j * plan.chunk;
+        b.p_end = min(parts.first[k] + parts.count[k], b.p_begin + plan.chunk);
+        break;
+      }
+      j -= splits;
+    }
+    b.skip = (part < 3 ? M40LLM_PLAN_KEPT : M40LLM_PLAN_CODES) != plan.role;
+  }
   const int kvh = blockIdx.y / a.head_tiles;
   b.h0 = kvh * a.group + (blockIdx.y % a.head_tiles) * group_tile;
   b.nh = min(group_tile, (kvh + 1) * a.group - b.h0);

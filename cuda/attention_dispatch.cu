@@ -73,6 +73,16 @@ int attend(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, const int
     pass = passes.fine;
     build();
   }
+  // Protected tokens: the kept rows get splits of their own, which the FP32 kernel's F16
+  // instance reads from the FP16 slots in a second launch over the same plan.
+  SplitPass kept_pass{};
+  if (c->slots > 0) {
+    rc = fp32_split_pass<KvPair<KvF16, KvF16>>(st, o->head_dim, g, &kept_pass);
+    if (rc != M40LLM_OK) return rc;
+    int32_t window_begin[M40LLM_PLAN_MAX_ITEMS];
+    for (int i = 0; i < n_seqs; i++) window_begin[i] = m40llm_window_begin(c, layer, seq_ids[i]);
+    m40llm_attn_plan_protect(&plan, window_begin, c->n_sinks, c->window);
+  }
 
   AttnArgs a;
   const size_t layer_row = m40llm_kv_row(o, layer, 0, 0, 0);
@@ -103,9 +113,23 @@ int attend(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, const int
   a.rot_scale = m40llm_rotation_scale(m40llm_rotation_block(o->head_dim));
 
   const dim3 grid((unsigned)plan.total_splits, (unsigned)g.units);
+  plan.role = c->slots > 0 ? M40LLM_PLAN_CODES : M40LLM_PLAN_ALL;
   rc = launch_attention_kernel(st, "launching the attention split kernel", pass.kernel, grid,
                                pass.threads, pass.smem, pass.dependent, a, plan);
   if (rc != M40LLM_OK) return rc;
+  if (c->slots > 0) {  // the kept rows: this layer's FP16 slots, [seq][kv_head][slot][dim]
+    AttnArgs kept = a;
+    const size_t slot_row = m40llm_kv_protected_row(o, c->slots, layer, 0, 0, 0) * o->head_dim;
+    kept.k = KvPlanes{{c->k.fp16 + slot_row, nullptr}};
+    kept.v = KvPlanes{{c->v.fp16 + slot_row, nullptr}};
+    kept.head_stride = (size_t)c->slots * o->head_dim;
+    kept.seq_stride = (size_t)o->n_kv_heads * kept.head_stride;
+    plan.role = M40LLM_PLAN_KEPT;
+    rc = launch_attention_kernel(st, "launching the attention split kernel (kept rows)",
+                                 kept_pass.kernel, grid, kept_pass.threads, kept_pass.smem,
+                                 kept_pass.dependent, kept, plan);
+    if (rc != M40LLM_OK) return rc;
+  }
   if (plan.max_splits > 1) return combine_launch(st, a, plan, combine_dependent);
   return M40LLM_OK;
 }
@@ -124,7 +148,9 @@ int m40llm_cuda_reserve_for(m40llm_kvcache *c) {
     // The bound attention_plan.h promises, for any pass's plans.
     int target = p.pass.target > p.direct.target ? p.pass.target : p.direct.target;
     if (p.fine.target > target) target = p.fine.target;
-    const int max_splits = 3 * ((target + g.units - 1) / g.units) + 1;
+    // Protected tokens: up to 3 more an item (m40llm_attn_plan_protect).
+    const int max_splits = 3 * ((target + g.units - 1) / g.units) + 1 +
+                           (c->slots > 0 ? 3 * M40LLM_PLAN_MAX_ITEMS : 0);
     void *ws = nullptr;
     return m40llm_cuda_workspace(cuda_state(c->ctx),
                                  partial_bytes(max_splits, o->n_heads, o->head_dim), &ws);

@@ -65,6 +65,11 @@ struct QIndex {
 // Quantized formats: a lane's 8-dim K chunk and a thread's COLS V columns lie in one group, so
 // the scale (and min) apply once per chunk: score += scale * (q . codes) + min * sum(q), and
 // o += (w * scale) * codes with sum(w * min) kept apart and added to o at the end.
+//
+// Rotated K/V (a.rot_k, a.rot_v): q is rotated in shared memory before the loop, the output
+// rotated back before it is stored. Protected tokens: a quantized cache's call is two launches
+// over one plan (m40llm_attn_plan_protect), this kernel for its codes and its F16 instance for
+// the FP16 slots; each block of a split that is the other launch's returns at once.
 
 template <typename P, int GT, int DMAX>
 __global__ void __launch_bounds__(kAttnThreads, kAttnMinBlocksPerSm)
@@ -78,7 +83,6 @@ __global__ void __launch_bounds__(kAttnThreads, kAttnMinBlocksPerSm)
   constexpr int GH = heads_per_pass(GT);      // heads a score or output pass takes at once
   using KF = typename P::K;
   using VF = typename P::V;
-  constexpr bool kQuantized = KF::kScaled || VF::kScaled;
   constexpr bool kSumKMin = KF::kHasMin && !fold_min(GT);
   constexpr bool kSumMin = VF::kHasMin && !fold_min(GT);
   static_assert(LPR >= 2 && LPR <= 32 && KC >= 1, "tile shape");
@@ -93,6 +97,9 @@ __global__ void __launch_bounds__(kAttnThreads, kAttnMinBlocksPerSm)
 
   const SplitBlock<P> b = split_block<P>(a, plan, GT);
   wait_for_prerequisite_grid();
+  // The other launch's rows. (After the wait: a grid all of whose blocks return must still end
+  // after the grid before it, which a programmatic dependent of it relies on.)
+  if (b.skip) return;
   if (plan.max_splits > 1) allow_dependent_launch();  // the combine kernel: see below
   const int p_begin = b.p_begin, p_end = b.p_end, nh = b.nh;
 
@@ -101,7 +108,7 @@ __global__ void __launch_bounds__(kAttnThreads, kAttnMinBlocksPerSm)
     const int g = i / D, d = i % D;
     sq[g * DMAX + QIndex<DMAX>()(d)] = g < nh ? q[i] * a.q_scale : 0.0f;
   }
-  if (kQuantized && a.rot_k) {
+  if (a.rot_k) {
     __syncthreads();
     rotate_rows(sq, nh, DMAX, D, a.rot_scale, tid, kAttnThreads, QIndex<DMAX>(),
                 [] { __syncthreads(); });
@@ -316,7 +323,7 @@ __global__ void __launch_bounds__(kAttnThreads, kAttnMinBlocksPerSm)
   // The block's coordinates again rather than kept in registers through the loop (on sm_52 they
   // would be spilled).
   const SplitBlock<P> fin = split_block<P>(a, plan, GT);
-  if (kQuantized && a.rot_v) {
+  if (a.rot_v) {
     // The output rotated back from V's frame: rows summed into row group 0's place, rotated
     // there (the transform is linear: partials may be rotated before the combine), stored.
     for (int idx = tid; idx < fin.nh * D; idx += kAttnThreads) {

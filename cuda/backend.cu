@@ -201,20 +201,12 @@ int cuda_memset(m40llm_context *ctx, void *dst, int value, size_t bytes) {
   return M40LLM_OK;
 }
 
-// The kernels load K/V rows 8 elements at a time, have kernels for some format pairs, and do
-// not read protected tokens' FP16 slots yet.
+// The kernels load K/V rows 8 elements at a time, and have kernels for some format pairs.
 int cuda_check_cache(const m40llm_kvcache_options *o) {
   if (o->head_dim % 8 != 0)
     return m40llm_fail(M40LLM_ERR_UNSUPPORTED,
                        "opts->head_dim %d: the CUDA backend needs a multiple of 8", o->head_dim);
   const int v_format = o->v_format == M40LLM_KV_SAME ? o->format : o->v_format;
-  int sinks, window;
-  m40llm_kv_protection(o, o->format, v_format, &sinks, &window);
-  if (sinks + window > 0)
-    return m40llm_fail(M40LLM_ERR_UNSUPPORTED,
-                       "opts->n_sinks %d and opts->window %d: the CUDA backend has no kernels for "
-                       "protected tokens yet (set both to 0; the CPU backend has them)",
-                       o->n_sinks, o->window);
   return with_kv_pair(o->format, v_format, [](auto) -> int { return M40LLM_OK; });
 }
 
@@ -249,11 +241,18 @@ int cuda_read_f16(const m40llm_kvcache *c, uint16_t *k_out, uint16_t *v_out, int
   return rc != M40LLM_OK ? rc : read_rows(c, c->v, v_out, layer, seq, pos, n_tokens);
 }
 
-// Every plane of src_seq's stored rows, one 2D copy per layer: heads are the pitch's rows.
+// Every plane of src_seq's stored rows, one 2D copy per layer: heads are the pitch's rows; and
+// the FP16 slots of every head, one run per layer.
 int cuda_fork(const m40llm_kvcache *c, int dst_seq, int src_seq) {
   M40LLM_CUDA_ENTER(c->ctx);
   const m40llm_kvcache_options *o = &c->opts;
   for (const m40llm_kv_tensor *t : {&c->k, &c->v}) {
+    for (int l = 0; t->fp16 && l < o->n_layers; l++)
+      M40LLM_CUDA_TRY(cudaMemcpyAsync(
+          t->fp16 + m40llm_kv_protected_row(o, c->slots, l, dst_seq, 0, 0) * o->head_dim,
+          t->fp16 + m40llm_kv_protected_row(o, c->slots, l, src_seq, 0, 0) * o->head_dim,
+          (size_t)o->n_kv_heads * c->slots * o->head_dim * sizeof(uint16_t),
+          cudaMemcpyDeviceToDevice, cuda_state(c->ctx)->stream));
     for (int p = 0; p < M40LLM_KV_PLANES; p++) {
       if (!t->plane[p]) continue;
       const size_t pitch = (size_t)o->max_seq_len * t->layout.row_bytes[p];

@@ -153,7 +153,7 @@ static void error_paths_options(m40llm_context *ctx) {
     T_CHECK(init.n_layers == 0 && init.n_heads == 0 && init.n_kv_heads == 0 &&
             init.head_dim == 0 && init.max_seqs == 0 && init.max_seq_len == 0);
     T_CHECK(init.format == M40LLM_KV_F16);
-    T_CHECK(init.rotation == M40LLM_ROTATE_AUTO && init.n_sinks == 0 && init.window == 0);
+    T_CHECK(init.rotation == M40LLM_ROTATE_AUTO && init.n_sinks == 4 && init.window == 128);
     T_CHECK(init.version == want.version && init.format == want.format &&
             init.rotation == want.rotation && init.n_sinks == want.n_sinks &&
             init.window == want.window);

@@ -160,10 +160,8 @@ static void run_case(m40llm_context *ctx, quant_case c, const int *lens, int n_s
   m40llm_kvcache *cache = NULL;
   int rc = m40llm_kvcache_create(&cache, ctx, &o);
   if (rc == M40LLM_ERR_UNSUPPORTED && backend_is_cuda(ctx)) {
-    /* The CUDA backend has kernels for some pairs only, and none for protected tokens yet: it
-     * must say so at create. */
-    T_CHECK(strstr(m40llm_last_error_message(), quantized && (c.sinks || c.window) ? "n_sinks"
-                                                                                    : "format"));
+    /* The CUDA backend has kernels for some pairs only; it must say so at create. */
+    T_CHECK(strstr(m40llm_last_error_message(), "format") != NULL);
     return;
   }
   if (!T_OK(rc)) return;
@@ -442,24 +440,24 @@ static void options(m40llm_context *ctx) {
 
 /* The window after truncation and appends, and across a fork: position by position, read_f16
  * returns the FP16 copy (exactly the FP16 input: no rotation) where the position is protected,
- * else the dequantized value. */
+ * else the dequantized value; attention reads the same values (the ring's live slots wrap). */
 static void window_history(m40llm_context *ctx, int fmt) {
   t_set_case("quantized %d: the window through truncate, append and fork", fmt);
   enum { D = 32, SINKS = 2, WINDOW = 8, N = 40 };
   m40llm_kvcache_options o = M40LLM_KVCACHE_OPTIONS_INIT;
-  o.n_layers = 1, o.n_heads = 1, o.n_kv_heads = 1, o.head_dim = D, o.max_seqs = 2;
+  o.n_layers = 1, o.n_heads = 2, o.n_kv_heads = 1, o.head_dim = D, o.max_seqs = 2;
   o.max_seq_len = N, o.format = fmt, o.rotation = M40LLM_ROTATE_NONE;
   o.n_sinks = SINKS, o.window = WINDOW;
   m40llm_kvcache *cache = NULL;
-  if (backend_is_cuda(ctx)) { /* no kernels for protected tokens yet: refused, not ignored */
-    T_FAIL_WITH(m40llm_kvcache_create(&cache, ctx, &o), M40LLM_ERR_UNSUPPORTED, "n_sinks");
-    return;
-  }
   if (!T_OK(m40llm_kvcache_create(&cache, ctx, &o))) return;
   uint16_t x[N * D], got[N * D];
   for (int i = 0; i < N * D; i++) x[i] = t_f32_to_f16(t_rand_float(-1.0f, 1.0f));
   uint16_t *dx = t_dev_upload(ctx, x, sizeof x);
   uint16_t *dr = t_dev_alloc(ctx, sizeof got);
+  float q[2 * D], out[2 * D];
+  double vals[N * D], ref[2 * D];
+  t_fill_uniform(q, 2 * D, -2.0f, 2.0f);
+  float *dq = t_dev_upload(ctx, q, sizeof q), *dout = t_dev_alloc(ctx, sizeof out);
   const tensor_rule rule = {fmt, 0};
   /* 30 positions; back to 27 (the window keeps 22..26); 5 more, 27..31 (window 24..31, and
    * 22, 23 left it); fork; back to 20 (the window is empty: 20..22 were never refilled); 3
@@ -467,7 +465,7 @@ static void window_history(m40llm_context *ctx, int fmt) {
   struct { int op, n; int lo; } steps[] = {{0, 30, 22}, {1, 27, 22}, {0, 5, 24}, {2, 0, 24},
                                           {1, 20, 20}, {0, 3, 20}};
   int len = 0;
-  for (size_t i = 0; dx && dr && i < sizeof steps / sizeof steps[0]; i++) {
+  for (size_t i = 0; dx && dr && dq && dout && i < sizeof steps / sizeof steps[0]; i++) {
     if (steps[i].op == 0) {
       if (!T_OK(m40llm_kvcache_append_f16(cache, 0, 0, dx + len * D, dx + len * D, steps[i].n))) break;
       len += steps[i].n;
@@ -484,17 +482,27 @@ static void window_history(m40llm_context *ctx, int fmt) {
       int bad = -1;
       for (int p = 0; p < len && bad < 0; p++) {
         float f[D];
-        double val[D];
         uint16_t want[D];
         for (int j = 0; j < D; j++) f[j] = t_f16_to_f32(x[p * D + j]);
-        stored_row(rule, p < SINKS || p >= steps[i].lo, f, D, val, want);
+        stored_row(rule, p < SINKS || p >= steps[i].lo, f, D, vals + p * D, want);
         if (memcmp(want, got + p * D, sizeof want) != 0) bad = p;
       }
       T_CHECKF(bad < 0, "step %zu, seq %d: position %d is not what the window says", i, seq, bad);
+      if (!T_OK(m40llm_memset(ctx, dout, 0xFF, sizeof out)) ||
+          !T_OK(m40llm_kvcache_attn_last_token_f32q(dout, cache, 0, seq, dq, 0.0f)) ||
+          !t_dev_download(ctx, out, dout, sizeof out))
+        break;
+      for (int h = 0; h < 2; h++)
+        ref_head(q + h * D, vals, vals, len, D, D, 1.0 / sqrt((double)D), ref + h * D);
+      const double err = t_rel_l2(out, ref, 2 * D);
+      T_CHECKF(err <= 1e-5, "step %zu, seq %d: attention relative L2 error %.3g (bound 1e-5)", i,
+               seq, err);
     }
   }
   m40llm_free(ctx, dx);
   m40llm_free(ctx, dr);
+  m40llm_free(ctx, dq);
+  m40llm_free(ctx, dout);
   m40llm_kvcache_destroy(cache);
 }
 
@@ -507,7 +515,7 @@ void t_cases_quantized(m40llm_context *ctx, int small) {
   enum { AUTO = M40LLM_ROTATE_AUTO, NONE = M40LLM_ROTATE_NONE, K = M40LLM_ROTATE_K,
          KV = M40LLM_ROTATE_KV };
   static const quant_case cases[] = {
-      /* rotation alone (every backend) */
+      /* rotation alone */
       {M40LLM_KV_Q8, M40LLM_KV_SAME, 4, 4, 64, AUTO, 0, 0},
       {M40LLM_KV_Q4, M40LLM_KV_SAME, 4, 4, 64, NONE, 0, 0},
       {M40LLM_KV_Q8, M40LLM_KV_Q4, 8, 2, 128, AUTO, 0, 0},
@@ -519,7 +527,7 @@ void t_cases_quantized(m40llm_context *ctx, int small) {
       {M40LLM_KV_Q4, M40LLM_KV_SAME, 8, 1, 192, KV, 0, 0},
       {M40LLM_KV_F16, M40LLM_KV_Q4, 4, 2, 64, AUTO, 0, 0},
       {M40LLM_KV_Q4, M40LLM_KV_Q8, 4, 2, 64, KV, 0, 0},
-      /* protected tokens (the CPU backend; CUDA must refuse them) */
+      /* protected tokens */
       {M40LLM_KV_Q8, M40LLM_KV_SAME, 4, 4, 64, AUTO, 4, 128},
       {M40LLM_KV_Q8, M40LLM_KV_Q4, 8, 2, 128, AUTO, 4, 128},
       {M40LLM_KV_Q4, M40LLM_KV_SAME, 12, 4, 128, K, 3, 17},

@@ -1,9 +1,13 @@
 /* The split-K plan (c/src/attention_plan.c), host logic only: on random batches, every item's
  * positions are covered by non-empty splits of whole tiles, the split count stays under the
- * bound the workspace is reserved for, and the longest item is cut evenly. */
+ * bound the workspace is reserved for, and the longest item is cut evenly. With protected
+ * tokens, the parts of an item read each protected position's FP16 slot once and every other
+ * position's codes once. */
 #include <stdint.h>
+#include <string.h>
 
 #include "attention_plan.h"
+#include "kv_format.h"
 #include "test_util.h"
 
 static void check_plan(const int32_t *lens, int n, int units, int target, int min_blocks,
@@ -43,8 +47,74 @@ static void check_plan(const int32_t *lens, int n, int units, int target, int mi
            "longest %d in %d pieces of %d: last %lld", max_len, pieces, p.chunk, (long long)last);
 }
 
+/* An item of length len whose window starts at window_begin (as the cache keeps it: at least
+ * min(sinks, len), at most len, and no more than `window` below len): its parts. */
+static void check_parts(int len, int window_begin, int sinks, int window) {
+  const m40llm_attn_parts p = m40llm_attn_item_parts(len, window_begin, sinks, window);
+  static unsigned char slot_seen[1 << 12], pos_seen[1 << 14];
+  memset(slot_seen, 0, (size_t)(sinks + window));
+  memset(pos_seen, 0, (size_t)len);
+  int ok = 1;
+  for (int k = 0; k < 3; k++)
+    for (int r = p.first[k]; r < p.first[k] + p.count[k]; r++) {
+      ok &= p.count[k] >= 0 && r >= 0 && r < sinks + window && !slot_seen[r];
+      if (r >= 0 && r < sinks + window) slot_seen[r] = 1;
+    }
+  for (int r = p.first[3]; r < p.first[3] + p.count[3]; r++) {
+    ok &= r >= 0 && r < len && !pos_seen[r];
+    if (r >= 0 && r < len) pos_seen[r] = 1;
+  }
+  /* Every protected position's slot is read, every other position's codes. */
+  for (int pos = 0; pos < len; pos++) {
+    const int kept = pos < sinks || pos >= window_begin;
+    if (kept) ok &= slot_seen[m40llm_kv_protected_slot(sinks, window, pos)] && !pos_seen[pos];
+    else ok &= pos_seen[pos];
+  }
+  int kept_rows = 0;
+  for (int k = 0; k < 3; k++) kept_rows += p.count[k];
+  ok &= kept_rows + p.count[3] == len;
+  T_CHECKF(ok, "len %d, window begins at %d, %d sinks, window %d: parts %d@%d %d@%d %d@%d %d@%d",
+           len, window_begin, sinks, window, p.count[0], p.first[0], p.count[1], p.first[1],
+           p.count[2], p.first[2], p.count[3], p.first[3]);
+}
+
 int main(void) {
   t_rng_init();
+  for (int iter = 0; iter < 200000; iter++) {
+    t_set_case("protected parts %d", iter);
+    const int sinks = t_rand_int(0, 8), window = t_rand_int(0, 3) == 0 ? 0 : t_rand_int(1, 300);
+    const int len = t_rand_int(0, 10000);
+    const int lowest = len < sinks ? len : sinks, highest = len - window;
+    const int window_begin = t_rand_int(lowest > highest ? lowest : highest, len);
+    check_parts(len, window > 0 ? window_begin : (len > lowest ? len : lowest), sinks, window);
+  }
+  /* The plan: every part's rows in splits of their own, one split at least. */
+  {
+    t_set_case("protected plan");
+    int32_t lens[M40LLM_PLAN_MAX_ITEMS], wb[M40LLM_PLAN_MAX_ITEMS], ids[M40LLM_PLAN_MAX_ITEMS];
+    for (int iter = 0; iter < 2000; iter++) {
+      const int n = t_rand_int(1, M40LLM_PLAN_MAX_ITEMS), sinks = 4, window = 128;
+      for (int i = 0; i < n; i++) {
+        ids[i] = i;
+        lens[i] = t_rand_int(0, 20000);
+        const int lowest = lens[i] < sinks ? lens[i] : sinks;
+        wb[i] = t_rand_int(lowest > lens[i] - window ? lowest : lens[i] - window, lens[i]);
+      }
+      m40llm_attn_plan p;
+      m40llm_attn_plan_build(&p, ids, lens, n, 8, 1056, 132, 512, 64);
+      m40llm_attn_plan_protect(&p, wb, sinks, window);
+      int ok = p.split_begin[0] == 0 && p.split_begin[n] == p.total_splits;
+      for (int i = 0; i < n; i++) {
+        const m40llm_attn_parts parts = m40llm_attn_item_parts(lens[i], wb[i], sinks, window);
+        int want = 0;
+        for (int k = 0; k < 4; k++) want += (parts.count[k] + p.chunk - 1) / p.chunk;
+        ok &= p.split_begin[i + 1] - p.split_begin[i] == (want > 0 ? want : 1);
+        ok &= p.split_begin[i + 1] - p.split_begin[i] <= p.max_splits;
+        ok &= p.window_begin[i] == wb[i];
+      }
+      T_CHECKF(ok, "plan %d: splits per part", iter);
+    }
+  }
   static const int tiles[] = {8, 16, 32, 64, 128, 256};
   int32_t lens[M40LLM_PLAN_MAX_ITEMS];
   for (int iter = 0; iter < 20000; iter++) {

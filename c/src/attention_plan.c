@@ -39,4 +39,25 @@ void m40llm_attn_plan_build(m40llm_attn_plan *plan, const int32_t *seq_ids, cons
   }
   plan->split_begin[n_items] = begin;
   plan->total_splits = begin;
+  plan->role = M40LLM_PLAN_ALL;
+}
+
+void m40llm_attn_plan_protect(m40llm_attn_plan *plan, const int32_t *window_begin, int32_t sinks,
+                              int32_t window) {
+  int32_t begin = 0;
+  plan->sinks = sinks;
+  plan->window = window;
+  plan->max_splits = 1;
+  for (int i = 0; i < plan->n_items; i++) {
+    const m40llm_attn_parts p = m40llm_attn_item_parts(plan->len[i], window_begin[i], sinks, window);
+    int32_t splits = 0;
+    for (int k = 0; k < 4; k++) splits += (p.count[k] + plan->chunk - 1) / plan->chunk;
+    if (splits < 1) splits = 1; /* an empty item: one split, which writes zeros */
+    plan->window_begin[i] = window_begin[i];
+    plan->split_begin[i] = begin;
+    begin += splits;
+    if (splits > plan->max_splits) plan->max_splits = splits;
+  }
+  plan->split_begin[plan->n_items] = begin;
+  plan->total_splits = begin;
 }

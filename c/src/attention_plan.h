@@ -20,7 +20,48 @@ typedef struct m40llm_attn_plan {
   int32_t seq[M40LLM_PLAN_MAX_ITEMS];
   int32_t len[M40LLM_PLAN_MAX_ITEMS];
   int32_t split_begin[M40LLM_PLAN_MAX_ITEMS + 1]; /* item i owns splits [begin[i], begin[i+1]) */
+  /* Caches with protected tokens (m40llm_attn_plan_protect): which rows this launch takes, the
+   * cache's sinks and window, and each item's first window position. */
+  int32_t role; /* M40LLM_PLAN_ALL, _KEPT or _CODES */
+  int32_t sinks, window;
+  int32_t window_begin[M40LLM_PLAN_MAX_ITEMS];
 } m40llm_attn_plan;
+
+enum {
+  M40LLM_PLAN_ALL = 0,   /* every row of each item, from one tensor */
+  M40LLM_PLAN_KEPT = 1,  /* the rows kept in FP16 slots (parts 0-2 below) */
+  M40LLM_PLAN_CODES = 2  /* the quantized rows (part 3) */
+};
+
+#ifdef __CUDACC__
+#define M40LLM_PLAN_INLINE __host__ __device__ static inline
+#else
+#define M40LLM_PLAN_INLINE static inline
+#endif
+
+/* An item of a cache with protected tokens, as its splits take it: part 0 the sinks (slots 0 ..),
+ * part 1 the window from its first ring slot to the ring's end, part 2 the rest of the window
+ * (from the ring's start), each a run of FP16 slot rows from `first`; part 3 the quantized rows,
+ * positions from `first`. Each part has splits of its own (none when empty). */
+typedef struct m40llm_attn_parts {
+  int32_t count[4], first[4];
+} m40llm_attn_parts;
+
+M40LLM_PLAN_INLINE m40llm_attn_parts m40llm_attn_item_parts(int32_t len, int32_t window_begin,
+                                                            int32_t sinks, int32_t window) {
+  m40llm_attn_parts p;
+  const int32_t kept_window = len - window_begin;
+  const int32_t ring0 = kept_window > 0 ? (window_begin - sinks) % window : 0;
+  p.count[0] = len < sinks ? len : sinks;
+  p.first[0] = 0;
+  p.count[1] = kept_window < window - ring0 ? kept_window : window - ring0;
+  p.first[1] = sinks + ring0;
+  p.count[2] = kept_window - p.count[1];
+  p.first[2] = sinks;
+  p.count[3] = window_begin > sinks ? window_begin - sinks : 0;
+  p.first[3] = sinks;
+  return p;
+}
 
 /* units: blocks per (item, split), i.e. KV heads times query-head chunks. target_blocks: how
  * many blocks fill the GPU. Items are split only when items x units falls short of that, into
@@ -30,6 +71,12 @@ typedef struct m40llm_attn_plan {
 void m40llm_attn_plan_build(m40llm_attn_plan *plan, const int32_t *seq_ids, const int32_t *lens,
                             int n_items, int units, int target_blocks, int min_blocks,
                             int min_chunk, int tile);
+
+/* Re-cuts a built plan for a cache with protected tokens: each item's parts
+ * (m40llm_attn_item_parts) get splits of their own, of the plan's chunk (at most 3 more splits
+ * an item). Sets sinks, window and window_begin; role is the caller's, per launch. */
+void m40llm_attn_plan_protect(m40llm_attn_plan *plan, const int32_t *window_begin, int32_t sinks,
+                              int32_t window);
 
 #ifdef __cplusplus
 }

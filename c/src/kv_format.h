@@ -81,9 +81,15 @@ void m40llm_rotate_f64(double *x, int n);
 void m40llm_kv_protection(const m40llm_kvcache_options *o, int k_format, int v_format,
                           int *out_sinks, int *out_window);
 
+#ifdef __CUDACC__
+#define M40LLM_KV_INLINE __host__ __device__ static inline
+#else
+#define M40LLM_KV_INLINE static inline
+#endif
+
 /* Where position pos lies among the FP16 slots: sinks at their position, then a ring of
  * `window` slots (pos must be protected: pos < sinks or window > 0). */
-static inline int m40llm_kv_protected_slot(int sinks, int window, int pos) {
+M40LLM_KV_INLINE int m40llm_kv_protected_slot(int sinks, int window, int pos) {
   return pos < sinks ? pos : sinks + (pos - sinks) % window;
 }
 
