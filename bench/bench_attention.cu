@@ -246,6 +246,7 @@ struct Options {
   int k_format = M40LLM_KV_F16, v_format = M40LLM_KV_SAME;  // --format
   std::string format_name = "F16";
   int kv_rotation = M40LLM_ROTATE_AUTO;  // --kv-rotation
+  int kv_sinks = 4, kv_window = 128;      // --kv-protect
 };
 
 static std::vector<Shape> full_grid(bool quick) {
@@ -334,6 +335,7 @@ static void usage() {
       "  --device N             CUDA device (default 0)\n"
       "  --format F             K/V format: F16 (default), Q8, Q4, Q8Q4 (K Q8, V Q4)\n"
       "  --kv-rotation R        quantized K/V rotated: auto (the library's default) or none\n"
+      "  --kv-protect S,W       quantized K/V: S sinks and a window of W kept FP16 (4,128)\n"
       "  --list                 print the selected shapes and exit (no GPU needed)\n");
 }
 
@@ -398,6 +400,13 @@ static Options parse_args(int argc, char **argv) {
       else if (r == "none") o.kv_rotation = M40LLM_ROTATE_NONE;
       else {
         std::fprintf(stderr, "bench: --kv-rotation takes auto or none\n");
+        std::exit(2);
+      }
+    }
+    else if (a == "--kv-protect") {
+      if (std::sscanf(next(), "%d,%d", &o.kv_sinks, &o.kv_window) != 2 || o.kv_sinks < 0 ||
+          o.kv_window < 0) {
+        std::fprintf(stderr, "bench: --kv-protect takes SINKS,WINDOW (e.g. 4,128 or 0,0)\n");
         std::exit(2);
       }
     }
@@ -705,6 +714,8 @@ static Result run_shape(Bench &B, const Shape &s) {
   ko.max_seq_len = s.ctx;
   ko.format = o.k_format;
   ko.rotation = o.kv_rotation;
+  ko.n_sinks = o.kv_sinks;
+  ko.window = o.kv_window;
   ko.v_format = o.v_format;
 
   size_t free_b = 0, total_b = 0;
@@ -1008,8 +1019,9 @@ static void write_json(const Bench &B, const std::vector<Result> &rs, bool compl
   std::fprintf(f, "{\n  \"tool\": \"bench_attention\",\n  \"library_version\": %s,\n",
                json_str(m40llm_version_string()).c_str());
   std::fprintf(f, "  \"format\": %s,\n", json_str(B.opt.format_name).c_str());
-  std::fprintf(f, "  \"kv_rotation\": %s,\n",
-               B.opt.kv_rotation == M40LLM_ROTATE_NONE ? "\"none\"" : "\"auto\"");
+  std::fprintf(f, "  \"kv_rotation\": %s,\n  \"kv_protect\": [%d, %d],\n",
+               B.opt.kv_rotation == M40LLM_ROTATE_NONE ? "\"none\"" : "\"auto\"",
+               B.opt.kv_sinks, B.opt.kv_window);
   std::fprintf(f,
                "  \"device\": {\"name\": %s, \"cc\": \"%d.%d\", \"sms\": %d, \"l2_bytes\": %d, "
                "\"total_memory\": %zu},\n",
@@ -1100,8 +1112,10 @@ int main(int argc, char **argv) {
   B.ceil0 = measure_ceilings(B.st);
   B.copy_gbps = B.ceil0.copy_gbps;
   B.read_gbps = B.ceil0.read_gbps;
-  std::printf("K/V format: %s%s\n", B.opt.format_name.c_str(),
-              B.opt.kv_rotation == M40LLM_ROTATE_NONE ? ", not rotated" : "");
+  std::printf("K/V format: %s%s, protected %d sinks + window %d (quantized only)\n",
+              B.opt.format_name.c_str(),
+              B.opt.kv_rotation == M40LLM_ROTATE_NONE ? ", not rotated" : "", B.opt.kv_sinks,
+              B.opt.kv_window);
   std::printf("ceilings: copy %.0f GB/s (read+write, %zu MiB buffer), read sweep %.0f GB/s\n", B.copy_gbps,
               B.ceil0.buffer_bytes >> 20, B.read_gbps);
   B.floor = measure_launch_floor(B.st);

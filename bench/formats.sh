@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # K/V formats side by side on the GPU machine: bench_attention with --format F16, Q8, Q4 and
-# Q8Q4 (and Q8, Q4 unrotated) over the same shapes, in one run, and a table of each format's time against F16's.
+# Q8Q4 (and Q8, Q4 plain and unrotated) over the same shapes, in one run, and a table of each format's time against F16's.
 #
 #   bench/formats.sh BENCH_BINARY OUTDIR [bench_attention args, default: the shapes below]
 #
@@ -21,9 +21,12 @@ for f in F16 Q8 Q4 Q8Q4; do
   "$BIN" --format "$f" "${args[@]}" --json "$OUT/$f.json" >"$OUT/$f.txt" 2>&1 ||
     echo "formats: $f exited $?"
 done
-# The quantized formats unrotated too: what the rotation (on by default) costs.
+# The quantized formats plain too (no rotation, no protected tokens: both on by default), and
+# protected but unrotated: what each costs.
 for f in Q8 Q4; do
+  "$BIN" --format "$f" --kv-rotation none --kv-protect 0,0 "${args[@]}" \
+    --json "$OUT/$f-plain.json" >"$OUT/$f-plain.txt" 2>&1 || echo "formats: $f plain exited $?"
   "$BIN" --format "$f" --kv-rotation none "${args[@]}" --json "$OUT/$f-norot.json" \
-    >"$OUT/$f-norot.txt" 2>&1 || echo "formats: $f --kv-rotation none exited $?"
+    >"$OUT/$f-norot.txt" 2>&1 || echo "formats: $f unrotated exited $?"
 done
 python3 "$(dirname "$0")/formats_table.py" "$OUT" | tee "$OUT/formats.md"

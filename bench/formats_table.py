@@ -11,8 +11,9 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import grid  # noqa: E402
 
-# "-norot": the quantized formats with --kv-rotation none (the rotation's cost).
-FORMATS = ["F16", "Q8", "Q4", "Q8Q4", "Q8-norot", "Q4-norot"]
+# Quantized formats run with the library's defaults (rotated, 4 sinks + 128 window in FP16);
+# "-norot" without the rotation, "-plain" without either.
+FORMATS = ["F16", "Q8", "Q4", "Q8Q4", "Q8-norot", "Q4-norot", "Q8-plain", "Q4-plain"]
 
 
 def main():

@@ -40,9 +40,9 @@ __global__ void append_kernel(const T *__restrict__ k, const T *__restrict__ v, 
   }
 }
 
-// A quantized cache's rows: one warp a (token, K/V head) row. The row is staged in shared
-// memory as FP32, rotated there where the tensor is (the same FP32 operations as the CPU
-// backend), then encoded in groups, one lane a group; a protected position's FP16 copy goes to
+// A quantized cache's rows: one warp a (token, K/V head) row, rotated in registers where the
+// tensor is (the same FP32 operations as the CPU backend), staged in shared memory as FP32,
+// then encoded in groups, one lane a group; a protected position's FP16 copy goes to
 // its slot. P: the cache's KvPair of formats (quantized ones: their encode run is the group).
 constexpr int kAppendRowWarps = kAppendThreads / 32;
 
@@ -62,9 +62,14 @@ __device__ __forceinline__ void append_row(float *x, const T *src, const KvMutPl
                                            __half *slot, size_t dst, bool rotate,
                                            const AppendRows &r, int lane) {
   const int D = r.head_dim;
-  for (int i = lane; i < D; i += 32) x[i] = (float)src[i];
+  float v[8];  // dims lane + 32 e (head_dim <= 256)
+#pragma unroll
+  for (int e = 0; e < 8; e++) v[e] = lane + 32 * e < D ? (float)src[lane + 32 * e] : 0.0f;
+  if (rotate) warp_rotate(v, D, r.rot_scale);
+#pragma unroll
+  for (int e = 0; e < 8; e++)
+    if (lane + 32 * e < D) x[lane + 32 * e] = v[e];
   __syncwarp();
-  if (rotate) rotate_rows(x, 1, D, D, r.rot_scale, lane, 32, IdentityIndex(), [] { __syncwarp(); });
   for (int g = lane; g < D / F::kEncodeRun; g += 32) {
     float v[F::kEncodeRun];
 #pragma unroll

@@ -51,7 +51,8 @@ struct SplitBlock {
   typename P::V::Ptr v;
 };
 
-template <typename P>
+// kProtected: the kernel may be launched over a plan of protected tokens (the FP32 family).
+template <typename P, bool kProtected>
 __device__ __forceinline__ SplitBlock<P> split_block(const AttnArgs &a,
                                                      const m40llm_attn_plan &plan,
                                                      int group_tile) {
@@ -67,17 +68,18 @@ __device__ __forceinline__ SplitBlock<P> split_block(const AttnArgs &a,
   b.p_begin = (b.split - plan.split_begin[lo]) * plan.chunk;
   b.p_end = min(plan.len[lo], b.p_begin + plan.chunk);
   b.skip = false;
-  if (plan.role != M40LLM_PLAN_ALL) {  // protected tokens: find the split's part
+  if (kProtected && plan.role != M40LLM_PLAN_ALL) {  // protected tokens: the split's part
     const m40llm_attn_parts parts =
         m40llm_attn_item_parts(plan.len[lo], plan.window_begin[lo], plan.sinks, plan.window);
     int j = b.split - plan.split_begin[lo], part = 3;
     b.p_begin = b.p_end = 0;  // an empty item's one split: the codes launch writes zeros
     for (int k = 0; k < 4; k++) {
-      const int splits = (parts.count[k] + plan.chunk - 1) / plan.chunk;
+      const int chunk = k < 3 ? plan.kept_chunk : plan.chunk;
+      const int splits = (parts.count[k] + chunk - 1) / chunk;
       if (j < splits) {
         part = k;
-        b.p_begin = parts.first[k] + j * plan.chunk;
-        b.p_end = min(parts.first[k] + parts.count[k], b.p_begin + plan.chunk);
+        b.p_begin = parts.first[k] + j * chunk;
+        b.p_end = min(parts.first[k] + parts.count[k], b.p_begin + chunk);
         break;
       }
       j -= splits;

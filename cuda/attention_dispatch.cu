@@ -38,6 +38,10 @@ int split_passes_for(m40llm_cuda_state *st, const m40llm_kvcache_options *o, con
   return rc;
 }
 
+// Rows per split of protected tokens' kept parts: a few tiles, so that a window's rows, which
+// are few, run in parallel rather than one tile after another in one block.
+int kept_chunk(int tile) { return tile >= kKeptSplitRows ? tile : kKeptSplitRows / tile * tile; }
+
 size_t partial_bytes(int splits, int n_heads, int head_dim) {
   return (size_t)splits * n_heads * ((size_t)head_dim + 2) * sizeof(float);
 }
@@ -81,7 +85,7 @@ int attend(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, const int
     if (rc != M40LLM_OK) return rc;
     int32_t window_begin[M40LLM_PLAN_MAX_ITEMS];
     for (int i = 0; i < n_seqs; i++) window_begin[i] = m40llm_window_begin(c, layer, seq_ids[i]);
-    m40llm_attn_plan_protect(&plan, window_begin, c->n_sinks, c->window);
+    m40llm_attn_plan_protect(&plan, window_begin, c->n_sinks, c->window, kept_chunk(pass.tile));
   }
 
   AttnArgs a;
@@ -113,12 +117,10 @@ int attend(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, const int
   a.rot_scale = m40llm_rotation_scale(m40llm_rotation_block(o->head_dim));
 
   const dim3 grid((unsigned)plan.total_splits, (unsigned)g.units);
-  plan.role = c->slots > 0 ? M40LLM_PLAN_CODES : M40LLM_PLAN_ALL;
-  rc = launch_attention_kernel(st, "launching the attention split kernel", pass.kernel, grid,
-                               pass.threads, pass.smem, pass.dependent, a, plan);
-  if (rc != M40LLM_OK) return rc;
-  if (c->slots > 0) {  // the kept rows: this layer's FP16 slots, [seq][kv_head][slot][dim]
-    AttnArgs kept = a;
+  if (c->slots > 0) {
+    // The kept rows first: most of this grid's blocks return at once, and the codes' grid, its
+    // dependent, launches as they do.
+    AttnArgs kept = a;  // this layer's FP16 slots, [seq][kv_head][slot][dim]
     const size_t slot_row = m40llm_kv_protected_row(o, c->slots, layer, 0, 0, 0) * o->head_dim;
     kept.k = KvPlanes{{c->k.fp16 + slot_row, nullptr}};
     kept.v = KvPlanes{{c->v.fp16 + slot_row, nullptr}};
@@ -129,7 +131,11 @@ int attend(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, const int
                                  kept_pass.kernel, grid, kept_pass.threads, kept_pass.smem,
                                  kept_pass.dependent, kept, plan);
     if (rc != M40LLM_OK) return rc;
+    plan.role = M40LLM_PLAN_CODES;
   }
+  rc = launch_attention_kernel(st, "launching the attention split kernel", pass.kernel, grid,
+                               pass.threads, pass.smem, pass.dependent, a, plan);
+  if (rc != M40LLM_OK) return rc;
   if (plan.max_splits > 1) return combine_launch(st, a, plan, combine_dependent);
   return M40LLM_OK;
 }
@@ -148,9 +154,10 @@ int m40llm_cuda_reserve_for(m40llm_kvcache *c) {
     // The bound attention_plan.h promises, for any pass's plans.
     int target = p.pass.target > p.direct.target ? p.pass.target : p.direct.target;
     if (p.fine.target > target) target = p.fine.target;
-    // Protected tokens: up to 3 more an item (m40llm_attn_plan_protect).
-    const int max_splits = 3 * ((target + g.units - 1) / g.units) + 1 +
-                           (c->slots > 0 ? 3 * M40LLM_PLAN_MAX_ITEMS : 0);
+    int max_splits = 3 * ((target + g.units - 1) / g.units) + 1;
+    if (c->slots > 0)  // m40llm_attn_plan_protect's, for the smallest tile any pass has
+      max_splits += M40LLM_PLAN_MAX_ITEMS *
+                    m40llm_attn_protect_extra(c->n_sinks, c->window, kept_chunk(1));
     void *ws = nullptr;
     return m40llm_cuda_workspace(cuda_state(c->ctx),
                                  partial_bytes(max_splits, o->n_heads, o->head_dim), &ws);

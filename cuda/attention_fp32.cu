@@ -68,8 +68,8 @@ struct QIndex {
 //
 // Rotated K/V (a.rot_k, a.rot_v): q is rotated in shared memory before the loop, the output
 // rotated back before it is stored. Protected tokens: a quantized cache's call is two launches
-// over one plan (m40llm_attn_plan_protect), this kernel for its codes and its F16 instance for
-// the FP16 slots; each block of a split that is the other launch's returns at once.
+// over one plan (m40llm_attn_plan_protect), the F16 instance for the FP16 slots, then this
+// kernel for the codes; each block of a split that is the other launch's returns at once.
 
 template <typename P, int GT, int DMAX>
 __global__ void __launch_bounds__(kAttnThreads, kAttnMinBlocksPerSm)
@@ -95,7 +95,7 @@ __global__ void __launch_bounds__(kAttnThreads, kAttnMinBlocksPerSm)
   float *sp = smem + GT * DMAX;  // [T][GT]: a position's weights for every head together
   const int tid = threadIdx.x;
 
-  const SplitBlock<P> b = split_block<P>(a, plan, GT);
+  const SplitBlock<P> b = split_block<P, true>(a, plan, GT);
   wait_for_prerequisite_grid();
   // The other launch's rows. (After the wait: a grid all of whose blocks return must still end
   // after the grid before it, which a programmatic dependent of it relies on.)
@@ -104,14 +104,26 @@ __global__ void __launch_bounds__(kAttnThreads, kAttnMinBlocksPerSm)
   const int p_begin = b.p_begin, p_end = b.p_end, nh = b.nh;
 
   const float *q = a.q + ((size_t)b.item * a.n_heads + b.h0) * D;
-  for (int i = tid; i < GT * D; i += kAttnThreads) {
-    const int g = i / D, d = i % D;
-    sq[g * DMAX + QIndex<DMAX>()(d)] = g < nh ? q[i] * a.q_scale : 0.0f;
-  }
-  if (a.rot_k) {
-    __syncthreads();
-    rotate_rows(sq, nh, DMAX, D, a.rot_scale, tid, kAttnThreads, QIndex<DMAX>(),
-                [] { __syncthreads(); });
+  if (a.rot_k) {  // a warp a head, rotated in registers on the way in
+    for (int g = tid >> 5; g < GT; g += kAttnThreads / 32) {
+      float v[DMAX / 32];
+#pragma unroll
+      for (int e = 0; e < DMAX / 32; e++) {
+        const int d = (tid & 31) + 32 * e;
+        v[e] = g < nh && d < D ? q[g * D + d] * a.q_scale : 0.0f;
+      }
+      warp_rotate(v, D, a.rot_scale);
+#pragma unroll
+      for (int e = 0; e < DMAX / 32; e++) {
+        const int d = (tid & 31) + 32 * e;
+        if (d < D) sq[g * DMAX + QIndex<DMAX>()(d)] = v[e];
+      }
+    }
+  } else {
+    for (int i = tid; i < GT * D; i += kAttnThreads) {
+      const int g = i / D, d = i % D;
+      sq[g * DMAX + QIndex<DMAX>()(d)] = g < nh ? q[i] * a.q_scale : 0.0f;
+    }
   }
   float *sqsum = smem + GT * (DMAX + T);  // [GT][DMAX / 8], K formats with a min only
   if constexpr (kSumKMin) {
@@ -322,20 +334,30 @@ __global__ void __launch_bounds__(kAttnThreads, kAttnMinBlocksPerSm)
   __syncthreads();
   // The block's coordinates again rather than kept in registers through the loop (on sm_52 they
   // would be spilled).
-  const SplitBlock<P> fin = split_block<P>(a, plan, GT);
+  const SplitBlock<P> fin = split_block<P, false>(a, plan, GT);  // its range is not needed
   if (a.rot_v) {
-    // The output rotated back from V's frame: rows summed into row group 0's place, rotated
-    // there (the transform is linear: partials may be rotated before the combine), stored.
+    // The output rotated back from V's frame (the transform is linear: partials may be rotated
+    // before the combine): the rows summed into row group 0's place, then a warp a head.
     for (int idx = tid; idx < fin.nh * D; idx += kAttnThreads) {
       float acc = 0.0f;
       for (int r = 0; r < row_groups; r++) acc += red[r * GT * D + idx];
       red[idx] = acc;
     }
     __syncthreads();
-    rotate_rows(red, fin.nh, D, D, a.rot_scale, tid, kAttnThreads, IdentityIndex(),
-                [] { __syncthreads(); });
-    for (int idx = tid; idx < fin.nh * D; idx += kAttnThreads)
-      store_split_result(a, fin, fin.h0 + idx / D, idx % D, red[idx], s_state[idx / D]);
+    for (int g = tid >> 5; g < fin.nh; g += kAttnThreads / 32) {
+      float v[DMAX / 32];
+#pragma unroll
+      for (int e = 0; e < DMAX / 32; e++) {
+        const int d = (tid & 31) + 32 * e;
+        v[e] = d < D ? red[g * D + d] : 0.0f;
+      }
+      warp_rotate(v, D, a.rot_scale);
+#pragma unroll
+      for (int e = 0; e < DMAX / 32; e++) {
+        const int d = (tid & 31) + 32 * e;
+        if (d < D) store_split_result(a, fin, fin.h0 + g, d, v[e], s_state[g]);
+      }
+    }
     return;
   }
   for (int idx = tid; idx < fin.nh * D; idx += kAttnThreads) {

@@ -294,7 +294,7 @@ __global__ void __launch_bounds__(32 * W, mma_min_blocks(32 * NC + 16 * TAIL, W)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
   static_assert(std::is_same<KV, KvF16>::value, "the tensor-core kernel reads FP16 K/V");
-  const SplitBlock<KvPair<KV, KV>> b = split_block<KvPair<KV, KV>>(a, plan, G);
+  const SplitBlock<KvPair<KV, KV>> b = split_block<KvPair<KV, KV>, false>(a, plan, G);
   wait_for_prerequisite_grid();
   if (plan.max_splits > 1) allow_dependent_launch();  // as in attn_split_kernel
 

@@ -46,9 +46,14 @@ __global__ void __launch_bounds__(kAppendThreads)
       for (int j = 0; j < 8; j++) x[lane * 8 + j] = fmaf(f[j], s, m);
     }
     __syncwarp();
-    if (r.rotated) rotate_rows(x, 1, D, D, r.rot_scale, lane, 32, IdentityIndex(), [] { __syncwarp(); });
-    for (int i = lane; i < D; i += 32) out[(size_t)row * D + i] = __float2half_rn(x[i]);
-    __syncwarp();  // the row is written out before the next one is staged
+    float v[8];  // dims lane + 32 e (head_dim <= 256)
+#pragma unroll
+    for (int e = 0; e < 8; e++) v[e] = lane + 32 * e < D ? x[lane + 32 * e] : 0.0f;
+    if (r.rotated) warp_rotate(v, D, r.rot_scale);
+#pragma unroll
+    for (int e = 0; e < 8; e++)
+      if (lane + 32 * e < D) out[(size_t)row * D + lane + 32 * e] = __float2half_rn(v[e]);
+    __syncwarp();  // the row is read before the next one is staged
   }
 }
 

@@ -1,31 +1,34 @@
 // The rotation of quantized K/V (the normalized Walsh-Hadamard transform over blocks of the
-// row: m40llm_rotate_f32 in c/src/kv_format.c) on rows in shared memory, by a group of
-// threads: the same FP32 operations, so the append kernel stores what the CPU backend stores.
+// row: m40llm_rotate_f32 in c/src/kv_format.c), one row a warp, in registers: lane l holds dims
+// l, l + 32, l + 64, .. of the row (head_dim a multiple of 32). Butterflies of dims less than 32
+// apart cross lanes by shuffles, the others pair a lane's own registers. Each butterfly is the
+// same FP32 (a + c, a - c) as the CPU's, and the stages come in the same order, so the append
+// kernel stores what the CPU backend stores.
 #pragma once
 
-// Rotates n_rows rows of dim floats in place: row r's element i at x[r * row_stride + at(i)].
-// Threads tid of n_threads take part, sync() makes their shared-memory writes visible to each
-// other (__syncthreads for a block, __syncwarp for a warp); it is called after the last step.
-template <typename At, typename Sync>
-__device__ __forceinline__ void rotate_rows(float *x, int n_rows, int row_stride, int dim,
-                                            float scale, int tid, int n_threads, At at,
-                                            Sync sync) {
-  const int block = dim & -dim, half = dim / 2;
-  for (int h = 1; h < block; h <<= 1) {
-    // Pair j of a row: the j-th element with bit h clear, and that element + h.
-    for (int t = tid; t < n_rows * half; t += n_threads) {
-      const int j = t % half, i = (j / h) * 2 * h + j % h;
-      float *row = x + (t / half) * row_stride;
-      const float a = row[at(i)], c = row[at(i + h)];
-      row[at(i)] = a + c;
-      row[at(i + h)] = a - c;
+// v[e] is dim lane + 32 e of the row, for e < dim / 32 (EMAX >= that, a compile-time bound).
+template <int EMAX>
+__device__ __forceinline__ void warp_rotate(float (&v)[EMAX], int dim, float scale) {
+  const int lane = threadIdx.x & 31, block = dim & -dim;
+  for (int h = 1; h < block && h < 32; h <<= 1) {
+#pragma unroll
+    for (int e = 0; e < EMAX; e++) {
+      const float other = __shfl_xor_sync(0xffffffffu, v[e], h);
+      v[e] = lane & h ? other - v[e] : v[e] + other;  // (a + c) below, (a - c) above
     }
-    sync();
   }
-  for (int t = tid; t < n_rows * dim; t += n_threads) x[(t / dim) * row_stride + at(t % dim)] *= scale;
-  sync();
+#pragma unroll
+  for (int k = 1; k < EMAX; k <<= 1) {
+    if (32 * k >= block) break;
+#pragma unroll
+    for (int e = 0; e < EMAX; e++) {
+      if (!(e & k) && (e | k) < EMAX) {
+        const float a = v[e], c = v[e | k];
+        v[e] = a + c;
+        v[e | k] = a - c;
+      }
+    }
+  }
+#pragma unroll
+  for (int e = 0; e < EMAX; e++) v[e] *= scale;
 }
-
-struct IdentityIndex {
-  __device__ int operator()(int i) const { return i; }
-};

@@ -48,6 +48,10 @@ constexpr int kSplitRowsPerHead = 64;
 // Blocks a plan aims for, in waves of resident blocks: the FP32 kernel's 8 blocks per SM need
 // two waves to even out; the tensor-core kernel's 1-4 were best at one.
 constexpr int kAttnWaves = 2;
+// Protected tokens: rows per split of the FP16 slots (a multiple of the tile where the tile is
+// smaller). A 132-row window and sinks in 16-row tiles, one block each, took 14 us on an H100
+// (B1 32/8 D128, Q8); in splits of 32 rows they run side by side.
+constexpr int kKeptSplitRows = 32;
 constexpr int kMmaWaves = 1;
 
 // ---- Combine (attention_combine.cu) ----

@@ -102,13 +102,21 @@ int main(void) {
       }
       m40llm_attn_plan p;
       m40llm_attn_plan_build(&p, ids, lens, n, 8, 1056, 132, 512, 64);
-      m40llm_attn_plan_protect(&p, wb, sinks, window);
+      int32_t before[M40LLM_PLAN_MAX_ITEMS];
+      for (int i = 0; i < n; i++) before[i] = p.split_begin[i + 1] - p.split_begin[i];
+      const int kept_chunk = 32 * t_rand_int(1, 4);
+      m40llm_attn_plan_protect(&p, wb, sinks, window, kept_chunk);
       int ok = p.split_begin[0] == 0 && p.split_begin[n] == p.total_splits;
       for (int i = 0; i < n; i++) {
         const m40llm_attn_parts parts = m40llm_attn_item_parts(lens[i], wb[i], sinks, window);
         int want = 0;
-        for (int k = 0; k < 4; k++) want += (parts.count[k] + p.chunk - 1) / p.chunk;
+        for (int k = 0; k < 4; k++) {
+          const int chunk = k < 3 ? kept_chunk : p.chunk;
+          want += (parts.count[k] + chunk - 1) / chunk;
+        }
         ok &= p.split_begin[i + 1] - p.split_begin[i] == (want > 0 ? want : 1);
+        ok &= p.split_begin[i + 1] - p.split_begin[i] <=
+              before[i] + m40llm_attn_protect_extra(sinks, window, kept_chunk);
         ok &= p.split_begin[i + 1] - p.split_begin[i] <= p.max_splits;
         ok &= p.window_begin[i] == wb[i];
       }

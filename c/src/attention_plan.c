@@ -42,16 +42,25 @@ void m40llm_attn_plan_build(m40llm_attn_plan *plan, const int32_t *seq_ids, cons
   plan->role = M40LLM_PLAN_ALL;
 }
 
+int32_t m40llm_attn_protect_extra(int32_t sinks, int32_t window, int32_t kept_chunk) {
+  /* the kept rows in splits of kept_chunk, over three parts; the codes' part at most one more */
+  return (sinks + window + kept_chunk - 1) / kept_chunk + 3;
+}
+
 void m40llm_attn_plan_protect(m40llm_attn_plan *plan, const int32_t *window_begin, int32_t sinks,
-                              int32_t window) {
+                              int32_t window, int32_t kept_chunk) {
   int32_t begin = 0;
   plan->sinks = sinks;
   plan->window = window;
+  plan->kept_chunk = kept_chunk;
   plan->max_splits = 1;
   for (int i = 0; i < plan->n_items; i++) {
     const m40llm_attn_parts p = m40llm_attn_item_parts(plan->len[i], window_begin[i], sinks, window);
     int32_t splits = 0;
-    for (int k = 0; k < 4; k++) splits += (p.count[k] + plan->chunk - 1) / plan->chunk;
+    for (int k = 0; k < 4; k++) {
+      const int32_t chunk = k < 3 ? kept_chunk : plan->chunk;
+      splits += (p.count[k] + chunk - 1) / chunk;
+    }
     if (splits < 1) splits = 1; /* an empty item: one split, which writes zeros */
     plan->window_begin[i] = window_begin[i];
     plan->split_begin[i] = begin;

@@ -24,6 +24,7 @@ typedef struct m40llm_attn_plan {
    * cache's sinks and window, and each item's first window position. */
   int32_t role; /* M40LLM_PLAN_ALL, _KEPT or _CODES */
   int32_t sinks, window;
+  int32_t kept_chunk; /* rows per split of the kept parts */
   int32_t window_begin[M40LLM_PLAN_MAX_ITEMS];
 } m40llm_attn_plan;
 
@@ -42,7 +43,8 @@ enum {
 /* An item of a cache with protected tokens, as its splits take it: part 0 the sinks (slots 0 ..),
  * part 1 the window from its first ring slot to the ring's end, part 2 the rest of the window
  * (from the ring's start), each a run of FP16 slot rows from `first`; part 3 the quantized rows,
- * positions from `first`. Each part has splits of its own (none when empty). */
+ * positions from `first`. Each part has splits of its own (none when empty): of kept_chunk rows
+ * for the kept parts (few rows: short splits run them in parallel), of chunk for the codes. */
 typedef struct m40llm_attn_parts {
   int32_t count[4], first[4];
 } m40llm_attn_parts;
@@ -73,10 +75,13 @@ void m40llm_attn_plan_build(m40llm_attn_plan *plan, const int32_t *seq_ids, cons
                             int min_chunk, int tile);
 
 /* Re-cuts a built plan for a cache with protected tokens: each item's parts
- * (m40llm_attn_item_parts) get splits of their own, of the plan's chunk (at most 3 more splits
- * an item). Sets sinks, window and window_begin; role is the caller's, per launch. */
+ * (m40llm_attn_item_parts) get splits of their own (an item has at most
+ * m40llm_attn_protect_extra more splits than before). Sets sinks, window, kept_chunk and
+ * window_begin; role is the caller's, per launch. */
 void m40llm_attn_plan_protect(m40llm_attn_plan *plan, const int32_t *window_begin, int32_t sinks,
-                              int32_t window);
+                              int32_t window, int32_t kept_chunk);
+/* The most splits m40llm_attn_plan_protect adds to one item. */
+int32_t m40llm_attn_protect_extra(int32_t sinks, int32_t window, int32_t kept_chunk);
 
 #ifdef __cplusplus
 }
