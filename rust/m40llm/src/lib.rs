@@ -194,6 +194,6 @@ pub use context::{
 pub use cudarc_interop::{CudarcView, CudarcViewMut};
 pub use error::{Error, Result, Status};
 pub use half::f16;
-pub use kvcache::{KvCache, KvCacheConfig, KvFormat, KvInput};
+pub use kvcache::{KvCache, KvCacheConfig, KvFormat, KvInput, KvRotation};
 /// The raw FFI bindings this crate wraps.
 pub use m40llm_sys as sys;
