@@ -212,7 +212,7 @@ extern "C" {
         bytes: usize,
     ) -> ::core::ffi::c_int;
     /** Fills *opts with the defaults of the given version, 1 to 3 (all sizes zero, FP16; version 3:
-  rotation AUTO, no protected tokens).*/
+  rotation AUTO, 4 sinks, a window of 128).*/
     pub fn m40llm_kvcache_options_init(
         opts: *mut m40llm_kvcache_options,
         version: ::core::ffi::c_uint,

@@ -9,7 +9,7 @@ use m40llm_sys as sys;
 
 use crate::buffer::{overlaps, DeviceBuffer, DeviceRead, DeviceWrite, Element, HalfElement};
 use crate::context::Context;
-use crate::error::{check, Error, Result};
+use crate::error::{check, Error, Result, Status};
 
 /// How K and V are stored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -35,9 +35,84 @@ impl KvFormat {
             KvFormat::Q4 => sys::M40LLM_KV_Q4,
         }) as c_int
     }
+
+    fn from_c(raw: c_int) -> Option<KvFormat> {
+        [KvFormat::F16, KvFormat::Q8, KvFormat::Q4]
+            .into_iter()
+            .find(|f| f.to_c() == raw)
+    }
 }
 
-/// The shape of a [`KvCache`]: built with [`KvCacheConfig::new`] and the setter methods.
+/// How K and V are rotated before they are quantized (`m40llm_kv_rotation`).
+///
+/// The rotation is the normalized Walsh-Hadamard transform over blocks of `b` dims, `b` the
+/// largest power of two dividing `head_dim` (the whole head at 32, 64, 128, 256): butterfly
+/// stages `(x[i], x[i + h]) → (x[i] + x[i + h], x[i] − x[i + h])` for `h = 1, 2, 4, ..`, then
+/// every element times `1/√b`, in FP32. It is orthogonal and its own inverse, so `q·k` and the
+/// attention output are unchanged, while outlier channels are spread over the block before the
+/// per-32-dim quantizer sees them: a smaller quantization error for the same bits.
+///
+/// Appended K (and V) rows are rotated in FP32 before they are quantized; attention rotates `q`
+/// and, for a rotated V, rotates its output back; [`KvCache::read_f16`] returns rows rotated
+/// back. A tensor stored [`KvFormat::F16`] is never rotated. Rotation takes no memory.
+///
+/// ```
+/// use m40llm::{KvCacheConfig, KvFormat, KvRotation};
+/// let cfg = KvCacheConfig::new(32, 32, 128).kv_heads(8).format(KvFormat::Q4);
+/// // The library's default, read from m40llm_kvcache_options_init at run time.
+/// println!("default rotation: {:?}", cfg.rotation);
+/// let unrotated = cfg.rotation(KvRotation::None);
+/// assert_eq!(unrotated.bytes_needed()?, cfg.bytes_needed()?);
+/// # Ok::<(), m40llm::Error>(())
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum KvRotation {
+    /// The library's choice (`M40LLM_ROTATE_AUTO`): today every quantized tensor, as
+    /// [`KvRotation::KV`].
+    Auto,
+    /// No rotation (`M40LLM_ROTATE_NONE`): what caches made before rotation existed do.
+    None,
+    /// K where it is quantized; V is not rotated (`M40LLM_ROTATE_K`).
+    K,
+    /// K and V, each where it is quantized (`M40LLM_ROTATE_KV`).
+    KV,
+    /// A raw `m40llm_kv_rotation` value this crate does not name ([`from_raw`](Self::from_raw)
+    /// never gives it for a value it names). It is passed to the library as is, which refuses
+    /// values it does not know with [`Status::InvalidArgument`](crate::Status) and its message.
+    Unknown(i32),
+}
+
+impl KvRotation {
+    /// The library's value (`m40llm_kv_rotation`).
+    pub fn to_raw(self) -> i32 {
+        match self {
+            KvRotation::Auto => sys::M40LLM_ROTATE_AUTO as i32,
+            KvRotation::None => sys::M40LLM_ROTATE_NONE as i32,
+            KvRotation::K => sys::M40LLM_ROTATE_K as i32,
+            KvRotation::KV => sys::M40LLM_ROTATE_KV as i32,
+            KvRotation::Unknown(raw) => raw,
+        }
+    }
+
+    /// The rotation of a library value; [`KvRotation::Unknown`] for values this crate does not
+    /// name.
+    pub fn from_raw(raw: i32) -> KvRotation {
+        [
+            KvRotation::Auto,
+            KvRotation::None,
+            KvRotation::K,
+            KvRotation::KV,
+        ]
+        .into_iter()
+        .find(|r| r.to_raw() == raw)
+        .unwrap_or(KvRotation::Unknown(raw))
+    }
+}
+
+/// The shape of a [`KvCache`] and how it stores K/V: built with [`KvCacheConfig::new`] and the
+/// setter methods. Fields the setters do not name take the library's defaults
+/// (`m40llm_kvcache_options_init`).
 ///
 /// ```
 /// use m40llm::KvCacheConfig;
@@ -67,12 +142,25 @@ pub struct KvCacheConfig {
     /// [`KvFormat::Q4`]). The CPU backend takes any pair; the CUDA backend each format with
     /// itself and Q8 K with Q4 V.
     pub v_format: Option<KvFormat>,
+    /// How quantized K and V are rotated before they are quantized (see [`KvRotation`]).
+    /// Defaults to the library's default, read at run time by [`KvCacheConfig::new`].
+    pub rotation: KvRotation,
+    /// Protected tokens: attention sinks, the first `n_sinks` positions of each sequence, kept
+    /// in FP16 beside their quantized values. See [`sinks`](Self::sinks). Defaults to the
+    /// library's default, read at run time by [`KvCacheConfig::new`].
+    pub n_sinks: usize,
+    /// Protected tokens: the most recent `window` positions of each sequence (the newest
+    /// included), kept in FP16 beside their quantized values. See [`window`](Self::window).
+    /// Defaults to the library's default, read at run time by [`KvCacheConfig::new`].
+    pub window: usize,
 }
 
 impl KvCacheConfig {
     /// A config for multi-head attention (`n_kv_heads = n_heads`), one sequence of up to 2048
-    /// positions. Adjust with the setters.
+    /// positions, K and V in FP16. Rotation and protected tokens take the library's defaults
+    /// (`m40llm_kvcache_options_init` of the current options version). Adjust with the setters.
     pub fn new(n_layers: usize, n_heads: usize, head_dim: usize) -> Self {
+        let d = library_defaults();
         KvCacheConfig {
             n_layers,
             n_heads,
@@ -82,6 +170,9 @@ impl KvCacheConfig {
             max_seq_len: 2048,
             format: KvFormat::F16,
             v_format: None,
+            rotation: KvRotation::from_raw(d.rotation),
+            n_sinks: d.n_sinks.max(0) as usize,
+            window: d.window.max(0) as usize,
         }
     }
 
@@ -112,6 +203,58 @@ impl KvCacheConfig {
     /// Sets V's storage format apart from K's.
     pub fn v_format(mut self, format: KvFormat) -> Self {
         self.v_format = Some(format);
+        self
+    }
+
+    /// Sets how quantized K and V are rotated before they are quantized (see [`KvRotation`]).
+    /// An F16 tensor is never rotated.
+    pub fn rotation(mut self, rotation: KvRotation) -> Self {
+        self.rotation = rotation;
+        self
+    }
+
+    /// Sets the attention sinks: the first `n_sinks` positions of each sequence are kept in
+    /// FP16 as well as quantized, and attention and reads use the FP16 values.
+    ///
+    /// Sinks and the [`window`](Self::window) are the protected tokens. Where K or V is
+    /// quantized, every position is quantized when appended, and a protected one also keeps an
+    /// FP16 copy (of its rotated values, where the tensor is rotated) that attention and
+    /// [`KvCache::read_f16`] use instead: the first tokens, which draw much of the attention,
+    /// and the recent ones, which the next token leans on most, stay exact (`bench/fidelity`
+    /// measures it on a real model). 0 turns either off; both are capped at `max_seq_len`.
+    ///
+    /// Memory: `(n_sinks + window) × head_dim × 2` bytes per layer, sequence, K/V head and
+    /// quantized tensor, counted by [`bytes_needed`](Self::bytes_needed) and the capacity
+    /// planners. An all-F16 cache ignores both (and takes no memory for them).
+    ///
+    /// A backend without kernels for protected tokens refuses them at creation
+    /// ([`KvCache::new`], and [`max_seq_len_on_device`](Self::max_seq_len_on_device)) with
+    /// [`Status::Unsupported`](crate::Status); the CPU backend has them.
+    ///
+    /// ```
+    /// use m40llm::{Context, KvCache, KvCacheConfig, KvFormat};
+    /// let cfg = KvCacheConfig::new(1, 8, 64).kv_heads(2).max_seq_len(1024).format(KvFormat::Q4);
+    /// let protected = cfg.sinks(4).window(128);
+    /// // (4 + 128) FP16 rows of 64 dims for each of 2 K/V heads, in K and in V.
+    /// let extra = (4 + 128) * 64 * 2 * 2 * 2;
+    /// assert_eq!(protected.bytes_needed()?, cfg.sinks(0).window(0).bytes_needed()? + extra);
+    /// let kv = KvCache::new(&Context::cpu()?, &protected)?;
+    /// assert_eq!((kv.config().n_sinks, kv.config().window), (4, 128));
+    /// # Ok::<(), m40llm::Error>(())
+    /// ```
+    pub fn sinks(mut self, n_sinks: usize) -> Self {
+        self.n_sinks = n_sinks;
+        self
+    }
+
+    /// Sets the recent window: the most recent `window` positions of each sequence (the newest
+    /// included) are kept in FP16 as well as quantized, and attention and reads use the FP16
+    /// values. A position leaves the window when `window` newer ones are appended, and its
+    /// FP16 copy is then gone: after [`KvCache::truncate`], the positions that had left the
+    /// window stay quantized until appends refill it. Memory, the backends and the rest as
+    /// for [`sinks`](Self::sinks).
+    pub fn window(mut self, window: usize) -> Self {
+        self.window = window;
         self
     }
 
@@ -151,8 +294,9 @@ impl KvCacheConfig {
     ///
     /// ```
     /// use m40llm::{KvCacheConfig, KvFormat};
-    /// // Llama-3-8B's shape, K/V in Q8, one sequence, in 6 GiB.
+    /// // Llama-3-8B's shape, K/V in Q8 without protected tokens, one sequence, in 6 GiB.
     /// let cfg = KvCacheConfig::new(32, 32, 128).kv_heads(8).format(KvFormat::Q8);
+    /// let cfg = cfg.sinks(0).window(0);
     /// let len = cfg.max_seq_len_for_budget(6 << 30)?;
     /// assert_eq!(len, 92_521);
     /// assert!(cfg.max_seq_len(len).bytes_needed()? <= 6 << 30);
@@ -205,8 +349,53 @@ impl KvCacheConfig {
         o.v_format = self
             .v_format
             .map_or(sys::M40LLM_KV_SAME as c_int, KvFormat::to_c);
+        o.rotation = self.rotation.to_raw();
+        o.n_sinks = to_c(self.n_sinks, "n_sinks")?;
+        o.window = to_c(self.window, "window")?;
         Ok(o)
     }
+
+    /// The config of options the library returned (`m40llm_kvcache_get_options`).
+    fn from_raw(o: &sys::m40llm_kvcache_options) -> Result<KvCacheConfig> {
+        let format = |raw: c_int| {
+            KvFormat::from_c(raw).ok_or_else(|| {
+                Error::new(
+                    Status::Unsupported,
+                    format!("the library returned KV format {raw}, which this crate does not know"),
+                )
+            })
+        };
+        let size = |v: c_int| v.max(0) as usize;
+        Ok(KvCacheConfig {
+            n_layers: size(o.n_layers),
+            n_heads: size(o.n_heads),
+            n_kv_heads: size(o.n_kv_heads),
+            head_dim: size(o.head_dim),
+            max_seqs: size(o.max_seqs),
+            max_seq_len: size(o.max_seq_len),
+            format: format(o.format)?,
+            v_format: if o.v_format == sys::M40LLM_KV_SAME as c_int {
+                None
+            } else {
+                Some(format(o.v_format)?)
+            },
+            rotation: KvRotation::from_raw(o.rotation),
+            n_sinks: size(o.n_sinks),
+            window: size(o.window),
+        })
+    }
+}
+
+/// The library's default options of the current version (`m40llm_kvcache_options_init`).
+fn library_defaults() -> sys::m40llm_kvcache_options {
+    let mut o = sys::m40llm_kvcache_options::default();
+    // SAFETY: valid out struct. The library knows the version of the header it was built from
+    // (the bindings'), so this cannot fail; were it to, `o` would stay zeroed: AUTO, no
+    // protected tokens.
+    let rc =
+        unsafe { sys::m40llm_kvcache_options_init(&mut o, sys::M40LLM_KVCACHE_OPTIONS_VERSION) };
+    debug_assert_eq!(rc, sys::M40LLM_OK);
+    o
 }
 
 fn to_c(v: usize, what: &str) -> Result<c_int> {
@@ -334,11 +523,20 @@ impl KvCache {
         }
         let raw = NonNull::new(raw)
             .ok_or_else(|| Error::invalid("m40llm_kvcache_create returned null"))?;
-        Ok(KvCache {
+        let mut cache = KvCache {
             raw,
             ctx: ctx.clone(),
             config: *config,
-        })
+        };
+        // What the library recorded (dropping `cache` destroys it if this fails).
+        let mut o = sys::m40llm_kvcache_options {
+            version: sys::M40LLM_KVCACHE_OPTIONS_VERSION,
+            ..Default::default()
+        };
+        // SAFETY: valid out struct with its version set, and a live cache.
+        cache.call(|c| unsafe { sys::m40llm_kvcache_get_options(&mut o, c) })?;
+        cache.config = KvCacheConfig::from_raw(&o)?;
+        Ok(cache)
     }
 
     /// Runs one library call on the cache with the context's lock held and checks its status.
@@ -347,7 +545,10 @@ impl KvCache {
         check(f(self.raw.as_ptr()))
     }
 
-    /// The cache's shape.
+    /// What the cache was created with, as the library recorded it
+    /// (`m40llm_kvcache_get_options`): the config given to [`new`](Self::new), rotation and
+    /// protected tokens included, as given ([`KvRotation::Auto`] stays `Auto`; `n_sinks` and
+    /// `window` are not capped to `max_seq_len` here).
     pub fn config(&self) -> &KvCacheConfig {
         &self.config
     }
@@ -608,8 +809,9 @@ impl KvCache {
         self.call(|c| unsafe { sys::m40llm_kvcache_read_f16(k, v, c, l, s, p, n) })
     }
 
-    /// Copies positions `pos..pos + n` of `(layer, seq)` out as FP16 (for Q8/Q4 the dequantized
-    /// values) into `k_out` and `v_out`
+    /// Copies positions `pos..pos + n` of `(layer, seq)` out as FP16 (for Q8/Q4 what attention
+    /// reads: the dequantized values, or a protected position's FP16 copy, rotated back where
+    /// the tensor is rotated, rounded to FP16) into `k_out` and `v_out`
     /// (`[n][n_kv_heads][head_dim]` each, same length; `n` follows from it). The positions must
     /// be below the sequence's length.
     pub fn read_f16<T: HalfElement>(

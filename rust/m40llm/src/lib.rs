@@ -39,6 +39,47 @@
 //! # Ok::<(), m40llm::Error>(())
 //! ```
 //!
+//! # K/V formats, rotation and protected tokens
+//! [`KvCacheConfig::format`] (and [`v_format`](KvCacheConfig::v_format) for V apart) picks
+//! how K and V are stored: [`KvFormat::F16`] (16 bits a value), [`KvFormat::Q8`] (8.5) or
+//! [`KvFormat::Q4`] (5), the quantized ones per 32 dims of a token's head. Two options make a
+//! quantized cache more accurate:
+//!
+//! * [`KvRotation`] ([`KvCacheConfig::rotation`]): quantized rows are rotated by a normalized
+//!   Walsh-Hadamard transform before they are quantized, spreading outlier channels over the
+//!   block; attention and reads rotate back, so results keep their meaning. No memory.
+//! * Protected tokens ([`KvCacheConfig::sinks`], [`KvCacheConfig::window`]): the first
+//!   `n_sinks` positions of each sequence and its most recent `window` are also kept in FP16,
+//!   and attention reads those. They cost `(n_sinks + window) × head_dim × 2` bytes per layer,
+//!   sequence, K/V head and quantized tensor. A backend without kernels for them refuses them
+//!   at creation with [`Status::Unsupported`].
+//!
+//! Unset, both take the C library's defaults (`m40llm_kvcache_options_init`), read at run
+//! time; [`KvCache::config`] says what a cache was created with.
+//!
+//! ```
+//! use m40llm::{Context, KvCache, KvCacheConfig, KvFormat, KvRotation, Status};
+//!
+//! let ctx = Context::cpu()?;
+//! let cfg = KvCacheConfig::new(2, 8, 64)
+//!     .kv_heads(2)
+//!     .max_seq_len(1024)
+//!     .format(KvFormat::Q8) // K in 8 bits
+//!     .v_format(KvFormat::Q4) // V in 4
+//!     .rotation(KvRotation::KV)
+//!     .sinks(4)
+//!     .window(128);
+//! // Where the backend has no kernels for protected tokens, do without them.
+//! let kv = match KvCache::new(&ctx, &cfg) {
+//!     Err(e) if e.status() == Status::Unsupported => {
+//!         KvCache::new(&ctx, &cfg.sinks(0).window(0))?
+//!     }
+//!     created => created?,
+//! };
+//! assert_eq!(kv.config().rotation, KvRotation::KV);
+//! # Ok::<(), m40llm::Error>(())
+//! ```
+//!
 //! # Ownership and threads
 //! A [`Context`] is a handle to a reference-counted context (like cudarc's `Arc<CudaContext>`):
 //! cloning it is cheap and gives another handle to the same context. [`KvCache`] and
@@ -87,7 +128,7 @@
 //! | [`KvCache`], [`DeviceBuffer`] | yes | yes | Own their handle and a [`Context`]; every call takes the lock; changes need `&mut self` (share a cache that others append to as `Mutex<KvCache>`). |
 //! | [`DeviceSlice`], [`DeviceSliceMut`] | yes | yes | Borrowed views, like `&[T]` and `&mut [T]`. |
 //! | `CudarcView`, `CudarcViewMut` (feature `cudarc`) | no | no | Short-lived views that record cudarc's events on drop. |
-//! | [`Error`], [`Status`], [`KvCacheConfig`], [`DeviceInfo`], [`BuildInfo`], [`Backend`] | yes | yes | Plain data. |
+//! | [`Error`], [`Status`], [`KvCacheConfig`], [`KvFormat`], [`KvRotation`], [`DeviceInfo`], [`BuildInfo`], [`Backend`] | yes | yes | Plain data. |
 //!
 //! Threads that share one context take turns call by call (on the GPU each call only queues
 //! work, so the lock is held briefly); for parallel work use one context per thread. The lock
@@ -194,6 +235,6 @@ pub use context::{
 pub use cudarc_interop::{CudarcView, CudarcViewMut};
 pub use error::{Error, Result, Status};
 pub use half::f16;
-pub use kvcache::{KvCache, KvCacheConfig, KvFormat, KvInput};
+pub use kvcache::{KvCache, KvCacheConfig, KvFormat, KvInput, KvRotation};
 /// The raw FFI bindings this crate wraps.
 pub use m40llm_sys as sys;

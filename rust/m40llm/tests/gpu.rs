@@ -11,7 +11,10 @@ use common::{
     check_attention_case, default_scale, gpu_context, parse_archs, reference_attention, rel_l2,
     to_f16, Rng, Shape, TOL,
 };
-use m40llm::{build_info, f16, Backend, Context, DeviceBuffer, KvCache, KvCacheConfig, Status};
+use m40llm::{
+    build_info, f16, Backend, Context, DeviceBuffer, KvCache, KvCacheConfig, KvFormat, KvRotation,
+    Status,
+};
 
 const LENS: [usize; 5] = [1, 31, 33, 257, 4099];
 
@@ -139,6 +142,148 @@ fn gpu_matches_cpu_backend_bitwise_storage() {
         caches[0].read_to_host(1, 0, 0, 1).unwrap().0[0],
         f16::INFINITY
     );
+}
+
+/// Rotated quantized caches, and protected tokens where the CUDA backend has kernels for them,
+/// against the CPU backend: the same stored FP16 (read back, bit for bit: both rotate and
+/// quantize with the same FP32 operations) and attention within TOL, before and after a
+/// truncate and more appends (which move the window). A backend without kernels for protected
+/// tokens must refuse them at creation with Unsupported naming n_sinks: that outcome is checked
+/// and reported, never taken as a pass of the comparison.
+fn rotated_and_protected_match_cpu() {
+    let test = "rotated_and_protected_match_cpu";
+    let Some(gpu) = gpu_context(test) else { return };
+    let cpu = Context::cpu().unwrap();
+    let mut rng = Rng::fresh(test);
+    use KvFormat::{Q4, Q8};
+    // (K format, V format, rotation, n_heads, n_kv_heads, head_dim)
+    let cases = [
+        (Q8, None, KvRotation::KV, 8, 2, 64),
+        (Q4, None, KvRotation::K, 32, 8, 128),
+        (Q8, Some(Q4), KvRotation::Auto, 8, 2, 128),
+        (Q4, None, KvRotation::KV, 8, 1, 96), // blocks of 32
+        (Q8, None, KvRotation::None, 4, 4, 64),
+    ];
+    let lens = [4099, 0, 1, 33, 300];
+    let max_len = 4099 + 100;
+    let (mut compared, mut refused) = (0, 0);
+    for &(kf, vf, rotation, n_heads, n_kv_heads, head_dim) in &cases {
+        for (sinks, window) in [(0, 0), (4, 128), (1, 16)] {
+            let mut cfg = KvCacheConfig::new(1, n_heads, head_dim)
+                .kv_heads(n_kv_heads)
+                .max_seqs(lens.len())
+                .max_seq_len(max_len)
+                .format(kf)
+                .rotation(rotation)
+                .sinks(sinks)
+                .window(window);
+            if let Some(vf) = vf {
+                cfg = cfg.v_format(vf);
+            }
+            let what = format!("{kf:?}/{vf:?} {rotation:?} sinks {sinks} window {window}");
+            let mut g = match KvCache::new(&gpu, &cfg) {
+                Ok(g) => g,
+                Err(e) if sinks + window > 0 => {
+                    assert_eq!(e.status(), Status::Unsupported, "{what}: {e}");
+                    assert!(e.message().contains("n_sinks"), "{what}: {e}");
+                    println!("{test}: {what}: refused by the CUDA backend: {e}");
+                    refused += 1;
+                    continue;
+                }
+                Err(e) => panic!("{what}: {e}"),
+            };
+            assert_eq!(g.config(), &cfg);
+            let mut c = KvCache::new(&cpu, &cfg).unwrap();
+            let row = cfg.kv_row_len();
+            // One outlier channel, as real K/V have: what rotation is for.
+            let outlier = rng.below(head_dim);
+            let append = |rng: &mut Rng, g: &mut KvCache, c: &mut KvCache, seq, n| {
+                let mut data = || {
+                    let mut x = rng.normal_vec(n * row, 1.0);
+                    for v in x.iter_mut().skip(outlier).step_by(head_dim) {
+                        *v *= 20.0;
+                    }
+                    x
+                };
+                let (k, v) = (data(), data());
+                for (kv, ctx) in [(g, &gpu), (c, &cpu)] {
+                    let kb = DeviceBuffer::from_slice(ctx, &k).unwrap();
+                    let vb = DeviceBuffer::from_slice(ctx, &v).unwrap();
+                    kv.append_tokens(0, seq, n, &kb, &vb).unwrap();
+                }
+            };
+            for (seq, &len) in lens.iter().enumerate() {
+                let mut done = 0;
+                while done < len {
+                    let n = (1 + rng.below(700)).min(len - done);
+                    append(&mut rng, &mut g, &mut c, seq, n);
+                    done += n;
+                }
+            }
+            for round in 0..2 {
+                if round == 1 {
+                    // Move the window: back by 150, forward by 70 (80 left the window).
+                    g.truncate(0, 4099 - 150).unwrap();
+                    c.truncate(0, 4099 - 150).unwrap();
+                    append(&mut rng, &mut g, &mut c, 0, 70);
+                }
+                for seq in 0..lens.len() {
+                    let n = g.seq_len(0, seq).unwrap();
+                    assert_eq!(n, c.seq_len(0, seq).unwrap());
+                    if n == 0 {
+                        continue;
+                    }
+                    let (gk, gv) = g.read_to_host(0, seq, 0, n).unwrap();
+                    let (ck, cv) = c.read_to_host(0, seq, 0, n).unwrap();
+                    for (name, a, b) in [("K", &gk, &ck), ("V", &gv, &cv)] {
+                        let bad = a
+                            .iter()
+                            .zip(b)
+                            .position(|(x, y)| x.to_bits() != y.to_bits());
+                        assert!(
+                            bad.is_none(),
+                            "{what}, round {round}, seq {seq}: GPU and CPU read different {name} \
+                             at element {bad:?}"
+                        );
+                    }
+                }
+                let qrow = cfg.q_row_len();
+                let ids: Vec<usize> = (0..lens.len()).collect();
+                let q = rng.normal_vec(ids.len() * qrow, 1.0);
+                let mut outs = Vec::new();
+                for (kv, ctx) in [(&g, &gpu), (&c, &cpu)] {
+                    let qb = DeviceBuffer::from_slice(ctx, &q).unwrap();
+                    let mut out = DeviceBuffer::<f32>::zeros(ctx, ids.len() * qrow).unwrap();
+                    kv.attention_batch(0, &ids, &qb, &mut out, None).unwrap();
+                    outs.push(out.to_vec().unwrap());
+                }
+                // One sequence alone too (the single-sequence path).
+                let qb = DeviceBuffer::from_slice(&gpu, &q[..qrow]).unwrap();
+                let mut one = DeviceBuffer::<f32>::zeros(&gpu, qrow).unwrap();
+                g.attention(0, 0, &qb, &mut one, None).unwrap();
+                let one = one.to_vec().unwrap();
+                let mut rows: Vec<(String, &[f32], &[f32])> = (0..ids.len())
+                    .map(|i| {
+                        let r = i * qrow..(i + 1) * qrow;
+                        (format!("batched seq {i}"), &outs[0][r.clone()], &outs[1][r])
+                    })
+                    .collect();
+                rows.push(("seq 0 alone".to_string(), &one, &outs[1][..qrow]));
+                for (how, got, want) in rows {
+                    let want: Vec<f64> = want.iter().map(|&x| x as f64).collect();
+                    let e = rel_l2(got, &want);
+                    assert!(
+                        e <= TOL,
+                        "{what}, round {round}, {how}: relative L2 {e:e} > {TOL:e}"
+                    );
+                }
+            }
+            compared += 1;
+            println!("{test}: {what}: GPU matches the CPU backend");
+        }
+    }
+    println!("{test}: {compared} configurations compared, {refused} refused (protected tokens)");
+    gpu.synchronize().unwrap();
 }
 
 /// The device facts against the build's list and what the driver loads from it: the newest
@@ -600,6 +745,10 @@ fn main() {
         (
             "gpu_matches_cpu_backend_bitwise_storage",
             gpu_matches_cpu_backend_bitwise_storage,
+        ),
+        (
+            "rotated_and_protected_match_cpu",
+            rotated_and_protected_match_cpu,
         ),
         ("device_code", device_code),
         ("errors_and_device_info", errors_and_device_info),

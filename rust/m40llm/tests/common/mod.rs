@@ -65,6 +65,12 @@ pub struct Shape {
 /// Float64 attention of one query row over positions stored as FP16:
 /// k and v are [len][n_kv_heads][head_dim] (already FP16-rounded), q is [n_heads][head_dim].
 pub fn reference_attention(s: Shape, k: &[f16], v: &[f16], q: &[f32], scale: f64) -> Vec<f64> {
+    let widen = |x: &[f16]| x.iter().map(|h| h.to_f64()).collect::<Vec<f64>>();
+    reference_attention_f64(s, &widen(k), &widen(v), q, scale)
+}
+
+/// [`reference_attention`] over K and V given in float64, [len][n_kv_heads][head_dim].
+pub fn reference_attention_f64(s: Shape, k: &[f64], v: &[f64], q: &[f32], scale: f64) -> Vec<f64> {
     let (h, kvh, d) = (s.n_heads, s.n_kv_heads, s.head_dim);
     let len = k.len() / (kvh * d);
     let group = h / kvh;
@@ -78,11 +84,7 @@ pub fn reference_attention(s: Shape, k: &[f16], v: &[f16], q: &[f32], scale: f64
         let scores: Vec<f64> = (0..len)
             .map(|t| {
                 let kt = &k[(t * kvh + g) * d..(t * kvh + g + 1) * d];
-                scale
-                    * qh.iter()
-                        .zip(kt)
-                        .map(|(&a, &b)| a as f64 * b.to_f64())
-                        .sum::<f64>()
+                scale * qh.iter().zip(kt).map(|(&a, &b)| a as f64 * b).sum::<f64>()
             })
             .collect();
         let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
@@ -91,7 +93,7 @@ pub fn reference_attention(s: Shape, k: &[f16], v: &[f16], q: &[f32], scale: f64
         for (t, wt) in w.iter().enumerate() {
             let vt = &v[(t * kvh + g) * d..(t * kvh + g + 1) * d];
             for (o, &x) in out[head * d..(head + 1) * d].iter_mut().zip(vt) {
-                *o += wt / z * x.to_f64();
+                *o += wt / z * x;
             }
         }
     }
