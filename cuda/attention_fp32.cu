@@ -66,11 +66,11 @@ struct QIndex {
 // the scale (and min) apply once per chunk: score += scale * (q . codes) + min * sum(q), and
 // o += (w * scale) * codes with sum(w * min) kept apart and added to o at the end.
 //
-// Rotated K/V (a.rot_k, a.rot_v): q is rotated in shared memory before the loop, the output
-// rotated back before it is stored. Protected tokens: a quantized cache's call is two launches
-// over one plan (m40llm_attn_plan_protect), the F16 instance for the FP16 slots, then this
-// kernel for the codes; each block of a split that is the other launch's returns at once.
-
+// Rotated K/V (a.rot_k, a.rot_v): q is rotated on its way into shared memory and the output
+// back before it is stored, a warp a head (rotation.cuh). Protected tokens: a quantized cache's
+// call is two launches over one plan (m40llm_attn_plan_protect), the F16 instance for the FP16
+// slots, then this kernel for the codes; each block of a split that is the other launch's
+// returns at once.
 template <typename P, int GT, int DMAX>
 __global__ void __launch_bounds__(kAttnThreads, kAttnMinBlocksPerSm)
     attn_fp32_kernel(const AttnArgs a, const m40llm_attn_plan plan) {
@@ -83,8 +83,10 @@ __global__ void __launch_bounds__(kAttnThreads, kAttnMinBlocksPerSm)
   constexpr int GH = heads_per_pass(GT);      // heads a score or output pass takes at once
   using KF = typename P::K;
   using VF = typename P::V;
-  constexpr bool kSumKMin = KF::kHasMin && !fold_min(GT);
-  constexpr bool kSumMin = VF::kHasMin && !fold_min(GT);
+  constexpr bool kFoldKMin = KF::kHasMin && fold_min(GT);
+  constexpr bool kSumKMin = KF::kHasMin && !kFoldKMin;
+  using KRaw = typename KF::template Raw<8>;
+  using VRaw = typename VF::template Raw<COLS>;
   static_assert(LPR >= 2 && LPR <= 32 && KC >= 1, "tile shape");
 
   extern __shared__ float smem[];
@@ -146,6 +148,8 @@ __global__ void __launch_bounds__(kAttnThreads, kAttnMinBlocksPerSm)
   const int rg = tid / pv_tpr;
   const int col = (tid % pv_tpr) * COLS;
   const bool pv_active = rg < row_groups;
+  constexpr bool kFoldMin = VF::kHasMin && fold_min(GT);
+  constexpr bool kSumMin = VF::kHasMin && !kFoldMin;
   float o[GT][COLS];
   float o_min[kSumMin ? GT : 1];  // sum(w * min) over the rows, per head
 #pragma unroll
@@ -154,27 +158,27 @@ __global__ void __launch_bounds__(kAttnThreads, kAttnMinBlocksPerSm)
     for (int i = 0; i < COLS; i++) o[g][i] = 0.0f;
     if constexpr (kSumMin) o_min[g] = 0.0f;
   }
-  const float *qp = sq + k_lane * 4;
-  const int v_step = row_groups * D;
 
-  // One tile of `rows` positions whose rows are in formats TP (K: this thread's row at kptr;
-  // V: its i-th row voff(i) elements past vptr): scores, online softmax, weighted V.
-  const auto tile = [&](auto formats, int rows, auto kptr, const KvPlanes &kpl, auto vptr,
-                        auto voff, const KvPlanes &vpl) {
-    using TK = typename decltype(formats)::K;
-    using TV = typename decltype(formats)::V;
-    constexpr bool kFoldKMin = TK::kHasMin && fold_min(GT);
-    constexpr bool kFoldMin = TV::kHasMin && fold_min(GT);
+  // Per-thread cursors, advanced a tile at a time: the loop body computes no 64-bit products.
+  const size_t tile_step = (size_t)T * D;
+  const int v_step = row_groups * D;
+  typename KF::Ptr kp = KF::add(b.k, (size_t)(p_begin + k_row) * D + k_lane * 8);
+  typename VF::Ptr vp = VF::add(b.v, (size_t)(p_begin + rg) * D + col);
+  const float *qp = sq + k_lane * 4;
+
+  for (int t0 = p_begin; t0 < p_end;
+       t0 += T, kp = KF::add(kp, tile_step), vp = VF::add(vp, tile_step)) {
+    const int rows = min(T, p_end - t0);
     // Every load of the tile goes out before anything waits on one: one memory latency per
     // tile instead of one per row batch.
-    typename TK::template Raw<8> kraw[KC];
+    KRaw kraw[KC];
 #pragma unroll
     for (int j = 0; j < KC; j++)
-      if (k_row < rows && k_lane + j * LPR < chunks) kraw[j] = TK::template load<8>(kpl, kptr, j * LPR * 8);
-    typename TV::template Raw<COLS> vraw[VR];
+      if (k_row < rows && k_lane + j * LPR < chunks) kraw[j] = KF::template load<8>(a.k, kp, j * LPR * 8);
+    VRaw vraw[VR];
 #pragma unroll
     for (int i = 0; i < VR; i++)
-      if (pv_active && rg + i * row_groups < rows) vraw[i] = TV::template load<COLS>(vpl, vptr, voff(i));
+      if (pv_active && rg + i * row_groups < rows) vraw[i] = VF::template load<COLS>(a.v, vp, i * v_step);
     __syncthreads();  // q is staged, and the previous tile's weights are consumed
 
 #pragma unroll
@@ -187,9 +191,9 @@ __global__ void __launch_bounds__(kAttnThreads, kAttnMinBlocksPerSm)
         const int c = k_lane + j * LPR;
         if (k_row < rows && c < chunks) {
           float kf[8];
-          TK::template widen<8>(kraw[j], kf);
-          float k_scale = TK::template scale<8>(kraw[j]);
-          const float k_min = TK::template min<8>(kraw[j]);
+          KF::template widen<8>(kraw[j], kf);
+          float k_scale = KF::template scale<8>(kraw[j]);
+          const float k_min = KF::template min<8>(kraw[j]);
           if constexpr (kFoldKMin) {  // as for V below
             const bool flat = k_scale == 0.0f;
             const float off = flat ? 1.0f : __fdividef(k_min, k_scale);
@@ -202,7 +206,7 @@ __global__ void __launch_bounds__(kAttnThreads, kAttnMinBlocksPerSm)
             const float *qg = qp + (g0 + g) * DMAX + j * LPR * 4;
             const float4 qa = *reinterpret_cast<const float4 *>(qg);
             const float4 qb = *reinterpret_cast<const float4 *>(qg + DMAX / 2);
-            float s = TK::kScaled ? 0.0f : acc[g];
+            float s = KF::kScaled ? 0.0f : acc[g];
             s = fmaf(qa.x, kf[0], s);
             s = fmaf(qa.y, kf[1], s);
             s = fmaf(qa.z, kf[2], s);
@@ -211,9 +215,8 @@ __global__ void __launch_bounds__(kAttnThreads, kAttnMinBlocksPerSm)
             s = fmaf(qb.y, kf[5], s);
             s = fmaf(qb.z, kf[6], s);
             s = fmaf(qb.w, kf[7], s);
-            if constexpr (TK::kScaled) s = fmaf(k_scale, s, acc[g]);
-            if constexpr (TK::kHasMin && !kFoldKMin)
-              s = fmaf(k_min, sqsum[(g0 + g) * (DMAX / 8) + c], s);
+            if constexpr (KF::kScaled) s = fmaf(k_scale, s, acc[g]);
+            if constexpr (kSumKMin) s = fmaf(k_min, sqsum[(g0 + g) * (DMAX / 8) + c], s);
             acc[g] = s;
           }
         }
@@ -274,9 +277,9 @@ __global__ void __launch_bounds__(kAttnThreads, kAttnMinBlocksPerSm)
         const int r = rg + i * row_groups;
         if (r < rows) {
           float vf[COLS];
-          TV::template widen<COLS>(vraw[i], vf);
-          float v_scale = TV::template scale<COLS>(vraw[i]);
-          const float v_min = TV::template min<COLS>(vraw[i]);
+          VF::template widen<COLS>(vraw[i], vf);
+          float v_scale = VF::template scale<COLS>(vraw[i]);
+          const float v_min = VF::template min<COLS>(vraw[i]);
           if constexpr (kFoldMin) {
             // A group of equal values has scale 0 and codes 0: then value = (0 + 1) x min.
             // (8-head tiles: see fold_min.)
@@ -287,7 +290,7 @@ __global__ void __launch_bounds__(kAttnThreads, kAttnMinBlocksPerSm)
             v_scale = flat ? v_min : v_scale;
           }
           // The scale goes on whichever is fewer: this row's COLS codes, or its GT weights.
-          constexpr bool kScaleCodes = TV::kScaled && COLS < GT;
+          constexpr bool kScaleCodes = VF::kScaled && COLS < GT;
           if constexpr (kScaleCodes) {
 #pragma unroll
             for (int c = 0; c < COLS; c++) vf[c] *= v_scale;
@@ -298,25 +301,16 @@ __global__ void __launch_bounds__(kAttnThreads, kAttnMinBlocksPerSm)
             load_weights<GH>(sp + r * GT + g0, w);
 #pragma unroll
             for (int g = 0; g < GH; g++) {
-              const float wv = TV::kScaled && !kScaleCodes ? w[g] * v_scale : w[g];
+              const float wv = VF::kScaled && !kScaleCodes ? w[g] * v_scale : w[g];
 #pragma unroll
               for (int c = 0; c < COLS; c++) o[g0 + g][c] = fmaf(wv, vf[c], o[g0 + g][c]);
-              if constexpr (TV::kHasMin && !kFoldMin) o_min[g0 + g] = fmaf(w[g], v_min, o_min[g0 + g]);
+              if constexpr (kSumMin) o_min[g0 + g] = fmaf(w[g], v_min, o_min[g0 + g]);
             }
           }
         }
       }
     }
-  };
-
-  // Per-thread cursors, advanced a tile at a time: the loop body computes no 64-bit products.
-  const size_t tile_step = (size_t)T * D;
-  typename KF::Ptr kp = KF::add(b.k, (size_t)(p_begin + k_row) * D + k_lane * 8);
-  typename VF::Ptr vp = VF::add(b.v, (size_t)(p_begin + rg) * D + col);
-  for (int t0 = p_begin; t0 < p_end;
-       t0 += T, kp = KF::add(kp, tile_step), vp = VF::add(vp, tile_step))
-    tile(P{}, min(T, p_end - t0), kp, a.k, vp, [&](int i) { return i * v_step; }, a.v);
-
+  }
   // A one-pass plan's next kernel is most likely the next call's split kernel: let in any
   // earlier, its blocks would hold SM slots through this loop (B32 32/8 D64 L512 on an H100:
   // 14.4 us a call, 14.8 let in after the wait). A combine kernel is small: let in at once.
