@@ -48,24 +48,20 @@ constexpr int kAppendRowWarps = kAppendThreads / 32;
 
 struct AppendRows {
   KvMutPlanes k, v;
-  __half *k16, *v16;  // this layer's and sequence's first FP16 slot, or null
-  size_t first;       // element of the first row ([kv_head][pos][dim] from (layer, seq, 0, pos))
-  size_t head_stride; // elements between K/V heads
-  size_t slot_head_stride;
-  int pos, n_tokens, n_kv_heads, head_dim, n_sinks, window;
+  __half *k16, *v16;  // the FP16 slots, or null
+  SeqRows at;
   bool rot_k, rot_v;
-  float rot_scale;
 };
 
 template <typename F, typename T>
 __device__ __forceinline__ void append_row(float *x, const T *src, const KvMutPlanes &planes,
                                            __half *slot, size_t dst, bool rotate,
                                            const AppendRows &r, int lane) {
-  const int D = r.head_dim;
+  const int D = r.at.head_dim;
   float v[8];  // dims lane + 32 e (head_dim <= 256)
 #pragma unroll
   for (int e = 0; e < 8; e++) v[e] = lane + 32 * e < D ? (float)src[lane + 32 * e] : 0.0f;
-  if (rotate) warp_rotate(v, D, r.rot_scale);
+  if (rotate) warp_rotate(v, D, r.at.rot_scale);
 #pragma unroll
   for (int e = 0; e < 8; e++)
     if (lane + 32 * e < D) x[lane + 32 * e] = v[e];
@@ -87,17 +83,15 @@ __global__ void __launch_bounds__(kAppendThreads)
   allow_dependent_launch();
   __shared__ float stage[kAppendRowWarps][2][256];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int rows = r.n_tokens * r.n_kv_heads;
-  for (int row = blockIdx.x * kAppendRowWarps + warp; row < rows;
+  const SeqRows &at = r.at;
+  for (int row = blockIdx.x * kAppendRowWarps + warp; row < at.n_tokens * at.n_kv_heads;
        row += gridDim.x * kAppendRowWarps) {
-    const int t = row / r.n_kv_heads, h = row % r.n_kv_heads, p = r.pos + t;
-    const size_t dst = r.first + (size_t)h * r.head_stride + (size_t)t * r.head_dim;
+    const int h = row % at.n_kv_heads, p = at.pos + row / at.n_kv_heads;
+    const size_t dst = at.row(h, p);
     // The positions kept in FP16: sinks, and the window as it stands after this append.
-    const bool kept = r.k16 && (p < r.n_sinks || p >= r.pos + r.n_tokens - r.window);
-    const size_t slot = kept ? (size_t)h * r.slot_head_stride +
-                                   (size_t)m40llm_kv_protected_slot(r.n_sinks, r.window, p) * r.head_dim
-                             : 0;
-    const size_t src = (size_t)row * r.head_dim;
+    const bool kept = r.k16 && (p < at.n_sinks || p >= at.pos + at.n_tokens - at.window);
+    const size_t slot = kept ? at.slot(h, p) : 0;
+    const size_t src = (size_t)row * at.head_dim;
     append_row<typename P::K>(stage[warp][0], k + src, r.k, kept ? r.k16 + slot : nullptr, dst,
                               r.rot_k, r, lane);
     append_row<typename P::V>(stage[warp][1], v + src, r.v, kept ? r.v16 + slot : nullptr, dst,
@@ -116,21 +110,11 @@ int append_rows(const m40llm_kvcache *c, int layer, int seq, int pos, const void
   AppendRows r;
   r.k = kv_mut_planes(c->k);
   r.v = kv_mut_planes(c->v);
-  const size_t slot_row = m40llm_kv_protected_row(o, c->slots, layer, seq, 0, 0) * o->head_dim;
-  r.k16 = c->k.fp16 ? reinterpret_cast<__half *>(c->k.fp16) + slot_row : nullptr;
-  r.v16 = c->v.fp16 ? reinterpret_cast<__half *>(c->v.fp16) + slot_row : nullptr;
-  r.first = m40llm_kv_row(o, layer, seq, 0, pos) * o->head_dim;
-  r.head_stride = (size_t)o->max_seq_len * o->head_dim;
-  r.slot_head_stride = (size_t)c->slots * o->head_dim;
-  r.pos = pos;
-  r.n_tokens = n_tokens;
-  r.n_kv_heads = o->n_kv_heads;
-  r.head_dim = o->head_dim;
-  r.n_sinks = c->n_sinks;
-  r.window = c->window;
+  r.k16 = reinterpret_cast<__half *>(c->k.fp16);
+  r.v16 = reinterpret_cast<__half *>(c->v.fp16);
+  r.at = seq_rows(c, layer, seq, pos, n_tokens);
   r.rot_k = c->k.rotated;
   r.rot_v = c->v.rotated;
-  r.rot_scale = m40llm_rotation_scale(m40llm_rotation_block(o->head_dim));
   const size_t want = ((size_t)n_tokens * o->n_kv_heads + kAppendRowWarps - 1) / kAppendRowWarps;
   const unsigned blocks = (unsigned)(want < kAppendMaxBlocks ? want : kAppendMaxBlocks);
   cudaStream_t s = cuda_state(c->ctx)->stream;

@@ -295,3 +295,37 @@ inline KvMutPlanes kv_mut_planes(const m40llm_kv_tensor &t) {
   for (int i = 0; i < M40LLM_KV_PLANES; i++) p.plane[i] = t.plane[i];
   return p;
 }
+
+// One (layer, sequence)'s rows as the append and read kernels address them: element 0 of K/V
+// head h at position p is row(h, p) in a tensor's planes; a protected position's FP16 copy is
+// slot(h, p) in the tensor's FP16 slots.
+struct SeqRows {
+  size_t first, head_stride, slot_first, slot_head_stride;  // elements
+  int pos, n_tokens, n_kv_heads, head_dim, n_sinks, window;  // positions [pos, pos + n_tokens)
+  float rot_scale;
+
+  __device__ size_t row(int h, int p) const {
+    return first + (size_t)h * head_stride + (size_t)p * head_dim;
+  }
+  __device__ size_t slot(int h, int p) const {
+    return slot_first + (size_t)h * slot_head_stride +
+           (size_t)m40llm_kv_protected_slot(n_sinks, window, p) * head_dim;
+  }
+};
+
+inline SeqRows seq_rows(const m40llm_kvcache *c, int layer, int seq, int pos, int n_tokens) {
+  const m40llm_kvcache_options *o = &c->opts;
+  SeqRows r;
+  r.first = m40llm_kv_row(o, layer, seq, 0, 0) * o->head_dim;
+  r.head_stride = (size_t)o->max_seq_len * o->head_dim;
+  r.slot_first = m40llm_kv_protected_row(o, c->slots, layer, seq, 0, 0) * o->head_dim;
+  r.slot_head_stride = (size_t)c->slots * o->head_dim;
+  r.pos = pos;
+  r.n_tokens = n_tokens;
+  r.n_kv_heads = o->n_kv_heads;
+  r.head_dim = o->head_dim;
+  r.n_sinks = c->n_sinks;
+  r.window = c->window;
+  r.rot_scale = m40llm_rotation_scale(m40llm_rotation_block(o->head_dim));
+  return r;
+}

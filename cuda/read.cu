@@ -15,29 +15,27 @@ constexpr int kReadWarps = kAppendThreads / 32;
 
 struct ReadRows {
   KvPlanes t;
-  const __half *slots;  // this layer's and sequence's first FP16 slot, or null
-  size_t first, head_stride, slot_head_stride;
-  int pos, n_tokens, n_kv_heads, head_dim;
-  int n_sinks, window, window_begin;  // protected positions: < n_sinks, >= window_begin
+  const __half *slots;  // the tensor's FP16 slots, or null
+  SeqRows at;
+  int window_begin;  // protected positions: below at.n_sinks, and from here
   bool rotated;
-  float rot_scale;
 };
 
 template <typename KV>
 __global__ void __launch_bounds__(kAppendThreads)
     read_kernel(const ReadRows r, __half *__restrict__ out) {
   __shared__ float stage[kReadWarps][256];
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, D = r.head_dim;
+  const SeqRows &at = r.at;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, D = at.head_dim;
   float *x = stage[warp];
-  for (int row = blockIdx.x * kReadWarps + warp; row < r.n_tokens * r.n_kv_heads;
+  for (int row = blockIdx.x * kReadWarps + warp; row < at.n_tokens * at.n_kv_heads;
        row += gridDim.x * kReadWarps) {
-    const int t = row / r.n_kv_heads, h = row % r.n_kv_heads, p = r.pos + t;
-    if (r.slots && (p < r.n_sinks || p >= r.window_begin)) {
-      const __half *s = r.slots + (size_t)h * r.slot_head_stride +
-                        (size_t)m40llm_kv_protected_slot(r.n_sinks, r.window, p) * D;
+    const int h = row % at.n_kv_heads, p = at.pos + row / at.n_kv_heads;
+    if (r.slots && (p < at.n_sinks || p >= r.window_begin)) {
+      const __half *s = r.slots + at.slot(h, p);
       for (int i = lane; i < D; i += 32) x[i] = __half2float(s[i]);
     } else if (lane < D / 8) {
-      const size_t e = r.first + (size_t)h * r.head_stride + (size_t)p * D + lane * 8;
+      const size_t e = at.row(h, p) + lane * 8;
       const auto raw = KV::template load<8>(r.t, KV::at(r.t, e), 0);
       float f[8];
       KV::template widen<8>(raw, f);
@@ -49,7 +47,7 @@ __global__ void __launch_bounds__(kAppendThreads)
     float v[8];  // dims lane + 32 e (head_dim <= 256)
 #pragma unroll
     for (int e = 0; e < 8; e++) v[e] = lane + 32 * e < D ? x[lane + 32 * e] : 0.0f;
-    if (r.rotated) warp_rotate(v, D, r.rot_scale);
+    if (r.rotated) warp_rotate(v, D, at.rot_scale);
 #pragma unroll
     for (int e = 0; e < 8; e++)
       if (lane + 32 * e < D) out[(size_t)row * D + lane + 32 * e] = __float2half_rn(v[e]);
@@ -66,21 +64,10 @@ int m40llm_cuda_read_decoded(const m40llm_kvcache *c, const m40llm_kv_tensor &t,
     using KV = decltype(kv);
     ReadRows r;
     r.t = kv_planes_at(t, 0);
-    r.slots = t.fp16 ? reinterpret_cast<const __half *>(t.fp16) +
-                           m40llm_kv_protected_row(o, c->slots, layer, seq, 0, 0) * o->head_dim
-                     : nullptr;
-    r.first = m40llm_kv_row(o, layer, seq, 0, 0) * o->head_dim;
-    r.head_stride = (size_t)o->max_seq_len * o->head_dim;
-    r.slot_head_stride = (size_t)c->slots * o->head_dim;
-    r.pos = pos;
-    r.n_tokens = n_tokens;
-    r.n_kv_heads = o->n_kv_heads;
-    r.head_dim = o->head_dim;
-    r.n_sinks = c->n_sinks;
-    r.window = c->window;
+    r.slots = reinterpret_cast<const __half *>(t.fp16);
+    r.at = seq_rows(c, layer, seq, pos, n_tokens);
     r.window_begin = m40llm_window_begin(c, layer, seq);
     r.rotated = t.rotated;
-    r.rot_scale = m40llm_rotation_scale(m40llm_rotation_block(o->head_dim));
     const size_t want = ((size_t)n_tokens * o->n_kv_heads + kReadWarps - 1) / kReadWarps;
     const unsigned blocks = (unsigned)(want < kAppendMaxBlocks ? want : kAppendMaxBlocks);
     read_kernel<KV><<<blocks, kAppendThreads, 0, cuda_state(c->ctx)->stream>>>(
