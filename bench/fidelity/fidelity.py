@@ -460,7 +460,7 @@ def report(outdir):
     w = 0.8 / len(runs)
     for i, r in enumerate(runs):
         for src, hatch in (("library", None), ("numpy", "//")):
-            ns = [n for n in names if best_e2e(r, n) and best_e2e(r, n)[3] == src]
+            ns = [n for n in names if best_e2e(r, n) and best_e2e(r, n)[3].startswith(src)]
             if not ns:
                 continue
             x = np.array([names.index(n) for n in ns])

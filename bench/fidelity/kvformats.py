@@ -14,7 +14,9 @@ their float reference): a normalized Walsh-Hadamard rotation over head_dim (K an
 optionally V rotated and the output rotated back), and protected tokens (the first `sinks`
 positions and the most recent `window` positions, the current one included, stay FP16, rotated
 as the tensor is; a position is quantized when it leaves the window). The library rotates only
-tensors it quantizes; the specs here quantize every tensor they rotate.
+tensors it quantizes; the specs here quantize every tensor they rotate. The rotation (wht) uses
+the library's FP32 butterfly order, so rotated rows and codes are bit-identical to the library's;
+the attention runs in FP32 or, as the library's CPU backend, in float64 (SpecCache attn_dtype).
 """
 from dataclasses import dataclass
 
