@@ -9,10 +9,14 @@ the FP32 K/V (rounded once, straight from FP32 to the format):
 - Q4 (asymmetric, 5.0 bits/value): lo, hi = min, max over the group; d = f16((hi - lo) / 15);
   m = f16(lo); c = clip(rint((x - f32(m)) / f32(d)), 0, 15), 0 where d == 0; dequant c * d + m.
 
-Float-preview extras (not in the library yet): a normalized Walsh-Hadamard rotation over head_dim
-(K and q rotated; optionally V rotated and the output rotated back), and protected tokens (the
-first `sinks` positions and the most recent `window` positions, the current one included, stay
-FP16; a position is quantized when it leaves the window).
+Rotation and protected tokens (the library has both since kvcache options version 3; this is
+their float reference): a normalized Walsh-Hadamard rotation over head_dim (K and q rotated;
+optionally V rotated and the output rotated back), and protected tokens (the first `sinks`
+positions and the most recent `window` positions, the current one included, stay FP16, rotated
+as the tensor is; a position is quantized when it leaves the window). The library rotates only
+tensors it quantizes; the specs here quantize every tensor they rotate. The rotation (wht) uses
+the library's FP32 butterfly order, so rotated rows and codes are bit-identical to the library's;
+the attention runs in FP32 or, as the library's CPU backend, in float64 (SpecCache attn_dtype).
 """
 from dataclasses import dataclass
 
@@ -83,6 +87,33 @@ def roundtrip(fmt, x):
     raise ValueError(fmt)
 
 
+def rotation_block(n):
+    """The library's rotation block: the largest power of two dividing n, at most 256."""
+    return min(n & -n, 256)
+
+
+def wht(x, dtype=np.float32):
+    """Normalized Walsh-Hadamard transform over the last axis, block-wise (rotation_block), in
+    FP32 with the library's operation order (m40llm_rotate_f32: butterflies y[i] = a + c,
+    y[i + h] = a - c for h = 1, 2, 4, ..., then one multiply by 1/sqrtf(block)), so that the
+    rotated rows, and hence the quantized codes, are bit-identical to the library's. Its own
+    inverse (up to rounding); equals x @ hadamard(block) per block. dtype float64: as the
+    library rotates q and the attention output (m40llm_rotate_f64)."""
+    x = np.asarray(x, dtype)
+    n = x.shape[-1]
+    b = rotation_block(n)
+    lead = x.shape[:-1]
+    y = x.reshape(lead + (n // b, b)).copy()
+    h = 1
+    while h < b:
+        z = y.reshape(lead + (n // b, b // (2 * h), 2, h))
+        a, c = z[..., 0, :], z[..., 1, :]
+        y = np.stack([a + c, a - c], axis=-2).reshape(lead + (n // b, b))
+        h *= 2
+    y *= dtype(1) / np.sqrt(dtype(b))
+    return y.reshape(x.shape)
+
+
 def hadamard(n):
     """Normalized Walsh-Hadamard matrix (symmetric, orthogonal), n a power of two."""
     assert n & (n - 1) == 0
@@ -101,7 +132,7 @@ class Spec:
     rot_v: bool = False
     sinks: int = 0
     window: int = 0
-    preview: bool = False  # float preview: not what the library implements (yet)
+    preview: bool = False  # float preview: numpy only, no library equivalent (FP32)
 
     @property
     def protected(self):
@@ -112,25 +143,35 @@ class Spec:
         return (BITS[self.k] + BITS[self.v]) / 2
 
     @property
-    def library_formats(self):
-        """(format, v_format) ids for the library, or None if the spec needs preview features."""
-        if self.preview or self.rot_k or self.rot_v or self.protected:
+    def library_options(self):
+        """The library's cache settings for this spec (format and v_format ids, rotation as
+        m40llm_kv_rotation, n_sinks, window), or None where the library has no equivalent
+        (FP32, a rotated V with K unrotated). rot_k and rot_v: ROTATE_KV (3); rot_k only:
+        ROTATE_K (2); neither: ROTATE_NONE (1)."""
+        if self.preview or self.k not in FORMAT_IDS or self.v not in FORMAT_IDS:
             return None
-        if self.k not in FORMAT_IDS or self.v not in FORMAT_IDS:
+        if self.rot_v and not self.rot_k:
             return None
-        return FORMAT_IDS[self.k], FORMAT_IDS[self.v]
+        rotation = 3 if self.rot_v else 2 if self.rot_k else 1
+        return dict(k_format=FORMAT_IDS[self.k], v_format=FORMAT_IDS[self.v], rotation=rotation,
+                    n_sinks=self.sinks, window=self.window)
 
 
 def mixed_attention(q, Kq, Vq, Kf=None, Vf=None, sinks=0, window=0, q_from=0, chunk=256,
-                    want_p=False, scale=None):
+                    want_p=False, scale=None, dtype=np.float32):
     """Causal attention of queries q_from..N-1 (q [N, H, D]) over a cache whose rows are Kq/Vq
     (the quantized values) except the protected ones, which come from Kf/Vf (FP16): for query t,
     row j is protected if j < sinks or j > t - window. Returns out [N - q_from, H, D] and, if
-    want_p, the attention probabilities [N - q_from, H, N] (zero beyond t)."""
+    want_p, the attention probabilities [N - q_from, H, N] (zero beyond t). dtype: what the
+    scores, softmax and weighted sum are computed in (float64: as the library's CPU backend,
+    whose output is then rounded to FP32 once)."""
     N, H, D = q.shape
     G = Kq.shape[1]
     r = H // G
-    scale = np.float32(1.0 / np.sqrt(D)) if scale is None else np.float32(scale)
+    q, Kq, Vq = (np.asarray(a, dtype) for a in (q, Kq, Vq))
+    if Kf is not None:
+        Kf, Vf = np.asarray(Kf, dtype), np.asarray(Vf, dtype)
+    scale = dtype(1.0 / np.sqrt(D)) if scale is None else dtype(scale)
     prot = Kf is not None and (sinks > 0 or window > 0)
     qg = q.reshape(N, G, r, D).transpose(1, 0, 2, 3)
     KqT = Kq.transpose(1, 2, 0)
@@ -138,7 +179,7 @@ def mixed_attention(q, Kq, Vq, Kf=None, Vf=None, sinks=0, window=0, q_from=0, ch
     if prot:
         KfT = Kf.transpose(1, 2, 0)
         dV = (Vf - Vq).transpose(1, 0, 2)
-    out = np.empty((N - q_from, H, D), np.float32)
+    out = np.empty((N - q_from, H, D), dtype)
     P = np.zeros((N - q_from, H, N), np.float32) if want_p else None
     for a in range(q_from, N, chunk):
         b = min(N, a + chunk)
@@ -178,15 +219,15 @@ def mixed_attention(q, Kq, Vq, Kf=None, Vf=None, sinks=0, window=0, q_from=0, ch
 class SpecCache:
     """kv_hook/attend pair for Model.forward implementing a Spec in numpy."""
 
-    def __init__(self, spec, head_dim):
+    def __init__(self, spec, head_dim, attn_dtype=np.float32):
         self.spec = spec
-        self.Hm = hadamard(head_dim) if (spec.rot_k or spec.rot_v) else None
+        self.dtype = attn_dtype
         self.store = {}
 
     def kv_hook(self, layer, K, V):
         s = self.spec
-        Kr = K @ self.Hm if s.rot_k else K
-        Vr = V @ self.Hm if s.rot_v else V
+        Kr = wht(K) if s.rot_k else K
+        Vr = wht(V) if s.rot_v else V
         Kq, Vq = roundtrip(s.k, Kr), roundtrip(s.v, Vr)
         if s.protected:
             self.store[layer] = (f16_roundtrip(Kr), f16_roundtrip(Vr))
@@ -194,16 +235,16 @@ class SpecCache:
 
     def attend(self, layer, q, Kc, Vc):
         s = self.spec
-        qr = q @ self.Hm if s.rot_k else q
+        qr = wht(q, self.dtype) if s.rot_k else q
         Kf, Vf = self.store.pop(layer) if s.protected else (None, None)
-        out, _ = mixed_attention(qr, Kc, Vc, Kf, Vf, s.sinks, s.window)
-        return out @ self.Hm if s.rot_v else out
+        out, _ = mixed_attention(qr, Kc, Vc, Kf, Vf, s.sinks, s.window, dtype=self.dtype)
+        return (wht(out, self.dtype) if s.rot_v else out).astype(np.float32)
 
     def attention_level(self, q, K, V, q_from, want_p=True):
         """Attention of queries q_from.. over this spec's cache built from FP32 q/K/V."""
         Kq, Vq = self.kv_hook(-1, K, V)
-        qr = q @ self.Hm if self.spec.rot_k else q
+        qr = wht(q, self.dtype) if self.spec.rot_k else q
         Kf, Vf = self.store.pop(-1) if self.spec.protected else (None, None)
         out, P = mixed_attention(qr, Kq, Vq, Kf, Vf, self.spec.sinks, self.spec.window,
-                                 q_from=q_from, want_p=want_p)
-        return (out @ self.Hm if self.spec.rot_v else out), P
+                                 q_from=q_from, want_p=want_p, dtype=self.dtype)
+        return (wht(out, self.dtype) if self.spec.rot_v else out).astype(np.float32), P

@@ -6,9 +6,12 @@ Build the shared library (no CUDA needed):
 
     cmake -S . -B /tmp/m40so -DM40LLM_ENABLE_CUDA=OFF -DBUILD_SHARED_LIBS=ON && cmake --build /tmp/m40so
 
-Options struct: version 1 (format only, F16) works with the current header; version 2 adds
-v_format (-1: same as format) and M40LLM_KV_Q8 = 1, M40LLM_KV_Q4 = 2. The struct version is
-picked from what the loaded library accepts (m40llm_kvcache_options_init).
+Options struct: version 1 (format only, F16); version 2 adds v_format (-1: same as format) and
+M40LLM_KV_Q8 = 1, M40LLM_KV_Q4 = 2; version 3 adds rotation (m40llm_kv_rotation: AUTO = 0, which
+today rotates every quantized tensor, NONE = 1, K = 2, KV = 3), n_sinks and window (protected
+tokens kept FP16 where a tensor is quantized). The struct version is the highest the loaded
+library accepts (m40llm_kvcache_options_init); a v3 cache without rotation asks for NONE
+explicitly (v3's default AUTO rotates), a v1/v2 cache has neither rotation nor protected tokens.
 """
 import ctypes as C
 import os
@@ -16,6 +19,7 @@ import os
 import numpy as np
 
 BACKEND_CPU = 2
+ROTATE_AUTO, ROTATE_NONE, ROTATE_K, ROTATE_KV = 0, 1, 2, 3
 
 
 class ContextOptions(C.Structure):
@@ -31,6 +35,14 @@ class KvOptionsV1(C.Structure):
 
 class KvOptionsV2(C.Structure):
     _fields_ = KvOptionsV1._fields_ + [("v_format", C.c_int)]
+
+
+class KvOptionsV3(C.Structure):
+    _fields_ = KvOptionsV2._fields_ + [("rotation", C.c_int), ("n_sinks", C.c_int),
+                                       ("window", C.c_int)]
+
+
+KV_OPTIONS = {1: KvOptionsV1, 2: KvOptionsV2, 3: KvOptionsV3}
 
 
 class LibraryError(RuntimeError):
@@ -54,6 +66,7 @@ class Library:
         L.m40llm_context_destroy.restype = None
         L.m40llm_kvcache_options_init.argtypes = [P, C.c_uint]
         L.m40llm_kvcache_create.argtypes = [C.POINTER(P), P, P]
+        L.m40llm_kvcache_get_options.argtypes = [P, P]
         L.m40llm_kvcache_destroy.argtypes = [P]
         L.m40llm_kvcache_destroy.restype = None
         L.m40llm_kvcache_seq_reset.argtypes = [P, I]
@@ -66,8 +79,11 @@ class Library:
         L.m40llm_kvcache_attn_batch_f32q.argtypes = [fp, P, I, np.ctypeslib.ndpointer(np.int32),
                                                      I, fp, F]
         self.version = L.m40llm_version_string().decode()
-        probe = KvOptionsV2()
-        self.kv_options_version = 2 if L.m40llm_kvcache_options_init(C.byref(probe), 2) == 0 else 1
+        self.kv_options_version = 1
+        for ver in (3, 2):
+            if L.m40llm_kvcache_options_init(C.byref(KV_OPTIONS[ver]()), ver) == 0:
+                self.kv_options_version = ver
+                break
         opts = ContextOptions()
         self.check(L.m40llm_context_options_init(C.byref(opts), 1), "context_options_init")
         opts.backend = BACKEND_CPU
@@ -79,15 +95,19 @@ class Library:
             raise LibraryError(f"{what}: {self.lib.m40llm_status_string(rc).decode()} "
                                f"({self.lib.m40llm_last_error_message().decode()})")
 
-    def supports(self, k_format, v_format):
-        if k_format == v_format == 0:
-            return True
-        return self.kv_options_version >= 2
+    def needs_version(self, k_format, v_format=-1, rotation=ROTATE_NONE, n_sinks=0, window=0):
+        """The options struct version a cache with these settings needs."""
+        if rotation != ROTATE_NONE or n_sinks or window:
+            return 3
+        return 1 if k_format == 0 and v_format in (-1, 0) else 2
+
+    def supports(self, k_format, v_format=-1, rotation=ROTATE_NONE, n_sinks=0, window=0):
+        return self.needs_version(k_format, v_format, rotation, n_sinks, window) <= self.kv_options_version
 
     def cache(self, n_layers, n_heads, n_kv_heads, head_dim, max_seq_len, k_format=0, v_format=-1,
-              max_seqs=1):
+              max_seqs=1, rotation=ROTATE_NONE, n_sinks=0, window=0):
         return Cache(self, n_layers, n_heads, n_kv_heads, head_dim, max_seq_len, k_format,
-                     v_format, max_seqs)
+                     v_format, max_seqs, rotation, n_sinks, window)
 
     def close(self):
         if self.ctx:
@@ -97,25 +117,33 @@ class Library:
 
 class Cache:
     def __init__(self, lib, n_layers, n_heads, n_kv_heads, head_dim, max_seq_len, k_format,
-                 v_format, max_seqs):
+                 v_format, max_seqs, rotation=ROTATE_NONE, n_sinks=0, window=0):
         self.lib = lib
         L = lib.lib
         if v_format == k_format:
             v_format = -1
-        if lib.kv_options_version >= 2:
-            o = KvOptionsV2()
-            lib.check(L.m40llm_kvcache_options_init(C.byref(o), 2), "kvcache_options_init(2)")
+        need = lib.needs_version(k_format, v_format, rotation, n_sinks, window)
+        ver = lib.kv_options_version
+        if need > ver:
+            raise LibraryError(f"this library has kvcache options version {ver}, these settings "
+                               f"need {need} (format {k_format}/{v_format}, rotation {rotation}, "
+                               f"sinks {n_sinks}, window {window})")
+        o = KV_OPTIONS[ver]()
+        lib.check(L.m40llm_kvcache_options_init(C.byref(o), ver), f"kvcache_options_init({ver})")
+        if ver >= 2:
             o.v_format = v_format
-        else:
-            if v_format != -1:
-                raise LibraryError("this library has kvcache options version 1: no v_format")
-            o = KvOptionsV1()
-            lib.check(L.m40llm_kvcache_options_init(C.byref(o), 1), "kvcache_options_init(1)")
+        if ver >= 3:
+            o.rotation, o.n_sinks, o.window = rotation, n_sinks, window
         o.n_layers, o.n_heads, o.n_kv_heads, o.head_dim = n_layers, n_heads, n_kv_heads, head_dim
         o.max_seqs, o.max_seq_len, o.format = max_seqs, max_seq_len, k_format
         self.H, self.G, self.D = n_heads, n_kv_heads, head_dim
         self.h = C.c_void_p()
         lib.check(L.m40llm_kvcache_create(C.byref(self.h), lib.ctx, C.byref(o)), "kvcache_create")
+        # what the library made of it (rotation / protection as the cache holds them)
+        g = KV_OPTIONS[ver]()
+        g.version = ver
+        lib.check(L.m40llm_kvcache_get_options(C.byref(g), self.h), "kvcache_get_options")
+        self.options = {f: getattr(g, f) for f, _ in g._fields_}
 
     def reset(self, seq=0):
         self.lib.check(self.lib.lib.m40llm_kvcache_seq_reset(self.h, seq), "seq_reset")
@@ -196,8 +224,10 @@ class LibraryAttend:
     """kv_hook/attend pair for Model.forward: the cache is the library's (it quantizes on append),
     the attention is the library's, position by position (decode)."""
 
-    def __init__(self, lib, n_layers, n_heads, n_kv_heads, head_dim, n_tokens, k_format, v_format):
-        self.cache = lib.cache(n_layers, n_heads, n_kv_heads, head_dim, n_tokens, k_format, v_format)
+    def __init__(self, lib, n_layers, n_heads, n_kv_heads, head_dim, n_tokens, k_format, v_format,
+                 rotation=ROTATE_NONE, n_sinks=0, window=0):
+        self.cache = lib.cache(n_layers, n_heads, n_kv_heads, head_dim, n_tokens, k_format, v_format,
+                               rotation=rotation, n_sinks=n_sinks, window=window)
 
     def kv_hook(self, layer, K, V):
         return K, V  # FP32 in; the library quantizes
