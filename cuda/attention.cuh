@@ -28,7 +28,7 @@ struct AttnArgs {
   int head_dim;
   float q_scale;    // scale * log2(e)
   int stages;       // tensor-core kernel: K/V steps each warp stages in shared memory (0: none)
-  // Quantized caches (the FP32 kernel): K and V rotated (q is rotated to meet K, the output back
+  // Quantized caches: K and V rotated (q is rotated to meet K, the output back
   // from V's frame) by rot_scale's transform. (This struct is at 128 bytes: 32 more made the
   // sm_52 kernels of 4 and 8 heads spill, with CUDA 11.8.)
   bool rot_k, rot_v;
@@ -130,6 +130,15 @@ __device__ __forceinline__ void store_split_out4(const AttnArgs &a, const Block 
   }
 }
 
+// The same, one element already normalised where the sequence has one split (its head's (max,
+// sum) stored apart where it has several).
+template <typename Block>
+__device__ __forceinline__ void store_split_value(const AttnArgs &a, const Block &b, int h, int d,
+                                                  float x) {
+  const int row = b.n_splits == 1 ? b.item : b.split;
+  (b.n_splits == 1 ? a.out : a.part_o)[((size_t)row * a.n_heads + h) * a.head_dim + d] = x;
+}
+
 // How a cache's query heads map onto blocks: each K/V head's group of query heads in tiles of
 // gt (a power of two up to kMaxGroupTile), units blocks per (sequence, split).
 struct Grouping {
@@ -163,7 +172,8 @@ template <typename P>
 int fp32_split_pass(m40llm_cuda_state *st, int head_dim, const Grouping &g, SplitPass *out);
 
 // The tensor-core family's passes where this build and GPU have its kernels for head_dim and
-// the formats (F16 K and V); otherwise pass.kernel is null.
+// the formats (every pair; quantized ones at head_dims that are multiples of 32, up to 128);
+// otherwise pass.kernel is null.
 template <typename P>
 int mma_split_passes(m40llm_cuda_state *st, int head_dim, SplitPasses *out);
 

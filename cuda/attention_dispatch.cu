@@ -85,7 +85,7 @@ int attend(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, const int
     if (rc != M40LLM_OK) return rc;
     int32_t window_begin[M40LLM_PLAN_MAX_ITEMS];
     for (int i = 0; i < n_seqs; i++) window_begin[i] = m40llm_window_begin(c, layer, seq_ids[i]);
-    m40llm_attn_plan_protect(&plan, window_begin, c->n_sinks, c->window, kept_chunk(pass.tile));
+    m40llm_attn_plan_protect(&plan, window_begin, c->n_sinks, c->window, kept_chunk(kept_pass.tile));
   }
 
   AttnArgs a;

@@ -49,6 +49,7 @@ __device__ __forceinline__ uint32_t transpose8x8(uint32_t x) {
 }
 
 __device__ __forceinline__ uint32_t bits(__half2 h) { return *reinterpret_cast<uint32_t *>(&h); }
+__device__ __forceinline__ __half2 as_half2(uint32_t x) { return *reinterpret_cast<__half2 *>(&x); }
 
 // (x0, x1) as FP16 pairs hi + lo.
 __device__ __forceinline__ void split_pair(float x0, float x1, uint32_t &hi, uint32_t &lo) {
@@ -113,6 +114,152 @@ __device__ __forceinline__ void load_step(Step<NC, TAIL> &r, P p, int rows, int 
   }
 }
 
+
+// A step held as FP16 rows (F16 K/V): the B fragments' 16 bytes of rows 8j + g, chunk c.
+template <int NC, int TAIL>
+struct HalfSteps {
+  Step<NC, TAIL> k, v;
+  __device__ const uint4 &kb(int j, int c) const { return k.c[j][c]; }
+  __device__ const uint4 &vb(int j, int c) const { return v.c[j][c]; }
+};
+
+// A quantized format's codes as the tensor-core kernel takes them: a lane's 8 codes of a row
+// (within one 32-dim group) become FP16 integers, exactly, by byte permutes under the bits of
+// 1024 and one FP16 operation that takes the 1024 (and Q8's offset) off. The group's scale (and
+// min) stay FP32 and apply around the MMAs: to the scores per group, and folded into the
+// weights for the output. (Scaled codes rounded to FP16 would cost 2^-11 relative per element.)
+template <typename F>
+struct MmaCodes;
+template <>
+struct MmaCodes<KvQ8> {
+  using Codes = uint2;           // 8 offset-binary bytes (code + 128)
+  using Param = unsigned short;  // the FP16 scale
+  // Bytes sel & 3, (sel >> 8) & 3 of w as (1024 + byte), less 1152: code - 128 = the value.
+  __device__ static uint32_t pair(uint32_t w, uint32_t sel) {
+    const uint32_t h = __byte_perm(w, 0x64646464u, sel);
+    return bits(__hsub2(as_half2(h), as_half2(0x64806480u)));
+  }
+  __device__ static uint4 halves(Codes c) {
+    return make_uint4(pair(c.x, 0x4140u), pair(c.x, 0x4342u), pair(c.y, 0x4140u),
+                      pair(c.y, 0x4342u));
+  }
+  __device__ static float scale(Param p) { return __half2float(__ushort_as_half(p)); }
+  __device__ static float min(Param) { return 0.0f; }
+};
+template <>
+struct MmaCodes<KvQ4> {
+  using Codes = uint32_t;  // 8 nibbles: element 2i low in byte i, 2i + 1 high
+  using Param = uint32_t;  // FP16 (scale, min), scale low
+  // Byte i of w in both halves: the low nibble under 1024, the high one as 1024 + 16 x nibble;
+  // then x (1, 1/16) - (1024, 64).
+  __device__ static uint32_t pair(uint32_t w, uint32_t sel) {
+    const uint32_t h = (__byte_perm(w, 0u, sel) & 0x00F0000Fu) | 0x64006400u;
+    return bits(__hfma2(as_half2(h), as_half2(0x2C003C00u), as_half2(0xD400E400u)));
+  }
+  __device__ static uint4 halves(Codes c) {
+    return make_uint4(pair(c, 0x4040u), pair(c, 0x4141u), pair(c, 0x4242u), pair(c, 0x4343u));
+  }
+  __device__ static float scale(Param p) { return __half2float(__ushort_as_half(p & 0xFFFFu)); }
+  __device__ static float min(Param p) { return __half2float(__ushort_as_half(p >> 16)); }
+};
+
+// One row's parameters, a group each, in one load where their bytes are a power of two (zeros
+// past the end: 0 x garbage could be NaN).
+template <typename T, int NC>
+struct ParamRow {
+  T p[NC];
+};
+template <int Bytes>
+struct LoadWord;
+template <>
+struct LoadWord<4> { using T = unsigned int; };
+template <>
+struct LoadWord<8> { using T = uint2; };
+template <>
+struct LoadWord<16> { using T = uint4; };
+
+template <typename T, int NC>
+__device__ __forceinline__ ParamRow<T, NC> load_param_row(const T *p, bool ok) {
+  ParamRow<T, NC> r;
+  constexpr int kBytes = (int)sizeof(T) * NC;
+  if constexpr (kBytes == 4 || kBytes == 8 || kBytes == 16) {
+    using V = typename LoadWord<kBytes>::T;
+    const V w = ok ? __ldg(reinterpret_cast<const V *>(p)) : V{};
+    memcpy(&r, &w, kBytes);
+  } else {
+#pragma unroll
+    for (int c = 0; c < NC; c++) r.p[c] = ok ? __ldg(p + c) : T{};
+  }
+  return r;
+}
+
+// Quantized K/V loaded through registers, as RegisterSteps loads FP16 rows: the step's codes
+// (rows 8j + g, as a lane's B fragments take them) and the parameters of the positions whose
+// scores and weights the lane holds, 8(r / 2) + 2t + r % 2 for r = 0..3.
+template <typename P, int NC, int W>
+struct QuantSteps {
+  using KC = MmaCodes<typename P::K>;
+  using VC = MmaCodes<typename P::V>;
+  static constexpr int D = 32 * NC;
+  static constexpr int kBlockRows = kMmaRows * W;
+  static constexpr int kKBits = P::K::kCodeBits, kVBits = P::V::kCodeBits;
+  typename KC::Codes kc[2][NC];
+  typename VC::Codes vc[2][NC];
+  ParamRow<typename KC::Param, NC> kpar[4];
+  ParamRow<typename VC::Param, NC> vpar[4];
+  const uint8_t *kcode, *vcode;  // this lane's first codes of the step in flight
+  const typename KC::Param *kparam;  // its position 2t's parameters
+  const typename VC::Param *vparam;
+  int p_end, g, t;
+
+  __device__ QuantSteps(const AttnArgs &a, const SplitBlock<P> &b, int p0, int lane,
+                        void * /*smem*/, int /*stages*/)
+      : p_end(b.p_end), g(lane >> 2), t(lane & 3) {
+    const size_t ke = b.k + (size_t)(p0 + g) * D + 8 * t, ve = b.v + (size_t)(p0 + g) * D + 8 * t;
+    const size_t krow = b.k / D + p0 + 2 * t, vrow = b.v / D + p0 + 2 * t;
+    kcode = static_cast<const uint8_t *>(a.k.plane[M40LLM_KV_CODES]) + ke * kKBits / 8;
+    vcode = static_cast<const uint8_t *>(a.v.plane[M40LLM_KV_CODES]) + ve * kVBits / 8;
+    kparam = static_cast<const typename KC::Param *>(a.k.plane[M40LLM_KV_PARAMS]) + krow * NC;
+    vparam = static_cast<const typename VC::Param *>(a.v.plane[M40LLM_KV_PARAMS]) + vrow * NC;
+    load(kc, kpar, kcode, kparam, kKBits, p_end - p0);
+    load(vc, vpar, vcode, vparam, kVBits, p_end - p0);
+  }
+  template <typename Codes, typename Param>
+  __device__ void load(Codes (&c)[2][NC], ParamRow<Param, NC> (&par)[4], const uint8_t *code,
+                       const Param *param, int bits, int rows) {
+#pragma unroll
+    for (int j = 0; j < 2; j++) {
+      const bool ok = 8 * j + g < rows;
+#pragma unroll
+      for (int n = 0; n < NC; n++)
+        c[j][n] = ok ? __ldg(reinterpret_cast<const Codes *>(code + (8 * j * D + 32 * n) * bits / 8))
+                     : Codes{};
+    }
+#pragma unroll
+    for (int r = 0; r < 4; r++) {
+      const int pos = 8 * (r >> 1) + (r & 1);
+      par[r] = load_param_row<Param, NC>(param + pos * NC, pos + 2 * t < rows);
+    }
+  }
+  __device__ void before_scores(int) {}
+  __device__ void after_scores(int p0) {
+    kcode += (size_t)kBlockRows * D * kKBits / 8;
+    kparam += (size_t)kBlockRows * NC;
+    load(kc, kpar, kcode, kparam, kKBits, p_end - (p0 + kBlockRows));
+  }
+  __device__ void after_output(int p0) {
+    vcode += (size_t)kBlockRows * D * kVBits / 8;
+    vparam += (size_t)kBlockRows * NC;
+    load(vc, vpar, vcode, vparam, kVBits, p_end - (p0 + kBlockRows));
+  }
+  __device__ uint4 kb(int j, int c) const { return KC::halves(kc[j][c]); }
+  __device__ uint4 vb(int j, int c) const { return VC::halves(vc[j][c]); }
+  __device__ float kscale(int r, int c) const { return KC::scale(kpar[r].p[c]); }
+  __device__ float kmin(int r, int c) const { return KC::min(kpar[r].p[c]); }
+  __device__ float vscale(int r, int c) const { return VC::scale(vpar[r].p[c]); }
+  __device__ float vmin(int r, int c) const { return VC::min(vpar[r].p[c]); }
+};
+
 #endif
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && M40LLM_MMA_BULK_BUILT
@@ -172,15 +319,16 @@ __device__ __forceinline__ void bulk_copy(void *dst, const void *src, uint32_t b
 // out once the scores are taken, its V loads once the output is updated, so a warp always has
 // loads in flight; the first step's go out at construction, before q is read.
 template <typename KV, int NC, int TAIL, int W>
-struct RegisterSteps {
+struct RegisterSteps : HalfSteps<NC, TAIL> {
   static constexpr int D = 32 * NC + 16 * TAIL;
   static constexpr int kBlockRows = kMmaRows * W;  // positions the block's W warps take per step
-  Step<NC, TAIL> k, v;
+  using HalfSteps<NC, TAIL>::k;
+  using HalfSteps<NC, TAIL>::v;
   typename KV::Ptr kp, vp;  // this lane's first K and V element of the step in flight
   int p_end, g, t;
 
-  __device__ RegisterSteps(const SplitBlock<KvPair<KV, KV>> &b, int p0, int lane, void * /*smem*/,
-                           int /*stages*/)
+  __device__ RegisterSteps(const AttnArgs &, const SplitBlock<KvPair<KV, KV>> &b, int p0,
+                           int lane, void * /*smem*/, int /*stages*/)
       : p_end(b.p_end), g(lane >> 2), t(lane & 3) {
     const size_t offset = (size_t)(p0 + g) * D + 8 * t;
     kp = KV::add(b.k, offset);
@@ -209,20 +357,21 @@ struct StagedSteps;
 
 #if M40LLM_MMA_STAGED_HERE
 template <typename KV, int NC, int TAIL, int W>
-struct StagedSteps {
+struct StagedSteps : HalfSteps<NC, TAIL> {
   static_assert(std::is_same<KV, KvF16>::value, "staging copies FP16 code rows only");
   static constexpr int D = 32 * NC + 16 * TAIL;
   static constexpr int kSlotHalves = 2 * kMmaRows * D;
   static constexpr int kBlockRows = kMmaRows * W;
-  Step<NC, TAIL> k, v;
+  using HalfSteps<NC, TAIL>::k;
+  using HalfSteps<NC, TAIL>::v;
   const __half *kg, *vg;  // the sequence's K and V rows
   __half *slots;          // this warp's slot 0
   uint64_t *bars;         // this warp's barriers, one per slot: [stage][warp]
   int p_end, stages, lane, slot = 0;
   uint32_t parity = 0;
 
-  __device__ StagedSteps(const SplitBlock<KvPair<KV, KV>> &b, int p0, int lane_, void *smem,
-                         int stages_)
+  __device__ StagedSteps(const AttnArgs &, const SplitBlock<KvPair<KV, KV>> &b, int p0,
+                         int lane_, void *smem, int stages_)
       : kg(b.k), vg(b.v), p_end(b.p_end), stages(stages_), lane(lane_) {
     __shared__ uint64_t s_bar[kMmaMaxStages][W];
     const int warp = threadIdx.x >> 5;
@@ -273,49 +422,81 @@ struct StagedSteps {
 // 16-position step).
 //
 // Dynamic shared memory: the staged kernel's slots (StagedSteps), then, after the loop, the
-// warps' outputs [warp][head][dim] for the merge; mma_smem_bytes() gives its size.
-template <typename KV, int NC, int TAIL, bool STAGED, int W>
+// warps' outputs [warp][head][dim] for the merge; a quantized pair's kernel has [head][dim]
+// more after them (rotated q on its way in, the output on its way back: kQuantScratch).
+// mma_smem_bytes() gives its size.
+//
+// Quantized K/V (P other than F16 with F16: QuantSteps): the codes go into the MMAs as FP16
+// integers, so score = sum over groups of scale x (q . codes) (+ min x sum(q) where K has a
+// min), one accumulator per group, and the weights of a group's output MMAs are the softmax
+// weights times each position's V scale (the V min's share, sum(w x min), kept apart and added
+// at the end). Rotation and protected tokens as in attn_fp32_kernel: q rotated on the way in and
+// the output back on the way out, a warp a head; blocks of the other launch's splits return.
+template <typename P, int NC, int TAIL, bool STAGED, int W>
 __global__ void __launch_bounds__(32 * W, mma_min_blocks(32 * NC + 16 * TAIL, W))
     attn_mma_kernel(const AttnArgs a, const m40llm_attn_plan plan) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   constexpr int D = 32 * NC + 16 * TAIL;
   constexpr int G = kMaxGroupTile;
   static_assert(G == 8, "query heads fill rows 0-7 of the MMA");
+  constexpr bool kQuant = !std::is_same<P, KvPair<KvF16, KvF16>>::value;
+  static_assert(!kQuant || (TAIL == 0 && !STAGED), "quantized rows: whole groups, registers");
+  constexpr bool kKMin = kQuant && P::K::kHasMin, kVMin = kQuant && P::V::kHasMin;
 #if M40LLM_MMA_STAGED_HERE
   constexpr bool kStaged = STAGED;
 #else
   constexpr bool kStaged = false;  // the host launches the staged kernel only where it is
 #endif
   constexpr int kThreads = 32 * W;
-  using Steps =
-      std::conditional_t<kStaged, StagedSteps<KV, NC, TAIL, W>, RegisterSteps<KV, NC, TAIL, W>>;
+  using Steps = std::conditional_t<
+      kQuant, QuantSteps<P, NC, W>,
+      std::conditional_t<kStaged, StagedSteps<KvF16, NC, TAIL, W>,
+                         RegisterSteps<KvF16, NC, TAIL, W>>>;
   extern __shared__ uint4 s_dyn[];
   __shared__ SoftmaxState s_state[W][G];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
-  static_assert(std::is_same<KV, KvF16>::value, "the tensor-core kernel reads FP16 K/V");
-  const SplitBlock<KvPair<KV, KV>> b = split_block<KvPair<KV, KV>, false>(a, plan, G);
+  const SplitBlock<P> b = split_block<P, kQuant>(a, plan, G);
   wait_for_prerequisite_grid();
+  if (b.skip) return;  // the other launch's rows (after the wait, as in attn_fp32_kernel)
   if (plan.max_splits > 1) allow_dependent_launch();  // as in attn_split_kernel
 
   int p0 = b.p_begin + kMmaRows * warp;
-  Steps src(b, p0, lane, s_dyn, a.stages);
+  Steps src(a, b, p0, lane, s_dyn, a.stages);
+  float *const s_scratch = reinterpret_cast<float *>(s_dyn) + W * G * D;  // [G][D], kQuant
 
   // q in the log2 domain, then scaled by 2^e so its largest magnitude is near 2^13.
   float qf[NC][8], qt[4];
   float qmax = 0.0f;
   {
     const float *qrow = a.q + ((size_t)b.item * a.n_heads + b.h0 + g) * D;
+    float q_scale = a.q_scale;
+    if constexpr (kQuant) {
+      if (a.rot_k) {  // rotated to meet K, a warp a head, through shared memory
+        for (int h = warp; h < G; h += W) {
+          const float *row = a.q + ((size_t)b.item * a.n_heads + b.h0 + h) * D;
+          float v[NC];
+#pragma unroll
+          for (int c = 0; c < NC; c++) v[c] = h < b.nh ? row[lane + 32 * c] * a.q_scale : 0.0f;
+          warp_rotate(v, D, a.rot_scale);
+#pragma unroll
+          for (int c = 0; c < NC; c++) s_scratch[h * D + lane + 32 * c] = v[c];
+        }
+        __syncthreads();
+        qrow = s_scratch + g * D;
+        q_scale = 1.0f;
+      }
+    }
 #pragma unroll
     for (int c = 0; c < NC; c++)
 #pragma unroll
       for (int j = 0; j < 8; j++) {
-        qf[c][j] = g < b.nh ? qrow[32 * c + 8 * t + j] * a.q_scale : 0.0f;
+        qf[c][j] = g < b.nh ? qrow[32 * c + 8 * t + j] * q_scale : 0.0f;
         qmax = fmaxf(qmax, fabsf(qf[c][j]));
       }
 #pragma unroll
     for (int j = 0; j < 4; j++) {
-      qt[j] = TAIL && g < b.nh ? qrow[32 * NC + 4 * t + j] * a.q_scale : 0.0f;
+      qt[j] = TAIL && g < b.nh ? qrow[32 * NC + 4 * t + j] * q_scale : 0.0f;
       qmax = fmaxf(qmax, fabsf(qt[j]));
     }
   }
@@ -324,6 +505,19 @@ __global__ void __launch_bounds__(32 * W, mma_min_blocks(32 * NC + 16 * TAIL, W)
   if (qmax > 0.0f && qmax <= 3.0e38f) frexpf(qmax, &e);
   const int shift = max(-126, min(126, 13 - e));
   const float up = ldexpf(1.0f, shift), down = ldexpf(1.0f, -shift);
+  // A K min's share of a score, min x sum(q) over the group, in the scores' 2^e scale.
+  float qsum[NC];
+#pragma unroll
+  for (int c = 0; c < NC; c++) {
+    qsum[c] = 0.0f;
+    if constexpr (kKMin) {
+#pragma unroll
+      for (int j = 0; j < 8; j++) qsum[c] += qf[c][j];
+      qsum[c] += __shfl_xor_sync(0xffffffffu, qsum[c], 1);
+      qsum[c] += __shfl_xor_sync(0xffffffffu, qsum[c], 2);
+      qsum[c] *= up;
+    }
+  }
   // A fragments, k step (c, h): k 2t, 2t + 1 = dims 32c + 8t + 4h + {0, 1}, k 2t + 8, 2t + 9 =
   // the next two; the tail's k step: dims 32 NC + 4t + {0, 1}, then the next two. Kept in
   // shared memory, one 16-byte word per lane (registers go to loads in flight instead).
@@ -352,10 +546,13 @@ __global__ void __launch_bounds__(32 * W, mma_min_blocks(32 * NC + 16 * TAIL, W)
   // Dims 32c + 8t + 2i + {0, 1}, from p's hi terms in [0..1] and its lo terms in [2..3]; the
   // tail's dims 32 NC + 4t + 2i + {0, 1} the same way.
   float o[NC][4][4], ot[2][4];
+  float omin[NC];  // a V min's share of this lane's positions' output, per group (kQuant)
 #pragma unroll
-  for (int c = 0; c < NC; c++)
+  for (int c = 0; c < NC; c++) {
+    omin[c] = 0.0f;
 #pragma unroll
     for (int i = 0; i < 4; i++) o[c][i][0] = o[c][i][1] = o[c][i][2] = o[c][i][3] = 0.0f;
+  }
 #pragma unroll
   for (int i = 0; i < 2; i++) ot[i][0] = ot[i][1] = ot[i][2] = ot[i][3] = 0.0f;
 
@@ -367,15 +564,31 @@ __global__ void __launch_bounds__(32 * W, mma_min_blocks(32 * NC + 16 * TAIL, W)
     float s[2][2];
 #pragma unroll
     for (int j = 0; j < 2; j++) {
-      float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      if constexpr (kQuant) {
+        s[j][0] = s[j][1] = 0.0f;
 #pragma unroll
-      for (int c = 0; c < NC; c++)
+        for (int c = 0; c < NC; c++) {
+          float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+          const uint4 kh = src.kb(j, c);
 #pragma unroll
-        for (int h = 0; h < 2; h++)
-          mma16816(acc, s_qa[c][h][lane], word(src.k.c[j][c], 2 * h), word(src.k.c[j][c], 2 * h + 1));
-      if (TAIL) mma16816(acc, s_qta[lane], src.k.t[j].x, src.k.t[j].y);
-      s[j][0] = hi_plus_lo(acc[0], acc[2]);
-      s[j][1] = hi_plus_lo(acc[1], acc[3]);
+          for (int h = 0; h < 2; h++) mma16816(acc, s_qa[c][h][lane], word(kh, 2 * h), word(kh, 2 * h + 1));
+#pragma unroll
+          for (int x = 0; x < 2; x++) {
+            s[j][x] += src.kscale(2 * j + x, c) * (acc[x] + acc[x + 2]);
+            if constexpr (kKMin) s[j][x] += src.kmin(2 * j + x, c) * qsum[c];
+          }
+        }
+      } else {
+        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int c = 0; c < NC; c++)
+#pragma unroll
+          for (int h = 0; h < 2; h++)
+            mma16816(acc, s_qa[c][h][lane], word(src.kb(j, c), 2 * h), word(src.kb(j, c), 2 * h + 1));
+        if (TAIL) mma16816(acc, s_qta[lane], src.k.t[j].x, src.k.t[j].y);
+        s[j][0] = hi_plus_lo(acc[0], acc[2]);
+        s[j][1] = hi_plus_lo(acc[1], acc[3]);
+      }
     }
 
     // Online softmax; the 4 lanes of a head hold its 16 scores.
@@ -400,27 +613,45 @@ __global__ void __launch_bounds__(32 * W, mma_min_blocks(32 * NC + 16 * TAIL, W)
       }
     run.l += sum;
     src.after_scores(p0);
-    uint4 pa;  // A fragment: positions 2t + {0, 1} (hi, lo), then 8 + 2t + {0, 1}
-    split_pair(s[0][0], s[0][1], pa.x, pa.y);
-    split_pair(s[1][0], s[1][1], pa.z, pa.w);
-
     // Output: B column n of n-tile (c, i) is dim 32c + 8(n / 2) + 2i + n % 2, so the result
     // lands in this lane as dims 32c + 8t + 2i + {0, 1}.
+    if constexpr (kQuant) {
 #pragma unroll
-    for (int c = 0; c < NC; c++)
+      for (int c = 0; c < NC; c++) {
+        uint4 pa;  // A fragment: positions 2t + {0, 1} (hi, lo), then 8 + 2t + {0, 1}
+        split_pair(s[0][0] * src.vscale(0, c), s[0][1] * src.vscale(1, c), pa.x, pa.y);
+        split_pair(s[1][0] * src.vscale(2, c), s[1][1] * src.vscale(3, c), pa.z, pa.w);
+        if constexpr (kVMin)
+          omin[c] = omin[c] * alpha + (s[0][0] * src.vmin(0, c) + s[0][1] * src.vmin(1, c) +
+                                       s[1][0] * src.vmin(2, c) + s[1][1] * src.vmin(3, c));
+        const uint4 v0 = src.vb(0, c), v1 = src.vb(1, c);
 #pragma unroll
-      for (int i = 0; i < 4; i++) {
+        for (int i = 0; i < 4; i++) {
 #pragma unroll
-        for (int x = 0; x < 4; x++) o[c][i][x] *= alpha;
-        mma16816(o[c][i], pa, transpose8x8(word(src.v.c[0][c], i)),
-                 transpose8x8(word(src.v.c[1][c], i)));
+          for (int x = 0; x < 4; x++) o[c][i][x] *= alpha;
+          mma16816(o[c][i], pa, transpose8x8(word(v0, i)), transpose8x8(word(v1, i)));
+        }
       }
-    if (TAIL) {
+    } else {
+      uint4 pa;  // A fragment: positions 2t + {0, 1} (hi, lo), then 8 + 2t + {0, 1}
+      split_pair(s[0][0], s[0][1], pa.x, pa.y);
+      split_pair(s[1][0], s[1][1], pa.z, pa.w);
 #pragma unroll
-      for (int i = 0; i < 2; i++) {
+      for (int c = 0; c < NC; c++)
 #pragma unroll
-        for (int x = 0; x < 4; x++) ot[i][x] *= alpha;
-        mma16816(ot[i], pa, transpose8x8(word(src.v.t[0], i)), transpose8x8(word(src.v.t[1], i)));
+        for (int i = 0; i < 4; i++) {
+#pragma unroll
+          for (int x = 0; x < 4; x++) o[c][i][x] *= alpha;
+          mma16816(o[c][i], pa, transpose8x8(word(src.vb(0, c), i)),
+                   transpose8x8(word(src.vb(1, c), i)));
+        }
+      if (TAIL) {
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+#pragma unroll
+          for (int x = 0; x < 4; x++) ot[i][x] *= alpha;
+          mma16816(ot[i], pa, transpose8x8(word(src.v.t[0], i)), transpose8x8(word(src.v.t[1], i)));
+        }
       }
     }
     src.after_output(p0);
@@ -434,11 +665,18 @@ __global__ void __launch_bounds__(32 * W, mma_min_blocks(32 * NC + 16 * TAIL, W)
   float(*s_o)[G][D] = reinterpret_cast<float(*)[G][D]>(s_dyn);
 #pragma unroll
   for (int c = 0; c < NC; c++) {
+    if constexpr (kVMin) {
+      omin[c] += __shfl_xor_sync(0xffffffffu, omin[c], 1);
+      omin[c] += __shfl_xor_sync(0xffffffffu, omin[c], 2);
+    }
     float4 *dst = reinterpret_cast<float4 *>(&s_o[warp][g][32 * c + 8 * t]);
 #pragma unroll
-    for (int i = 0; i < 4; i += 2)
-      dst[i / 2] = make_float4(o[c][i][0] + o[c][i][2], o[c][i][1] + o[c][i][3],
-                               o[c][i + 1][0] + o[c][i + 1][2], o[c][i + 1][1] + o[c][i + 1][3]);
+    for (int i = 0; i < 4; i += 2) {
+      float4 r = make_float4(o[c][i][0] + o[c][i][2], o[c][i][1] + o[c][i][3],
+                             o[c][i + 1][0] + o[c][i + 1][2], o[c][i + 1][1] + o[c][i + 1][3]);
+      if constexpr (kVMin) r.x += omin[c], r.y += omin[c], r.z += omin[c], r.w += omin[c];
+      dst[i / 2] = r;
+    }
   }
   if (TAIL)
     *reinterpret_cast<float4 *>(&s_o[warp][g][32 * NC + 4 * t]) = make_float4(
@@ -450,28 +688,28 @@ __global__ void __launch_bounds__(32 * W, mma_min_blocks(32 * NC + 16 * TAIL, W)
   // split's end has max -inf and weight 0. With one split the output is final: the weights then
   // carry the 1 / sum.
   // Pairs per lane: lane w G + h, then 32 lanes on; under 32 pairs, every lane % (W G) holds one.
-  constexpr int kPairs = W * G, P = kPairs > 32 ? kPairs / 32 : 1, kSpan = kPairs > 32 ? 32 : kPairs;
+  constexpr int kPairs = W * G, PL = kPairs > 32 ? kPairs / 32 : 1, kSpan = kPairs > 32 ? 32 : kPairs;
   static_assert(kPairs % kSpan == 0 && 32 % kSpan == 0, "whole (warp, head) pairs per lane");
   const int pl = lane % kSpan;
-  SoftmaxState w_state[P];
+  SoftmaxState w_state[PL];
   float m = -INFINITY;
 #pragma unroll
-  for (int p = 0; p < P; p++) {
+  for (int p = 0; p < PL; p++) {
     w_state[p] = s_state[(pl + 32 * p) / G][pl % G];
     m = fmaxf(m, w_state[p].m);
   }
 #pragma unroll
   for (int off = G; off < kSpan; off <<= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
   SoftmaxState head = SoftmaxState::at_max(m);
-  float wt[P];
+  float wt[PL];
 #pragma unroll
-  for (int p = 0; p < P; p++) wt[p] = head.add_partial(w_state[p].m, w_state[p].l);
+  for (int p = 0; p < PL; p++) wt[p] = head.add_partial(w_state[p].m, w_state[p].l);
 #pragma unroll
   for (int off = G; off < kSpan; off <<= 1) head.l += __shfl_xor_sync(0xffffffffu, head.l, off);
   const bool final_out = b.n_splits == 1;
-  float f[P];
+  float f[PL];
 #pragma unroll
-  for (int p = 0; p < P; p++) f[p] = !final_out ? wt[p] : head.normalise(wt[p]);
+  for (int p = 0; p < PL; p++) f[p] = !final_out ? wt[p] : head.normalise(wt[p]);
   if (!final_out && warp == 0 && lane < b.nh) store_split_stats(a, b.split, b.h0 + lane, head);
   constexpr int D4 = D / 4;
   const float4(*s_o4)[G][D4] = reinterpret_cast<const float4(*)[G][D4]>(s_dyn);
@@ -485,7 +723,24 @@ __global__ void __launch_bounds__(32 * W, mma_min_blocks(32 * NC + 16 * TAIL, W)
 #pragma unroll
     for (int w = 0; w < W; w++)
       fma4(__shfl_sync(0xffffffffu, f[w * G / 32], w * G % 32 + hh), s_o4[w][hh][d4], acc);
-    if (i < b.nh * D4) store_split_out4(a, b, b.h0 + hh, 4 * d4, acc);
+    if (kQuant && a.rot_v) {
+      if (i < b.nh * D4) reinterpret_cast<float4 *>(s_scratch)[i] = acc;
+    } else if (i < b.nh * D4) {
+      store_split_out4(a, b, b.h0 + hh, 4 * d4, acc);
+    }
+  }
+  if constexpr (kQuant) {
+    if (a.rot_v) {  // back from V's frame (linear: partials may be rotated before the combine)
+      __syncthreads();
+      for (int h = warp; h < b.nh; h += W) {
+        float v[NC];
+#pragma unroll
+        for (int c = 0; c < NC; c++) v[c] = s_scratch[h * D + lane + 32 * c];
+        warp_rotate(v, D, a.rot_scale);
+#pragma unroll
+        for (int c = 0; c < NC; c++) store_split_value(a, b, b.h0 + h, lane + 32 * c, v[c]);
+      }
+    }
   }
 #else
   (void)a, (void)plan;  // compiled for an older GPU: the host never launches this image
@@ -493,54 +748,61 @@ __global__ void __launch_bounds__(32 * W, mma_min_blocks(32 * NC + 16 * TAIL, W)
 }
 
 
+template <typename P>
+constexpr bool kQuantPair = !std::is_same<P, KvPair<KvF16, KvF16>>::value;
+
 // The widths the host launches: mma_warps(), and half that loading through registers (plans of
-// more blocks than one wave of the wider ones).
-template <typename KV, int NC, int TAIL, bool STAGED, int W>
+// more blocks than one wave of the wider ones). Quantized pairs: whole groups (head_dim a
+// multiple of 32, as the formats require), through registers.
+template <typename P, int NC, int TAIL, bool STAGED, int W>
 constexpr SplitKernel instance() {
   constexpr int kWarps = mma_warps(32 * NC + 16 * TAIL);
-  if constexpr (kTensorCores && (W == kWarps || (W == kWarps / 2 && !STAGED)))
-    return attn_mma_kernel<KV, NC, TAIL, STAGED, W>;
+  if constexpr (kTensorCores && (W == kWarps || (W == kWarps / 2 && !STAGED)) &&
+                !(kQuantPair<P> && (TAIL || STAGED)))
+    return attn_mma_kernel<P, NC, TAIL, STAGED, W>;
   else
     return nullptr;
 }
 
-template <typename KV, bool STAGED, int W>
+template <typename P, bool STAGED, int W>
 SplitKernel kernel_for_dim(int head_dim) {
   switch (head_dim) {
-    case 32: return instance<KV, 1, 0, STAGED, W>();
-    case 48: return instance<KV, 1, 1, STAGED, W>();
-    case 64: return instance<KV, 2, 0, STAGED, W>();
-    case 80: return instance<KV, 2, 1, STAGED, W>();
-    case 96: return instance<KV, 3, 0, STAGED, W>();
-    case 112: return instance<KV, 3, 1, STAGED, W>();
-    case 128: return instance<KV, 4, 0, STAGED, W>();
+    case 32: return instance<P, 1, 0, STAGED, W>();
+    case 48: return instance<P, 1, 1, STAGED, W>();
+    case 64: return instance<P, 2, 0, STAGED, W>();
+    case 80: return instance<P, 2, 1, STAGED, W>();
+    case 96: return instance<P, 3, 0, STAGED, W>();
+    case 112: return instance<P, 3, 1, STAGED, W>();
+    case 128: return instance<P, 4, 0, STAGED, W>();
     default: return nullptr;
   }
 }
 
 // The kernel for head_dim in blocks of `warps` warps, staged or not, or null where there is
 // none. Whether it can run is for the caller to ask the runtime.
-template <typename KV>
+template <typename P>
 SplitKernel kernel_for(int head_dim, bool staged, int warps) {
-  if (warps == 8) return staged ? kernel_for_dim<KV, true, 8>(head_dim) : kernel_for_dim<KV, false, 8>(head_dim);
-  if (warps == 4) return staged ? kernel_for_dim<KV, true, 4>(head_dim) : kernel_for_dim<KV, false, 4>(head_dim);
-  if (warps == 2) return staged ? kernel_for_dim<KV, true, 2>(head_dim) : kernel_for_dim<KV, false, 2>(head_dim);
+  if (warps == 8) return staged ? kernel_for_dim<P, true, 8>(head_dim) : kernel_for_dim<P, false, 8>(head_dim);
+  if (warps == 4) return staged ? kernel_for_dim<P, true, 4>(head_dim) : kernel_for_dim<P, false, 4>(head_dim);
+  if (warps == 2) return staged ? kernel_for_dim<P, true, 2>(head_dim) : kernel_for_dim<P, false, 2>(head_dim);
   return nullptr;
 }
 
 // Dynamic shared memory: the warps' outputs for the merge, or, where the kernel stages K/V
-// steps, that many steps per warp, which the outputs reuse after the loop.
-size_t smem_bytes(int head_dim, int warps, int stages) {
+// steps, that many steps per warp, which the outputs reuse after the loop; a quantized pair's
+// kernel, a head tile's rows more (its rotation scratch).
+size_t smem_bytes(int head_dim, int warps, int stages, bool quant) {
   const size_t outputs = (size_t)warps * kMaxGroupTile * head_dim * sizeof(float);
   const size_t staged = (size_t)stages * warps * 2 * kMmaRows * head_dim * sizeof(__half);
-  return staged > outputs ? staged : outputs;
+  const size_t scratch = quant ? (size_t)kMaxGroupTile * head_dim * sizeof(float) : 0;
+  return (staged > outputs ? staged : outputs) + scratch;
 }
 
 // Steps per warp a staged image keeps in flight: as many as fit with mma_min_blocks() blocks
 // on an SM, from 2 (fewer resident blocks rather than no overlap) up to kMmaMaxStages; 0 where
 // not even two fit in a block (one step staged at a time would not overlap loads with math).
 int stages_for(const m40llm_cuda_state *st, int head_dim, int warps, size_t static_smem) {
-  const size_t step = smem_bytes(head_dim, warps, 1);
+  const size_t step = smem_bytes(head_dim, warps, 1, false);
   const size_t block_max = st->smem_per_block - static_smem;
   const size_t per_block = st->smem_per_sm / mma_min_blocks(head_dim, warps);
   const size_t share = per_block > st->smem_reserved_per_block + static_smem
@@ -549,20 +811,21 @@ int stages_for(const m40llm_cuda_state *st, int head_dim, int warps, size_t stat
   int stages = (int)(share / step);
   if (stages < 2) stages = 2;
   if (stages > kMmaMaxStages) stages = kMmaMaxStages;
-  while (stages > 0 && smem_bytes(head_dim, warps, stages) > block_max) stages--;
+  while (stages > 0 && smem_bytes(head_dim, warps, stages, false) > block_max) stages--;
   return stages >= 2 ? stages : 0;
 }
 
 // The kernel, staged or not, where this build has it for this GPU (sm_80+; a compute_52-only
 // build runs the FP32 kernel on every GPU, and only sm_90+ images stage). The first call per
 // kernel sizes its shared memory and asks its occupancy. No kernel: a null one.
-template <typename KV>
+template <typename P>
 int pass_for(m40llm_cuda_state *st, int head_dim, bool staged, int warps, SplitPass *out) {
   *out = SplitPass{nullptr, 32 * warps, 0, kMmaRows * warps, 0, 0, false};
-  const SplitKernel k = kernel_for<KV>(head_dim, staged, warps);
+  const SplitKernel k = kernel_for<P>(head_dim, staged, warps);
   if (!k || st->cc_major < (staged ? 9 : 8) || (staged && !M40LLM_MMA_BULK_BUILT))
     return M40LLM_OK;
-  auto &info = st->mma[staged][warps < mma_warps(head_dim)][head_dim / 16];
+  auto &info = st->mma[P::K::kFormat][P::V::kFormat][staged][warps < mma_warps(head_dim)]
+                      [head_dim / 16];
   if (info.usable == 0) {
     cudaFuncAttributes attr;
     M40LLM_CUDA_TRY(cudaFuncGetAttributes(&attr, k));
@@ -571,7 +834,7 @@ int pass_for(m40llm_cuda_state *st, int head_dim, bool staged, int warps, SplitP
       info.usable = -1;
       return M40LLM_OK;
     }
-    const size_t smem = smem_bytes(head_dim, warps, stages);
+    const size_t smem = smem_bytes(head_dim, warps, stages, kQuantPair<P>);
     M40LLM_CUDA_TRY(
         cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     int occ = 0;
@@ -596,21 +859,17 @@ int pass_for(m40llm_cuda_state *st, int head_dim, bool staged, int warps, SplitP
 template <typename P>
 int mma_split_passes(m40llm_cuda_state *st, int head_dim, SplitPasses *p) {
   p->pass = p->direct = p->fine = SplitPass{};
-  if constexpr (!std::is_same<P, KvPair<KvF16, KvF16>>::value) {
-    return (void)st, (void)head_dim, M40LLM_OK;  // quantized K/V: the FP32 family
-  } else {
-  using KV = KvF16;
   const int warps = mma_warps(head_dim);
-  const bool stage = head_dim >= kMmaStagedMinDim && head_dim <= kMmaStagedMaxDim;
-  int rc = pass_for<KV>(st, head_dim, false, warps, &p->direct);
+  const bool stage =
+      !kQuantPair<P> && head_dim >= kMmaStagedMinDim && head_dim <= kMmaStagedMaxDim;
+  int rc = pass_for<P>(st, head_dim, false, warps, &p->direct);
   if (rc == M40LLM_OK && p->direct.kernel && stage)
-    rc = pass_for<KV>(st, head_dim, true, warps, &p->pass);
-  if (rc == M40LLM_OK && p->direct.kernel) rc = pass_for<KV>(st, head_dim, false, warps / 2, &p->fine);
+    rc = pass_for<P>(st, head_dim, true, warps, &p->pass);
+  if (rc == M40LLM_OK && p->direct.kernel) rc = pass_for<P>(st, head_dim, false, warps / 2, &p->fine);
   if (rc != M40LLM_OK) return rc;
   if (!p->pass.kernel) p->pass = p->direct;
   if (!p->fine.kernel) p->fine = p->direct;
   return M40LLM_OK;
-  }
 }
 
 #define M40LLM_INSTANTIATE(P) template int mma_split_passes<P>(m40llm_cuda_state *, int, SplitPasses *);

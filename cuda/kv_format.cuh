@@ -12,7 +12,9 @@
 //   widen<N>(raw, f)       those elements as FP32 factors: the values (F16), or the codes
 //   kScaled, scale(raw)    quantized: value = factor x scale (+ min where kHasMin), the same
 //   kHasMin, min(raw)      for the N elements (they lie in one group)
-//   halves<N>(raw)         the elements as FP16 bit patterns (the tensor-core kernels; F16 only)
+//   halves<N>(raw)         the elements as FP16 bit patterns (the tensor-core kernels: F16;
+//                          a quantized format's codes become FP16 integers there, from
+//                          kCodeBits-bit codes and ParamType parameters: attention_mma.cu)
 //   kEncodeRun, encode()   the append kernel's unit: kEncodeRun elements from FP32 or FP16
 //   kRowBytes(D)           bytes of one codes row (the staged tensor-core kernel copies rows)
 #pragma once
@@ -127,6 +129,8 @@ struct KvQuant {
   static constexpr int kGroup = 32;
   static constexpr bool kScaled = true;
   static constexpr int kEncodeRun = kGroup;
+  static constexpr int kCodeBits = kBits;
+  using ParamType = Param;
   using Ptr = size_t;
   template <int N>
   struct Raw {
