@@ -154,6 +154,7 @@ struct SplitPass {
   int target;      // SMs x resident blocks x waves
   int stages;      // AttnArgs::stages
   bool dependent;  // launched as a programmatic dependent of the kernel before it
+  bool mixed;      // reads a protected cache's kept rows itself (M40LLM_PLAN_MIXED): one launch
 };
 
 // The tensor-core family's passes for a cache (attention_mma.cu):

@@ -456,13 +456,24 @@ __global__ void __launch_bounds__(32 * W, mma_min_blocks(32 * NC + 16 * TAIL, W)
   __shared__ SoftmaxState s_state[W][G];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
-  const SplitBlock<P> b = split_block<P, kQuant>(a, plan, G);
+  const SplitBlock<P> b = split_block<P, false>(a, plan, G);
   wait_for_prerequisite_grid();
-  if (b.skip) return;  // the other launch's rows (after the wait, as in attn_fp32_kernel)
   if (plan.max_splits > 1) allow_dependent_launch();  // as in attn_split_kernel
 
-  int p0 = b.p_begin + kMmaRows * warp;
-  Steps src(a, b, p0, lane, s_dyn, a.stages);
+  // This split's rows of the tensor; a protected cache's (M40LLM_PLAN_MIXED): of its codes, part
+  // 3, whose rows come after the kept parts' in the split's numbering.
+  const bool mixed = kQuant && plan.role == M40LLM_PLAN_MIXED;
+  SplitBlock<P> cb = b;
+  if (mixed) {
+    const m40llm_attn_parts parts =
+        m40llm_attn_item_parts(plan.len[b.item], plan.window_begin[b.item], plan.sinks, plan.window);
+    const int first = parts.count[0] + parts.count[1] + parts.count[2];
+    cb.p_begin = parts.first[3] + max(b.p_begin - first, 0);
+    cb.p_end = max(parts.first[3] + b.p_end - first, cb.p_begin);
+  }
+  int p0 = cb.p_begin + kMmaRows * warp;
+  const int p_end = cb.p_end;
+  Steps src(a, cb, p0, lane, s_dyn, a.stages);
   float *const s_scratch = reinterpret_cast<float *>(s_dyn) + W * G * D;  // [G][D], kQuant
 
   // q in the log2 domain, then scaled by 2^e so its largest magnitude is near 2^13.
@@ -556,105 +567,132 @@ __global__ void __launch_bounds__(32 * W, mma_min_blocks(32 * NC + 16 * TAIL, W)
 #pragma unroll
   for (int i = 0; i < 2; i++) ot[i][0] = ot[i][1] = ot[i][2] = ot[i][3] = 0.0f;
 
-  for (; p0 < b.p_end; p0 += kMmaRows * W) {
-    const int rows = min(kMmaRows, b.p_end - p0);
-    src.before_scores(p0);
+  // A warp's steps from p0 on to p_end through src: its K/V rows as FP16 (kQ false) or codes.
+  const auto steps = [&](auto &src, int p0, int p_end, auto quant) {
+    constexpr bool kQ = decltype(quant)::value;
+  for (; p0 < p_end; p0 += kMmaRows * W) {
+      const int rows = min(kMmaRows, p_end - p0);
+      src.before_scores(p0);
 
-    // Scores: lane (g, t) gets heads g, positions 8j + 2t + {0, 1}.
-    float s[2][2];
+      // Scores: lane (g, t) gets heads g, positions 8j + 2t + {0, 1}.
+      float s[2][2];
 #pragma unroll
-    for (int j = 0; j < 2; j++) {
-      if constexpr (kQuant) {
-        s[j][0] = s[j][1] = 0.0f;
+      for (int j = 0; j < 2; j++) {
+        if constexpr (kQ) {
+          s[j][0] = s[j][1] = 0.0f;
+#pragma unroll
+          for (int c = 0; c < NC; c++) {
+            float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            const uint4 kh = src.kb(j, c);
+#pragma unroll
+            for (int h = 0; h < 2; h++) mma16816(acc, s_qa[c][h][lane], word(kh, 2 * h), word(kh, 2 * h + 1));
+#pragma unroll
+            for (int x = 0; x < 2; x++) {
+              s[j][x] += src.kscale(2 * j + x, c) * (acc[x] + acc[x + 2]);
+              if constexpr (kKMin) s[j][x] += src.kmin(2 * j + x, c) * qsum[c];
+            }
+          }
+        } else {
+          float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+          for (int c = 0; c < NC; c++)
+#pragma unroll
+            for (int h = 0; h < 2; h++)
+              mma16816(acc, s_qa[c][h][lane], word(src.kb(j, c), 2 * h), word(src.kb(j, c), 2 * h + 1));
+          if (TAIL) mma16816(acc, s_qta[lane], src.k.t[j].x, src.k.t[j].y);
+          s[j][0] = hi_plus_lo(acc[0], acc[2]);
+          s[j][1] = hi_plus_lo(acc[1], acc[3]);
+        }
+      }
+
+      // Online softmax; the 4 lanes of a head hold its 16 scores.
+      float tile_max = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < 2; j++)
+#pragma unroll
+        for (int x = 0; x < 2; x++) {
+          s[j][x] = 8 * j + 2 * t + x < rows ? s[j][x] * down : -INFINITY;
+          tile_max = fmaxf(tile_max, s[j][x]);
+        }
+      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
+      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+      const float alpha = run.raise(tile_max);
+      float sum = 0.0f;
+#pragma unroll
+      for (int j = 0; j < 2; j++)
+#pragma unroll
+        for (int x = 0; x < 2; x++) {
+          s[j][x] = run.weight(s[j][x]);
+          sum += s[j][x];
+        }
+      run.l += sum;
+      src.after_scores(p0);
+      // Output: B column n of n-tile (c, i) is dim 32c + 8(n / 2) + 2i + n % 2, so the result
+      // lands in this lane as dims 32c + 8t + 2i + {0, 1}.
+      if constexpr (kQ) {
 #pragma unroll
         for (int c = 0; c < NC; c++) {
-          float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-          const uint4 kh = src.kb(j, c);
+          uint4 pa;  // A fragment: positions 2t + {0, 1} (hi, lo), then 8 + 2t + {0, 1}
+          split_pair(s[0][0] * src.vscale(0, c), s[0][1] * src.vscale(1, c), pa.x, pa.y);
+          split_pair(s[1][0] * src.vscale(2, c), s[1][1] * src.vscale(3, c), pa.z, pa.w);
+          if constexpr (kVMin)
+            omin[c] = omin[c] * alpha + (s[0][0] * src.vmin(0, c) + s[0][1] * src.vmin(1, c) +
+                                         s[1][0] * src.vmin(2, c) + s[1][1] * src.vmin(3, c));
+          const uint4 v0 = src.vb(0, c), v1 = src.vb(1, c);
 #pragma unroll
-          for (int h = 0; h < 2; h++) mma16816(acc, s_qa[c][h][lane], word(kh, 2 * h), word(kh, 2 * h + 1));
+          for (int i = 0; i < 4; i++) {
 #pragma unroll
-          for (int x = 0; x < 2; x++) {
-            s[j][x] += src.kscale(2 * j + x, c) * (acc[x] + acc[x + 2]);
-            if constexpr (kKMin) s[j][x] += src.kmin(2 * j + x, c) * qsum[c];
+            for (int x = 0; x < 4; x++) o[c][i][x] *= alpha;
+            mma16816(o[c][i], pa, transpose8x8(word(v0, i)), transpose8x8(word(v1, i)));
           }
         }
       } else {
-        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        uint4 pa;  // A fragment: positions 2t + {0, 1} (hi, lo), then 8 + 2t + {0, 1}
+        split_pair(s[0][0], s[0][1], pa.x, pa.y);
+        split_pair(s[1][0], s[1][1], pa.z, pa.w);
 #pragma unroll
         for (int c = 0; c < NC; c++)
 #pragma unroll
-          for (int h = 0; h < 2; h++)
-            mma16816(acc, s_qa[c][h][lane], word(src.kb(j, c), 2 * h), word(src.kb(j, c), 2 * h + 1));
-        if (TAIL) mma16816(acc, s_qta[lane], src.k.t[j].x, src.k.t[j].y);
-        s[j][0] = hi_plus_lo(acc[0], acc[2]);
-        s[j][1] = hi_plus_lo(acc[1], acc[3]);
+          for (int i = 0; i < 4; i++) {
+#pragma unroll
+            for (int x = 0; x < 4; x++) o[c][i][x] *= alpha;
+            mma16816(o[c][i], pa, transpose8x8(word(src.vb(0, c), i)),
+                     transpose8x8(word(src.vb(1, c), i)));
+          }
+        if (TAIL) {
+#pragma unroll
+          for (int i = 0; i < 2; i++) {
+#pragma unroll
+            for (int x = 0; x < 4; x++) ot[i][x] *= alpha;
+            mma16816(ot[i], pa, transpose8x8(word(src.v.t[0], i)), transpose8x8(word(src.v.t[1], i)));
+          }
+        }
+      }
+      src.after_output(p0);
+    }
+  };
+  if constexpr (kQuant) {
+    steps(src, p0, p_end, std::true_type{});
+    if (mixed) {  // the kept parts, from the FP16 slots
+      const m40llm_attn_parts parts = m40llm_attn_item_parts(
+          plan.len[b.item], plan.window_begin[b.item], plan.sinks, plan.window);
+      const size_t slots = (size_t)(plan.sinks + plan.window) * D;
+      const size_t base = ((size_t)plan.seq[b.item] * (a.n_heads / a.group) +
+                           blockIdx.y / a.head_tiles) * slots;
+      SplitBlock<KvPair<KvF16, KvF16>> kb;
+      kb.k = static_cast<const __half *>(plan.kept_k) + base;
+      kb.v = static_cast<const __half *>(plan.kept_v) + base;
+      for (int k = 0, first = 0; k < 3; first += parts.count[k], k++) {
+        const int lo = max(b.p_begin, first), hi = min(b.p_end, first + parts.count[k]);
+        if (lo >= hi) continue;
+        kb.p_end = parts.first[k] + hi - first;
+        const int q0 = parts.first[k] + lo - first + kMmaRows * warp;
+        RegisterSteps<KvF16, NC, 0, W> kept(a, kb, q0, lane, s_dyn, 0);
+        steps(kept, q0, kb.p_end, std::false_type{});
       }
     }
-
-    // Online softmax; the 4 lanes of a head hold its 16 scores.
-    float tile_max = -INFINITY;
-#pragma unroll
-    for (int j = 0; j < 2; j++)
-#pragma unroll
-      for (int x = 0; x < 2; x++) {
-        s[j][x] = 8 * j + 2 * t + x < rows ? s[j][x] * down : -INFINITY;
-        tile_max = fmaxf(tile_max, s[j][x]);
-      }
-    tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
-    tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
-    const float alpha = run.raise(tile_max);
-    float sum = 0.0f;
-#pragma unroll
-    for (int j = 0; j < 2; j++)
-#pragma unroll
-      for (int x = 0; x < 2; x++) {
-        s[j][x] = run.weight(s[j][x]);
-        sum += s[j][x];
-      }
-    run.l += sum;
-    src.after_scores(p0);
-    // Output: B column n of n-tile (c, i) is dim 32c + 8(n / 2) + 2i + n % 2, so the result
-    // lands in this lane as dims 32c + 8t + 2i + {0, 1}.
-    if constexpr (kQuant) {
-#pragma unroll
-      for (int c = 0; c < NC; c++) {
-        uint4 pa;  // A fragment: positions 2t + {0, 1} (hi, lo), then 8 + 2t + {0, 1}
-        split_pair(s[0][0] * src.vscale(0, c), s[0][1] * src.vscale(1, c), pa.x, pa.y);
-        split_pair(s[1][0] * src.vscale(2, c), s[1][1] * src.vscale(3, c), pa.z, pa.w);
-        if constexpr (kVMin)
-          omin[c] = omin[c] * alpha + (s[0][0] * src.vmin(0, c) + s[0][1] * src.vmin(1, c) +
-                                       s[1][0] * src.vmin(2, c) + s[1][1] * src.vmin(3, c));
-        const uint4 v0 = src.vb(0, c), v1 = src.vb(1, c);
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-#pragma unroll
-          for (int x = 0; x < 4; x++) o[c][i][x] *= alpha;
-          mma16816(o[c][i], pa, transpose8x8(word(v0, i)), transpose8x8(word(v1, i)));
-        }
-      }
-    } else {
-      uint4 pa;  // A fragment: positions 2t + {0, 1} (hi, lo), then 8 + 2t + {0, 1}
-      split_pair(s[0][0], s[0][1], pa.x, pa.y);
-      split_pair(s[1][0], s[1][1], pa.z, pa.w);
-#pragma unroll
-      for (int c = 0; c < NC; c++)
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-#pragma unroll
-          for (int x = 0; x < 4; x++) o[c][i][x] *= alpha;
-          mma16816(o[c][i], pa, transpose8x8(word(src.vb(0, c), i)),
-                   transpose8x8(word(src.vb(1, c), i)));
-        }
-      if (TAIL) {
-#pragma unroll
-        for (int i = 0; i < 2; i++) {
-#pragma unroll
-          for (int x = 0; x < 4; x++) ot[i][x] *= alpha;
-          mma16816(ot[i], pa, transpose8x8(word(src.v.t[0], i)), transpose8x8(word(src.v.t[1], i)));
-        }
-      }
-    }
-    src.after_output(p0);
+  } else {
+    steps(src, p0, p_end, std::false_type{});
   }
   if (plan.max_splits == 1) allow_dependent_launch();
 
@@ -820,7 +858,7 @@ int stages_for(const m40llm_cuda_state *st, int head_dim, int warps, size_t stat
 // kernel sizes its shared memory and asks its occupancy. No kernel: a null one.
 template <typename P>
 int pass_for(m40llm_cuda_state *st, int head_dim, bool staged, int warps, SplitPass *out) {
-  *out = SplitPass{nullptr, 32 * warps, 0, kMmaRows * warps, 0, 0, false};
+  *out = SplitPass{nullptr, 32 * warps, 0, kMmaRows * warps, 0, 0, false, false};
   const SplitKernel k = kernel_for<P>(head_dim, staged, warps);
   if (!k || st->cc_major < (staged ? 9 : 8) || (staged && !M40LLM_MMA_BULK_BUILT))
     return M40LLM_OK;
@@ -851,6 +889,7 @@ int pass_for(m40llm_cuda_state *st, int head_dim, bool staged, int warps, SplitP
   out->stages = info.stages;
   out->target = st->sm_count * info.occupancy * kMmaWaves;
   out->dependent = info.dependent;
+  out->mixed = kQuantPair<P>;
   return M40LLM_OK;
 }
 

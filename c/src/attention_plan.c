@@ -1,5 +1,7 @@
 #include "attention_plan.h"
 
+#include <stddef.h>
+
 void m40llm_attn_plan_build(m40llm_attn_plan *plan, const int32_t *seq_ids, const int32_t *lens,
                             int n_items, int units, int target_blocks, int min_blocks,
                             int min_chunk, int tile) {
@@ -40,6 +42,15 @@ void m40llm_attn_plan_build(m40llm_attn_plan *plan, const int32_t *seq_ids, cons
   plan->split_begin[n_items] = begin;
   plan->total_splits = begin;
   plan->role = M40LLM_PLAN_ALL;
+  plan->kept_k = plan->kept_v = NULL;
+}
+
+void m40llm_attn_plan_mixed(m40llm_attn_plan *plan, const int32_t *window_begin, int32_t sinks,
+                            int32_t window) {
+  plan->role = M40LLM_PLAN_MIXED;
+  plan->sinks = sinks;
+  plan->window = window;
+  for (int i = 0; i < plan->n_items; i++) plan->window_begin[i] = window_begin[i];
 }
 
 int32_t m40llm_attn_protect_extra(int32_t sinks, int32_t window, int32_t kept_chunk) {

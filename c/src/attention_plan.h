@@ -22,16 +22,23 @@ typedef struct m40llm_attn_plan {
   int32_t split_begin[M40LLM_PLAN_MAX_ITEMS + 1]; /* item i owns splits [begin[i], begin[i+1]) */
   /* Caches with protected tokens (m40llm_attn_plan_protect): which rows this launch takes, the
    * cache's sinks and window, and each item's first window position. */
-  int32_t role; /* M40LLM_PLAN_ALL, _KEPT or _CODES */
+  int32_t role; /* M40LLM_PLAN_ALL, _KEPT, _CODES or _MIXED */
   int32_t sinks, window;
   int32_t kept_chunk; /* rows per split of the kept parts */
   int32_t window_begin[M40LLM_PLAN_MAX_ITEMS];
+  /* M40LLM_PLAN_MIXED: this layer's FP16 slots of K and V, [seq][kv_head][slot][dim] (the
+   * backend's device memory; set by the caller) */
+  const void *kept_k, *kept_v;
 } m40llm_attn_plan;
 
 enum {
   M40LLM_PLAN_ALL = 0,   /* every row of each item, from one tensor */
   M40LLM_PLAN_KEPT = 1,  /* the rows kept in FP16 slots (parts 0-2 below) */
-  M40LLM_PLAN_CODES = 2  /* the quantized rows (part 3) */
+  M40LLM_PLAN_CODES = 2, /* the quantized rows (part 3) */
+  /* every row of each item in one launch, splits as for ALL: a split's rows are the item's parts
+   * in order (parts 0-2 from the FP16 slots at kept_k/kept_v, then part 3), and the kernel cuts
+   * its range into them */
+  M40LLM_PLAN_MIXED = 3
 };
 
 #ifdef __CUDACC__
@@ -80,6 +87,10 @@ void m40llm_attn_plan_build(m40llm_attn_plan *plan, const int32_t *seq_ids, cons
  * window_begin; role is the caller's, per launch. */
 void m40llm_attn_plan_protect(m40llm_attn_plan *plan, const int32_t *window_begin, int32_t sinks,
                               int32_t window, int32_t kept_chunk);
+/* Marks a built plan as M40LLM_PLAN_MIXED for a cache with protected tokens: sets sinks, window
+ * and window_begin; the splits stay as built; kept_k and kept_v are the caller's. */
+void m40llm_attn_plan_mixed(m40llm_attn_plan *plan, const int32_t *window_begin, int32_t sinks,
+                            int32_t window);
 /* The most splits m40llm_attn_plan_protect adds to one item. */
 int32_t m40llm_attn_protect_extra(int32_t sinks, int32_t window, int32_t kept_chunk);
 
