@@ -395,7 +395,7 @@ int fp32_split_pass(m40llm_cuda_state *st, int head_dim, const Grouping &g, Spli
   const int dmax = dmax_for(head_dim);
   SplitPass pass{kernel_for<P>(g.gt, head_dim), kAttnThreads,
                  split_smem_floats(g.gt, dmax, head_dim, P::K::kHasMin) * sizeof(float),
-                 tile_rows(g.gt, dmax), 0, 0, false};
+                 tile_rows(g.gt, dmax), 0, 0, false, false};
   int rc = kernel_waits(st, reinterpret_cast<const void *>(pass.kernel), &st->fp32_dependent,
                         &pass.dependent);
   if (rc != M40LLM_OK) return rc;
