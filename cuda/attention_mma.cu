@@ -617,6 +617,10 @@ __global__ void __launch_bounds__(32 * W, mma_min_blocks(32 * NC + 16 * TAIL, W)
       tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
       tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
       const float alpha = run.raise(tile_max);
+      if constexpr (kVMin) {  // in the kept rows' steps too: the max is every step's
+#pragma unroll
+        for (int c = 0; c < NC; c++) omin[c] *= alpha;
+      }
       float sum = 0.0f;
 #pragma unroll
       for (int j = 0; j < 2; j++)
@@ -636,8 +640,8 @@ __global__ void __launch_bounds__(32 * W, mma_min_blocks(32 * NC + 16 * TAIL, W)
           split_pair(s[0][0] * src.vscale(0, c), s[0][1] * src.vscale(1, c), pa.x, pa.y);
           split_pair(s[1][0] * src.vscale(2, c), s[1][1] * src.vscale(3, c), pa.z, pa.w);
           if constexpr (kVMin)
-            omin[c] = omin[c] * alpha + (s[0][0] * src.vmin(0, c) + s[0][1] * src.vmin(1, c) +
-                                         s[1][0] * src.vmin(2, c) + s[1][1] * src.vmin(3, c));
+            omin[c] += s[0][0] * src.vmin(0, c) + s[0][1] * src.vmin(1, c) +
+                       s[1][0] * src.vmin(2, c) + s[1][1] * src.vmin(3, c);
           const uint4 v0 = src.vb(0, c), v1 = src.vb(1, c);
 #pragma unroll
           for (int i = 0; i < 4; i++) {
