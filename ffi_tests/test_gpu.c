@@ -785,6 +785,7 @@ int main(void) {
   t_cases_fp16_rounding(dev);
   t_cases_attention_basic(dev);
   t_cases_quantized(dev, small);
+  t_cases_append_batch(dev, small);
   t_cases_attention_masked(dev);
   test_shape_sweep();
   test_head_dim_sweep();
