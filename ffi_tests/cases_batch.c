@@ -387,6 +387,8 @@ static void error_case(m40llm_context *ctx) {
     const int32_t zeros[2] = {0, 0}, zero_ids[2] = {1, 2};
     T_OK(BATCH(c, 1, zero_ids, zeros, 2, 1, 1));
     T_OK(BATCH(c, 0, zero_ids + 0, zeros, 1, 1, 1)); /* seq 1 of layer 0 is full: 0 fits */
+    T_OK(BATCH(c, 1, zero_ids, zeros, 2, 0, 0));     /* no rows: k and v may be NULL */
+    T_FAIL_WITH(BATCH(c, 1, dup, zero_dup, 3, 0, 0), M40LLM_ERR_INVALID_ARGUMENT, "repeats");
 #undef BATCH
     if (!snap_take(&after, ctx, c)) goto done;
     snap_same(&after, &before, "after the failed batches");

@@ -336,7 +336,8 @@ int m40llm_kvcache_append_f16(m40llm_kvcache *cache, int layer, int seq, const u
  *  whole batch, or a ragged prefill. seq_ids and n_tokens are host arrays of n_seqs entries:
  *  sequence seq_ids[i] gets n_tokens[i] (>= 0; 0 leaves it as it is) new positions; n_tokens
  *  NULL means one token each. k and v are [total][n_kv_heads][head_dim] FP32 in backend memory,
- *  total the sum of the counts: seq_ids[0]'s rows first, then seq_ids[1]'s, and so on. A batch
+ *  total the sum of the counts: seq_ids[0]'s rows first, then seq_ids[1]'s, and so on (NULL
+ *  only where the total is 0: a batch of no tokens checks its ids and writes nothing). A batch
  *  names each sequence once (a repeated id fails with M40LLM_ERR_INVALID_ARGUMENT), so n_seqs
  *  <= max_seqs. Every id, count and length is checked before anything is written: one sequence
  *  that would pass max_seq_len fails the whole call with M40LLM_ERR_CAPACITY, and no sequence

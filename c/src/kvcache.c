@@ -345,8 +345,6 @@ static int append_batch(m40llm_kvcache *c, int layer, const int32_t *seq_ids,
   if (layer < 0 || layer >= c->opts.n_layers)
     return FAIL(OUT_OF_RANGE, "layer %d is outside 0..%d", layer, c->opts.n_layers - 1);
   if (!seq_ids) return FAIL(INVALID_ARGUMENT, "seq_ids is NULL");
-  if (!k) return FAIL(INVALID_ARGUMENT, "k is NULL");
-  if (!v) return FAIL(INVALID_ARGUMENT, "v is NULL");
   if (n_seqs < 1) return FAIL(INVALID_ARGUMENT, "n_seqs is %d, must be >= 1", n_seqs);
   if (n_seqs > c->opts.max_seqs)
     return FAIL(INVALID_ARGUMENT,
@@ -364,6 +362,8 @@ static int append_batch(m40llm_kvcache *c, int layer, const int32_t *seq_ids,
     if (c->batch[i].seq >= 0 && c->batch[i].seq < c->opts.max_seqs)
       c->batch_seen[c->batch[i].seq] = 0;
   if (rc != M40LLM_OK) return rc;
+  if (tokens > 0 && !k) return FAIL(INVALID_ARGUMENT, "k is NULL");
+  if (tokens > 0 && !v) return FAIL(INVALID_ARGUMENT, "v is NULL");
   /* The rows must lie in the address space from where k and v start. */
   const unsigned long long row = (unsigned long long)c->opts.n_kv_heads *
                                  (unsigned long long)c->opts.head_dim *

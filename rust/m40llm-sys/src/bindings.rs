@@ -287,6 +287,38 @@ extern "C" {
         v: *const u16,
         n_tokens: ::core::ffi::c_int,
     ) -> ::core::ffi::c_int;
+    /** Appends to n_seqs (>= 1) sequences of one layer in one call: a decode step's new K/V for a
+  whole batch, or a ragged prefill. seq_ids and n_tokens are host arrays of n_seqs entries:
+  sequence seq_ids[i] gets n_tokens[i] (>= 0; 0 leaves it as it is) new positions; n_tokens
+  NULL means one token each. k and v are [total][n_kv_heads][head_dim] FP32 in backend memory,
+  total the sum of the counts: seq_ids[0]'s rows first, then seq_ids[1]'s, and so on. A batch
+  names each sequence once (a repeated id fails with M40LLM_ERR_INVALID_ARGUMENT), so n_seqs
+  <= max_seqs. Every id, count and length is checked before anything is written: one sequence
+  that would pass max_seq_len fails the whole call with M40LLM_ERR_CAPACITY, and no sequence
+  changes (nor on any other error). Each sequence then holds exactly what
+  m40llm_kvcache_append_f32 of its rows would store, bit for bit. The library reads seq_ids
+  and n_tokens once, into the cache's own copy (no allocation). On the CUDA backend it is one
+  kernel launch for every 128 sequences with tokens.*/
+    pub fn m40llm_kvcache_append_batch_f32(
+        cache: *mut m40llm_kvcache,
+        layer: ::core::ffi::c_int,
+        seq_ids: *const i32,
+        n_tokens: *const i32,
+        n_seqs: ::core::ffi::c_int,
+        k: *const f32,
+        v: *const f32,
+    ) -> ::core::ffi::c_int;
+    /** As m40llm_kvcache_append_batch_f32 with FP16 rows (stored as m40llm_kvcache_append_f16
+  stores them).*/
+    pub fn m40llm_kvcache_append_batch_f16(
+        cache: *mut m40llm_kvcache,
+        layer: ::core::ffi::c_int,
+        seq_ids: *const i32,
+        n_tokens: *const i32,
+        n_seqs: ::core::ffi::c_int,
+        k: *const u16,
+        v: *const u16,
+    ) -> ::core::ffi::c_int;
     /** Copies positions [pos, pos + n_tokens) of (layer, seq) out as FP16 into k_out and v_out
   (Q8 and Q4: what attention reads: the dequantized values, or a protected position's FP16
   copy, rotated back where the tensor is rotated, rounded to FP16),
