@@ -869,3 +869,102 @@ fn append_checks_the_row_length() {
     kv.append_token(0, 0, &h.slice(..8), &h.slice(..8)).unwrap();
     assert_eq!(kv.seq_len(0, 0).unwrap(), 7);
 }
+
+#[test]
+fn append_batch_matches_single_appends() {
+    let ctx = cpu();
+    let mut rng = Rng::fresh("append_batch_matches_single_appends");
+    let base = KvCacheConfig::new(2, 6, 32)
+        .kv_heads(2)
+        .max_seqs(7)
+        .max_seq_len(400);
+    for cfg in [
+        base,
+        base.format(KvFormat::Q8).sinks(2).window(9),
+        base.format(KvFormat::F16).v_format(KvFormat::Q4),
+    ] {
+        common::check_append_batch(&ctx, &mut rng, &cfg);
+    }
+}
+
+#[test]
+fn append_batch_checks_everything_first() {
+    let ctx = cpu();
+    let cfg = KvCacheConfig::new(1, 4, 8)
+        .kv_heads(2)
+        .max_seqs(3)
+        .max_seq_len(4);
+    let row = cfg.kv_row_len();
+    let mut kv = KvCache::new(&ctx, &cfg).unwrap();
+    let k = DeviceBuffer::from_slice(&ctx, &vec![0.25f32; 5 * row]).unwrap();
+    kv.append_tokens(0, 1, 3, &k.slice(..3 * row), &k.slice(..3 * row))
+        .unwrap();
+    let before = kv.read_to_host(0, 1, 0, 3).unwrap();
+    let unchanged = |kv: &KvCache| {
+        assert_eq!(
+            (0..3)
+                .map(|s| kv.seq_len(0, s).unwrap())
+                .collect::<Vec<_>>(),
+            [0, 3, 0]
+        );
+        assert!(kv.read_to_host(0, 1, 0, 3).unwrap() == before);
+    };
+    // Rows must match the counts exactly; a query-shaped row is named as such.
+    let e = assert_status(
+        kv.append_batch(0, &[0, 2], &[1, 1], &k, &k),
+        Status::InvalidArgument,
+    );
+    assert!(e.message().contains("n_kv_heads × head_dim"), "{e}");
+    let q_rows = DeviceBuffer::from_slice(&ctx, &vec![0.0f32; 2 * cfg.q_row_len()]).unwrap();
+    let e = assert_status(
+        kv.append_token_batch(0, &[0, 2], &q_rows, &q_rows),
+        Status::InvalidArgument,
+    );
+    assert!(e.message().contains("not n_heads"), "{e}");
+    let two = k.slice(..2 * row);
+    assert_status(
+        kv.append_batch(0, &[0, 2], &[1], &two, &two),
+        Status::InvalidArgument,
+    );
+    assert_status(
+        kv.append_batch(0, &[], &[], &two, &two),
+        Status::InvalidArgument,
+    );
+    assert_status(
+        kv.append_token_batch(1, &[0, 2], &two, &two),
+        Status::OutOfRange,
+    );
+    assert_status(
+        kv.append_token_batch(0, &[0, 3], &two, &two),
+        Status::OutOfRange,
+    );
+    // A repeated sequence, or one that would pass max_seq_len, fails the whole batch.
+    let e = assert_status(
+        kv.append_token_batch(0, &[0, 0], &two, &two),
+        Status::InvalidArgument,
+    );
+    assert!(e.message().contains("repeats"), "{e}");
+    let e = assert_status(
+        kv.append_batch(
+            0,
+            &[0, 1],
+            &[1, 2],
+            &k.slice(..3 * row),
+            &k.slice(..3 * row),
+        ),
+        Status::Capacity,
+    );
+    assert!(e.message().contains("seq 1"), "{e}");
+    unchanged(&kv);
+    // Counts of 0 append nothing, with empty buffers.
+    let none = DeviceBuffer::<f32>::zeros(&ctx, 0).unwrap();
+    kv.append_batch(0, &[2, 0], &[0, 0], &none, &none).unwrap();
+    unchanged(&kv);
+    kv.append_batch(0, &[2, 1, 0], &[4, 1, 0], &k, &k).unwrap();
+    assert_eq!(
+        (0..3)
+            .map(|s| kv.seq_len(0, s).unwrap())
+            .collect::<Vec<_>>(),
+        [0, 4, 4]
+    );
+}

@@ -508,6 +508,31 @@ fn cache_moves_between_threads() {
     m.ctx.synchronize().unwrap();
 }
 
+/// Batched appends against single ones and the CPU backend, every format the CUDA backend has,
+/// rotated and protected caches, GQA and MQA.
+fn append_batch_matches_single_appends() {
+    let test = "append_batch_matches_single_appends";
+    let Some(ctx) = gpu_context(test) else { return };
+    let mut rng = Rng::fresh(test);
+    let base = KvCacheConfig::new(2, 32, 128)
+        .kv_heads(8)
+        .max_seqs(6)
+        .max_seq_len(400);
+    for cfg in [
+        base,
+        base.format(KvFormat::Q8).sinks(4).window(16),
+        base.format(KvFormat::Q8).v_format(KvFormat::Q4),
+        base.format(KvFormat::Q4)
+            .kv_heads(1)
+            .rotation(KvRotation::None)
+            .sinks(0)
+            .window(5),
+    ] {
+        common::check_append_batch(&ctx, &mut rng, &cfg);
+    }
+    ctx.synchronize().unwrap();
+}
+
 fn append_row_length_checks() {
     // The GQA mix-up (a query-shaped K row) is an error before any kernel runs.
     let Some(ctx) = gpu_context("append_row_length_checks") else {
@@ -759,6 +784,10 @@ fn main() {
         ),
         ("cache_moves_between_threads", cache_moves_between_threads),
         ("append_row_length_checks", append_row_length_checks),
+        (
+            "append_batch_matches_single_appends",
+            append_batch_matches_single_appends,
+        ),
         #[cfg(feature = "cudarc")]
         ("cudarc_interop", cudarc_interop),
     ];
