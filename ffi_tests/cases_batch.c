@@ -52,7 +52,8 @@ static int snap_take(snapshot *s, m40llm_context *ctx, m40llm_kvcache *c) {
   if (!T_OK(m40llm_kvcache_get_options(&o, c))) return 0;
   s->n_layers = o.n_layers, s->max_seqs = o.max_seqs, s->max_len = o.max_seq_len;
   s->row = (size_t)o.n_kv_heads * (size_t)o.head_dim;
-  const size_t blocks = (size_t)o.n_layers * (size_t)o.max_seqs, block = (size_t)o.max_seq_len * s->row;
+  const size_t blocks = (size_t)o.n_layers * (size_t)o.max_seqs;
+  const size_t block = (size_t)o.max_seq_len * s->row;
   s->len = calloc(blocks, sizeof *s->len);
   s->k = calloc(blocks * block, sizeof *s->k);
   s->v = calloc(blocks * block, sizeof *s->v);
@@ -202,7 +203,8 @@ static int trio_same(trio *t, const char *when) {
 /* Attention over every sequence of layer `layer`: a and b bit-identical, a within 1e-5 of c. */
 static void trio_attention(trio *t, int layer) {
   const int n = t->max_seqs;
-  const size_t qrow = (size_t)t->s.n_heads * (size_t)t->s.d, bytes = (size_t)n * qrow * sizeof(float);
+  const size_t qrow = (size_t)t->s.n_heads * (size_t)t->s.d;
+  const size_t bytes = (size_t)n * qrow * sizeof(float);
   float *q = malloc(bytes), *oa = malloc(bytes), *ob = malloc(bytes), *oc = malloc(bytes);
   double *ref = malloc((size_t)n * qrow * sizeof(double));
   int32_t *ids = malloc((size_t)n * sizeof *ids);

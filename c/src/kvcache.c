@@ -277,7 +277,8 @@ static int run_append(m40llm_kvcache *c, int layer, const m40llm_append_item *it
   rc = m40llm_context_result(c->ctx,
                              c->ctx->ops->append(c, layer, items, n_items, k, v, src_is_f32));
   for (int i = 0; i < n_items && rc == M40LLM_OK; i++) {
-    int *len = m40llm_len_slot(c, layer, items[i].seq), *lo = m40llm_lo_slot(c, layer, items[i].seq);
+    int *len = m40llm_len_slot(c, layer, items[i].seq);
+    int *lo = m40llm_lo_slot(c, layer, items[i].seq);
     *len += items[i].n_tokens;
     if (*lo < *len - c->window) *lo = *len - c->window;
   }
