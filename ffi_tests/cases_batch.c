@@ -5,9 +5,12 @@
  * (stored values bit-identical, attention within 1e-5 of its float64), for every K/V format,
  * rotated and protected caches, GQA, ragged counts (0, 1, 31, 33, 257), batches of more
  * sequences than one CUDA launch takes; and errors part-way through a batch, after which every
- * sequence (lengths, stored values, the protected window) is as it was.
+ * sequence (lengths, stored values, the protected window) is as it was. Append-and-attend
+ * (m40llm_kvcache_append_attn_f32q) against the two calls it stands for, bit for bit, and the
+ * CPU backend.
  */
 #include <limits.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -414,6 +417,142 @@ done:
   m40llm_kvcache_destroy(c);
 }
 
+/* One decode step through m40llm_kvcache_append_attn_f32q on t->a and t->c (the CPU), and as
+ * append_batch + attn_batch on t->b, for ids[0..n): outputs poisoned first; a's bit-identical
+ * to b's and within 1e-5 of c's. On a CPU context the ids are also passed from inside a's out
+ * (they may share memory). Returns whether every call succeeded. */
+static int fused_step(trio *t, int layer, const int32_t *ids, int n) {
+  const size_t row = t->row, qrow = (size_t)t->s.n_heads * (size_t)t->s.d;
+  const size_t kv_bytes = (size_t)n * row * sizeof(float), q_bytes = (size_t)n * qrow * sizeof(float);
+  float *k = malloc(kv_bytes), *v = malloc(kv_bytes), *q = malloc(q_bytes);
+  float *oa = malloc(q_bytes), *ob = malloc(q_bytes), *oc = malloc(q_bytes);
+  double *ref = malloc((size_t)n * qrow * sizeof(double));
+  float *dk = NULL, *dv = NULL, *dq = NULL, *ck = NULL, *cv = NULL, *cq = NULL;
+  float *da = t_dev_alloc(t->ctx, q_bytes), *db = t_dev_alloc(t->ctx, q_bytes);
+  float *dc = t_dev_alloc(t->cpu, q_bytes);
+  int ok = T_CHECK(k && v && q && oa && ob && oc && ref && da && db && dc);
+  if (ok) {
+    t_fill_uniform(k, (size_t)n * row, -2.0f, 2.0f);
+    t_fill_uniform(v, (size_t)n * row, -3.0f, 3.0f);
+    t_fill_uniform(q, (size_t)n * qrow, -1.0f, 1.0f);
+    dk = t_dev_upload(t->ctx, k, kv_bytes), dv = t_dev_upload(t->ctx, v, kv_bytes);
+    dq = t_dev_upload(t->ctx, q, q_bytes);
+    ck = t_dev_upload(t->cpu, k, kv_bytes), cv = t_dev_upload(t->cpu, v, kv_bytes);
+    cq = t_dev_upload(t->cpu, q, q_bytes);
+    ok = dk && dv && dq && ck && cv && cq && T_OK(m40llm_memset(t->ctx, da, 0xFF, q_bytes)) &&
+         T_OK(m40llm_memset(t->ctx, db, 0xFF, q_bytes)) &&
+         T_OK(m40llm_memset(t->cpu, dc, 0xFF, q_bytes));
+  }
+  /* On the CPU backend, out is host memory: the ids may live in it (n ids fit one q row). */
+  const int alias = ok && !backend_is_cuda(t->ctx) && (size_t)n <= qrow;
+  if (alias) memcpy(da, ids, (size_t)n * sizeof *ids);
+  ok = ok &&
+       T_OK(m40llm_kvcache_append_attn_f32q(da, t->a, layer, alias ? (const int32_t *)(void *)da : ids,
+                                            n, dk, dv, dq, 0.0f)) &&
+       T_OK(m40llm_kvcache_append_batch_f32(t->b, layer, ids, NULL, n, dk, dv)) &&
+       T_OK(m40llm_kvcache_attn_batch_f32q(db, t->b, layer, ids, n, dq, 0.0f)) &&
+       T_OK(m40llm_kvcache_append_attn_f32q(dc, t->c, layer, ids, n, ck, cv, cq, 0.0f)) &&
+       t_dev_download(t->ctx, oa, da, q_bytes) && t_dev_download(t->ctx, ob, db, q_bytes) &&
+       t_dev_download(t->cpu, oc, dc, q_bytes);
+  if (ok) {
+    T_CHECKF(memcmp(oa, ob, q_bytes) == 0, "append_attn differs from append_batch + attn_batch");
+    for (size_t i = 0; i < (size_t)n * qrow; i++) ref[i] = oc[i];
+    const double err = t_rel_l2(oa, ref, (size_t)n * qrow);
+    T_CHECKF(err <= 1e-5, "append_attn vs the CPU backend: relative L2 %.3g (bound 1e-5)", err);
+  }
+  m40llm_free(t->ctx, dk), m40llm_free(t->ctx, dv), m40llm_free(t->ctx, dq);
+  m40llm_free(t->ctx, da), m40llm_free(t->ctx, db);
+  m40llm_free(t->cpu, ck), m40llm_free(t->cpu, cv), m40llm_free(t->cpu, cq), m40llm_free(t->cpu, dc);
+  free(k), free(v), free(q), free(oa), free(ob), free(oc), free(ref);
+  return ok;
+}
+
+/* Append-and-attend against the two calls: ragged prompts, then decode steps over shuffled
+ * subsets; and its errors, which write nothing (lengths, contents, out). */
+static void fused_case(m40llm_context *ctx, batch_shape s) {
+  enum { SEQS = 5 };
+  t_set_case("append_attn K %d / V %d, %d/%d heads, head_dim %d, sinks %d, window %d", s.kf,
+             s.vf, s.n_heads, s.n_kv, s.d, s.sinks, s.window);
+  trio t;
+  if (!trio_open(&t, ctx, s, 2, SEQS, 300)) {
+    trio_close(&t);
+    return;
+  }
+  int32_t ids[SEQS] = {0, 1, 2, 3, 4}, prompt[SEQS] = {0, 1, 31, 33, 257};
+  int ok = trio_append(&t, 1, ids, prompt, SEQS, 0);
+  for (int step = 0; ok && step < 12; step++) {
+    shuffle(ids, SEQS);
+    ok = fused_step(&t, 1, ids, t_rand_int(1, SEQS)) && trio_same(&t, "after a fused step");
+  }
+  if (ok) {
+    t_set_case("append_attn error paths");
+    const size_t row = t.row, qrow = (size_t)s.n_heads * (size_t)s.d;
+    float *kv = t_dev_alloc(ctx, 4 * row * sizeof(float));
+    float *q = t_dev_alloc(ctx, 4 * qrow * sizeof(float)), *out = t_dev_alloc(ctx, 4 * qrow * sizeof(float));
+    snapshot before, after;
+    memset(&before, 0, sizeof before);
+    if (kv && q && out && T_OK(m40llm_memset(ctx, kv, 0, 4 * row * sizeof(float))) &&
+        T_OK(m40llm_memset(ctx, q, 0, 4 * qrow * sizeof(float))) &&
+        T_OK(m40llm_memset(ctx, out, 0xFF, 4 * qrow * sizeof(float))) &&
+        snap_take(&before, ctx, t.a)) {
+      const int32_t dup[2] = {1, 1}, bad[2] = {0, 5}, ok_ids[2] = {0, 1};
+      m40llm_kvcache *a = t.a;
+      T_FAIL_WITH(m40llm_kvcache_append_attn_f32q(out, NULL, 1, ok_ids, 2, kv, kv, q, 0.0f),
+                  M40LLM_ERR_INVALID_ARGUMENT, "cache");
+      T_FAIL_WITH(m40llm_kvcache_append_attn_f32q(out, a, 2, ok_ids, 2, kv, kv, q, 0.0f),
+                  M40LLM_ERR_OUT_OF_RANGE, "layer");
+      T_FAIL_WITH(m40llm_kvcache_append_attn_f32q(out, a, 1, dup, 2, kv, kv, q, 0.0f),
+                  M40LLM_ERR_INVALID_ARGUMENT, "repeats");
+      T_FAIL_WITH(m40llm_kvcache_append_attn_f32q(out, a, 1, bad, 2, kv, kv, q, 0.0f),
+                  M40LLM_ERR_OUT_OF_RANGE, "seq_ids[1]");
+      T_FAIL_WITH(m40llm_kvcache_append_attn_f32q(out, a, 1, ok_ids, 0, kv, kv, q, 0.0f),
+                  M40LLM_ERR_INVALID_ARGUMENT, "n_seqs");
+      T_FAIL_WITH(m40llm_kvcache_append_attn_f32q(out, a, 1, NULL, 2, kv, kv, q, 0.0f),
+                  M40LLM_ERR_INVALID_ARGUMENT, "seq_ids");
+      T_FAIL_WITH(m40llm_kvcache_append_attn_f32q(out, a, 1, ok_ids, 2, NULL, kv, q, 0.0f),
+                  M40LLM_ERR_INVALID_ARGUMENT, "k");
+      T_FAIL_WITH(m40llm_kvcache_append_attn_f32q(out, a, 1, ok_ids, 2, kv, kv, NULL, 0.0f),
+                  M40LLM_ERR_INVALID_ARGUMENT, "q");
+      T_FAIL_WITH(m40llm_kvcache_append_attn_f32q(out, a, 1, ok_ids, 2, kv, kv, q, NAN),
+                  M40LLM_ERR_INVALID_ARGUMENT, "scale");
+      T_FAIL_WITH(m40llm_kvcache_append_attn_f32q(out, a, 1, ok_ids, 2, kv, kv, out + qrow, 0.0f),
+                  M40LLM_ERR_INVALID_ARGUMENT, "overlap");
+      T_FAIL_WITH(m40llm_kvcache_append_attn_f32q(NULL, a, 1, ok_ids, 2, kv, kv, q, 0.0f),
+                  M40LLM_ERR_INVALID_ARGUMENT, "out");
+      if (snap_take(&after, ctx, a)) {
+        snap_same(&after, &before, "after the failed append_attn calls");
+        snap_free(&after);
+      }
+      /* capacity: fill seq 4 (257 + steps of 300) to the end; then a batch naming it fails */
+      int len = 0;
+      if (T_OK(m40llm_kvcache_seq_len(&len, a, 1, 4))) {
+        snap_free(&before);
+        const int room = 300 - len;
+        float *fill = t_dev_alloc(ctx, (size_t)room * row * sizeof(float));
+        if (fill && T_OK(m40llm_memset(ctx, fill, 0, (size_t)room * row * sizeof(float))) &&
+            T_OK(m40llm_kvcache_append_f32(a, 1, 4, fill, fill, room)) &&
+            snap_take(&before, ctx, a)) {
+          const int32_t full[3] = {0, 2, 4};
+          T_FAIL_WITH(m40llm_kvcache_append_attn_f32q(out, a, 1, full, 3, kv, kv, q, 0.0f),
+                      M40LLM_ERR_CAPACITY, "seq 4");
+        }
+        m40llm_free(ctx, fill);
+      }
+      float *host = malloc(4 * qrow * sizeof(float));
+      if (T_CHECK(host) && t_dev_download(ctx, host, out, 4 * qrow * sizeof(float)))
+        T_CHECKF(t_all_bytes(host, 4 * qrow * sizeof(float), 0xFF), "a failed append_attn wrote out");
+      free(host);
+      if (before.len && snap_take(&after, ctx, a)) {
+        snap_same(&after, &before, "after the failed append_attn of a full sequence");
+        snap_free(&after);
+      }
+    }
+    snap_free(&before);
+    m40llm_free(ctx, kv), m40llm_free(ctx, q), m40llm_free(ctx, out);
+  }
+  trio_close(&t);
+}
+
 void t_cases_append_batch(m40llm_context *ctx, int small) {
   enum { AUTO = M40LLM_ROTATE_AUTO, NONE = M40LLM_ROTATE_NONE, KV = M40LLM_ROTATE_KV };
   enum { F16 = M40LLM_KV_F16, Q8 = M40LLM_KV_Q8, Q4 = M40LLM_KV_Q4, SAME = M40LLM_KV_SAME };
@@ -430,5 +569,8 @@ void t_cases_append_batch(m40llm_context *ctx, int small) {
   wide_case(ctx, shapes[1]);
   wide_case(ctx, (batch_shape){Q8, SAME, 4, 2, 32, AUTO, 2, 3});
   error_case(ctx);
+  fused_case(ctx, shapes[0]);
+  fused_case(ctx, shapes[2]);
+  fused_case(ctx, shapes[4]);
   t_set_case("");
 }

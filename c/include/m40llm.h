@@ -432,6 +432,22 @@ int m40llm_kvcache_attn_batch_f32q(float *out, m40llm_kvcache *cache, int layer,
                                    const int32_t *seq_ids, int n_seqs, const float *q,
                                    float scale);
 
+/** A decode step of one layer in one call: appends one token to each of n_seqs (>= 1)
+ *  sequences, then attends each sequence's q row over all its positions, the new one included.
+ *  The same as m40llm_kvcache_append_batch_f32(cache, layer, seq_ids, NULL, n_seqs, k, v)
+ *  followed by m40llm_kvcache_attn_batch_f32q(out, cache, layer, seq_ids, n_seqs, q, scale),
+ *  with the same results bit for bit, and the checks of both made before anything is written:
+ *  seq_ids names each sequence once; k and v are [n_seqs][n_kv_heads][head_dim], q and out
+ *  [n_seqs][n_heads][head_dim] (q and out must not overlap; out may overlap k or v, which are
+ *  read first); seq_ids may share memory with out (it is read once, first). No allocation. On
+ *  the CUDA backend it is the append's launch followed by the attention's on the context's
+ *  stream (on sm_90 the attention is launched as a programmatic dependent of the append, its
+ *  launch overlapping the append's end). A failure of the backend's attention (a device
+ *  fault) leaves the tokens appended. */
+int m40llm_kvcache_append_attn_f32q(float *out, m40llm_kvcache *cache, int layer,
+                                    const int32_t *seq_ids, int n_seqs, const float *k,
+                                    const float *v, const float *q, float scale);
+
 #ifdef __cplusplus
 }
 #endif

@@ -135,6 +135,7 @@ static void release(m40llm_kvcache *c) {
   free(c->lo);
   free(c->batch);
   free(c->batch_seen);
+  free(c->batch_ids);
   free(c);
 }
 
@@ -175,11 +176,13 @@ int m40llm_kvcache_create(m40llm_kvcache **out, m40llm_context *ctx,
   c->lo = m40llm_host_calloc((size_t)o.n_layers * (size_t)o.max_seqs, sizeof *c->lo);
   c->batch = m40llm_host_calloc((size_t)o.max_seqs, sizeof *c->batch);
   c->batch_seen = m40llm_host_calloc((size_t)o.max_seqs, sizeof *c->batch_seen);
-  if (!c->lens || !c->lo || !c->batch || !c->batch_seen) {
+  c->batch_ids = m40llm_host_calloc((size_t)o.max_seqs, sizeof *c->batch_ids);
+  if (!c->lens || !c->lo || !c->batch || !c->batch_seen || !c->batch_ids) {
     free(c->lens);
     free(c->lo);
     free(c->batch);
     free(c->batch_seen);
+    free(c->batch_ids);
     free(c);
     return FAIL(OUT_OF_MEMORY, "allocating sequence lengths");
   }
@@ -339,12 +342,12 @@ static int check_batch(const m40llm_kvcache *c, int layer, int n, unsigned long 
   return M40LLM_OK;
 }
 
-static int append_batch(m40llm_kvcache *c, int layer, const int32_t *seq_ids,
-                        const int32_t *n_tokens, int n_seqs, const void *k, const void *v,
-                        int src_is_f32) {
-  if (!c) return FAIL(INVALID_ARGUMENT, "cache is NULL");
-  if (layer < 0 || layer >= c->opts.n_layers)
-    return FAIL(OUT_OF_RANGE, "layer %d is outside 0..%d", layer, c->opts.n_layers - 1);
+/* Reads a batch's ids and counts once into c->batch, checks them and the rows' span, and
+ * leaves there the items of the sequences with tokens (*n_items), positions set. The cache and
+ * layer are checked. */
+static int prepare_batch(m40llm_kvcache *c, int layer, const int32_t *seq_ids,
+                         const int32_t *n_tokens, int n_seqs, const void *k, const void *v,
+                         int src_is_f32, int *n_items) {
   if (!seq_ids) return FAIL(INVALID_ARGUMENT, "seq_ids is NULL");
   if (n_seqs < 1) return FAIL(INVALID_ARGUMENT, "n_seqs is %d, must be >= 1", n_seqs);
   if (n_seqs > c->opts.max_seqs)
@@ -373,14 +376,26 @@ static int append_batch(m40llm_kvcache *c, int layer, const int32_t *seq_ids,
       tokens * row > UINTPTR_MAX - (uintptr_t)v)
     return FAIL(INVALID_ARGUMENT, "%llu token(s) of %llu bytes from k or v pass the end of the "
                 "address space", tokens, row);
-  int n_items = 0;
+  int n = 0;
   for (int i = 0; i < n_seqs; i++) {
     m40llm_append_item it = c->batch[i];
     if (it.n_tokens == 0) continue;
     it.pos = *m40llm_len_slot(c, layer, it.seq);
-    c->batch[n_items++] = it;
+    c->batch[n++] = it;
   }
-  return run_append(c, layer, c->batch, n_items, k, v, src_is_f32);
+  *n_items = n;
+  return M40LLM_OK;
+}
+
+static int append_batch(m40llm_kvcache *c, int layer, const int32_t *seq_ids,
+                        const int32_t *n_tokens, int n_seqs, const void *k, const void *v,
+                        int src_is_f32) {
+  if (!c) return FAIL(INVALID_ARGUMENT, "cache is NULL");
+  if (layer < 0 || layer >= c->opts.n_layers)
+    return FAIL(OUT_OF_RANGE, "layer %d is outside 0..%d", layer, c->opts.n_layers - 1);
+  int n_items = 0;
+  const int rc = prepare_batch(c, layer, seq_ids, n_tokens, n_seqs, k, v, src_is_f32, &n_items);
+  return rc != M40LLM_OK ? rc : run_append(c, layer, c->batch, n_items, k, v, src_is_f32);
 }
 
 int m40llm_kvcache_append_batch_f32(m40llm_kvcache *cache, int layer, const int32_t *seq_ids,
@@ -480,6 +495,24 @@ int m40llm_kvcache_attn_last_token_f32q(float *out, m40llm_kvcache *cache, int l
   if (rc != M40LLM_OK) return rc;
   const int32_t id = seq;
   return m40llm_kvcache_attn_batch_f32q(out, cache, layer, &id, 1, q, scale);
+}
+
+int m40llm_kvcache_append_attn_f32q(float *out, m40llm_kvcache *cache, int layer,
+                                    const int32_t *seq_ids, int n_seqs, const float *k,
+                                    const float *v, const float *q, float scale) {
+  if (!cache) return FAIL(INVALID_ARGUMENT, "cache is NULL");
+  int rc = check_attention(cache, layer, q, out, n_seqs > 0 ? n_seqs : 0, &scale);
+  if (rc != M40LLM_OK) return rc;
+  int n_items = 0;
+  /* Every id is checked and read before the append writes (seq_ids may share memory with out,
+   * which the attention writes): the items keep them in order, one token each. */
+  if ((rc = prepare_batch(cache, layer, seq_ids, NULL, n_seqs, k, v, 1, &n_items)) != M40LLM_OK)
+    return rc;
+  for (int i = 0; i < n_items; i++) cache->batch_ids[i] = cache->batch[i].seq;
+  if ((rc = run_append(cache, layer, cache->batch, n_items, k, v, 1)) != M40LLM_OK) return rc;
+  return m40llm_context_result(cache->ctx, cache->ctx->ops->attention(cache, layer,
+                                                                       cache->batch_ids, n_items,
+                                                                       q, out, scale));
 }
 
 /* ---- For the capacity planner (capacity.c) ---- */
