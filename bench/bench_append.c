@@ -6,8 +6,11 @@
  *          decode loop that calls the library pays (launches included)
  *   graph  the same STEPS steps captured in one CUDA graph, device time of a replay (CUDA
  *          events) per step: the kernels' own cost
- * and each against one sequence's append (target: 64 sequences at most 2x one). Writes the
- * table as JSON. Usage: bench_append [out.json [device]] (default bench_append.json, device 0). */
+ * and each against one sequence's append (target: 64 sequences at most 2x one). Then a decode
+ * step's append and attention (over 128 prefilled positions) as two calls (append_batch +
+ * attn_batch) against m40llm_kvcache_append_attn_f32q, at 1, 8 and 64 sequences (ratio: the
+ * one call against the two). Writes the table as JSON.
+ * Usage: bench_append [out.json [device]] (default bench_append.json, device 0). */
 #define _POSIX_C_SOURCE 199309L
 #include <cuda_runtime_api.h>
 #include <stdio.h>
@@ -42,27 +45,41 @@ static double now_us(void) {
     }                                                                                    \
   } while (0)
 
-/* A step: n_seqs sequences, one token each, in one batched call or n_seqs single calls. */
+/* A step: n_seqs sequences, one token each, in one batched call or n_seqs single calls; and
+ * for the decode-step rows (attend), the attention after it: as its own call (1) or in
+ * m40llm_kvcache_append_attn_f32q (2), over PREFILL + the step's positions. */
 typedef struct {
   const char *name;
-  int n_seqs, batched;
+  int n_seqs, batched, attend;
 } step_kind;
 
+enum { PREFILL = 128 };
 static const step_kind kinds[] = {
-    {"append x1", 1, 0}, {"batch 1", 1, 1}, {"batch 8", 8, 1}, {"batch 64", 64, 1},
-    {"64 x append", 64, 0}};
-enum { KINDS = sizeof kinds / sizeof kinds[0] };
+    {"append x1", 1, 0, 0},        {"batch 1", 1, 1, 0},         {"batch 8", 8, 1, 0},
+    {"batch 64", 64, 1, 0},        {"64 x append", 64, 0, 0},    {"batch+attn 1", 1, 1, 1},
+    {"append_attn 1", 1, 1, 2},    {"batch+attn 8", 8, 1, 1},    {"append_attn 8", 8, 1, 2},
+    {"batch+attn 64", 64, 1, 1},   {"append_attn 64", 64, 1, 2}};
+enum { KINDS = sizeof kinds / sizeof kinds[0], APPEND_KINDS = 5 };
 
 typedef struct {
   m40llm_context *ctx;
   m40llm_kvcache *cache;
-  float *k, *v; /* SEQS tokens of K/V rows, device memory */
+  float *k, *v;    /* SEQS tokens of K/V rows, device memory */
+  float *q, *out;  /* SEQS query rows each */
+  float *prompt;   /* PREFILL tokens of K/V rows */
   int32_t ids[SEQS];
 } bench;
 
 static int step(bench *b, const step_kind *s) {
-  if (s->batched)
-    return m40llm_kvcache_append_batch_f32(b->cache, 0, b->ids, NULL, s->n_seqs, b->k, b->v);
+  if (s->attend == 2)
+    return m40llm_kvcache_append_attn_f32q(b->out, b->cache, 0, b->ids, s->n_seqs, b->k, b->v,
+                                           b->q, 0.0f);
+  if (s->batched) {
+    const int rc =
+        m40llm_kvcache_append_batch_f32(b->cache, 0, b->ids, NULL, s->n_seqs, b->k, b->v);
+    if (rc != M40LLM_OK || !s->attend) return rc;
+    return m40llm_kvcache_attn_batch_f32q(b->out, b->cache, 0, b->ids, s->n_seqs, b->q, 0.0f);
+  }
   const size_t row = (size_t)KV_HEADS * DIM;
   for (int i = 0; i < s->n_seqs; i++) {
     const int rc = m40llm_kvcache_append_f32(b->cache, 0, i, b->k + i * row, b->v + i * row, 1);
@@ -71,8 +88,12 @@ static int step(bench *b, const step_kind *s) {
   return M40LLM_OK;
 }
 
-static double reset_all(bench *b) {
-  for (int i = 0; i < SEQS; i++) CHECK(m40llm_kvcache_seq_reset(b->cache, i));
+/* Empties every sequence; for a decode-step kind, then gives each PREFILL positions. */
+static double reset_all(bench *b, const step_kind *s) {
+  for (int i = 0; i < SEQS; i++) {
+    CHECK(m40llm_kvcache_seq_reset(b->cache, i));
+    if (s->attend) CHECK(m40llm_kvcache_append_f32(b->cache, 0, i, b->prompt, b->prompt, PREFILL));
+  }
   return 0.0;
 }
 
@@ -85,7 +106,7 @@ static int cmp_double(const void *a, const void *b) {
 static double time_eager(bench *b, const step_kind *s) {
   double t[SAMPLES];
   for (int r = 0; r < SAMPLES; r++) {
-    if (reset_all(b) < 0) return -1.0;
+    if (reset_all(b, s) < 0) return -1.0;
     CHECK(m40llm_context_synchronize(b->ctx));
     const double t0 = now_us();
     for (int i = 0; i < STEPS; i++) CHECK(step(b, s));
@@ -102,7 +123,8 @@ static double time_graph(bench *b, const step_kind *s) {
   cudaGraph_t g;
   cudaGraphExec_t ge;
   cudaEvent_t e0, e1;
-  if (reset_all(b) < 0) return -1.0;
+  if (reset_all(b, s) < 0) return -1.0;
+  CHECK(m40llm_context_synchronize(b->ctx));
   CUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeRelaxed));
   for (int i = 0; i < STEPS; i++)
     if (step(b, s) != M40LLM_OK) {
@@ -145,13 +167,18 @@ static int run_format(int device, int fmt, double *eager, double *graph) {
   }
   m40llm_kvcache_options o = M40LLM_KVCACHE_OPTIONS_INIT;
   o.n_layers = 1, o.n_heads = HEADS, o.n_kv_heads = KV_HEADS, o.head_dim = DIM;
-  o.max_seqs = SEQS, o.max_seq_len = 2 * STEPS, o.format = fmt;
+  o.max_seqs = SEQS, o.max_seq_len = PREFILL + STEPS, o.format = fmt;
   const size_t bytes = (size_t)SEQS * KV_HEADS * DIM * sizeof(float);
+  const size_t q_bytes = (size_t)SEQS * HEADS * DIM * sizeof(float);
+  const size_t p_bytes = (size_t)PREFILL * KV_HEADS * DIM * sizeof(float);
   int rc = m40llm_kvcache_create(&b.cache, b.ctx, &o);
-  if (rc == M40LLM_OK) rc = m40llm_malloc((void **)&b.k, b.ctx, bytes);
-  if (rc == M40LLM_OK) rc = m40llm_malloc((void **)&b.v, b.ctx, bytes);
-  if (rc == M40LLM_OK) rc = m40llm_memset(b.ctx, b.k, 0x3c, bytes);
-  if (rc == M40LLM_OK) rc = m40llm_memset(b.ctx, b.v, 0x3b, bytes);
+  /* small values (0x3c3c3c3c is 0.0115 as FP32, 0x3b.. 0.0029): finite scores, any format */
+  float **bufs[5] = {&b.k, &b.v, &b.q, &b.out, &b.prompt};
+  const size_t sizes[5] = {bytes, bytes, q_bytes, q_bytes, p_bytes};
+  for (int i = 0; i < 5 && rc == M40LLM_OK; i++) {
+    rc = m40llm_malloc((void **)bufs[i], b.ctx, sizes[i]);
+    if (rc == M40LLM_OK) rc = m40llm_memset(b.ctx, *bufs[i], i % 2 ? 0x3b : 0x3c, sizes[i]);
+  }
   for (int i = 0; i < SEQS; i++) b.ids[i] = i;
   int failed = rc != M40LLM_OK;
   if (failed) fprintf(stderr, "setup: %s\n", m40llm_last_error_message());
@@ -160,8 +187,7 @@ static int run_format(int device, int fmt, double *eager, double *graph) {
     graph[i] = time_graph(&b, &kinds[i]);
     failed = eager[i] < 0 || graph[i] < 0;
   }
-  m40llm_free(b.ctx, b.k);
-  m40llm_free(b.ctx, b.v);
+  for (int i = 0; i < 5; i++) m40llm_free(b.ctx, *bufs[i]);
   m40llm_kvcache_destroy(b.cache);
   m40llm_context_destroy(b.ctx);
   return failed;
@@ -194,30 +220,36 @@ int main(int argc, char **argv) {
     if (run_format(device, fmts[f], eager[f], graph[f])) return 1;
 
   printf("append of a decode step: %s (sm_%d%d, kernels sm_%d %s), %d/%d heads, head_dim %d, "
-         "1 token a sequence\nus a step (median); x1 = against one append of one sequence\n",
+         "1 token a sequence\nus a step (median); ratio: against one append of one sequence\n",
          prop.name, prop.major, prop.minor, info.kernel_arch, info.native_code ? "SASS" : "PTX JIT",
          HEADS, KV_HEADS, DIM);
-  printf("%-6s %-12s %5s %5s %10s %8s %10s %8s\n", "format", "step", "seqs", "calls", "eager us",
-         "x1", "graph us", "x1");
   FILE *js = fopen(path, "w");
   if (!js) {
     fprintf(stderr, "cannot write %s\n", path);
     return 1;
   }
   fprintf(js, "{\n  \"device\": \"%s\",\n  \"kernel_arch\": %d,\n  \"native_code\": %d,\n"
-          "  \"shape\": {\"n_heads\": %d, \"n_kv_heads\": %d, \"head_dim\": %d},\n  \"rows\": [",
-          prop.name, info.kernel_arch, info.native_code, HEADS, KV_HEADS, DIM);
+          "  \"shape\": {\"n_heads\": %d, \"n_kv_heads\": %d, \"head_dim\": %d, \"prefill\": %d},\n"
+          "  \"rows\": [", prop.name, info.kernel_arch, info.native_code, HEADS, KV_HEADS, DIM,
+          PREFILL);
+  printf("%-6s %-15s %5s %5s %10s %8s %10s %8s\n", "format", "step", "seqs", "calls", "eager us",
+         "ratio", "graph us", "ratio");
   int first = 1;
   for (int f = 0; f < 2; f++) {
     for (int i = 0; i < KINDS; i++) {
       const step_kind *s = &kinds[i];
-      const double re = eager[f][i] / eager[f][0], rg = graph[f][i] / graph[f][0];
-      printf("%-6s %-12s %5d %5d %10.2f %8.2f %10.2f %8.2f\n", fmt_names[f], s->name, s->n_seqs,
-             s->batched ? 1 : s->n_seqs, eager[f][i], re, graph[f][i], rg);
+      const int base = s->attend == 2 ? i - 1 : s->attend == 1 ? i : 0;
+      const double re = eager[f][i] / eager[f][base], rg = graph[f][i] / graph[f][base];
+      const int calls = s->attend == 1 ? 2 : s->batched ? 1 : s->n_seqs;
+      if (i == APPEND_KINDS)
+        printf("%-6s decode step: append + attention over %d+ positions (ratio: against the two "
+               "calls)\n", fmt_names[f], PREFILL);
+      printf("%-6s %-15s %5d %5d %10.2f %8.2f %10.2f %8.2f\n", fmt_names[f], s->name, s->n_seqs,
+             calls, eager[f][i], re, graph[f][i], rg);
       fprintf(js, "%s\n    {\"format\": \"%s\", \"step\": \"%s\", \"seqs\": %d, \"calls\": %d, "
-              "\"eager_us\": %.3f, \"graph_us\": %.3f, \"eager_vs_one\": %.3f, "
-              "\"graph_vs_one\": %.3f}", first ? "" : ",", fmt_names[f], s->name, s->n_seqs,
-              s->batched ? 1 : s->n_seqs, eager[f][i], graph[f][i], re, rg);
+              "\"eager_us\": %.3f, \"graph_us\": %.3f, \"eager_ratio\": %.3f, "
+              "\"graph_ratio\": %.3f}", first ? "" : ",", fmt_names[f], s->name, s->n_seqs, calls,
+              eager[f][i], graph[f][i], re, rg);
       first = 0;
     }
     const int b64 = 3;

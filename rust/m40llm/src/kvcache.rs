@@ -1130,6 +1130,60 @@ impl KvCache {
         })
     }
 
+    /// A decode step of one layer in one call: appends one token to each of `seq_ids` (row `i`
+    /// of `k` and `v`, `[seq_ids.len()][n_kv_heads][head_dim]`, for `seq_ids[i]`), then attends
+    /// row `i` of `q` over every position of `seq_ids[i]`, the new one included, into row `i`
+    /// of `out` (`[seq_ids.len()][n_heads][head_dim]`). The same results, bit for bit, as
+    /// [`append_token_batch`](Self::append_token_batch) followed by
+    /// [`attention_batch`](Self::attention_batch), with the checks of both made before anything
+    /// is written (each sequence named once, capacity, lengths, `q` and `out` apart).
+    ///
+    /// ```
+    /// use m40llm::{Context, DeviceBuffer, KvCache, KvCacheConfig};
+    /// let ctx = Context::cpu()?;
+    /// let cfg = KvCacheConfig::new(1, 2, 4).max_seqs(2).max_seq_len(8);
+    /// let mut kv = KvCache::new(&ctx, &cfg)?;
+    /// let k = DeviceBuffer::from_slice(&ctx, &[0.5f32; 2 * 8])?; // a token for each of 2
+    /// let v = DeviceBuffer::from_slice(&ctx, &[1.0f32; 2 * 8])?;
+    /// let q = DeviceBuffer::from_slice(&ctx, &[0.1f32; 2 * 8])?;
+    /// let mut out = DeviceBuffer::<f32>::zeros(&ctx, 2 * 8)?;
+    /// kv.append_attention_batch(0, &[1, 0], &k, &v, &q, &mut out, None)?;
+    /// assert_eq!((kv.seq_len(0, 0)?, kv.seq_len(0, 1)?), (1, 1));
+    /// assert_eq!(out.to_vec()?, [1.0; 16]); // the one V row of each sequence
+    /// # Ok::<(), m40llm::Error>(())
+    /// ```
+    #[allow(clippy::too_many_arguments)]
+    pub fn append_attention_batch(
+        &mut self,
+        layer: usize,
+        seq_ids: &[usize],
+        k: &impl DeviceRead<f32>,
+        v: &impl DeviceRead<f32>,
+        q: &impl DeviceRead<f32>,
+        out: &mut impl DeviceWrite<f32>,
+        scale: Option<f32>,
+    ) -> Result<()> {
+        let l = self.layer(layer)?;
+        if seq_ids.is_empty() {
+            return Err(Error::invalid("seq_ids is empty"));
+        }
+        let ids = seq_ids
+            .iter()
+            .map(|&s| self.seq("seq id", s))
+            .collect::<Result<Vec<c_int>>>()?;
+        let n = to_c(ids.len(), "seq_ids.len()")?;
+        self.check_rows(ids.len(), k, v)?;
+        self.check_kv_pair(k, v)?;
+        let scale = self.check_attention(ids.len(), q, out, scale)?;
+        let (kp, vp, qp) = (k.device_ptr(), v.device_ptr(), q.device_ptr());
+        let out = out.device_ptr_mut();
+        // SAFETY: ids is a host array of n valid sequence indices; k and v cover n K/V rows, q
+        // and out n query rows each, in this context's memory; q and out don't overlap.
+        self.call(|c| unsafe {
+            sys::m40llm_kvcache_append_attn_f32q(out, c, l, ids.as_ptr(), n, kp, vp, qp, scale)
+        })
+    }
+
     fn check_attention(
         &self,
         rows: usize,

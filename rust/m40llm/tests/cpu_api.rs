@@ -968,3 +968,62 @@ fn append_batch_checks_everything_first() {
         [0, 4, 4]
     );
 }
+
+#[test]
+fn append_attention_batch_matches_the_two_calls() {
+    let ctx = cpu();
+    let mut rng = Rng::fresh("append_attention_batch_matches_the_two_calls");
+    for cfg in [
+        KvCacheConfig::new(1, 8, 32)
+            .kv_heads(2)
+            .max_seqs(4)
+            .max_seq_len(64),
+        KvCacheConfig::new(1, 4, 64)
+            .kv_heads(1)
+            .max_seqs(4)
+            .max_seq_len(64)
+            .format(KvFormat::Q8)
+            .window(3),
+    ] {
+        let mut a = KvCache::new(&ctx, &cfg).unwrap();
+        let mut b = KvCache::new(&ctx, &cfg).unwrap();
+        let (row, qrow) = (cfg.kv_row_len(), cfg.q_row_len());
+        for step in 0..8 {
+            let ids: Vec<usize> = if step % 2 == 0 {
+                vec![2, 0, 3]
+            } else {
+                vec![1, 2]
+            };
+            let n = ids.len();
+            let k = DeviceBuffer::from_slice(&ctx, &rng.normal_vec(n * row, 1.0)).unwrap();
+            let v = DeviceBuffer::from_slice(&ctx, &rng.normal_vec(n * row, 1.0)).unwrap();
+            let q = DeviceBuffer::from_slice(&ctx, &rng.normal_vec(n * qrow, 1.0)).unwrap();
+            let mut oa = DeviceBuffer::<f32>::zeros(&ctx, n * qrow).unwrap();
+            let mut ob = DeviceBuffer::<f32>::zeros(&ctx, n * qrow).unwrap();
+            a.append_attention_batch(0, &ids, &k, &v, &q, &mut oa, None)
+                .unwrap();
+            b.append_token_batch(0, &ids, &k, &v).unwrap();
+            b.attention_batch(0, &ids, &q, &mut ob, None).unwrap();
+            assert!(oa.to_vec().unwrap() == ob.to_vec().unwrap(), "step {step}");
+        }
+        // Checked before anything is written: a repeated id, or a wrong-sized out.
+        let k = DeviceBuffer::from_slice(&ctx, &vec![0.0f32; 2 * row]).unwrap();
+        let q = DeviceBuffer::from_slice(&ctx, &vec![0.0f32; 2 * qrow]).unwrap();
+        let mut out = DeviceBuffer::from_slice(&ctx, &vec![7.0f32; 2 * qrow]).unwrap();
+        let e = assert_status(
+            a.append_attention_batch(0, &[1, 1], &k, &k, &q, &mut out, None),
+            Status::InvalidArgument,
+        );
+        assert!(e.message().contains("repeats"), "{e}");
+        let mut short = DeviceBuffer::from_slice(&ctx, &vec![7.0f32; qrow]).unwrap();
+        assert_status(
+            a.append_attention_batch(0, &[1, 0], &k, &k, &q, &mut short, None),
+            Status::InvalidArgument,
+        );
+        assert_eq!(
+            (0..4).map(|s| a.seq_len(0, s).unwrap()).collect::<Vec<_>>(),
+            [4, 4, 8, 4]
+        );
+        assert!(out.to_vec().unwrap().iter().all(|&x| x == 7.0));
+    }
+}
