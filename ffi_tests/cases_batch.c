@@ -281,7 +281,8 @@ static void trio_close(trio *t) {
  * gets one batch: layers are independent). */
 static void shape_case(m40llm_context *ctx, batch_shape s, int small) {
   enum { SEQS = 6, LAYERS = 2 };
-  const int max_len = 700; /* 257 + 10 rounds of at most 40 */
+  const int rounds = small ? 6 : 10;
+  const int max_len = 257 + 40 * rounds; /* the prefill, then rounds of at most 40 */
   t_set_case("batched append K %d / V %d, %d/%d heads, head_dim %d, rotation %d, sinks %d, "
              "window %d: setup", s.kf, s.vf, s.n_heads, s.n_kv, s.d, s.rotation, s.sinks, s.window);
   trio t;
@@ -290,7 +291,6 @@ static void shape_case(m40llm_context *ctx, batch_shape s, int small) {
     return;
   }
   int32_t ids[SEQS] = {0, 1, 2, 3, 4, 5}, counts[SEQS] = {1, 31, 33, 257, 0, 1};
-  const int rounds = small ? 6 : 10;
   int ok = 1;
   for (int r = 0; ok && r < rounds; r++) {
     t_set_case("batched append K %d / V %d, %d/%d heads, head_dim %d, rotation %d, sinks %d, "
