@@ -417,8 +417,8 @@ extern "C" {
   [n_seqs][n_heads][head_dim] (q and out must not overlap; out may overlap k or v, which are
   read first); seq_ids may share memory with out (it is read once, first). No allocation. On
   the CUDA backend it is the append's launch followed by the attention's on the context's
-  stream (on sm_90 the attention is launched as a programmatic dependent of the append, its
-  launch overlapping the append's end). A failure of the backend's attention (a device
+  stream (with sm_90 code on an sm_90 GPU, the attention is launched as a programmatic
+  dependent of the append, its launch overlapping the append's end). A failure of the backend's attention (a device
   fault) leaves the tokens appended.*/
     pub fn m40llm_kvcache_append_attn_f32q(
         out: *mut f32,
