@@ -1,5 +1,7 @@
-// Appending K/V rows: the caller's [token][kv_head][dim] FP32 or FP16 rows, encoded by the
-// cache's K and V formats into its [kv_head][pos][dim] rows.
+// Appending K/V rows: the caller's [token][kv_head][dim] FP32 or FP16 rows of one or more
+// sequences of a layer (packed in item order), encoded by the cache's K and V formats into its
+// [kv_head][pos][dim] rows. A launch takes up to kAppendMaxItems sequences, described by a table
+// in its arguments: a batch of decode tokens is one launch.
 #include "backend_cuda.h"
 #include "common.cuh"
 #include "kv_format.cuh"
@@ -8,23 +10,57 @@
 
 namespace {
 
-// An F16 cache's rows, element-parallel. P: the cache's KvPair of formats. Each thread takes R elements of one token's K/V head row (R
-// the larger of the formats' encode runs: head_dim is a multiple of it) and encodes them in the
-// formats' runs.
+// Sequences per launch: the table travels as a kernel argument (4 KB of them on sm_52).
+constexpr int kAppendMaxItems = 128;
+
+// Where a launch writes: the layer's rows (its sequence 0), how far apart sequences lie, and the
+// launch's items: item i writes its sequence seq[i] from position pos[i] with the launch's
+// tokens [tok[i], tok[i + 1]) (the caller's rows from the launch's k and v).
+struct AppendDst {
+  SeqRows layer;
+  size_t seq_stride, slot_seq_stride;  // elements
+  int n_items;
+  int seq[kAppendMaxItems], pos[kAppendMaxItems];
+  size_t tok[kAppendMaxItems + 1];
+
+  // The item that token t belongs to.
+  __device__ int item_of(size_t t) const {
+    int lo = 0, hi = n_items - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (tok[mid] <= t) lo = mid; else hi = mid - 1;
+    }
+    return lo;
+  }
+  // Item i's rows: its sequence's, positions [pos[i], pos[i] + its tokens).
+  __device__ SeqRows rows(int i) const {
+    SeqRows at = layer;
+    at.first += (size_t)seq[i] * seq_stride;
+    at.slot_first += (size_t)seq[i] * slot_seq_stride;
+    at.pos = pos[i];
+    at.n_tokens = (int)(tok[i + 1] - tok[i]);
+    return at;
+  }
+};
+
+// An F16 cache's rows, element-parallel. P: the cache's KvPair of formats. Each thread takes R
+// elements of one token's K/V head row (R the larger of the formats' encode runs: head_dim is a
+// multiple of it) and encodes them in the formats' runs.
 template <typename P, typename T>
 __global__ void append_kernel(const T *__restrict__ k, const T *__restrict__ v, KvMutPlanes ck,
-                              KvMutPlanes cv, size_t first, size_t head_stride, size_t runs,
-                              int n_kv_heads, int head_dim) {
+                              KvMutPlanes cv, const AppendDst d, size_t runs) {
   allow_dependent_launch();
   using KF = typename P::K;
   using VF = typename P::V;
   constexpr int R = KF::kEncodeRun > VF::kEncodeRun ? KF::kEncodeRun : VF::kEncodeRun;
+  const int D = d.layer.head_dim, H = d.layer.n_kv_heads;
   for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < runs;
        i += (size_t)gridDim.x * blockDim.x) {
     const size_t e = i * R;  // the run's first element in the caller's rows
-    const size_t d = e % head_dim;
-    const size_t th = e / head_dim;
-    const size_t dst = first + (th % n_kv_heads) * head_stride + (th / n_kv_heads) * head_dim + d;
+    const size_t th = e / D, t = th / H;
+    const int item = d.item_of(t);
+    const SeqRows at = d.rows(item);
+    const size_t dst = at.row((int)(th % H), at.pos + (int)(t - d.tok[item])) + e % D;
     T xk[R], xv[R];
 #pragma unroll
     for (int j = 0; j < R; j++) {
@@ -49,19 +85,19 @@ constexpr int kAppendRowWarps = kAppendThreads / 32;
 struct AppendRows {
   KvMutPlanes k, v;
   __half *k16, *v16;  // the FP16 slots, or null
-  SeqRows at;
   bool rot_k, rot_v;
+  AppendDst d;
 };
 
 template <typename F, typename T>
 __device__ __forceinline__ void append_row(float *x, const T *src, const KvMutPlanes &planes,
                                            __half *slot, size_t dst, bool rotate,
-                                           const AppendRows &r, int lane) {
-  const int D = r.at.head_dim;
+                                           const SeqRows &at, int lane) {
+  const int D = at.head_dim;
   float v[8];  // dims lane + 32 e (head_dim <= 256)
 #pragma unroll
   for (int e = 0; e < 8; e++) v[e] = lane + 32 * e < D ? (float)src[lane + 32 * e] : 0.0f;
-  if (rotate) warp_rotate(v, D, r.at.rot_scale);
+  if (rotate) warp_rotate(v, D, at.rot_scale);
 #pragma unroll
   for (int e = 0; e < 8; e++)
     if (lane + 32 * e < D) x[lane + 32 * e] = v[e];
@@ -77,86 +113,102 @@ __device__ __forceinline__ void append_row(float *x, const T *src, const KvMutPl
   __syncwarp();  // the row is read before the next one is staged
 }
 
+// Four blocks an SM on sm_52 (64 registers), as before batching added the item search.
 template <typename P, typename T>
-__global__ void __launch_bounds__(kAppendThreads)
+__global__ void __launch_bounds__(kAppendThreads, 4)
     append_rows_kernel(const T *__restrict__ k, const T *__restrict__ v, const AppendRows r) {
   allow_dependent_launch();
   __shared__ float stage[kAppendRowWarps][2][256];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const SeqRows &at = r.at;
-  for (int row = blockIdx.x * kAppendRowWarps + warp; row < at.n_tokens * at.n_kv_heads;
-       row += gridDim.x * kAppendRowWarps) {
-    const int h = row % at.n_kv_heads, p = at.pos + row / at.n_kv_heads;
+  const AppendDst &d = r.d;
+  const int H = d.layer.n_kv_heads;
+  const size_t rows = d.tok[d.n_items] * H;
+  for (size_t row = blockIdx.x * (size_t)kAppendRowWarps + warp; row < rows;
+       row += (size_t)gridDim.x * kAppendRowWarps) {
+    const size_t t = row / H;
+    const int item = d.item_of(t);
+    const SeqRows at = d.rows(item);
+    const int h = (int)(row % H), p = at.pos + (int)(t - d.tok[item]);
     const size_t dst = at.row(h, p);
     // The positions kept in FP16: sinks, and the window as it stands after this append.
     const bool kept = r.k16 && (p < at.n_sinks || p >= at.pos + at.n_tokens - at.window);
     const size_t slot = kept ? at.slot(h, p) : 0;
-    const size_t src = (size_t)row * at.head_dim;
+    const size_t src = row * at.head_dim;
     append_row<typename P::K>(stage[warp][0], k + src, r.k, kept ? r.k16 + slot : nullptr, dst,
-                              r.rot_k, r, lane);
+                              r.rot_k, at, lane);
     append_row<typename P::V>(stage[warp][1], v + src, r.v, kept ? r.v16 + slot : nullptr, dst,
-                              r.rot_v, r, lane);
+                              r.rot_v, at, lane);
   }
 }
 
-}  // namespace
+unsigned grid_for(size_t units, int per_block) {
+  const size_t want = (units + per_block - 1) / per_block;
+  return (unsigned)(want < kAppendMaxBlocks ? want : kAppendMaxBlocks);
+}
 
-namespace {
-
-template <typename P>
-int append_rows(const m40llm_kvcache *c, int layer, int seq, int pos, const void *k,
-                const void *v, int n_tokens, int src_is_f32, P) {
-  const m40llm_kvcache_options *o = &c->opts;
-  AppendRows r;
-  r.k = kv_mut_planes(c->k);
-  r.v = kv_mut_planes(c->v);
-  r.k16 = reinterpret_cast<__half *>(c->k.fp16);
-  r.v16 = reinterpret_cast<__half *>(c->v.fp16);
-  r.at = seq_rows(c, layer, seq, pos, n_tokens);
-  r.rot_k = c->k.rotated;
-  r.rot_v = c->v.rotated;
-  const size_t want = ((size_t)n_tokens * o->n_kv_heads + kAppendRowWarps - 1) / kAppendRowWarps;
-  const unsigned blocks = (unsigned)(want < kAppendMaxBlocks ? want : kAppendMaxBlocks);
+// One launch over d's items, from the launch's rows k and v.
+template <typename P, typename T>
+int launch(const m40llm_kvcache *c, const AppendDst &d, const T *k, const T *v) {
   cudaStream_t s = cuda_state(c->ctx)->stream;
-  if (src_is_f32)
-    append_rows_kernel<P, float><<<blocks, kAppendThreads, 0, s>>>(
-        static_cast<const float *>(k), static_cast<const float *>(v), r);
-  else
-    append_rows_kernel<P, __half><<<blocks, kAppendThreads, 0, s>>>(
-        static_cast<const __half *>(k), static_cast<const __half *>(v), r);
-  M40LLM_CUDA_CHECK_LAUNCH("append_rows_kernel");
+  const size_t tokens = d.tok[d.n_items];
+  if constexpr (P::K::kScaled || P::V::kScaled) {
+    AppendRows r;
+    r.k = kv_mut_planes(c->k);
+    r.v = kv_mut_planes(c->v);
+    r.k16 = reinterpret_cast<__half *>(c->k.fp16);
+    r.v16 = reinterpret_cast<__half *>(c->v.fp16);
+    r.rot_k = c->k.rotated;
+    r.rot_v = c->v.rotated;
+    r.d = d;
+    append_rows_kernel<P, T><<<grid_for(tokens * d.layer.n_kv_heads, kAppendRowWarps),
+                               kAppendThreads, 0, s>>>(k, v, r);
+    M40LLM_CUDA_CHECK_LAUNCH("append_rows_kernel");
+  } else {
+    constexpr int R = P::K::kEncodeRun > P::V::kEncodeRun ? P::K::kEncodeRun : P::V::kEncodeRun;
+    const size_t runs = tokens * d.layer.n_kv_heads * d.layer.head_dim / R;
+    append_kernel<P, T><<<grid_for(runs, kAppendThreads), kAppendThreads, 0, s>>>(
+        k, v, kv_mut_planes(c->k), kv_mut_planes(c->v), d, runs);
+    M40LLM_CUDA_CHECK_LAUNCH("append_kernel");
+  }
+  return M40LLM_OK;
+}
+
+template <typename P, typename T>
+int append_items(const m40llm_kvcache *c, int layer, const m40llm_append_item *items,
+                 int n_items, const T *k, const T *v) {
+  const m40llm_kvcache_options *o = &c->opts;
+  AppendDst d;
+  d.layer = seq_rows(c, layer, 0, 0, 0);
+  d.seq_stride = m40llm_kv_row(o, 0, 1, 0, 0) * o->head_dim;
+  d.slot_seq_stride = m40llm_kv_protected_row(o, c->slots, 0, 1, 0, 0) * o->head_dim;
+  const size_t row = (size_t)o->n_kv_heads * o->head_dim;  // elements of a token
+  for (int first = 0; first < n_items; first += kAppendMaxItems) {
+    d.n_items = n_items - first < kAppendMaxItems ? n_items - first : kAppendMaxItems;
+    d.tok[0] = 0;
+    for (int i = 0; i < d.n_items; i++) {
+      d.seq[i] = items[first + i].seq;
+      d.pos[i] = items[first + i].pos;
+      d.tok[i + 1] = d.tok[i] + (size_t)items[first + i].n_tokens;
+    }
+    const int rc = launch<P>(c, d, k, v);
+    if (rc != M40LLM_OK) return rc;
+    k += d.tok[d.n_items] * row;
+    v += d.tok[d.n_items] * row;
+  }
   return M40LLM_OK;
 }
 
 }  // namespace
 
-int m40llm_cuda_append(const m40llm_kvcache *c, int layer, int seq, int pos, const void *k,
-                       const void *v, int n_tokens, int src_is_f32) {
+int m40llm_cuda_append(const m40llm_kvcache *c, int layer, const m40llm_append_item *items,
+                       int n_items, const void *k, const void *v, int src_is_f32) {
   M40LLM_CUDA_ENTER(c->ctx);
-  const m40llm_kvcache_options *o = &c->opts;
   return with_kv_pair(c->k.layout.fmt->format, c->v.layout.fmt->format, [&](auto pair) -> int {
     using P = decltype(pair);
-    if constexpr (P::K::kScaled || P::V::kScaled) {
-      return append_rows(c, layer, seq, pos, k, v, n_tokens, src_is_f32, P{});
-    } else {
-      constexpr int R = P::K::kEncodeRun > P::V::kEncodeRun ? P::K::kEncodeRun : P::V::kEncodeRun;
-      const size_t runs = (size_t)n_tokens * o->n_kv_heads * o->head_dim / R;
-      const size_t first = m40llm_kv_row(o, layer, seq, 0, pos) * o->head_dim;
-      const size_t head_stride = (size_t)o->max_seq_len * o->head_dim;
-      const size_t want = (runs + kAppendThreads - 1) / kAppendThreads;
-      const unsigned blocks = (unsigned)(want < kAppendMaxBlocks ? want : kAppendMaxBlocks);
-      const KvMutPlanes ck = kv_mut_planes(c->k), cv = kv_mut_planes(c->v);
-      cudaStream_t s = cuda_state(c->ctx)->stream;
-      if (src_is_f32)
-        append_kernel<P, float><<<blocks, kAppendThreads, 0, s>>>(
-            static_cast<const float *>(k), static_cast<const float *>(v), ck, cv, first,
-            head_stride, runs, o->n_kv_heads, o->head_dim);
-      else
-        append_kernel<P, __half><<<blocks, kAppendThreads, 0, s>>>(
-            static_cast<const __half *>(k), static_cast<const __half *>(v), ck, cv, first,
-            head_stride, runs, o->n_kv_heads, o->head_dim);
-      M40LLM_CUDA_CHECK_LAUNCH("append_kernel");
-      return M40LLM_OK;
-    }
+    if (src_is_f32)
+      return append_items<P>(c, layer, items, n_items, static_cast<const float *>(k),
+                             static_cast<const float *>(v));
+    return append_items<P>(c, layer, items, n_items, static_cast<const __half *>(k),
+                           static_cast<const __half *>(v));
   });
 }

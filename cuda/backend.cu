@@ -271,15 +271,15 @@ int cuda_fork(const m40llm_kvcache *c, int dst_seq, int src_seq) {
 }
 
 // The kernels' entry points behind the pointer-kind checks.
-int cuda_append(const m40llm_kvcache *c, int layer, int seq, int pos, const void *k,
-                const void *v, int n_tokens, int src_is_f32) {
+int cuda_append(const m40llm_kvcache *c, int layer, const m40llm_append_item *items,
+                int n_items, const void *k, const void *v, int src_is_f32) {
   M40LLM_CUDA_ENTER(c->ctx);
   m40llm_cuda_state *st = cuda_state(c->ctx);
   int rc;
   if ((rc = m40llm_cuda_check_pointer(st, k, "k")) != M40LLM_OK ||
       (rc = m40llm_cuda_check_pointer(st, v, "v")) != M40LLM_OK)
     return rc;
-  return m40llm_cuda_append(c, layer, seq, pos, k, v, n_tokens, src_is_f32);
+  return m40llm_cuda_append(c, layer, items, n_items, k, v, src_is_f32);
 }
 
 int cuda_attention(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, int n_seqs,

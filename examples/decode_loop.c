@@ -4,9 +4,10 @@
  *   decode_loop [steps] [auto|cuda|cpu]
  *
  * A 4-layer model with 8 query heads sharing 2 KV heads (GQA), head_dim 64, serving 4 sequences
- * whose prompts have different lengths. After the prompts are appended, each decode step goes
- * through the layers: every sequence appends its new token's K and V (FP32, rounded to FP16 by the
- * library), then one batched attention call computes all sequences' outputs for that layer.
+ * whose prompts have different lengths. The prompts go in with one batched append per layer
+ * (ragged counts); then each decode step goes through the layers: one batched append stores
+ * every sequence's new token's K and V (FP32, rounded to FP16 by the library), then one batched
+ * attention call computes all sequences' outputs for that layer.
  * Uses the GPU when one is present (backend auto), else the CPU backend.
  */
 #define _POSIX_C_SOURCE 200809L
@@ -92,7 +93,7 @@ int main(int argc, char **argv) {
     }
   }
 
-  const int prompt[N_SEQS] = {37, 5, 120, 1};
+  const int32_t prompt[N_SEQS] = {37, 5, 120, 1};
   int max_prompt = 0;
   for (int s = 0; s < N_SEQS; s++) max_prompt = prompt[s] > max_prompt ? prompt[s] : max_prompt;
 
@@ -139,24 +140,22 @@ int main(int argc, char **argv) {
   host_out = malloc((size_t)N_SEQS * q_row * sizeof(float));
   if (!host_out) goto cleanup;
 
-  /* Prefill: each sequence's prompt, in every layer, as one append per (layer, sequence). */
-  for (int l = 0; l < N_LAYERS; l++)
-    for (int s = 0; s < N_SEQS; s++)
-      CHECK(m40llm_kvcache_append_f32(cache, l, s, k_pool + (size_t)s * kv_row,
-                                      v_pool + (size_t)s * kv_row, prompt[s]));
-
   int32_t seq_ids[N_SEQS];
   for (int s = 0; s < N_SEQS; s++) seq_ids[s] = s;
+
+  /* Prefill: every sequence's prompt in one call per layer, the prompts' rows packed in order
+   * (the pool's first rows; their sum fits its max_prompt + POOL rows). */
+  for (int l = 0; l < N_LAYERS; l++)
+    CHECK(m40llm_kvcache_append_batch_f32(cache, l, seq_ids, prompt, N_SEQS, k_pool, v_pool));
 
   CHECK(m40llm_context_synchronize(ctx));
   const double t0 = now_seconds();
   for (int t = 0; t < steps; t++) {
     for (int l = 0; l < N_LAYERS; l++) {
-      for (int s = 0; s < N_SEQS; s++) {
-        const size_t row = (size_t)((t * N_SEQS + s + l) % POOL);
-        CHECK(m40llm_kvcache_append_f32(cache, l, s, k_pool + row * kv_row,
-                                        v_pool + row * kv_row, 1));
-      }
+      /* one token for each sequence (counts NULL), rows row .. row + N_SEQS - 1 */
+      const size_t row = (size_t)((t * N_SEQS + l) % POOL);
+      CHECK(m40llm_kvcache_append_batch_f32(cache, l, seq_ids, NULL, N_SEQS,
+                                            k_pool + row * kv_row, v_pool + row * kv_row));
       const size_t qr = (size_t)((t + l) % POOL);
       CHECK(m40llm_kvcache_attn_batch_f32q(out, cache, l, seq_ids, N_SEQS, q_pool + qr * q_row,
                                            0.0f));
@@ -170,8 +169,9 @@ int main(int argc, char **argv) {
     for (int s = 0; s < N_SEQS; s++) {
       int len = -1;
       CHECK(m40llm_kvcache_seq_len(&len, cache, l, s));
-      if (len != prompt[s] + steps) {
-        fprintf(stderr, "layer %d seq %d: length %d, expected %d\n", l, s, len, prompt[s] + steps);
+      if (len != (int)prompt[s] + steps) {
+        fprintf(stderr, "layer %d seq %d: length %d, expected %d\n", l, s, len,
+                (int)prompt[s] + steps);
         goto cleanup;
       }
     }
@@ -188,10 +188,10 @@ int main(int argc, char **argv) {
 
   printf("ran: %d layers, %d sequences (prompts %d, %d, %d, %d), %d query heads / %d KV heads, "
          "head_dim %d, KV cache %.1f MiB\n",
-         N_LAYERS, N_SEQS, prompt[0], prompt[1], prompt[2], prompt[3], N_HEADS, N_KV_HEADS,
-         HEAD_DIM, (double)cache_bytes / 1048576.0);
-  printf("%d decode steps x %d layers: %d appends + %d batched attention calls\n", steps,
-         N_LAYERS, steps * N_LAYERS * N_SEQS, steps * N_LAYERS);
+         N_LAYERS, N_SEQS, (int)prompt[0], (int)prompt[1], (int)prompt[2], (int)prompt[3],
+         N_HEADS, N_KV_HEADS, HEAD_DIM, (double)cache_bytes / 1048576.0);
+  printf("%d decode steps x %d layers: %d batched appends + %d batched attention calls\n",
+         steps, N_LAYERS, steps * N_LAYERS, steps * N_LAYERS);
   printf("%d tokens in %.4f s: %.1f tokens/s (%.3f ms per step, all sequences), checksum %.6g\n",
          steps * N_SEQS, seconds, (double)(steps * N_SEQS) / seconds, 1e3 * seconds / steps,
          checksum);

@@ -71,6 +71,52 @@ static void test_ids_alias_out_managed(void) {
 #endif
 
 #ifdef T_HAVE_CUDART
+/* m40llm_kvcache_append_attn_f32q with its seq_ids in (managed) out: the ids as passed, the
+ * same output as append_batch + attn_batch on a twin cache. */
+static void test_append_attn_ids_alias_out_managed(void) {
+  t_kv a, b;
+  t_set_case("append_attn: seq_ids share (managed) memory with out");
+  if (t_kv_create(&a, dev, 1, 8, 2, 32, 3, 64) != M40LLM_OK) return;
+  if (t_kv_create(&b, dev, 1, 8, 2, 32, 3, 64) != M40LLM_OK) {
+    t_kv_destroy(&a);
+    return;
+  }
+  t_kv *const both[2] = {&a, &b};
+  int st[2];
+  for (int s = 0; s < 3; s++) {
+    t_kv_append_same_random(both, st, 2, 0, s, 5 + 17 * s, 1.0f, 1);
+    T_OK(st[0]);
+    T_OK(st[1]);
+  }
+  const int32_t ids[3] = {2, 0, 1};
+  const size_t qrow = 8 * 32, kvrow = 2 * 32, bytes = 3 * qrow * sizeof(float);
+  float *q = random_q(3 * qrow), *kv = random_q(3 * kvrow);
+  float *got = malloc(bytes), *want = malloc(bytes);
+  float *out = NULL, *dq = NULL, *dkv = NULL, *ob = t_dev_alloc(dev, bytes);
+  if (q && kv && got && want && ob &&
+      T_CHECK(cudaMallocManaged((void **)&out, bytes, cudaMemAttachGlobal) == cudaSuccess)) {
+    dq = t_dev_upload(dev, q, bytes);
+    dkv = t_dev_upload(dev, kv, 3 * kvrow * sizeof(float));
+    memcpy(out, ids, sizeof ids);
+    if (dq && dkv &&
+        T_OK(m40llm_kvcache_append_attn_f32q(out, a.cache, 0, (const int32_t *)out, 3, dkv, dkv,
+                                             dq, 0.0f)) &&
+        T_OK(m40llm_kvcache_append_batch_f32(b.cache, 0, ids, NULL, 3, dkv, dkv)) &&
+        T_OK(m40llm_kvcache_attn_batch_f32q(ob, b.cache, 0, ids, 3, dq, 0.0f)) &&
+        T_OK(m40llm_context_synchronize(dev)) && t_dev_download(dev, got, out, bytes) &&
+        t_dev_download(dev, want, ob, bytes))
+      T_CHECKF(memcmp(got, want, bytes) == 0,
+               "append_attn with ids in out differs from the two calls");
+  }
+  if (out) cudaFree(out);
+  m40llm_free(dev, dq);
+  m40llm_free(dev, dkv);
+  m40llm_free(dev, ob);
+  free(q), free(kv), free(got), free(want);
+  t_kv_destroy(&a);
+  t_kv_destroy(&b);
+}
+
 /* Host pointers where the kernels need device memory are refused, naming the argument, before
  * anything is queued: the context stays usable. Pinned host memory mapped into the device's
  * address space and managed memory are accepted. */
@@ -776,6 +822,7 @@ int main(void) {
 #ifdef T_HAVE_CUDART
     test_user_stream();
     test_ids_alias_out_managed();
+    test_append_attn_ids_alias_out_managed();
     test_pointer_kinds();
 #endif
     test_pointer_checks_off();
@@ -785,6 +832,7 @@ int main(void) {
   t_cases_fp16_rounding(dev);
   t_cases_attention_basic(dev);
   t_cases_quantized(dev, small);
+  t_cases_append_batch(dev, small);
   t_cases_attention_masked(dev);
   test_shape_sweep();
   test_head_dim_sweep();

@@ -158,6 +158,10 @@ void t_cases_fp16_rounding(m40llm_context *ctx);
 /* Q8/Q4 and K/V format pairs (cases_quant.c); small: shorter sequences. */
 void t_cases_quantized(m40llm_context *ctx, int small);
 
+/* Batched append against single appends and the CPU backend, and its errors (cases_batch.c);
+ * small: fewer rounds. */
+void t_cases_append_batch(m40llm_context *ctx, int small);
+
 /* Positions whose K holds -inf (weight 0), first, last, at tile starts, whole splits, all. */
 void t_cases_attention_masked(m40llm_context *ctx);
 

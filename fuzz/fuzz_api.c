@@ -101,7 +101,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   static float kf[LEN + 2][ROW], vf[LEN + 2][ROW], q[SEQS + 2][HEADS * D], out[SEQS + 2][HEADS * D];
   static uint16_t kh[LEN + 2][ROW], vh[LEN + 2][ROW], rk[LEN + 2][ROW], rv[LEN + 2][ROW];
   while (in.n > 0) {
-    const int op = take(&in) % 8;
+    const int op = take(&in) % 9;
     const int layer = take(&in) % (LAYERS + 2) - 1, seq = take(&in) % (SEQS + 2) - 1;
     const int a = take(&in) % (LEN + 3) - 1; /* -1 .. LEN + 1 */
     switch (op) {
@@ -183,6 +183,39 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         if (want == M40LLM_OK ? len != model_len[layer][seq] : len != -7) {
           fprintf(stderr, "fuzz_api: seq_len %d, model %d\n", len, model_len[layer][seq]);
           abort();
+        }
+        break;
+      }
+      case 8: { /* batched append: n ids (some out of range or repeated), counts -1..3 */
+        const int n = a < 0 ? -1 : a > SEQS + 2 ? SEQS + 2 : a;
+        int32_t ids[SEQS + 2], counts[SEQS + 2];
+        int want = !layer_ok(layer) ? M40LLM_ERR_OUT_OF_RANGE
+                   : n < 1 || n > SEQS ? M40LLM_ERR_INVALID_ARGUMENT
+                                       : M40LLM_OK;
+        int total = 0, named[SEQS] = {0};
+        for (int i = 0; i < (n > 0 ? n : 0); i++) {
+          ids[i] = take(&in) % (SEQS + 1);
+          counts[i] = take(&in) % 5 - 1;
+          if (want != M40LLM_OK) continue;
+          if (!seq_ok(ids[i])) want = M40LLM_ERR_OUT_OF_RANGE;
+          else if (named[ids[i]]++) want = M40LLM_ERR_INVALID_ARGUMENT;
+          else if (counts[i] < 0) want = M40LLM_ERR_INVALID_ARGUMENT;
+          else if (model_len[layer][ids[i]] + counts[i] > LEN) want = M40LLM_ERR_CAPACITY;
+          else total += counts[i];
+        }
+        for (int t = 0; t < total; t++)
+          for (int i = 0; i < ROW; i++) {
+            kh[t][i] = half_of(value_of(take(&in)));
+            vh[t][i] = half_of(value_of(take(&in)));
+          }
+        EXPECT("append_batch",
+               m40llm_kvcache_append_batch_f16(c, layer, ids, counts, n, &kh[0][0], &vh[0][0]),
+               want);
+        for (int i = 0, t = 0; want == M40LLM_OK && i < n; t += counts[i++]) {
+          int *len = &model_len[layer][ids[i]];
+          memcpy(model_k[layer][ids[i]][*len], kh[t], (size_t)counts[i] * sizeof kh[0]);
+          memcpy(model_v[layer][ids[i]][*len], vh[t], (size_t)counts[i] * sizeof vh[0]);
+          *len += counts[i];
         }
         break;
       }

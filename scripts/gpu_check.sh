@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine (the device tool), from the repository root, after
-# scripts/build_carry.sh here. Steps (default: all): native ptx52 rust sanitize bench
+# scripts/build_carry.sh here. Steps (default: all): native ptx52 rust sanitize bench append
 #   native    build with the machine's CUDA for its GPU (e.g. sm_90) and run ctest
 #   ptx52     run the carried compute_52-PTX C tests: the M40 code path through the JIT
 #   rust      run the carried Rust test binaries
 #   sanitize  compute-sanitizer memcheck and racecheck over the GPU tests (small shapes), the
 #             native build and the carried compute_52-PTX one
 #   bench     bench/run_gpu.sh: m40llm vs PyTorch SDPA vs the copy roofline
+#   append    bench_append (a decode step's append, batched vs one call per sequence), native
+#             and compute_52-PTX builds: tables in append.log, JSON in $OUT/append_*.json
 #   formats   bench/formats.sh: F16, Q8, Q4, Q8Q4 side by side, native and compute_52-PTX builds
 #   ab        bench/ab.sh: the previous main (.ab/base, carried) against this tree, native, and
 #             the carried compute_52-PTX benchmarks (.ab/bins/base, .gpu-carry/bench52)
@@ -15,7 +17,7 @@ set -uo pipefail
 out=${OUT:-$PWD/gpu-out}
 mkdir -p "$out"
 export M40LLM_REQUIRE_GPU=1
-steps=${*:-native ptx52 rust sanitize bench}
+steps=${*:-native ptx52 rust sanitize bench append}
 arch=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -n1 | tr -d .)
 declare -A result
 
@@ -67,6 +69,12 @@ sanitize() {  # needs build-native (the native step); each run gets SANITIZE_TIM
   return $rc
 }
 
+append_bench() {  # needs build-native (the native step)
+  [ -x build-native/bench/bench_append ] || native || return 1
+  build-native/bench/bench_append "$out/append_native.json" &&
+    .gpu-carry/bench52/bench_append "$out/append_ptx52.json"
+}
+
 formats() {  # needs build-native (the native step)
   [ -x build-native/bench/bench_attention ] || native || return 1
   bash bench/formats.sh build-native/bench/bench_attention "$out/formats_native" &&
@@ -92,6 +100,7 @@ for s in $steps; do
     rust) run_step rust bash .gpu-carry/rust/run_all.sh ;;
     sanitize) run_step sanitize sanitize ;;
     bench) run_step bench bash bench/run_gpu.sh "$out" ;;
+    append) run_step append append_bench ;;
     formats) run_step formats formats ;;
     ab) run_step ab ab ;;
     *) echo "unknown step $s"; exit 2 ;;

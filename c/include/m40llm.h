@@ -332,6 +332,27 @@ int m40llm_kvcache_append_f32(m40llm_kvcache *cache, int layer, int seq, const f
  *  their FP32 values. */
 int m40llm_kvcache_append_f16(m40llm_kvcache *cache, int layer, int seq, const uint16_t *k,
                               const uint16_t *v, int n_tokens);
+/** Appends to n_seqs (>= 1) sequences of one layer in one call: a decode step's new K/V for a
+ *  whole batch, or a ragged prefill. seq_ids and n_tokens are host arrays of n_seqs entries:
+ *  sequence seq_ids[i] gets n_tokens[i] (>= 0; 0 leaves it as it is) new positions; n_tokens
+ *  NULL means one token each. k and v are [total][n_kv_heads][head_dim] FP32 in backend memory,
+ *  total the sum of the counts: seq_ids[0]'s rows first, then seq_ids[1]'s, and so on (NULL
+ *  only where the total is 0: a batch of no tokens checks its ids and writes nothing). A batch
+ *  names each sequence once (a repeated id fails with M40LLM_ERR_INVALID_ARGUMENT), so n_seqs
+ *  <= max_seqs. Every id, count and length is checked before anything is written: one sequence
+ *  that would pass max_seq_len fails the whole call with M40LLM_ERR_CAPACITY, and no sequence
+ *  changes (nor on any other error). Each sequence then holds exactly what
+ *  m40llm_kvcache_append_f32 of its rows would store, bit for bit. The library reads seq_ids
+ *  and n_tokens once, into the cache's own copy (no allocation). On the CUDA backend it is one
+ *  kernel launch for every 128 sequences with tokens. */
+int m40llm_kvcache_append_batch_f32(m40llm_kvcache *cache, int layer, const int32_t *seq_ids,
+                                    const int32_t *n_tokens, int n_seqs, const float *k,
+                                    const float *v);
+/** As m40llm_kvcache_append_batch_f32 with FP16 rows (stored as m40llm_kvcache_append_f16
+ *  stores them). */
+int m40llm_kvcache_append_batch_f16(m40llm_kvcache *cache, int layer, const int32_t *seq_ids,
+                                    const int32_t *n_tokens, int n_seqs, const uint16_t *k,
+                                    const uint16_t *v);
 /** Copies positions [pos, pos + n_tokens) of (layer, seq) out as FP16 into k_out and v_out
  *  (Q8 and Q4: what attention reads: the dequantized values, or a protected position's FP16
  *  copy, rotated back where the tensor is rotated, rounded to FP16),
@@ -410,6 +431,22 @@ int m40llm_kvcache_attn_last_token_f32q(float *out, m40llm_kvcache *cache, int l
 int m40llm_kvcache_attn_batch_f32q(float *out, m40llm_kvcache *cache, int layer,
                                    const int32_t *seq_ids, int n_seqs, const float *q,
                                    float scale);
+
+/** A decode step of one layer in one call: appends one token to each of n_seqs (>= 1)
+ *  sequences, then attends each sequence's q row over all its positions, the new one included.
+ *  The same as m40llm_kvcache_append_batch_f32(cache, layer, seq_ids, NULL, n_seqs, k, v)
+ *  followed by m40llm_kvcache_attn_batch_f32q(out, cache, layer, seq_ids, n_seqs, q, scale),
+ *  with the same results bit for bit, and the checks of both made before anything is written:
+ *  seq_ids names each sequence once; k and v are [n_seqs][n_kv_heads][head_dim], q and out
+ *  [n_seqs][n_heads][head_dim] (q and out must not overlap; out may overlap k or v, which are
+ *  read first); seq_ids may share memory with out (it is read once, first). No allocation. On
+ *  the CUDA backend it is the append's launch followed by the attention's on the context's
+ *  stream (with sm_90 code on an sm_90 GPU, the attention is launched as a programmatic
+ *  dependent of the append, its launch overlapping the append's end). A failure of the backend's attention (a device
+ *  fault) leaves the tokens appended. */
+int m40llm_kvcache_append_attn_f32q(float *out, m40llm_kvcache *cache, int layer,
+                                    const int32_t *seq_ids, int n_seqs, const float *k,
+                                    const float *v, const float *q, float scale);
 
 #ifdef __cplusplus
 }

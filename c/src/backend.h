@@ -17,6 +17,11 @@ extern "C" {
 
 enum { M40LLM_COPY_H2D, M40LLM_COPY_D2H, M40LLM_COPY_D2D };
 
+/* One sequence's share of an append (the backends' append op). */
+typedef struct m40llm_append_item {
+  int32_t seq, pos, n_tokens;
+} m40llm_append_item;
+
 typedef struct m40llm_backend_ops {
   int kind; /* m40llm_backend */
   /* Devices this backend can open (0: none, which is not an error). */
@@ -39,12 +44,13 @@ typedef struct m40llm_backend_ops {
   int (*check_cache)(const m40llm_kvcache_options *opts);
   /* A new cache's planes are allocated: reserve what its calls need so they never allocate. */
   int (*cache_created)(m40llm_kvcache *c);
-  /* Writes positions [pos, pos + n_tokens) of (layer, seq) from [n_tokens][n_kv_heads][dim]
-   * FP32 (src_is_f32) or FP16 rows, rotated where the tensor is; a quantized tensor's FP16
-   * slots get the positions p < c->n_sinks and p >= pos + n_tokens - c->window (the window
-   * after this append). */
-  int (*append)(const m40llm_kvcache *c, int layer, int seq, int pos, const void *k,
-                const void *v, int n_tokens, int src_is_f32);
+  /* Writes, for each item, positions [pos, pos + n_tokens) of (layer, seq) from
+   * [n_tokens][n_kv_heads][dim] FP32 (src_is_f32) or FP16 rows of k and v, the items' rows
+   * packed in item order, rotated where the tensor is; a quantized tensor's FP16 slots get the
+   * positions p < c->n_sinks and p >= pos + n_tokens - c->window (the window after this
+   * append). Items name distinct sequences, each n_tokens >= 1; n_items >= 1. */
+  int (*append)(const m40llm_kvcache *c, int layer, const m40llm_append_item *items,
+                int n_items, const void *k, const void *v, int src_is_f32);
   int (*read_f16)(const m40llm_kvcache *c, uint16_t *k_out, uint16_t *v_out, int layer,
                   int seq, int pos, int n_tokens);
   /* Copies src_seq's stored positions of every layer to dst_seq (lengths are the caller's). */

@@ -98,25 +98,39 @@ static void append_row(const m40llm_kvcache *c, const m40llm_kv_tensor *x, size_
     for (int i = 0; i < d; i++) x->fp16[protected_row * (size_t)d + i] = m40llm_f32_to_f16(f[i]);
 }
 
-static int cpu_append(const m40llm_kvcache *c, int layer, int seq, int pos, const void *k,
-                      const void *v, int n_tokens, int src_is_f32) {
+/* One item's rows: positions [pos, pos + n_tokens) of (layer, seq) from src rows k and v. */
+static void append_item(const m40llm_kvcache *c, int layer, const m40llm_append_item *it,
+                        const unsigned char *k, const unsigned char *v, int src_is_f32) {
   const m40llm_kvcache_options *o = &c->opts;
   const size_t d = (size_t)o->head_dim, elem = src_is_f32 ? sizeof(float) : sizeof(uint16_t);
   const m40llm_kv_tensor *tensors[2] = {&c->k, &c->v};
   const unsigned char *srcs[2] = {k, v};
-  for (int t = 0; t < n_tokens; t++) {
-    const int p = pos + t;
-    const int kept = c->slots > 0 && (p < c->n_sinks || p >= pos + n_tokens - c->window);
+  const int end = it->pos + it->n_tokens;
+  for (int t = 0; t < it->n_tokens; t++) {
+    const int p = it->pos + t;
+    const int kept = c->slots > 0 && (p < c->n_sinks || p >= end - c->window);
     for (int h = 0; h < o->n_kv_heads; h++) {
       const size_t src = ((size_t)t * (size_t)o->n_kv_heads + (size_t)h) * d * elem;
       const size_t prow =
-          kept ? m40llm_kv_protected_row(o, c->slots, layer, seq, h,
+          kept ? m40llm_kv_protected_row(o, c->slots, layer, it->seq, h,
                                          m40llm_kv_protected_slot(c->n_sinks, c->window, p))
                : SIZE_MAX;
       for (int i = 0; i < 2; i++)
-        append_row(c, tensors[i], m40llm_kv_row(o, layer, seq, h, p), srcs[i] + src, src_is_f32,
-                   prow);
+        append_row(c, tensors[i], m40llm_kv_row(o, layer, it->seq, h, p), srcs[i] + src,
+                   src_is_f32, prow);
     }
+  }
+}
+
+static int cpu_append(const m40llm_kvcache *c, int layer, const m40llm_append_item *items,
+                      int n_items, const void *k, const void *v, int src_is_f32) {
+  const size_t row = (size_t)c->opts.n_kv_heads * (size_t)c->opts.head_dim *
+                     (src_is_f32 ? sizeof(float) : sizeof(uint16_t));
+  size_t off = 0;
+  for (int i = 0; i < n_items; i++) {
+    append_item(c, layer, &items[i], (const unsigned char *)k + off,
+                (const unsigned char *)v + off, src_is_f32);
+    off += (size_t)items[i].n_tokens * row;
   }
   return M40LLM_OK;
 }

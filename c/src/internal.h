@@ -39,6 +39,13 @@ struct m40llm_kvcache {
   /* [layer][seq]: positions from max(lo, n_sinks) to the length have their FP16 copy in the
    * ring (the window's; appends raise it, truncation lowers it). */
   int *lo;
+  /* A batched append's scratch, max_seqs entries each (ids cannot repeat, so a batch has at
+   * most max_seqs): the caller's ids and counts copied as items, for each sequence 1 + the
+   * batch index that named it (0: none; all 0 between calls), and append-and-attend's ids for
+   * the attention. Allocated with the cache so that appends never allocate. */
+  m40llm_append_item *batch;
+  int *batch_seen;
+  int32_t *batch_ids;
 };
 
 /* The caller's options of any known version as the current version (later fields defaulted);

@@ -133,6 +133,9 @@ static void release(m40llm_kvcache *c) {
   }
   free(c->lens);
   free(c->lo);
+  free(c->batch);
+  free(c->batch_seen);
+  free(c->batch_ids);
   free(c);
 }
 
@@ -171,9 +174,15 @@ int m40llm_kvcache_create(m40llm_kvcache **out, m40llm_context *ctx,
   c->slots = c->n_sinks + c->window;
   c->lens = m40llm_host_calloc((size_t)o.n_layers * (size_t)o.max_seqs, sizeof *c->lens);
   c->lo = m40llm_host_calloc((size_t)o.n_layers * (size_t)o.max_seqs, sizeof *c->lo);
-  if (!c->lens || !c->lo) {
+  c->batch = m40llm_host_calloc((size_t)o.max_seqs, sizeof *c->batch);
+  c->batch_seen = m40llm_host_calloc((size_t)o.max_seqs, sizeof *c->batch_seen);
+  c->batch_ids = m40llm_host_calloc((size_t)o.max_seqs, sizeof *c->batch_ids);
+  if (!c->lens || !c->lo || !c->batch || !c->batch_seen || !c->batch_ids) {
     free(c->lens);
     free(c->lo);
+    free(c->batch);
+    free(c->batch_seen);
+    free(c->batch_ids);
     free(c);
     return FAIL(OUT_OF_MEMORY, "allocating sequence lengths");
   }
@@ -262,6 +271,23 @@ int m40llm_kvcache_seq_fork(m40llm_kvcache *cache, int dst_seq, int src_seq) {
   return M40LLM_OK;
 }
 
+/* The backend's append of checked items (distinct sequences, each n_tokens >= 1, capacity
+ * checked), then their lengths and window starts. */
+static int run_append(m40llm_kvcache *c, int layer, const m40llm_append_item *items, int n_items,
+                      const void *k, const void *v, int src_is_f32) {
+  int rc = m40llm_context_check(c->ctx);
+  if (rc != M40LLM_OK || n_items == 0) return rc;
+  rc = m40llm_context_result(c->ctx,
+                             c->ctx->ops->append(c, layer, items, n_items, k, v, src_is_f32));
+  for (int i = 0; i < n_items && rc == M40LLM_OK; i++) {
+    int *len = m40llm_len_slot(c, layer, items[i].seq);
+    int *lo = m40llm_lo_slot(c, layer, items[i].seq);
+    *len += items[i].n_tokens;
+    if (*lo < *len - c->window) *lo = *len - c->window;
+  }
+  return rc;
+}
+
 static int append(m40llm_kvcache *c, int layer, int seq, const void *k, const void *v,
                   int n_tokens, int src_is_f32) {
   if (!c) return FAIL(INVALID_ARGUMENT, "cache is NULL");
@@ -270,19 +296,12 @@ static int append(m40llm_kvcache *c, int layer, int seq, const void *k, const vo
   if (!k) return FAIL(INVALID_ARGUMENT, "k is NULL");
   if (!v) return FAIL(INVALID_ARGUMENT, "v is NULL");
   if (n_tokens < 1) return FAIL(INVALID_ARGUMENT, "n_tokens is %d, must be >= 1", n_tokens);
-  int *len = m40llm_len_slot(c, layer, seq);
-  if ((long long)*len + n_tokens > c->opts.max_seq_len)
+  const int len = *m40llm_len_slot(c, layer, seq);
+  if ((long long)len + n_tokens > c->opts.max_seq_len)
     return FAIL(CAPACITY, "appending %d token(s) to layer %d seq %d (length %d) passes max_seq_len %d",
-                n_tokens, layer, seq, *len, c->opts.max_seq_len);
-  if ((rc = m40llm_context_check(c->ctx)) != M40LLM_OK) return rc;
-  rc = m40llm_context_result(c->ctx,
-                             c->ctx->ops->append(c, layer, seq, *len, k, v, n_tokens, src_is_f32));
-  if (rc == M40LLM_OK) {
-    int *lo = m40llm_lo_slot(c, layer, seq);
-    *len += n_tokens;
-    if (*lo < *len - c->window) *lo = *len - c->window;
-  }
-  return rc;
+                n_tokens, layer, seq, len, c->opts.max_seq_len);
+  const m40llm_append_item item = {seq, len, n_tokens};
+  return run_append(c, layer, &item, 1, k, v, src_is_f32);
 }
 
 int m40llm_kvcache_append_f32(m40llm_kvcache *cache, int layer, int seq, const float *k,
@@ -293,6 +312,102 @@ int m40llm_kvcache_append_f32(m40llm_kvcache *cache, int layer, int seq, const f
 int m40llm_kvcache_append_f16(m40llm_kvcache *cache, int layer, int seq, const uint16_t *k,
                               const uint16_t *v, int n_tokens) {
   return append(cache, layer, seq, k, v, n_tokens, 0);
+}
+
+/* Checks the batch copied into c->batch (n entries: the caller's ids and counts) and adds up
+ * its tokens; marks each id in c->batch_seen, which the caller clears. */
+static int check_batch(const m40llm_kvcache *c, int layer, int n, unsigned long long *out_tokens) {
+  unsigned long long tokens = 0;
+  for (int i = 0; i < n; i++) {
+    const m40llm_append_item *it = &c->batch[i];
+    if (it->seq < 0 || it->seq >= c->opts.max_seqs)
+      return FAIL(OUT_OF_RANGE, "seq_ids[%d] = %d is outside 0..%d", i, (int)it->seq,
+                  c->opts.max_seqs - 1);
+    int *seen = &c->batch_seen[it->seq];
+    if (*seen)
+      return FAIL(INVALID_ARGUMENT, "seq_ids[%d] = %d repeats seq_ids[%d]: a batch names each "
+                  "sequence once", i, (int)it->seq, *seen - 1);
+    *seen = i + 1;
+    if (it->n_tokens < 0)
+      return FAIL(INVALID_ARGUMENT, "n_tokens[%d] is %d, must be >= 0", i, (int)it->n_tokens);
+    const int len = *m40llm_len_slot(c, layer, it->seq);
+    if ((long long)len + it->n_tokens > c->opts.max_seq_len)
+      return FAIL(CAPACITY,
+                  "appending %d token(s) to layer %d seq %d (seq_ids[%d], length %d) passes "
+                  "max_seq_len %d: nothing was appended to any sequence",
+                  (int)it->n_tokens, layer, (int)it->seq, i, len, c->opts.max_seq_len);
+    tokens += (unsigned long long)it->n_tokens;
+  }
+  *out_tokens = tokens;
+  return M40LLM_OK;
+}
+
+/* Reads a batch's ids and counts once into c->batch, checks them and the rows' span, and
+ * leaves there the items of the sequences with tokens (*n_items), positions set. The cache and
+ * layer are checked. */
+static int prepare_batch(m40llm_kvcache *c, int layer, const int32_t *seq_ids,
+                         const int32_t *n_tokens, int n_seqs, const void *k, const void *v,
+                         int src_is_f32, int *n_items) {
+  if (!seq_ids) return FAIL(INVALID_ARGUMENT, "seq_ids is NULL");
+  if (n_seqs < 1) return FAIL(INVALID_ARGUMENT, "n_seqs is %d, must be >= 1", n_seqs);
+  if (n_seqs > c->opts.max_seqs)
+    return FAIL(INVALID_ARGUMENT,
+                "n_seqs %d is more than max_seqs %d: a batch names each sequence once", n_seqs,
+                c->opts.max_seqs);
+  /* The ids and counts are read once, here, into the cache's scratch, which is then the only
+   * copy checked and used. */
+  for (int i = 0; i < n_seqs; i++) {
+    c->batch[i].seq = seq_ids[i];
+    c->batch[i].n_tokens = n_tokens ? n_tokens[i] : 1;
+  }
+  unsigned long long tokens = 0;
+  int rc = check_batch(c, layer, n_seqs, &tokens);
+  for (int i = 0; i < n_seqs; i++) /* only ids in range were marked */
+    if (c->batch[i].seq >= 0 && c->batch[i].seq < c->opts.max_seqs)
+      c->batch_seen[c->batch[i].seq] = 0;
+  if (rc != M40LLM_OK) return rc;
+  if (tokens > 0 && !k) return FAIL(INVALID_ARGUMENT, "k is NULL");
+  if (tokens > 0 && !v) return FAIL(INVALID_ARGUMENT, "v is NULL");
+  /* The rows must lie in the address space from where k and v start. */
+  const unsigned long long row = (unsigned long long)c->opts.n_kv_heads *
+                                 (unsigned long long)c->opts.head_dim *
+                                 (src_is_f32 ? sizeof(float) : sizeof(uint16_t));
+  if (tokens > UINTPTR_MAX / row || tokens * row > UINTPTR_MAX - (uintptr_t)k ||
+      tokens * row > UINTPTR_MAX - (uintptr_t)v)
+    return FAIL(INVALID_ARGUMENT, "%llu token(s) of %llu bytes from k or v pass the end of the "
+                "address space", tokens, row);
+  int n = 0;
+  for (int i = 0; i < n_seqs; i++) {
+    m40llm_append_item it = c->batch[i];
+    if (it.n_tokens == 0) continue;
+    it.pos = *m40llm_len_slot(c, layer, it.seq);
+    c->batch[n++] = it;
+  }
+  *n_items = n;
+  return M40LLM_OK;
+}
+
+static int append_batch(m40llm_kvcache *c, int layer, const int32_t *seq_ids,
+                        const int32_t *n_tokens, int n_seqs, const void *k, const void *v,
+                        int src_is_f32) {
+  if (!c) return FAIL(INVALID_ARGUMENT, "cache is NULL");
+  if (layer < 0 || layer >= c->opts.n_layers)
+    return FAIL(OUT_OF_RANGE, "layer %d is outside 0..%d", layer, c->opts.n_layers - 1);
+  int n_items = 0;
+  const int rc = prepare_batch(c, layer, seq_ids, n_tokens, n_seqs, k, v, src_is_f32, &n_items);
+  return rc != M40LLM_OK ? rc : run_append(c, layer, c->batch, n_items, k, v, src_is_f32);
+}
+
+int m40llm_kvcache_append_batch_f32(m40llm_kvcache *cache, int layer, const int32_t *seq_ids,
+                                    const int32_t *n_tokens, int n_seqs, const float *k,
+                                    const float *v) {
+  return append_batch(cache, layer, seq_ids, n_tokens, n_seqs, k, v, 1);
+}
+
+int m40llm_kvcache_append_batch_f16(m40llm_kvcache *cache, int layer, const int32_t *seq_ids,
+                                    const int32_t *n_tokens, int n_seqs, const uint16_t *k,
+                                    const uint16_t *v) {
+  return append_batch(cache, layer, seq_ids, n_tokens, n_seqs, k, v, 0);
 }
 
 int m40llm_kvcache_read_f16(uint16_t *k_out, uint16_t *v_out, const m40llm_kvcache *cache,
@@ -380,6 +495,24 @@ int m40llm_kvcache_attn_last_token_f32q(float *out, m40llm_kvcache *cache, int l
   if (rc != M40LLM_OK) return rc;
   const int32_t id = seq;
   return m40llm_kvcache_attn_batch_f32q(out, cache, layer, &id, 1, q, scale);
+}
+
+int m40llm_kvcache_append_attn_f32q(float *out, m40llm_kvcache *cache, int layer,
+                                    const int32_t *seq_ids, int n_seqs, const float *k,
+                                    const float *v, const float *q, float scale) {
+  if (!cache) return FAIL(INVALID_ARGUMENT, "cache is NULL");
+  int rc = check_attention(cache, layer, q, out, n_seqs > 0 ? n_seqs : 0, &scale);
+  if (rc != M40LLM_OK) return rc;
+  int n_items = 0;
+  /* Every id is checked and read before the append writes (seq_ids may share memory with out,
+   * which the attention writes): the items keep them in order, one token each. */
+  if ((rc = prepare_batch(cache, layer, seq_ids, NULL, n_seqs, k, v, 1, &n_items)) != M40LLM_OK)
+    return rc;
+  for (int i = 0; i < n_items; i++) cache->batch_ids[i] = cache->batch[i].seq;
+  if ((rc = run_append(cache, layer, cache->batch, n_items, k, v, 1)) != M40LLM_OK) return rc;
+  return m40llm_context_result(cache->ctx, cache->ctx->ops->attention(cache, layer,
+                                                                       cache->batch_ids, n_items,
+                                                                       q, out, scale));
 }
 
 /* ---- For the capacity planner (capacity.c) ---- */

@@ -1,5 +1,5 @@
 //! A decode loop shaped like a small decoder: for every step, every layer appends one token of
-//! K/V per sequence and runs batched attention over all sequences; the attention output of one
+//! K/V to each sequence (one batched call) and runs batched attention over all sequences; the attention output of one
 //! layer becomes the query of the next (a stand-in for the layer's other work). Prints the
 //! device and the decode throughput. The prompt is appended on the main thread and the decode
 //! loop runs on a worker thread that owns the context, the cache and the buffers (they are
@@ -130,15 +130,16 @@ fn main() -> Result<()> {
     let mut kv = KvCache::new(&ctx, &cfg)?;
     let (kv_row, q_row) = (cfg.kv_row_len(), cfg.q_row_len());
 
-    // Prefill: the whole prompt of every sequence in one append per (layer, sequence).
+    let ids: Vec<usize> = (0..seqs).collect();
+
+    // Prefill: the whole prompt of every sequence in one batched append per layer.
     let t0 = Instant::now();
     if prompt > 0 {
-        let k = DeviceBuffer::from_slice(&ctx, &filler(prompt * kv_row, 1))?;
-        let v = DeviceBuffer::from_slice(&ctx, &filler(prompt * kv_row, 2))?;
+        let k = DeviceBuffer::from_slice(&ctx, &filler(seqs * prompt * kv_row, 1))?;
+        let v = DeviceBuffer::from_slice(&ctx, &filler(seqs * prompt * kv_row, 2))?;
+        let counts = vec![prompt; seqs];
         for layer in 0..layers {
-            for seq in 0..seqs {
-                kv.append_tokens(layer, seq, prompt, &k, &v)?;
-            }
+            kv.append_batch(layer, &ids, &counts, &k, &v)?;
         }
     }
     ctx.synchronize()?;
@@ -149,17 +150,14 @@ fn main() -> Result<()> {
     let v_new = DeviceBuffer::from_slice(&ctx, &filler(seqs * kv_row, 4))?;
     let mut q = DeviceBuffer::from_slice(&ctx, &filler(seqs * q_row, 5))?;
     let mut out = DeviceBuffer::<f32>::zeros(&ctx, seqs * q_row)?;
-    let ids: Vec<usize> = (0..seqs).collect();
 
     // Decode on a worker thread that takes ownership of everything it uses.
     let worker = std::thread::spawn(move || -> Result<_> {
         let t1 = Instant::now();
         for _step in 0..steps {
             for layer in 0..layers {
-                for seq in 0..seqs {
-                    let rows = seq * kv_row..(seq + 1) * kv_row;
-                    kv.append_token(layer, seq, &k_new.slice(rows.clone()), &v_new.slice(rows))?;
-                }
+                // One call stores every sequence's new token (row i for ids[i]).
+                kv.append_token_batch(layer, &ids, &k_new, &v_new)?;
                 kv.attention_batch(layer, &ids, &q, &mut out, None)?;
                 q.copy_from_device(&out)?;
             }

@@ -419,6 +419,24 @@ pub trait KvInput: Element {
         v: *const Self,
         n_tokens: c_int,
     ) -> c_int;
+
+    /// Calls the library's batched append for this element type (used by
+    /// [`KvCache::append_batch`]).
+    ///
+    /// # Safety
+    /// `cache` must be a live cache handle; `seq_ids` and `n_tokens` (or null) host arrays of
+    /// `n_seqs` entries; `k` and `v` must each point to the rows those counts add up to, in the
+    /// backend memory of the cache's context.
+    #[doc(hidden)]
+    unsafe fn append_batch_raw(
+        cache: *mut sys::m40llm_kvcache,
+        layer: c_int,
+        seq_ids: *const i32,
+        n_tokens: *const i32,
+        n_seqs: c_int,
+        k: *const Self,
+        v: *const Self,
+    ) -> c_int;
 }
 
 impl KvInput for f32 {
@@ -431,6 +449,18 @@ impl KvInput for f32 {
         n_tokens: c_int,
     ) -> c_int {
         sys::m40llm_kvcache_append_f32(cache, layer, seq, k, v, n_tokens)
+    }
+
+    unsafe fn append_batch_raw(
+        cache: *mut sys::m40llm_kvcache,
+        layer: c_int,
+        seq_ids: *const i32,
+        n_tokens: *const i32,
+        n_seqs: c_int,
+        k: *const f32,
+        v: *const f32,
+    ) -> c_int {
+        sys::m40llm_kvcache_append_batch_f32(cache, layer, seq_ids, n_tokens, n_seqs, k, v)
     }
 }
 
@@ -446,6 +476,27 @@ impl KvInput for f16 {
         // f16 is #[repr(transparent)] over u16 (its bit pattern).
         sys::m40llm_kvcache_append_f16(cache, layer, seq, k.cast(), v.cast(), n_tokens)
     }
+
+    unsafe fn append_batch_raw(
+        cache: *mut sys::m40llm_kvcache,
+        layer: c_int,
+        seq_ids: *const i32,
+        n_tokens: *const i32,
+        n_seqs: c_int,
+        k: *const f16,
+        v: *const f16,
+    ) -> c_int {
+        // f16 is #[repr(transparent)] over u16 (its bit pattern).
+        sys::m40llm_kvcache_append_batch_f16(
+            cache,
+            layer,
+            seq_ids,
+            n_tokens,
+            n_seqs,
+            k.cast(),
+            v.cast(),
+        )
+    }
 }
 
 impl KvInput for u16 {
@@ -458,6 +509,18 @@ impl KvInput for u16 {
         n_tokens: c_int,
     ) -> c_int {
         sys::m40llm_kvcache_append_f16(cache, layer, seq, k, v, n_tokens)
+    }
+
+    unsafe fn append_batch_raw(
+        cache: *mut sys::m40llm_kvcache,
+        layer: c_int,
+        seq_ids: *const i32,
+        n_tokens: *const i32,
+        n_seqs: c_int,
+        k: *const u16,
+        v: *const u16,
+    ) -> c_int {
+        sys::m40llm_kvcache_append_batch_f16(cache, layer, seq_ids, n_tokens, n_seqs, k, v)
     }
 }
 
@@ -696,13 +759,131 @@ impl KvCache {
         k: &impl DeviceRead<T>,
         v: &impl DeviceRead<T>,
     ) -> Result<()> {
-        let cfg = &self.config;
-        let row = cfg.kv_row_len();
         if n_tokens == 0 {
             return Err(Error::invalid("n_tokens must be >= 1"));
         }
+        self.check_rows(n_tokens, k, v)?;
+        self.check_kv_pair(k, v)?;
+        self.append_raw(layer, seq, n_tokens, k, v)
+    }
+
+    /// Appends one token to `(layer, seq)`: [`append_tokens`](Self::append_tokens) with
+    /// `n_tokens = 1`, so `k` and `v` must each hold exactly `n_kv_heads × head_dim` elements
+    /// (the usual decode step).
+    pub fn append_token<T: KvInput>(
+        &mut self,
+        layer: usize,
+        seq: usize,
+        k: &impl DeviceRead<T>,
+        v: &impl DeviceRead<T>,
+    ) -> Result<()> {
+        self.append_tokens(layer, seq, 1, k, v)
+    }
+
+    /// Appends to several sequences of one layer in one call (on the GPU, one kernel launch
+    /// for every 128 sequences): sequence `seq_ids[i]` gets `n_tokens[i]` new positions (0
+    /// leaves it as it is). `k` and `v` hold the rows of all of them,
+    /// `[Σ n_tokens][n_kv_heads][head_dim]`, those of `seq_ids[0]` first, and must each have
+    /// exactly that many elements (checked as [`append_tokens`](Self::append_tokens) checks
+    /// them). A batch names each sequence once. Everything is checked before anything is
+    /// written: if one sequence would pass `max_seq_len` the call fails with
+    /// [`Status::Capacity`](crate::Status) and no sequence changes. Each sequence then holds
+    /// exactly what [`append_tokens`](Self::append_tokens) of its rows would store.
+    ///
+    /// ```
+    /// use m40llm::{Context, DeviceBuffer, KvCache, KvCacheConfig, Status};
+    /// let ctx = Context::cpu()?;
+    /// let cfg = KvCacheConfig::new(1, 2, 4).max_seqs(3).max_seq_len(8);
+    /// let mut kv = KvCache::new(&ctx, &cfg)?;
+    /// // 2 tokens for sequence 2, then 1 for sequence 0: 3 rows of n_kv_heads × head_dim = 8.
+    /// let k = DeviceBuffer::from_slice(&ctx, &[0.5f32; 3 * 8])?;
+    /// kv.append_batch(0, &[2, 0], &[2, 1], &k, &k)?;
+    /// assert_eq!((kv.seq_len(0, 0)?, kv.seq_len(0, 2)?), (1, 2));
+    /// // A sequence named twice is refused, and nothing is written.
+    /// let e = kv.append_batch(0, &[1, 1], &[2, 1], &k, &k).unwrap_err();
+    /// assert_eq!(e.status(), Status::InvalidArgument);
+    /// assert_eq!(kv.seq_len(0, 1)?, 0);
+    /// # Ok::<(), m40llm::Error>(())
+    /// ```
+    pub fn append_batch<T: KvInput>(
+        &mut self,
+        layer: usize,
+        seq_ids: &[usize],
+        n_tokens: &[usize],
+        k: &impl DeviceRead<T>,
+        v: &impl DeviceRead<T>,
+    ) -> Result<()> {
+        if n_tokens.len() != seq_ids.len() {
+            return Err(Error::invalid(format!(
+                "seq_ids has {} entries but n_tokens has {}",
+                seq_ids.len(),
+                n_tokens.len()
+            )));
+        }
+        let counts = n_tokens
+            .iter()
+            .map(|&n| to_c(n, "n_tokens[i]"))
+            .collect::<Result<Vec<c_int>>>()?;
+        let total = n_tokens
+            .iter()
+            .try_fold(0usize, |a, &n| a.checked_add(n))
+            .ok_or_else(|| Error::invalid("the token counts add up past usize"))?;
+        self.append_batch_raw(layer, seq_ids, Some(&counts), total, k, v)
+    }
+
+    /// A decode step's append: one token to each of `seq_ids` (the usual batch of a step) in
+    /// one call. `k` and `v` are `[seq_ids.len()][n_kv_heads][head_dim]`, row `i` belonging to
+    /// `seq_ids[i]`. As [`append_batch`](Self::append_batch) with every count 1.
+    pub fn append_token_batch<T: KvInput>(
+        &mut self,
+        layer: usize,
+        seq_ids: &[usize],
+        k: &impl DeviceRead<T>,
+        v: &impl DeviceRead<T>,
+    ) -> Result<()> {
+        self.append_batch_raw(layer, seq_ids, None, seq_ids.len(), k, v)
+    }
+
+    /// The library's batched append, after checking the ids' range, the rows' length against
+    /// `total` tokens and the buffers' context (counts `None`: one token each).
+    fn append_batch_raw<T: KvInput>(
+        &mut self,
+        layer: usize,
+        seq_ids: &[usize],
+        counts: Option<&[c_int]>,
+        total: usize,
+        k: &impl DeviceRead<T>,
+        v: &impl DeviceRead<T>,
+    ) -> Result<()> {
+        let l = self.layer(layer)?;
+        if seq_ids.is_empty() {
+            return Err(Error::invalid("seq_ids is empty"));
+        }
+        let ids = seq_ids
+            .iter()
+            .map(|&s| self.seq("seq id", s))
+            .collect::<Result<Vec<c_int>>>()?;
+        let n = to_c(ids.len(), "seq_ids.len()")?;
+        self.check_rows(total, k, v)?;
+        self.check_kv_pair(k, v)?;
+        let counts = counts.map_or(ptr::null(), <[c_int]>::as_ptr);
+        let (kp, vp) = (k.device_ptr(), v.device_ptr());
+        // SAFETY: ids and counts (or null) are host arrays of n entries; k and v each cover the
+        // `total` rows the counts add up to, in backend memory of this cache's context.
+        self.call(|c| unsafe { T::append_batch_raw(c, l, ids.as_ptr(), counts, n, kp, vp) })
+    }
+
+    /// `k` and `v` hold exactly `n_tokens` K/V rows; the message names `n_kv_heads × head_dim`
+    /// (and the GQA mix-up, when a buffer has `n_heads × head_dim` a token).
+    fn check_rows<T: KvInput>(
+        &self,
+        n_tokens: usize,
+        k: &impl DeviceRead<T>,
+        v: &impl DeviceRead<T>,
+    ) -> Result<()> {
+        let cfg = &self.config;
         let want = n_tokens
-            .checked_mul(row)
+            .checked_mul(cfg.kv_row_len())
             .ok_or_else(|| Error::invalid(format!("n_tokens = {n_tokens} is too large")))?;
         for (what, got) in [("k", k.len()), ("v", v.len())] {
             if got != want {
@@ -723,21 +904,7 @@ impl KvCache {
                 return Err(Error::invalid(msg));
             }
         }
-        self.check_kv_pair(k, v)?;
-        self.append_raw(layer, seq, n_tokens, k, v)
-    }
-
-    /// Appends one token to `(layer, seq)`: [`append_tokens`](Self::append_tokens) with
-    /// `n_tokens = 1`, so `k` and `v` must each hold exactly `n_kv_heads × head_dim` elements
-    /// (the usual decode step).
-    pub fn append_token<T: KvInput>(
-        &mut self,
-        layer: usize,
-        seq: usize,
-        k: &impl DeviceRead<T>,
-        v: &impl DeviceRead<T>,
-    ) -> Result<()> {
-        self.append_tokens(layer, seq, 1, k, v)
+        Ok(())
     }
 
     /// Same context, same length.
@@ -960,6 +1127,60 @@ impl KvCache {
         let out = out.device_ptr_mut();
         self.call(|c| unsafe {
             sys::m40llm_kvcache_attn_batch_f32q(out, c, l, ids.as_ptr(), n, q.device_ptr(), scale)
+        })
+    }
+
+    /// A decode step of one layer in one call: appends one token to each of `seq_ids` (row `i`
+    /// of `k` and `v`, `[seq_ids.len()][n_kv_heads][head_dim]`, for `seq_ids[i]`), then attends
+    /// row `i` of `q` over every position of `seq_ids[i]`, the new one included, into row `i`
+    /// of `out` (`[seq_ids.len()][n_heads][head_dim]`). The same results, bit for bit, as
+    /// [`append_token_batch`](Self::append_token_batch) followed by
+    /// [`attention_batch`](Self::attention_batch), with the checks of both made before anything
+    /// is written (each sequence named once, capacity, lengths, `q` and `out` apart).
+    ///
+    /// ```
+    /// use m40llm::{Context, DeviceBuffer, KvCache, KvCacheConfig};
+    /// let ctx = Context::cpu()?;
+    /// let cfg = KvCacheConfig::new(1, 2, 4).max_seqs(2).max_seq_len(8);
+    /// let mut kv = KvCache::new(&ctx, &cfg)?;
+    /// let k = DeviceBuffer::from_slice(&ctx, &[0.5f32; 2 * 8])?; // a token for each of 2
+    /// let v = DeviceBuffer::from_slice(&ctx, &[1.0f32; 2 * 8])?;
+    /// let q = DeviceBuffer::from_slice(&ctx, &[0.1f32; 2 * 8])?;
+    /// let mut out = DeviceBuffer::<f32>::zeros(&ctx, 2 * 8)?;
+    /// kv.append_attention_batch(0, &[1, 0], &k, &v, &q, &mut out, None)?;
+    /// assert_eq!((kv.seq_len(0, 0)?, kv.seq_len(0, 1)?), (1, 1));
+    /// assert_eq!(out.to_vec()?, [1.0; 16]); // the one V row of each sequence
+    /// # Ok::<(), m40llm::Error>(())
+    /// ```
+    #[allow(clippy::too_many_arguments)]
+    pub fn append_attention_batch(
+        &mut self,
+        layer: usize,
+        seq_ids: &[usize],
+        k: &impl DeviceRead<f32>,
+        v: &impl DeviceRead<f32>,
+        q: &impl DeviceRead<f32>,
+        out: &mut impl DeviceWrite<f32>,
+        scale: Option<f32>,
+    ) -> Result<()> {
+        let l = self.layer(layer)?;
+        if seq_ids.is_empty() {
+            return Err(Error::invalid("seq_ids is empty"));
+        }
+        let ids = seq_ids
+            .iter()
+            .map(|&s| self.seq("seq id", s))
+            .collect::<Result<Vec<c_int>>>()?;
+        let n = to_c(ids.len(), "seq_ids.len()")?;
+        self.check_rows(ids.len(), k, v)?;
+        self.check_kv_pair(k, v)?;
+        let scale = self.check_attention(ids.len(), q, out, scale)?;
+        let (kp, vp, qp) = (k.device_ptr(), v.device_ptr(), q.device_ptr());
+        let out = out.device_ptr_mut();
+        // SAFETY: ids is a host array of n valid sequence indices; k and v cover n K/V rows, q
+        // and out n query rows each, in this context's memory; q and out don't overlap.
+        self.call(|c| unsafe {
+            sys::m40llm_kvcache_append_attn_f32q(out, c, l, ids.as_ptr(), n, kp, vp, qp, scale)
         })
     }
 

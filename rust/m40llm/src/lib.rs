@@ -8,9 +8,12 @@
 //!   host copies, device copies, memset and sub-[`slice`](DeviceBuffer::slice)s.
 //! * [`KvCache`]: K/V for `layers x sequences`, shaped by a [`KvCacheConfig`]; append (FP32 or
 //!   FP16, one or many tokens, with the token count checked exactly by
-//!   [`append_tokens`](KvCache::append_tokens)/[`append_token`](KvCache::append_token)),
-//!   attention for one or many sequences, and sequence operations (length, reset, truncate,
-//!   fork, read back).
+//!   [`append_tokens`](KvCache::append_tokens)/[`append_token`](KvCache::append_token); many
+//!   sequences in one call with [`append_batch`](KvCache::append_batch)/
+//!   [`append_token_batch`](KvCache::append_token_batch)), attention for one or many sequences
+//!   (a decode step's append and attention in one call:
+//!   [`append_attention_batch`](KvCache::append_attention_batch)), and sequence operations
+//!   (length, reset, truncate, fork, read back).
 //! * With the `cudarc` feature, `cudarc_interop`: a context on a cudarc stream and cudarc
 //!   memory as K, V, q and out.
 //!
@@ -26,12 +29,11 @@
 //! let cfg = KvCacheConfig::new(2, 4, 8).kv_heads(2).max_seqs(3).max_seq_len(64);
 //! let mut kv = KvCache::new(&ctx, &cfg)?;
 //!
-//! // One decode step for sequences 0 and 2, in layer 0: one token of K/V each.
-//! let k = DeviceBuffer::from_slice(&ctx, &vec![0.25f32; cfg.kv_row_len()])?;
-//! let v = DeviceBuffer::from_slice(&ctx, &vec![2.0f32; cfg.kv_row_len()])?;
-//! for seq in [0, 2] {
-//!     kv.append_token(0, seq, &k, &v)?;
-//! }
+//! // One decode step for sequences 0 and 2, in layer 0: one token of K/V each, in one call
+//! // (row i of k and v for the i-th id).
+//! let k = DeviceBuffer::from_slice(&ctx, &vec![0.25f32; 2 * cfg.kv_row_len()])?;
+//! let v = DeviceBuffer::from_slice(&ctx, &vec![2.0f32; 2 * cfg.kv_row_len()])?;
+//! kv.append_token_batch(0, &[0, 2], &k, &v)?;
 //! let q = DeviceBuffer::from_slice(&ctx, &vec![1.0f32; 2 * cfg.q_row_len()])?;
 //! let mut out = DeviceBuffer::<f32>::zeros(&ctx, 2 * cfg.q_row_len())?;
 //! kv.attention_batch(0, &[0, 2], &q, &mut out, None)?;

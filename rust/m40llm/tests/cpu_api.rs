@@ -869,3 +869,161 @@ fn append_checks_the_row_length() {
     kv.append_token(0, 0, &h.slice(..8), &h.slice(..8)).unwrap();
     assert_eq!(kv.seq_len(0, 0).unwrap(), 7);
 }
+
+#[test]
+fn append_batch_matches_single_appends() {
+    let ctx = cpu();
+    let mut rng = Rng::fresh("append_batch_matches_single_appends");
+    let base = KvCacheConfig::new(2, 6, 32)
+        .kv_heads(2)
+        .max_seqs(7)
+        .max_seq_len(400);
+    for cfg in [
+        base,
+        base.format(KvFormat::Q8).sinks(2).window(9),
+        base.format(KvFormat::F16).v_format(KvFormat::Q4),
+    ] {
+        common::check_append_batch(&ctx, &mut rng, &cfg);
+    }
+}
+
+#[test]
+fn append_batch_checks_everything_first() {
+    let ctx = cpu();
+    let cfg = KvCacheConfig::new(1, 4, 8)
+        .kv_heads(2)
+        .max_seqs(3)
+        .max_seq_len(4);
+    let row = cfg.kv_row_len();
+    let mut kv = KvCache::new(&ctx, &cfg).unwrap();
+    let k = DeviceBuffer::from_slice(&ctx, &vec![0.25f32; 5 * row]).unwrap();
+    kv.append_tokens(0, 1, 3, &k.slice(..3 * row), &k.slice(..3 * row))
+        .unwrap();
+    let before = kv.read_to_host(0, 1, 0, 3).unwrap();
+    let unchanged = |kv: &KvCache| {
+        assert_eq!(
+            (0..3)
+                .map(|s| kv.seq_len(0, s).unwrap())
+                .collect::<Vec<_>>(),
+            [0, 3, 0]
+        );
+        assert!(kv.read_to_host(0, 1, 0, 3).unwrap() == before);
+    };
+    // Rows must match the counts exactly; a query-shaped row is named as such.
+    let e = assert_status(
+        kv.append_batch(0, &[0, 2], &[1, 1], &k, &k),
+        Status::InvalidArgument,
+    );
+    assert!(e.message().contains("n_kv_heads × head_dim"), "{e}");
+    let q_rows = DeviceBuffer::from_slice(&ctx, &vec![0.0f32; 2 * cfg.q_row_len()]).unwrap();
+    let e = assert_status(
+        kv.append_token_batch(0, &[0, 2], &q_rows, &q_rows),
+        Status::InvalidArgument,
+    );
+    assert!(e.message().contains("not n_heads"), "{e}");
+    let two = k.slice(..2 * row);
+    assert_status(
+        kv.append_batch(0, &[0, 2], &[1], &two, &two),
+        Status::InvalidArgument,
+    );
+    assert_status(
+        kv.append_batch(0, &[], &[], &two, &two),
+        Status::InvalidArgument,
+    );
+    assert_status(
+        kv.append_token_batch(1, &[0, 2], &two, &two),
+        Status::OutOfRange,
+    );
+    assert_status(
+        kv.append_token_batch(0, &[0, 3], &two, &two),
+        Status::OutOfRange,
+    );
+    // A repeated sequence, or one that would pass max_seq_len, fails the whole batch.
+    let e = assert_status(
+        kv.append_token_batch(0, &[0, 0], &two, &two),
+        Status::InvalidArgument,
+    );
+    assert!(e.message().contains("repeats"), "{e}");
+    let e = assert_status(
+        kv.append_batch(
+            0,
+            &[0, 1],
+            &[1, 2],
+            &k.slice(..3 * row),
+            &k.slice(..3 * row),
+        ),
+        Status::Capacity,
+    );
+    assert!(e.message().contains("seq 1"), "{e}");
+    unchanged(&kv);
+    // Counts of 0 append nothing, with empty buffers.
+    let none = DeviceBuffer::<f32>::zeros(&ctx, 0).unwrap();
+    kv.append_batch(0, &[2, 0], &[0, 0], &none, &none).unwrap();
+    unchanged(&kv);
+    kv.append_batch(0, &[2, 1, 0], &[4, 1, 0], &k, &k).unwrap();
+    assert_eq!(
+        (0..3)
+            .map(|s| kv.seq_len(0, s).unwrap())
+            .collect::<Vec<_>>(),
+        [0, 4, 4]
+    );
+}
+
+#[test]
+fn append_attention_batch_matches_the_two_calls() {
+    let ctx = cpu();
+    let mut rng = Rng::fresh("append_attention_batch_matches_the_two_calls");
+    for cfg in [
+        KvCacheConfig::new(1, 8, 32)
+            .kv_heads(2)
+            .max_seqs(4)
+            .max_seq_len(64),
+        KvCacheConfig::new(1, 4, 64)
+            .kv_heads(1)
+            .max_seqs(4)
+            .max_seq_len(64)
+            .format(KvFormat::Q8)
+            .window(3),
+    ] {
+        let mut a = KvCache::new(&ctx, &cfg).unwrap();
+        let mut b = KvCache::new(&ctx, &cfg).unwrap();
+        let (row, qrow) = (cfg.kv_row_len(), cfg.q_row_len());
+        for step in 0..8 {
+            let ids: Vec<usize> = if step % 2 == 0 {
+                vec![2, 0, 3]
+            } else {
+                vec![1, 2]
+            };
+            let n = ids.len();
+            let k = DeviceBuffer::from_slice(&ctx, &rng.normal_vec(n * row, 1.0)).unwrap();
+            let v = DeviceBuffer::from_slice(&ctx, &rng.normal_vec(n * row, 1.0)).unwrap();
+            let q = DeviceBuffer::from_slice(&ctx, &rng.normal_vec(n * qrow, 1.0)).unwrap();
+            let mut oa = DeviceBuffer::<f32>::zeros(&ctx, n * qrow).unwrap();
+            let mut ob = DeviceBuffer::<f32>::zeros(&ctx, n * qrow).unwrap();
+            a.append_attention_batch(0, &ids, &k, &v, &q, &mut oa, None)
+                .unwrap();
+            b.append_token_batch(0, &ids, &k, &v).unwrap();
+            b.attention_batch(0, &ids, &q, &mut ob, None).unwrap();
+            assert!(oa.to_vec().unwrap() == ob.to_vec().unwrap(), "step {step}");
+        }
+        // Checked before anything is written: a repeated id, or a wrong-sized out.
+        let k = DeviceBuffer::from_slice(&ctx, &vec![0.0f32; 2 * row]).unwrap();
+        let q = DeviceBuffer::from_slice(&ctx, &vec![0.0f32; 2 * qrow]).unwrap();
+        let mut out = DeviceBuffer::from_slice(&ctx, &vec![7.0f32; 2 * qrow]).unwrap();
+        let e = assert_status(
+            a.append_attention_batch(0, &[1, 1], &k, &k, &q, &mut out, None),
+            Status::InvalidArgument,
+        );
+        assert!(e.message().contains("repeats"), "{e}");
+        let mut short = DeviceBuffer::from_slice(&ctx, &vec![7.0f32; qrow]).unwrap();
+        assert_status(
+            a.append_attention_batch(0, &[1, 0], &k, &k, &q, &mut short, None),
+            Status::InvalidArgument,
+        );
+        assert_eq!(
+            (0..4).map(|s| a.seq_len(0, s).unwrap()).collect::<Vec<_>>(),
+            [4, 4, 8, 4]
+        );
+        assert!(out.to_vec().unwrap().iter().all(|&x| x == 7.0));
+    }
+}

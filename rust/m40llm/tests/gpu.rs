@@ -508,6 +508,95 @@ fn cache_moves_between_threads() {
     m.ctx.synchronize().unwrap();
 }
 
+/// Batched appends against single ones and the CPU backend, every format the CUDA backend has,
+/// rotated and protected caches, GQA and MQA.
+fn append_batch_matches_single_appends() {
+    let test = "append_batch_matches_single_appends";
+    let Some(ctx) = gpu_context(test) else { return };
+    let mut rng = Rng::fresh(test);
+    let base = KvCacheConfig::new(2, 32, 128)
+        .kv_heads(8)
+        .max_seqs(6)
+        .max_seq_len(400);
+    for cfg in [
+        base,
+        base.format(KvFormat::Q8).sinks(4).window(16),
+        base.format(KvFormat::Q8).v_format(KvFormat::Q4),
+        base.format(KvFormat::Q4)
+            .kv_heads(1)
+            .rotation(KvRotation::None)
+            .sinks(0)
+            .window(5),
+    ] {
+        common::check_append_batch(&ctx, &mut rng, &cfg);
+    }
+    ctx.synchronize().unwrap();
+}
+
+/// Append-and-attend against the two calls on the GPU (bit for bit) and against the CPU backend.
+fn append_attention_batch_matches_the_two_calls() {
+    let test = "append_attention_batch_matches_the_two_calls";
+    let Some(ctx) = gpu_context(test) else { return };
+    let cpu = Context::cpu().unwrap();
+    let mut rng = Rng::fresh(test);
+    let base = KvCacheConfig::new(1, 32, 128)
+        .kv_heads(8)
+        .max_seqs(8)
+        .max_seq_len(600);
+    for cfg in [base, base.format(KvFormat::Q8).window(16)] {
+        let mut a = KvCache::new(&ctx, &cfg).unwrap();
+        let mut b = KvCache::new(&ctx, &cfg).unwrap();
+        let mut c = KvCache::new(&cpu, &cfg).unwrap();
+        let (row, qrow) = (cfg.kv_row_len(), cfg.q_row_len());
+        let all: Vec<usize> = (0..8).collect();
+        let prompt = [0, 1, 31, 33, 257, 5, 100, 2];
+        let k = rng.normal_vec(prompt.iter().sum::<usize>() * row, 1.0);
+        for kv in [&mut a, &mut b] {
+            let dk = DeviceBuffer::from_slice(&ctx, &k).unwrap();
+            kv.append_batch(0, &all, &prompt, &dk, &dk).unwrap();
+        }
+        let ck = DeviceBuffer::from_slice(&cpu, &k).unwrap();
+        c.append_batch(0, &all, &prompt, &ck, &ck).unwrap();
+        for step in 0..6 {
+            let ids: Vec<usize> = all
+                .iter()
+                .copied()
+                .filter(|s| (s + step) % 3 != 0)
+                .collect();
+            let n = ids.len();
+            let (k, v, q) = (
+                rng.normal_vec(n * row, 1.0),
+                rng.normal_vec(n * row, 1.0),
+                rng.normal_vec(n * qrow, 1.0),
+            );
+            let up = |ctx: &Context, x: &[f32]| DeviceBuffer::from_slice(ctx, x).unwrap();
+            let (dk, dv, dq) = (up(&ctx, &k), up(&ctx, &v), up(&ctx, &q));
+            let mut oa = DeviceBuffer::<f32>::zeros(&ctx, n * qrow).unwrap();
+            let mut ob = DeviceBuffer::<f32>::zeros(&ctx, n * qrow).unwrap();
+            let mut oc = DeviceBuffer::<f32>::zeros(&cpu, n * qrow).unwrap();
+            a.append_attention_batch(0, &ids, &dk, &dv, &dq, &mut oa, None)
+                .unwrap();
+            b.append_token_batch(0, &ids, &dk, &dv).unwrap();
+            b.attention_batch(0, &ids, &dq, &mut ob, None).unwrap();
+            let (ck, cv, cq) = (up(&cpu, &k), up(&cpu, &v), up(&cpu, &q));
+            c.append_attention_batch(0, &ids, &ck, &cv, &cq, &mut oc, None)
+                .unwrap();
+            let got = oa.to_vec().unwrap();
+            assert!(
+                got == ob.to_vec().unwrap(),
+                "step {step}: differs from the two calls"
+            );
+            let want: Vec<f64> = oc.to_vec().unwrap().iter().map(|&x| x as f64).collect();
+            let e = rel_l2(&got, &want);
+            assert!(
+                e <= TOL,
+                "step {step}: rel L2 {e:e} against the CPU backend"
+            );
+        }
+    }
+    ctx.synchronize().unwrap();
+}
+
 fn append_row_length_checks() {
     // The GQA mix-up (a query-shaped K row) is an error before any kernel runs.
     let Some(ctx) = gpu_context("append_row_length_checks") else {
@@ -759,6 +848,14 @@ fn main() {
         ),
         ("cache_moves_between_threads", cache_moves_between_threads),
         ("append_row_length_checks", append_row_length_checks),
+        (
+            "append_batch_matches_single_appends",
+            append_batch_matches_single_appends,
+        ),
+        (
+            "append_attention_batch_matches_the_two_calls",
+            append_attention_batch_matches_the_two_calls,
+        ),
         #[cfg(feature = "cudarc")]
         ("cudarc_interop", cudarc_interop),
     ];

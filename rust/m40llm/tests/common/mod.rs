@@ -5,7 +5,9 @@
 use std::io::Write;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use m40llm::{built_with_cuda, cuda_device_count, f16, Context};
+use m40llm::{
+    built_with_cuda, cuda_device_count, f16, Context, DeviceBuffer, KvCache, KvCacheConfig,
+};
 
 /// SplitMix64: tiny, fast, and its stream never changes across crate versions, so a printed
 /// seed reproduces a failure forever.
@@ -304,4 +306,84 @@ pub fn check_attention_case(
         worst = worst.max(e);
     }
     worst
+}
+
+/// Batched appends to layer 1 of a cache on `ctx` (ragged counts 0, 1, 31, 33, 257, then decode
+/// steps of one token a sequence, then small random counts), the same rows one sequence at a
+/// time to a second cache on `ctx`, and the same batches to a third on the CPU backend: after
+/// every batch all three must hold the same lengths and bits (read back as FP16). The config
+/// needs 2 layers, at least 6 sequences and room for 257 + 5 + 4 × 20 tokens.
+pub fn check_append_batch(ctx: &Context, rng: &mut Rng, cfg: &KvCacheConfig) {
+    let cpu = Context::cpu().expect("CPU context");
+    let mut a = KvCache::new(ctx, cfg).expect("cache a");
+    let mut b = KvCache::new(ctx, cfg).expect("cache b");
+    let mut c = KvCache::new(&cpu, cfg).expect("cache c");
+    let (row, seqs) = (cfg.kv_row_len(), cfg.max_seqs);
+    let mut ids: Vec<usize> = (0..seqs).collect();
+    for round in 0..10 {
+        for i in (1..ids.len()).rev() {
+            ids.swap(i, rng.below(i + 1));
+        }
+        let n = if round == 0 {
+            seqs
+        } else {
+            1 + rng.below(seqs)
+        };
+        let decode = round % 2 == 1;
+        let counts: Vec<usize> = (0..n)
+            .map(|i| match round {
+                0 => [1, 31, 33, 257, 0, 1].get(i).copied().unwrap_or(2),
+                _ if decode => 1,
+                _ => rng.below(21),
+            })
+            .collect();
+        let total: usize = counts.iter().sum();
+        let k = rng.normal_vec(total * row, 1.0);
+        let v = rng.normal_vec(total * row, 2.0);
+        let (dk, dv) = (
+            DeviceBuffer::from_slice(ctx, &k).unwrap(),
+            DeviceBuffer::from_slice(ctx, &v).unwrap(),
+        );
+        let (ck, cv) = (
+            DeviceBuffer::from_slice(&cpu, &k).unwrap(),
+            DeviceBuffer::from_slice(&cpu, &v).unwrap(),
+        );
+        if decode {
+            a.append_token_batch(1, &ids[..n], &dk, &dv).unwrap();
+            c.append_token_batch(1, &ids[..n], &ck, &cv).unwrap();
+        } else {
+            a.append_batch(1, &ids[..n], &counts, &dk, &dv).unwrap();
+            c.append_batch(1, &ids[..n], &counts, &ck, &cv).unwrap();
+        }
+        let mut off = 0;
+        for (&s, &cnt) in ids[..n].iter().zip(&counts) {
+            let r = off * row..(off + cnt) * row;
+            if cnt > 0 {
+                b.append_tokens(1, s, cnt, &dk.slice(r.clone()), &dv.slice(r))
+                    .unwrap();
+            }
+            off += cnt;
+        }
+        for s in 0..seqs {
+            let len = b.seq_len(1, s).unwrap();
+            assert_eq!(a.seq_len(1, s).unwrap(), len, "round {round}: seq {s}");
+            assert_eq!(c.seq_len(1, s).unwrap(), len, "round {round}: seq {s}");
+            assert_eq!(
+                a.seq_len(0, s).unwrap(),
+                0,
+                "round {round}: layer 0 seq {s}"
+            );
+            if len > 0 {
+                let want = b.read_to_host(1, s, 0, len).unwrap();
+                assert!(
+                    a.read_to_host(1, s, 0, len).unwrap() == want,
+                    "round {round}: seq {s}: batched and single appends stored different bits"
+                );
+                assert!(
+                    c.read_to_host(1, s, 0, len).unwrap() == want,
+                    "round {round}: seq {s}: the CPU backend stored different bits"
+                );
+            }
+        }
+    }
 }
