@@ -84,10 +84,13 @@ impl Config {
             "d_model is not n_heads × head_dim"
         );
         ensure!(
-            self.n_kv_heads > 0 && self.n_heads % self.n_kv_heads == 0,
+            self.n_kv_heads > 0 && self.n_heads.is_multiple_of(self.n_kv_heads),
             "n_heads is not a multiple of n_kv_heads"
         );
-        ensure!(self.head_dim % 2 == 0, "RoPE needs an even head_dim");
+        ensure!(
+            self.head_dim.is_multiple_of(2),
+            "RoPE needs an even head_dim"
+        );
         Ok(())
     }
 }

@@ -75,7 +75,7 @@ impl Tokenizer {
             .iter()
             .map(|&id| (tokens[id as usize].clone(), id))
             .collect();
-        special.sort_by(|a, b| b.0.len().cmp(&a.0.len()));
+        special.sort_by_key(|s| std::cmp::Reverse(s.0.len()));
         let byte_enc = bytes_to_unicode();
         let byte_dec = byte_enc
             .iter()
