@@ -200,18 +200,23 @@ fn main() -> Result<()> {
         m40llm::library_version(),
         ctx.device_info()?
     );
+    let v_format = kc.v_format.unwrap_or(kc.format);
+    let quantized = kc.format != KvFormat::F16 || v_format != KvFormat::F16;
+    let options = if quantized {
+        format!(
+            ", rotation {:?}, sinks {}, window {}",
+            kc.rotation, kc.n_sinks, kc.window
+        )
+    } else {
+        String::new()
+    };
     println!(
-        "m40llm cache: K {:?} V {:?}, rotation {:?}, sinks {}, window {}: {} for {max_len} positions \
-         ({} bytes a token)",
+        "m40llm cache: K {:?} V {v_format:?}{options}: {} for {max_len} positions ({} bytes a token)",
         kc.format,
-        kc.v_format.unwrap_or(kc.format),
-        kc.rotation,
-        kc.n_sinks,
-        kc.window,
         mib(kv_bytes),
         kv_bytes / max_len
     );
-    if kc.format != KvFormat::F16 && max_len <= kc.n_sinks + kc.window {
+    if quantized && max_len <= kc.n_sinks + kc.window {
         println!(
             "note: all {max_len} positions stay in the FP16 sinks + window: the quantized codes are \
              never read (--window 16, or --sinks 0 --window 0, to read them)"
@@ -307,8 +312,7 @@ fn main() -> Result<()> {
             a.tie
         ),
     }
-    let checked = kc.format == KvFormat::F16 && kc.v_format.unwrap_or(kc.format) == KvFormat::F16;
-    if checked {
+    if !quantized {
         println!("self-check (F16 cache: tokens agree, or the first difference is a near tie): {verdict}");
         if verdict == "FAIL" {
             std::process::exit(1);
