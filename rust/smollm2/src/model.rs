@@ -223,10 +223,6 @@ impl Model {
         })
     }
 
-    pub fn device(&self) -> &Device {
-        &self.device
-    }
-
     /// Runs `token` at position `pos` (the positions before it are in `attn`'s cache) and
     /// returns the next-token logits, `[vocab]` FP32 on the host.
     pub fn forward_token(

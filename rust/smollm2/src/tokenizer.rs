@@ -127,10 +127,6 @@ impl Tokenizer {
         Tokenizer::new(tokens, &merges, &control, eos)
     }
 
-    pub fn vocab_size(&self) -> usize {
-        self.tokens.len()
-    }
-
     pub fn eos(&self) -> Option<u32> {
         self.eos
     }
