@@ -133,7 +133,7 @@ static double time_graph(bench *b, const step_kind *s) {
       return -1.0;
     }
   CUDA_CHECK(cudaStreamEndCapture(st, &g));
-  CUDA_CHECK(cudaGraphInstantiate(&ge, g, NULL, NULL, 0));
+  CUDA_CHECK(cudaGraphInstantiateWithFlags(&ge, g, 0));
   CUDA_CHECK(cudaEventCreate(&e0));
   CUDA_CHECK(cudaEventCreate(&e1));
   CUDA_CHECK(cudaGraphLaunch(ge, st)); /* warm */
