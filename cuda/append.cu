@@ -78,7 +78,7 @@ __global__ void append_kernel(const T *__restrict__ k, const T *__restrict__ v, 
 
 // A quantized cache's rows: one warp a (token, K/V head) row, rotated in registers where the
 // tensor is (the same FP32 operations as the CPU backend), staged in shared memory as FP32,
-// then encoded in groups, one lane a group; a protected position's FP16 copy goes to
+// then encoded a group at a time, a lane an element; a protected position's FP16 copy goes to
 // its slot. P: the cache's KvPair of formats (quantized ones: their encode run is the group).
 constexpr int kAppendRowWarps = kAppendThreads / 32;
 
@@ -102,12 +102,7 @@ __device__ __forceinline__ void append_row(float *x, const T *src, const KvMutPl
   for (int e = 0; e < 8; e++)
     if (lane + 32 * e < D) x[lane + 32 * e] = v[e];
   __syncwarp();
-  for (int g = lane; g < D / F::kEncodeRun; g += 32) {
-    float v[F::kEncodeRun];
-#pragma unroll
-    for (int i = 0; i < F::kEncodeRun; i++) v[i] = x[g * F::kEncodeRun + i];
-    F::encode(planes, dst + (size_t)g * F::kEncodeRun, v);
-  }
+  for (int g = 0; g < D; g += F::kGroup) F::encode_lane(planes, dst + g, x[g + lane], lane);
   if (slot)
     for (int i = lane; i < D; i += 32) slot[i] = __float2half_rn(x[i]);
   __syncwarp();  // the row is read before the next one is staged

@@ -15,7 +15,8 @@
 //   halves<N>(raw)         the elements as FP16 bit patterns (the tensor-core kernels: F16;
 //                          a quantized format's codes become FP16 integers there, from
 //                          kCodeBits-bit codes and ParamType parameters: attention_mma.cu)
-//   kEncodeRun, encode()   the append kernel's unit: kEncodeRun elements from FP32 or FP16
+//   kEncodeRun, encode()   F16: the append kernel's unit, kEncodeRun elements from FP32 or FP16
+//   encode_lane(t,e,x)     quantized: one group from e on, a warp's lane l holding element l
 //   kRowBytes(D)           bytes of one codes row (the staged tensor-core kernel copies rows)
 #pragma once
 
@@ -23,6 +24,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "common.cuh"
 #include "internal.h"
 #include "kv_format.h"
 
@@ -128,7 +130,6 @@ struct KvQuant {
   static constexpr int kFormat = kFormat_;
   static constexpr int kGroup = 32;
   static constexpr bool kScaled = true;
-  static constexpr int kEncodeRun = kGroup;
   static constexpr int kCodeBits = kBits;
   using ParamType = Param;
   using Ptr = size_t;
@@ -153,13 +154,6 @@ struct KvQuant {
     r.param = __ldg(static_cast<const Param *>(t.plane[M40LLM_KV_PARAMS]) + e / kGroup);
     return r;
   }
-
-  __device__ static void encode(const KvMutPlanes &t, size_t e, const __half (&h)[kGroup]) {
-    float x[kGroup];
-#pragma unroll
-    for (int i = 0; i < kGroup; i++) x[i] = __half2float(h[i]);
-    Format::encode(t, e, x);
-  }
 };
 
 // Codes become exact FP32 integers by integer bit operations (sm_52 has no fast int8 -> float
@@ -168,7 +162,6 @@ struct KvQuant {
 // Q8: offset-binary bytes (code + 128), one FP16 scale per group.
 struct KvQ8 : KvQuant<KvQ8, M40LLM_KV_Q8, 8, __half> {
   static constexpr bool kHasMin = false;
-  using KvQuant::encode;
 
   template <int N>
   __device__ static void widen(const Raw<N> &raw, float (&f)[N]) {
@@ -186,31 +179,20 @@ struct KvQ8 : KvQuant<KvQ8, M40LLM_KV_Q8, 8, __half> {
   template <int N>
   __device__ static float min(const Raw<N> &) { return 0.0f; }
 
-  // One group: amax, its FP16 scale d, codes round(x / d) (rint: to nearest even), as the CPU
-  // reference (c/src/kv_format.c) does.
-  __device__ static void encode(const KvMutPlanes &t, size_t e, const float (&x)[kGroup]) {
-    float amax = 0.0f;
-#pragma unroll
-    for (int i = 0; i < kGroup; i++) amax = fmaxf(amax, fabsf(x[i]));
-    const __half d = __float2half_rn(amax / 127.0f);
+  // One group, a lane an element: amax, its FP16 scale d, codes round(x / d) (rint: to nearest
+  // even), as the CPU reference (c/src/kv_format.c) does (a max is exact in any order).
+  __device__ static void encode_lane(const KvMutPlanes &t, size_t e, float x, int lane) {
+    const __half d = __float2half_rn(warp_max(fabsf(x)) / 127.0f);
     const float df = __half2float(d);
-    __align__(16) uint8_t c[kGroup];
-#pragma unroll
-    for (int i = 0; i < kGroup; i++) {
-      const float q = df == 0.0f ? 0.0f : fmaxf(fminf(rintf(x[i] / df), 127.0f), -127.0f);
-      c[i] = (uint8_t)((int)q + 128);
-    }
-    uint4 *dst = reinterpret_cast<uint4 *>(static_cast<uint8_t *>(t.plane[M40LLM_KV_CODES]) + e);
-    dst[0] = reinterpret_cast<const uint4 *>(c)[0];
-    dst[1] = reinterpret_cast<const uint4 *>(c)[1];
-    static_cast<__half *>(t.plane[M40LLM_KV_PARAMS])[e / kGroup] = d;
+    const float q = df == 0.0f ? 0.0f : fmaxf(fminf(rintf(x / df), 127.0f), -127.0f);
+    static_cast<uint8_t *>(t.plane[M40LLM_KV_CODES])[e + lane] = (uint8_t)((int)q + 128);
+    if (lane == 0) static_cast<__half *>(t.plane[M40LLM_KV_PARAMS])[e / kGroup] = d;
   }
 };
 
 // Q4: nibbles (element 2j low, 2j + 1 high), one FP16 (scale, min) pair per group.
 struct KvQ4 : KvQuant<KvQ4, M40LLM_KV_Q4, 4, __half2> {
   static constexpr bool kHasMin = true;
-  using KvQuant::encode;
 
   template <int N>
   __device__ static void widen(const Raw<N> &raw, float (&f)[N]) {
@@ -223,29 +205,17 @@ struct KvQ4 : KvQuant<KvQ4, M40LLM_KV_Q4, 4, __half2> {
   template <int N>
   __device__ static float min(const Raw<N> &raw) { return __high2float(raw.param); }
 
-  __device__ static void encode(const KvMutPlanes &t, size_t e, const float (&x)[kGroup]) {
-    float lo = x[0], hi = x[0];
-#pragma unroll
-    for (int i = 1; i < kGroup; i++) {
-      lo = fminf(lo, x[i]);
-      hi = fmaxf(hi, x[i]);
-    }
+  // One group, a lane an element: (scale, min) = ((max - min) / 15, min) in FP16, codes
+  // round((x - min) / scale) in [0, 15], as the CPU reference does; even lanes store the bytes.
+  __device__ static void encode_lane(const KvMutPlanes &t, size_t e, float x, int lane) {
+    const float lo = -warp_max(-x), hi = warp_max(x);
     const __half2 p = __halves2half2(__float2half_rn((hi - lo) / 15.0f), __float2half_rn(lo));
     const float df = __low2float(p), mf = __high2float(p);
-    __align__(16) uint8_t c[kGroup / 2];
-#pragma unroll
-    for (int i = 0; i < kGroup; i += 2) {
-      unsigned b = 0;
-#pragma unroll
-      for (int j = 0; j < 2; j++) {
-        const float q = df == 0.0f ? 0.0f : fmaxf(fminf(rintf((x[i + j] - mf) / df), 15.0f), 0.0f);
-        b |= (unsigned)q << (4 * j);
-      }
-      c[i / 2] = (uint8_t)b;
-    }
-    *reinterpret_cast<uint4 *>(static_cast<uint8_t *>(t.plane[M40LLM_KV_CODES]) + e / 2) =
-        *reinterpret_cast<const uint4 *>(c);
-    static_cast<__half2 *>(t.plane[M40LLM_KV_PARAMS])[e / kGroup] = p;
+    const float q = df == 0.0f ? 0.0f : fmaxf(fminf(rintf((x - mf) / df), 15.0f), 0.0f);
+    const unsigned b = (unsigned)q, high = __shfl_down_sync(0xffffffffu, b, 1);
+    if (!(lane & 1))
+      static_cast<uint8_t *>(t.plane[M40LLM_KV_CODES])[(e + lane) / 2] = (uint8_t)(b | high << 4);
+    if (lane == 0) static_cast<__half2 *>(t.plane[M40LLM_KV_PARAMS])[e / kGroup] = p;
   }
 };
 
