@@ -196,9 +196,10 @@ typedef struct m40llm_device_info {
   int native_code;         /* 1 if the GPU runs SASS built in for it (an "NN-real" of its major
                               version, at most its own); 0 if the driver JIT-compiled PTX
                               (once per process, or from its disk cache) */
-  int tensor_cores;        /* 1 if F16 caches with head_dim 32..128, a multiple of 16, run the
-                              tensor-core attention kernels here (sm_80+ code on an sm_80+ GPU);
-                              0 if every cache runs the FP32 kernels */
+  int tensor_cores;        /* 1 if F16 caches with head_dim 32..128, a multiple of 16, and Q8/Q4
+                              caches with head_dim 32, 64, 96 or 128 run the tensor-core
+                              attention kernels here (sm_80+ code on an sm_80+ GPU); 0 if every
+                              cache runs the FP32 kernels */
 } m40llm_device_info;
 #define M40LLM_DEVICE_INFO_INIT \
   { M40LLM_DEVICE_INFO_VERSION, 0, 0, {0}, 0, 0, 0, 0, 0, 0, 0, 0 }
@@ -411,11 +412,12 @@ int m40llm_kvcache_max_seq_len_on_device(int *out_max_seq_len, m40llm_context *c
  *  yields zeros. Its V is still multiplied by that 0, so it must be finite. A score of +inf or
  *  NaN (NaN in K, 0 x inf, infinities of both signs) makes the head's output NaN. The CUDA backend
  *  accumulates in FP32. Its arithmetic is FP32 too (Q8/Q4 codes are exact in FP32), except for
- *  F16 caches with head_dim 32, 48, 64, 80, 96, 112 or 128 on sm_80+ GPUs, when the library was
- *  built with an sm_80+ architecture: there, tensor cores multiply FP16 K/V by q and by the
- *  softmax weights,
- *  each passed as two FP16 terms (hi + lo, 22 significant bits), with the products exact and
- *  the sums in FP32. Both paths agree with the reference to about 1e-6 (relative L2). The CPU
+ *  F16 caches with head_dim 32, 48, 64, 80, 96, 112 or 128, and Q8/Q4 caches with head_dim 32,
+ *  64, 96 or 128, on sm_80+ GPUs, when the library was built with an sm_80+ architecture:
+ *  there, tensor cores multiply FP16 K/V (or the codes, as exact FP16 integers, with the scales
+ *  applied in FP32) by q and by the softmax weights, each passed as two FP16 terms (hi + lo, 22
+ *  significant bits), with the products exact and the sums in FP32. Both paths agree with the
+ *  reference to about 1e-6 (relative L2). The CPU
  *  backend (the reference) accumulates in float64 and rounds the result to FP32. */
 int m40llm_kvcache_attn_last_token_f32q(float *out, m40llm_kvcache *cache, int layer, int seq,
                                         const float *q, float scale);

@@ -1082,8 +1082,9 @@ impl KvCache {
     /// `q` and `out` are `[n_heads][head_dim]` FP32 ([`KvCacheConfig::q_row_len`] elements)
     /// and must not overlap. `scale` `None` means `1/sqrt(head_dim)`; a given scale must be
     /// finite and non-zero. A sequence with no positions yields zeros. Sums are FP32; on sm_80+
-    /// builds (head_dim a multiple of 16 up to 128) the products run on tensor cores with q
-    /// split into two FP16 terms (see `m40llm_kvcache_attn_last_token_f32q` in `m40llm.h`).
+    /// builds (F16: head_dim a multiple of 16 up to 128; Q8/Q4: 32, 64, 96, 128) the products
+    /// run on tensor cores with q split into two FP16 terms (see
+    /// `m40llm_kvcache_attn_last_token_f32q` in `m40llm.h`).
     pub fn attention(
         &self,
         layer: usize,
