@@ -637,6 +637,19 @@ impl KvCache {
         Ok(layer as c_int)
     }
 
+    /// A non-empty list of sequence ids as the C library takes them, and its length.
+    fn seq_ids(&self, seq_ids: &[usize]) -> Result<(Vec<c_int>, c_int)> {
+        if seq_ids.is_empty() {
+            return Err(Error::invalid("seq_ids is empty"));
+        }
+        let ids = seq_ids
+            .iter()
+            .map(|&s| self.seq("seq id", s))
+            .collect::<Result<Vec<c_int>>>()?;
+        let n = to_c(ids.len(), "seq_ids.len()")?;
+        Ok((ids, n))
+    }
+
     fn seq(&self, what: &str, seq: usize) -> Result<c_int> {
         if seq >= self.config.max_seqs {
             return Err(Error::out_of_range(format!(
@@ -856,14 +869,7 @@ impl KvCache {
         v: &impl DeviceRead<T>,
     ) -> Result<()> {
         let l = self.layer(layer)?;
-        if seq_ids.is_empty() {
-            return Err(Error::invalid("seq_ids is empty"));
-        }
-        let ids = seq_ids
-            .iter()
-            .map(|&s| self.seq("seq id", s))
-            .collect::<Result<Vec<c_int>>>()?;
-        let n = to_c(ids.len(), "seq_ids.len()")?;
+        let (ids, n) = self.seq_ids(seq_ids)?;
         self.check_rows(total, k, v)?;
         self.check_kv_pair(k, v)?;
         let counts = counts.map_or(ptr::null(), <[c_int]>::as_ptr);
@@ -1114,14 +1120,7 @@ impl KvCache {
         scale: Option<f32>,
     ) -> Result<()> {
         let l = self.layer(layer)?;
-        if seq_ids.is_empty() {
-            return Err(Error::invalid("seq_ids is empty"));
-        }
-        let ids = seq_ids
-            .iter()
-            .map(|&s| self.seq("seq id", s))
-            .collect::<Result<Vec<c_int>>>()?;
-        let n = to_c(ids.len(), "seq_ids.len()")?;
+        let (ids, n) = self.seq_ids(seq_ids)?;
         let scale = self.check_attention(ids.len(), q, out, scale)?;
         // SAFETY: q and out cover ids.len() query rows each in this context's memory and don't
         // overlap; ids is a host array of n valid sequence indices.
@@ -1165,14 +1164,7 @@ impl KvCache {
         scale: Option<f32>,
     ) -> Result<()> {
         let l = self.layer(layer)?;
-        if seq_ids.is_empty() {
-            return Err(Error::invalid("seq_ids is empty"));
-        }
-        let ids = seq_ids
-            .iter()
-            .map(|&s| self.seq("seq id", s))
-            .collect::<Result<Vec<c_int>>>()?;
-        let n = to_c(ids.len(), "seq_ids.len()")?;
+        let (ids, n) = self.seq_ids(seq_ids)?;
         self.check_rows(ids.len(), k, v)?;
         self.check_kv_pair(k, v)?;
         let scale = self.check_attention(ids.len(), q, out, scale)?;
