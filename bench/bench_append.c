@@ -17,25 +17,12 @@
 #include <stdlib.h>
 #include <time.h>
 
+#include "bench_util.h"
 #include "m40llm.h"
 
 enum { SEQS = 64, HEADS = 32, KV_HEADS = 8, DIM = 128, STEPS = 100, SAMPLES = 15, REPLAYS = 20 };
 
-static double now_us(void) {
-  struct timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return (double)t.tv_sec * 1e6 + (double)t.tv_nsec / 1e3;
-}
-
-#define CHECK(x)                                                                         \
-  do {                                                                                   \
-    int rc_ = (x);                                                                       \
-    if (rc_ != M40LLM_OK) {                                                              \
-      fprintf(stderr, "%s: %s (%s)\n", #x, m40llm_status_string(rc_),                    \
-              m40llm_last_error_message());                                              \
-      return -1.0;                                                                       \
-    }                                                                                    \
-  } while (0)
+#define CHECK(x) BENCH_CHECK(x, -1.0)
 #define CUDA_CHECK(x)                                                                    \
   do {                                                                                   \
     cudaError_t e_ = (x);                                                                \

@@ -13,23 +13,10 @@
 #include <stdlib.h>
 #include <time.h>
 
+#include "bench_util.h"
 #include "m40llm.h"
 
-static double now_us(void) {
-  struct timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return (double)t.tv_sec * 1e6 + (double)t.tv_nsec / 1e3;
-}
-
-#define CHECK(x)                                                                         \
-  do {                                                                                   \
-    int rc_ = (x);                                                                       \
-    if (rc_ != M40LLM_OK) {                                                              \
-      fprintf(stderr, "%s: %s (%s)\n", #x, m40llm_status_string(rc_),                    \
-              m40llm_last_error_message());                                              \
-      return 1;                                                                          \
-    }                                                                                    \
-  } while (0)
+#define CHECK(x) BENCH_CHECK(x, 1)
 
 enum { PAIRS = 16, CALLS = 256, SAMPLES = 200 };
 

@@ -1,0 +1,27 @@
+/* What the C benchmarks share: a monotonic clock and a check that prints a failed library
+ * call's status and message, then returns `fail` from the calling function. */
+#ifndef M40LLM_BENCH_UTIL_H
+#define M40LLM_BENCH_UTIL_H
+
+#include <stdio.h>
+#include <time.h>
+
+#include "m40llm.h"
+
+static inline double now_us(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return (double)t.tv_sec * 1e6 + (double)t.tv_nsec / 1e3;
+}
+
+#define BENCH_CHECK(x, fail)                                                             \
+  do {                                                                                   \
+    int rc_ = (x);                                                                       \
+    if (rc_ != M40LLM_OK) {                                                              \
+      fprintf(stderr, "%s: %s (%s)\n", #x, m40llm_status_string(rc_),                    \
+              m40llm_last_error_message());                                              \
+      return fail;                                                                       \
+    }                                                                                    \
+  } while (0)
+
+#endif
