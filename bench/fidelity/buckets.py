@@ -57,7 +57,7 @@ def uniform_specs():
 
 
 LONG_UNIFORM = ["Q4 +rot", "Q3 +rot", "K4/V2 +rot", "K4/V3 +rot", "Q8 +rot", "K8/V4 +rot",
-                "K3/V2 +rot", "Q2 +rot", "Q3 KIVI-K T32, V rot", "K3 KIVI-T32/V2 +rot", "K8/V3 +rot"]
+                "K3/V2 +rot", "Q2 +rot", "K8/V3 +rot"]
 
 FULL = ("F16", "Q8", "Q4", "Q3", "Q2")  # same format for K and V
 NO2 = ("F16", "Q8", "Q4", "Q3")
@@ -74,17 +74,16 @@ def bucket_specs(N):
 
     for t in (5.25, 5.5, 6.0, 7.0, 8.0, 9.0):
         add("buckets", Buckets(f"F16/Q8/Q4/Q3 online @{t}", NO2, t))
-    for t in (4.25, 4.5, 5.0, 5.5, 6.0, 7.0):
-        add("buckets", Buckets(f"F16/Q8/Q4/Q3/Q2 online @{t}", FULL, t))
     for t in (4.75, 5.0, 5.5, 6.0, 7.0, 8.0):
         add("buckets", Buckets(f"KV-pairs online @{t}", KV, t))
+    for t in (4.5, 5.5):
+        add("buckets", Buckets(f"F16/Q8/Q4/Q3/Q2 online @{t}", FULL, t))
     for t in (5.5, 6.0, 7.0):
         add("buckets", Buckets(f"F16/Q8/Q4/Q3 oracle @{t}", NO2, t, importance="oracle"),
             Buckets(f"F16/Q8/Q4/Q3 random @{t}", NO2, t, importance="random"),
             Buckets(f"KV-pairs oracle @{t}", KV, t, importance="oracle"),
             Buckets(f"KV-pairs random @{t}", KV, t, importance="random"))
-    for t in (4.5, 5.0):
-        add("buckets", Buckets(f"F16/Q8/Q4/Q3/Q2 oracle @{t}", FULL, t, importance="oracle"))
+    add("buckets", Buckets("F16/Q8/Q4/Q3/Q2 oracle @5.0", FULL, 5.0, importance="oracle"))
     # adjacent-tier mixes, by importance and by random order
     for tiers, nm, ts in ((("Q4", "Q3"), "Q4/Q3", (5.25, 5.5)), (("Q3", "Q2"), "Q3/Q2", (4.25, 4.5)),
                           (("Q8", "Q4"), "Q8/Q4", (6.0, 7.0, 8.0)),
@@ -100,24 +99,35 @@ def bucket_specs(N):
         Buckets(f"{base} interval 4", KV, t, interval=4),
         Buckets(f"{base} hyst 1, margin 0", KV, t, hyst_count=1, hyst_margin=0.0),
         Buckets(f"{base} hyst 4", KV, t, hyst_count=4),
-        Buckets(f"{base} running mean", KV, t, ema_halflife=0),
-        Buckets(f"{base} EMA 128", KV, t, ema_halflife=128),
+        Buckets(f"{base} EMA 512", KV, t, ema_halflife=512),
+        Buckets(f"{base} EMA 2048", KV, t, ema_halflife=2048),
+        Buckets(f"{base} all queries", KV, t, sample="all"),
         Buckets(f"{base} alpha 2", KV, t, alpha=2.0),
         Buckets(f"{base} alpha 0.5", KV, t, alpha=0.5),
         Buckets(f"{base} K weight 4", KV, t, k_weight=4.0),
         Buckets(f"{base} fixed memory", KV, t, budget="fixed"),
         Buckets(f"{base} no rotation", KV, t, rot=False))
+    # the importance signal that accumulates every query (see the knobs), and interval 4
+    for t in (5.5, 6.0, 7.0, 8.0):
+        add("best", Buckets(f"KV-pairs online, all queries @{t}", KV, t, sample="all"),
+            Buckets(f"KV-pairs online, interval 4 @{t}", KV, t, interval=4))
+    # spread: the random order with other seeds, the online policy at nearby targets
+    add("best", Buckets("KV-pairs random @6.0 seed 1", KV, 6.0, importance="random", seed=1),
+        Buckets("KV-pairs random @6.0 seed 2", KV, 6.0, importance="random", seed=2),
+        Buckets("KV-pairs online @5.9", KV, 5.9), Buckets("KV-pairs online @6.1", KV, 6.1))
     # the long-context subset, most telling first
-    add("long", Buckets("KV-pairs online @5.0", KV, 5.0), Buckets("KV-pairs online @6.0", KV, 6.0),
+    add("long", Buckets("KV-pairs online @5.0", KV, 5.0),
         Buckets("KV-pairs random @5.0", KV, 5.0, importance="random"),
         Buckets("KV-pairs oracle @5.0", KV, 5.0, importance="oracle"),
         Buckets("Q4/Q3 online @4.75", ("Q4", "Q3"), 4.75),
+        Buckets("KV-pairs online @6.0", KV, 6.0),
         Buckets("F16/Q8/Q4/Q3 online @5.0", NO2, 5.0),
-        Buckets("F16/Q8/Q4/Q3/Q2 online @4.0", FULL, 4.0),
         Buckets("KV-pairs online @4.5", KV, 4.5), Buckets("KV-pairs online @7.0", KV, 7.0),
         Buckets("K4: V3/V2 online @4.5", ("Q4/Q3", "Q4/Q2"), 4.5),
         Buckets("Q4/Q3 random @4.75", ("Q4", "Q3"), 4.75, importance="random"),
-        Buckets("F16/Q8/Q4/Q3 online @6.0", NO2, 6.0))
+        Buckets("KV-pairs online @5.5", KV, 5.5),
+        Buckets("KV-pairs online @5.0 interval 4", KV, 5.0, interval=4),
+        Buckets("KV-pairs online @5.0 all queries", KV, 5.0, sample="all"))
     return B
 
 
@@ -215,7 +225,7 @@ def main():
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--tail", type=int, default=256)
     ap.add_argument("--runs", default="uniform,buckets,mixes,knobs",
-                    help="groups: uniform, buckets, mixes, knobs, long-uniform, long (comma-separated)")
+                    help="groups: uniform, buckets, mixes, knobs, best, long-uniform, long (comma-separated)")
     ap.add_argument("--only", default="", help="run only these names (';'-separated)")
     ap.add_argument("--redo", action="store_true", help="rerun names already in the JSON")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))

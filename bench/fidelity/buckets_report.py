@@ -139,11 +139,16 @@ def plot(runs, outdir):
                         label="uniform Pareto front")
                 for b, k, n in front:
                     ax.annotate(n, (b, k), fontsize=6, xytext=(3, 3), textcoords="offset points")
-            for i, (s, pts) in enumerate(sorted(series.items())):
-                mk = "o" if len(pts) < 2 else ".-"
+            multi = sorted((s, p) for s, p in series.items() if len(p) > 1)
+            for i, (s, pts) in enumerate(multi):
                 pts = sorted(pts, key=lambda b: b["bits"])
-                ax.plot([b["bits"] for b in pts], [b[key] for b in pts], mk, ms=5, lw=1,
+                ls = "--" if "random" in s else ":" if "oracle" in s else "-"
+                ax.plot([b["bits"] for b in pts], [b[key] for b in pts], ".", ls=ls, ms=6, lw=1.2,
                         label=s, color=plt.cm.tab20(i % 20))
+            single = [p[0] for s, p in series.items() if len(p) == 1]
+            if single:
+                ax.scatter([b["bits"] for b in single], [b[key] for b in single], c="0.6", s=12,
+                           label="single-point policy variants (tables)", zorder=2)
             ax.set_xlabel("bits per value at N (all bytes)")
             ax.set_ylabel(lab)
             ax.set_xlim(3, 10)

@@ -150,9 +150,10 @@ class Buckets:
     target: float
     importance: str = "online"
     interval: int = 16
-    ema_halflife: int = 512
+    ema_halflife: int = 0
     alpha: float = 1.0
     k_weight: float = 1.0
+    sample: str = "last"  # 'last': the chunk's last query; 'all': every query of the chunk
     hyst_count: int = 2
     hyst_margin: float = 0.1
     budget: str = "current"
@@ -347,14 +348,17 @@ class BucketCache:
                     else:
                         w = fixed[g]
                     self._allocate(g, w ** p.alpha, new, st)
-            out[a:b], pl = attend_chunk(qr[a:b], a, st["Kcur"], st["Vcur"], Kf, Vf, e)
+            out[a:b], pl = attend_chunk(qr[a:b], a, st["Kcur"], st["Vcur"], Kf, Vf, e,
+                                        p_sum=p.sample == "all")
             if p.importance == "online":
                 seen = nsamp[:b]
+                # queries of this update that saw each row (1 when sampling the last one)
+                nq = (b - np.maximum(np.arange(b), a)) if p.sample == "all" else np.ones(b, np.int64)
                 if beta is None:
-                    S[:, :b] = (S[:, :b] * seen + pl) / (seen + 1)
+                    S[:, :b] = (S[:, :b] * seen + pl) / (seen + nq)
                 else:
-                    S[:, :b] = np.where(seen > 0, beta * S[:, :b] + (1 - beta) * pl, pl)
-                nsamp[:b] += 1
+                    S[:, :b] = np.where(seen > 0, beta * S[:, :b] + (1 - beta) * pl / nq, pl / nq)
+                nsamp[:b] += nq
         # statistics at the end of the context
         tier = st["tier"]
         m = len(self.cost)

@@ -11,7 +11,7 @@ HERE="$(cd "$(dirname "$0")" && pwd)"
 GGUF="$(bash "$HERE/fetch_model.sh")"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" OPENBLAS_NUM_THREADS="${OPENBLAS_NUM_THREADS:-1}"
 if [ -z "${SKIP_2K:-}" ]; then
-  python3 "$HERE/buckets.py" --gguf "$GGUF" --tokens 2048 --runs uniform,buckets,mixes,knobs "$@"
+  python3 "$HERE/buckets.py" --gguf "$GGUF" --tokens 2048 --runs uniform,buckets,mixes,knobs,best "$@"
 fi
 if [ -n "${LONG:-}" ]; then
   python3 "$HERE/buckets.py" --gguf "$GGUF" --tokens 8192 --runs long-uniform,long "$@"
