@@ -111,6 +111,18 @@ def bucket_specs(N):
     for t in (5.5, 6.0, 7.0, 8.0):
         add("best", Buckets(f"KV-pairs online, all queries @{t}", KV, t, sample="all"),
             Buckets(f"KV-pairs online, interval 4 @{t}", KV, t, interval=4))
+    # the recommended default (buckets.md): KV pairs, importance sampled every 4th query
+    # (running mean), memory fixed at create time, K errors weighted 20x; and with K weight 1
+    for t in (5.5, 6.0, 6.5, 7.0, 8.0):
+        add("default", Buckets(f"default @{t}", KV, t, interval=4, budget="fixed", k_weight=20.0),
+            Buckets(f"KV-pairs 1/4 fixed, K weight 1 @{t}", KV, t, interval=4, budget="fixed"),
+            Buckets(f"default, current budget @{t}", KV, t, interval=4, k_weight=20.0))
+    for t in (4.5, 5.0, 6.0, 7.0):
+        add("long-default", Buckets(f"default @{t}", KV, t, interval=4, budget="fixed", k_weight=20.0))
+    # K fixed at 8 bits, V by importance
+    K8 = ("Q8", "Q8/Q4", "Q8/Q3", "Q8/Q2")
+    for t in (6.5, 7.0):
+        add("kfix", Buckets(f"K8, V in 8/4/3/2 @{t}", K8, t, interval=4, budget="fixed"))
     # spread: the random order with other seeds, the online policy at nearby targets
     add("best", Buckets("KV-pairs random @6.0 seed 1", KV, 6.0, importance="random", seed=1),
         Buckets("KV-pairs random @6.0 seed 2", KV, 6.0, importance="random", seed=2),
@@ -225,7 +237,8 @@ def main():
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--tail", type=int, default=256)
     ap.add_argument("--runs", default="uniform,buckets,mixes,knobs",
-                    help="groups: uniform, buckets, mixes, knobs, best, long-uniform, long (comma-separated)")
+                    help="groups: uniform, buckets, mixes, knobs, best, default, kfix, long-uniform, long, "
+                    "long-default (comma-separated)")
     ap.add_argument("--only", default="", help="run only these names (';'-separated)")
     ap.add_argument("--redo", action="store_true", help="rerun names already in the JSON")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
