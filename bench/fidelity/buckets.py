@@ -14,7 +14,6 @@ Results: results/buckets_<N>.json (merged run by run), results/buckets_tables.md
 results/buckets_curve.png; the written findings are results/buckets.md.
 """
 import argparse
-import glob
 import hashlib
 import json
 import os

@@ -143,8 +143,10 @@ def plot(runs, outdir):
             for i, (s, pts) in enumerate(multi):
                 pts = sorted(pts, key=lambda b: b["bits"])
                 ls = "--" if "random" in s else ":" if "oracle" in s else "-"
-                ax.plot([b["bits"] for b in pts], [b[key] for b in pts], ".", ls=ls, ms=6, lw=1.2,
-                        label=s, color=plt.cm.tab20(i % 20))
+                main = s == "default"  # the recommended policy (buckets.md), drawn bold
+                ax.plot([b["bits"] for b in pts], [b[key] for b in pts], "o" if main else ".", ls=ls,
+                        ms=6, lw=2.8 if main else 1.2, label=s, zorder=4 if main else 2,
+                        color="crimson" if main else plt.cm.tab20(i % 20))
             single = [p[0] for s, p in series.items() if len(p) == 1]
             if single:
                 ax.scatter([b["bits"] for b in single], [b[key] for b in single], c="0.6", s=12,

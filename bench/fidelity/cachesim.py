@@ -15,7 +15,7 @@ for it at that chunk. That is the decode computation position by position, in on
   the chunk's last query (the decode kernel exporting each row's attention weight every
   `interval`-th step).
 """
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
