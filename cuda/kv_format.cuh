@@ -13,8 +13,8 @@
 //   kScaled, scale(raw)    quantized: value = factor x scale (+ min where kHasMin), the same
 //   kHasMin, min(raw)      for the N elements (they lie in one group)
 //   halves<N>(raw)         the elements as FP16 bit patterns (the tensor-core kernels: F16;
-//                          a quantized format's codes become FP16 integers there, from
-//                          kCodeBits-bit codes and ParamType parameters: attention_mma.cu)
+//                          a quantized format's kCodeBits-bit codes become FP16 integers
+//                          there through MmaCodes in attention_mma.cu)
 //   kEncodeRun, encode()   F16: the append kernel's unit, kEncodeRun elements from FP32 or FP16
 //   encode_lane(t,e,x)     quantized: one group from e on, a warp's lane l holding element l
 //   kRowBytes(D)           bytes of one codes row (the staged tensor-core kernel copies rows)
@@ -131,7 +131,6 @@ struct KvQuant {
   static constexpr int kGroup = 32;
   static constexpr bool kScaled = true;
   static constexpr int kCodeBits = kBits;
-  using ParamType = Param;
   using Ptr = size_t;
   template <int N>
   struct Raw {
