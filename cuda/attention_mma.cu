@@ -123,6 +123,42 @@ struct HalfSteps {
   __device__ const uint4 &vb(int j, int c) const { return v.c[j][c]; }
 };
 
+// A protected cache's kept rows (M40LLM_PLAN_MIXED) as RegisterSteps loads FP16 rows, over the
+// item's parts 0-2 in order: kept row r at its FP16 slot, so a split's kept rows are one loop
+// (one memory round trip a step) whichever runs of the ring they cross.
+template <int NC, int W>
+struct KeptSteps : HalfSteps<NC, 0> {
+  static constexpr int D = 32 * NC;
+  static constexpr int kBlockRows = kMmaRows * W;
+  const __half *kbase, *vbase;  // the (sequence, K/V head)'s slot 0, at this lane's dims
+  int end0, end1, first1, first2;  // parts 0 and 1 end at kept rows end0, end1; part 0 at slot 0
+  int p_end;
+
+  __device__ KeptSteps(const __half *k, const __half *v, const m40llm_attn_parts &pa, int p0,
+                       int p_end_, int lane)
+      : kbase(k + 8 * (lane & 3)), vbase(v + 8 * (lane & 3)), end0(pa.count[0]),
+        end1(pa.count[0] + pa.count[1]), first1(pa.first[1] - pa.count[0]),
+        first2(pa.first[2] - end1), p_end(p_end_) {
+    load(this->k, kbase, p0);
+    load(this->v, vbase, p0);
+  }
+  __device__ int slot(int r) const { return r < end0 ? r : r + (r < end1 ? first1 : first2); }
+  __device__ void load(Step<NC, 0> &st, const __half *base, int p0) const {
+#pragma unroll
+    for (int j = 0; j < 2; j++) {
+      const int r = p0 + 8 * j + ((threadIdx.x & 31) >> 2);
+      const bool ok = r < p_end;
+      const __half *row = base + (size_t)slot(ok ? r : 0) * D;
+#pragma unroll
+      for (int c = 0; c < NC; c++)
+        st.c[j][c] = ok ? load_halves<KvF16, 8>(row, 32 * c) : make_uint4(0, 0, 0, 0);
+    }
+  }
+  __device__ void before_scores(int) {}
+  __device__ void after_scores(int p0) { load(this->k, kbase, p0 + kBlockRows); }
+  __device__ void after_output(int p0) { load(this->v, vbase, p0 + kBlockRows); }
+};
+
 // A quantized format's codes as the tensor-core kernel takes them: a lane's 8 codes of a row
 // (within one 32-dim group) become FP16 integers, exactly, by byte permutes under the bits of
 // 1024 and one FP16 operation that takes the 1024 (and Q8's offset) off. The group's scale (and
@@ -635,8 +671,9 @@ __global__ void __launch_bounds__(32 * W, mma_min_blocks(32 * NC + 16 * TAIL, W)
       // lands in this lane as dims 32c + 8t + 2i + {0, 1}.
       if constexpr (kQ) {
         // Issue-bound: the output's rescale (a quarter of the step's instructions besides the
-        // MMAs) only where some head's max rose, which after the first steps is rare.
-        if (__any_sync(0xffffffffu, alpha != 1.0f)) {
+        // MMAs) only where some head's max rose, which after the first steps is rare. Not at
+        // head_dim 64 and below, whose 128-register kernels then spilled and gained nothing.
+        if (NC <= 2 || __any_sync(0xffffffffu, alpha != 1.0f)) {
 #pragma unroll
           for (int c = 0; c < NC; c++)
 #pragma unroll
@@ -690,16 +727,12 @@ __global__ void __launch_bounds__(32 * W, mma_min_blocks(32 * NC + 16 * TAIL, W)
       const size_t slots = (size_t)(plan.sinks + plan.window) * D;
       const size_t base = ((size_t)plan.seq[b.item] * (a.n_heads / a.group) +
                            blockIdx.y / a.head_tiles) * slots;
-      SplitBlock<KvPair<KvF16, KvF16>> kb;
-      kb.k = static_cast<const __half *>(plan.kept_k) + base;
-      kb.v = static_cast<const __half *>(plan.kept_v) + base;
-      for (int k = 0, first = 0; k < 3; first += parts.count[k], k++) {
-        const int lo = max(b.p_begin, first), hi = min(b.p_end, first + parts.count[k]);
-        if (lo >= hi) continue;
-        kb.p_end = parts.first[k] + hi - first;
-        const int q0 = parts.first[k] + lo - first + kMmaRows * warp;
-        RegisterSteps<KvF16, NC, 0, W> kept(a, kb, q0, lane, s_dyn, 0);
-        steps(kept, q0, kb.p_end, std::false_type{});
+      const int hi = min(b.p_end, parts.count[0] + parts.count[1] + parts.count[2]);
+      if (b.p_begin < hi) {
+        const int q0 = b.p_begin + kMmaRows * warp;
+        KeptSteps<NC, W> kept(static_cast<const __half *>(plan.kept_k) + base,
+                              static_cast<const __half *>(plan.kept_v) + base, parts, q0, hi, lane);
+        steps(kept, q0, hi, std::false_type{});
       }
     }
   } else {
