@@ -81,20 +81,21 @@ int attend(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, const int
   // (M40LLM_PLAN_MIXED). Otherwise they get splits of their own, which the FP32 kernel's F16
   // instance reads from the FP16 slots in a second launch over the same plan.
   SplitPass kept_pass{};
-  const size_t slot_row =
-      c->slots > 0 ? m40llm_kv_protected_row(o, c->slots, layer, 0, 0, 0) * o->head_dim : 0;
-  if (c->slots > 0 && pass.mixed) {
+  size_t slot_row = 0;
+  if (c->slots > 0) {
+    slot_row = m40llm_kv_protected_row(o, c->slots, layer, 0, 0, 0) * o->head_dim;
     int32_t window_begin[M40LLM_PLAN_MAX_ITEMS];
     for (int i = 0; i < n_seqs; i++) window_begin[i] = m40llm_window_begin(c, layer, seq_ids[i]);
-    m40llm_attn_plan_mixed(&plan, window_begin, c->n_sinks, c->window);
-    plan.kept_k = c->k.fp16 + slot_row;
-    plan.kept_v = c->v.fp16 + slot_row;
-  } else if (c->slots > 0) {
-    rc = fp32_split_pass<KvPair<KvF16, KvF16>>(st, o->head_dim, g, &kept_pass);
-    if (rc != M40LLM_OK) return rc;
-    int32_t window_begin[M40LLM_PLAN_MAX_ITEMS];
-    for (int i = 0; i < n_seqs; i++) window_begin[i] = m40llm_window_begin(c, layer, seq_ids[i]);
-    m40llm_attn_plan_protect(&plan, window_begin, c->n_sinks, c->window, kept_chunk(kept_pass.tile));
+    if (pass.mixed) {
+      m40llm_attn_plan_mixed(&plan, window_begin, c->n_sinks, c->window);
+      plan.kept_k = c->k.fp16 + slot_row;
+      plan.kept_v = c->v.fp16 + slot_row;
+    } else {
+      rc = fp32_split_pass<KvPair<KvF16, KvF16>>(st, o->head_dim, g, &kept_pass);
+      if (rc != M40LLM_OK) return rc;
+      m40llm_attn_plan_protect(&plan, window_begin, c->n_sinks, c->window,
+                               kept_chunk(kept_pass.tile));
+    }
   }
 
   AttnArgs a;
