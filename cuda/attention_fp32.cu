@@ -31,6 +31,28 @@ __device__ __forceinline__ void load_weights(const float *p, float (&w)[GT]) {
   }
 }
 
+// Sums each of the N values of acc over LPR adjacent lanes (N <= LPR, both powers of two) and
+// returns value k_lane / (LPR / N): each halving sends half the values a lane holds and keeps
+// the other half, so N heads take N - 1 + log2(LPR / N) shuffles, not N log2(LPR).
+template <int N, int LPR>
+__device__ __forceinline__ float lane_sums(float (&acc)[N], int k_lane) {
+  static_assert(N <= LPR, "a lane run per value");
+#pragma unroll
+  for (int n = N, off = LPR / 2; n > 1; n >>= 1, off >>= 1) {
+    const bool upper = k_lane & off;  // keeps the upper half of its n values
+#pragma unroll
+    for (int i = 0; i < n / 2; i++) {
+      const float send = upper ? acc[i] : acc[i + n / 2];
+      const float keep = upper ? acc[i + n / 2] : acc[i];
+      acc[i] = keep + __shfl_xor_sync(0xffffffffu, send, off);
+    }
+  }
+  float x = acc[0];
+#pragma unroll
+  for (int off = LPR / N / 2; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
+  return x;
+}
+
 // Shared memory of the split kernel, in floats: q [GT][D], the weight tile [T][GT] and, for a K
 // format with a min, q's sums over each 8-dim chunk [GT][D / 8] while looping; then the
 // per-row-group output partials [row_groups][GT][D] for the final reduction.
@@ -44,9 +66,9 @@ __host__ __device__ constexpr bool fold_min(int gt) { return gt > 4; }
 
 constexpr int split_smem_floats(int gt, int dmax, int head_dim, bool k_min) {
   k_min = k_min && !fold_min(gt);
-  return gt * (dmax + tile_rows(gt, dmax) + (k_min ? dmax / 8 : 0)) >
+  return gt * (dmax + tile_rows(gt, dmax, false) + (k_min ? dmax / 8 : 0)) >
                  pv_row_groups(head_dim, pv_columns(gt)) * gt * head_dim
-             ? gt * (dmax + tile_rows(gt, dmax) + (k_min ? dmax / 8 : 0))
+             ? gt * (dmax + tile_rows(gt, dmax, false) + (k_min ? dmax / 8 : 0))
              : pv_row_groups(head_dim, pv_columns(gt)) * gt * head_dim;
 }
 
@@ -71,28 +93,29 @@ struct QIndex {
 // call is two launches over one plan (m40llm_attn_plan_protect), the F16 instance for the FP16
 // slots, then this kernel for the codes; each block of a split that is the other launch's
 // returns at once.
-template <typename P, int GT, int DMAX>
+template <typename P, int GT, int DMAX, bool kExact>
 __global__ void __launch_bounds__(kAttnThreads, kAttnMinBlocksPerSm)
     attn_fp32_kernel(const AttnArgs a, const m40llm_attn_plan plan) {
-  constexpr int T = tile_rows(GT, DMAX);      // positions per tile
+  constexpr int T = tile_rows(GT, DMAX, P::K::kScaled || P::V::kScaled);  // positions per tile
   constexpr int LPR = kAttnThreads / T;       // lanes per K row in the score pass (2..16)
   constexpr int KC = DMAX / 8 / LPR;          // 16-byte K chunks per lane, at most
   constexpr int COLS = pv_columns(GT);        // V columns per thread in the output pass
   constexpr int VR = T * DMAX / (kAttnThreads * COLS);  // V rows per thread, at most
-  constexpr int NS = (T + 31) / 32;           // scores per lane in the softmax pass
   constexpr int GH = heads_per_pass(GT);      // heads a score or output pass takes at once
+  constexpr int LH = GT == 1 ? 32 : T;        // lanes a head in the softmax pass
+  constexpr int kSoftPasses = (GT * LH + kAttnThreads - 1) / kAttnThreads;  // softmax, per thread
   using KF = typename P::K;
   using VF = typename P::V;
   constexpr bool kFoldKMin = KF::kHasMin && fold_min(GT);
   constexpr bool kSumKMin = KF::kHasMin && !kFoldKMin;
   using KRaw = typename KF::template Raw<8>;
   using VRaw = typename VF::template Raw<COLS>;
-  static_assert(LPR >= 2 && LPR <= 32 && KC >= 1, "tile shape");
+  static_assert(LPR >= 2 && LPR <= 32 && KC >= 1 && T <= 32, "tile shape");
 
   extern __shared__ float smem[];
   __shared__ SoftmaxState s_state[GT];
-  __shared__ float s_alpha[GT];
-  const int D = a.head_dim;
+  __shared__ __align__(16) float s_alpha[GT];
+  const int D = kExact ? DMAX : a.head_dim;  // compile-time offsets where head_dim is its class's
   float *sq = smem;              // q, pre-scaled into the log2 domain, at QIndex<DMAX>
   float *sp = smem + GT * DMAX;  // [T][GT]: a position's weights for every head together
   const int tid = threadIdx.x;
@@ -176,9 +199,10 @@ __global__ void __launch_bounds__(kAttnThreads, kAttnMinBlocksPerSm)
     for (int j = 0; j < KC; j++)
       if (k_row < rows && k_lane + j * LPR < chunks) kraw[j] = KF::template load<8>(a.k, kp, j * LPR * 8);
     VRaw vraw[VR];
+    typename VF::Ptr vpi = vp;  // a step a row: no product per row and tile
 #pragma unroll
-    for (int i = 0; i < VR; i++)
-      if (pv_active && rg + i * row_groups < rows) vraw[i] = VF::template load<COLS>(a.v, vp, i * v_step);
+    for (int i = 0; i < VR; i++, vpi = VF::add(vpi, v_step))
+      if (pv_active && rg + i * row_groups < rows) vraw[i] = VF::template load<COLS>(a.v, vpi, 0);
     __syncthreads();  // q is staged, and the previous tile's weights are consumed
 
 #pragma unroll
@@ -221,56 +245,59 @@ __global__ void __launch_bounds__(kAttnThreads, kAttnMinBlocksPerSm)
           }
         }
       }
-#pragma unroll
-      for (int g = 0; g < GH; g++) {
-#pragma unroll
-        for (int off = 1; off < LPR; off <<= 1) acc[g] += __shfl_xor_sync(0xffffffffu, acc[g], off);
-      }
-      if (k_lane == 0) {
-#pragma unroll
-        for (int g = 0; g < GH; g++) sp[k_row * GT + g0 + g] = k_row < rows ? acc[g] : -INFINITY;
-      }
+      // Each of a row's LPR / GH lane runs ends with one head's whole score.
+      const float score = lane_sums<GH, LPR>(acc, k_lane);
+      if (k_lane % (LPR / GH) == 0)
+        sp[k_row * GT + g0 + k_lane / (LPR / GH)] = k_row < rows ? score : -INFINITY;
     }
     __syncthreads();
 
-    // Online softmax over the tile: one warp per query head.
-    const int lane = tid & 31;
-    for (int g = tid >> 5; g < GT; g += kAttnThreads / 32) {
-      float s[NS];
-      float tile_max = -INFINITY;
+    // Online softmax over the tile: a thread a (head, position), LH adjacent lanes a head (T,
+    // or a whole warp for a one-head tile: measured faster there), so every lane of a busy warp
+    // has a weight to work out. Whether any head's max rose comes back from the barrier: the
+    // output is rescaled only then (alpha is exactly 1 otherwise).
+    bool raised = false;
 #pragma unroll
-      for (int j = 0; j < NS; j++) {
-        const int r = lane + 32 * j;
-        s[j] = r < T ? sp[r * GT + g] : -INFINITY;
-        tile_max = fmaxf(tile_max, s[j]);
-      }
-      tile_max = warp_max(tile_max);
-      SoftmaxState st = s_state[g];
+    for (int pass = 0; pass < kSoftPasses; pass++) {
+      const int i0 = (tid & ~31) + pass * kAttnThreads;
+      if (i0 >= GT * LH) break;  // whole warps: every lane of a busy one takes part
+      const int i = i0 + (tid & 31);
+      const int g = i / LH, r = i % LH;
+      const bool mine = g < GT && r < T;
+      const float x = mine ? sp[r * GT + g] : -INFINITY;
+      float tile_max = x;
+#pragma unroll
+      for (int off = LH / 2; off > 0; off >>= 1)
+        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, off));
+      SoftmaxState st = s_state[g < GT ? g : 0];
       const float alpha = st.raise(tile_max);
-      float sum = 0.0f;
+      const float w = st.weight(x);
+      float sum = w;
 #pragma unroll
-      for (int j = 0; j < NS; j++) {
-        const int r = lane + 32 * j;
-        s[j] = st.weight(s[j]);
-        sum += s[j];
-        if (r < T) sp[r * GT + g] = s[j];
-      }
-      st.l += warp_sum(sum);
-      __syncwarp();  // every lane has read s_state[g] before lane 0 replaces it (shuffles don't fence)
-      if (lane == 0) {
-        s_state[g] = st;
-        s_alpha[g] = alpha;
+      for (int off = LH / 2; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+      st.l += sum;
+      raised |= mine && alpha != 1.0f;
+      __syncwarp();  // every lane has read s_state[g] before its head's first lane replaces it
+      if (mine) {
+        sp[r * GT + g] = w;
+        if (r == 0) {
+          s_state[g] = st;
+          s_alpha[g] = alpha;
+        }
       }
     }
-    __syncthreads();
+    raised = __syncthreads_or(raised);
 
     if (pv_active) {
+      if (raised) {
+        float alpha[GT];
+        load_weights<GT>(s_alpha, alpha);
 #pragma unroll
-      for (int g = 0; g < GT; g++) {
-        const float alpha = s_alpha[g];
+        for (int g = 0; g < GT; g++) {
 #pragma unroll
-        for (int i = 0; i < COLS; i++) o[g][i] *= alpha;
-        if constexpr (kSumMin) o_min[g] *= alpha;
+          for (int i = 0; i < COLS; i++) o[g][i] *= alpha[g];
+          if constexpr (kSumMin) o_min[g] *= alpha[g];
+        }
       }
 #pragma unroll
       for (int i = 0; i < VR; i++) {
@@ -371,20 +398,32 @@ int dmax_for(int head_dim) {
 
 int log2_small(int x) { return x >= 8 ? 3 : x >= 4 ? 2 : x >= 2 ? 1 : 0; }
 
+// A head_dim equal to its class's gets a kernel of its own (every offset a constant: fewer
+// instructions and registers), except where K and V both fold a min into 8-head tiles: there it
+// spills on sm_52.
+template <typename P, int GT, int DMAX>
+SplitKernel kernel_for_d(int head_dim) {
+  if constexpr (!(P::K::kHasMin && P::V::kHasMin && fold_min(GT))) {
+    if (head_dim == DMAX) return attn_fp32_kernel<P, GT, DMAX, true>;
+  }
+  return attn_fp32_kernel<P, GT, DMAX, false>;
+}
+
 template <typename P, int GT>
-SplitKernel kernel_for_dmax(int dmax) {
-  return dmax == 64 ? attn_fp32_kernel<P, GT, 64>
-                    : dmax == 128 ? attn_fp32_kernel<P, GT, 128> : attn_fp32_kernel<P, GT, 256>;
+SplitKernel kernel_for_dmax(int dmax, int head_dim) {
+  return dmax == 64    ? kernel_for_d<P, GT, 64>(head_dim)
+         : dmax == 128 ? kernel_for_d<P, GT, 128>(head_dim)
+                       : kernel_for_d<P, GT, 256>(head_dim);
 }
 
 template <typename P>
 SplitKernel kernel_for(int gt, int head_dim) {
   const int dmax = dmax_for(head_dim);
   switch (gt) {
-    case 1: return kernel_for_dmax<P, 1>(dmax);
-    case 2: return kernel_for_dmax<P, 2>(dmax);
-    case 4: return kernel_for_dmax<P, 4>(dmax);
-    default: return kernel_for_dmax<P, 8>(dmax);
+    case 1: return kernel_for_dmax<P, 1>(dmax, head_dim);
+    case 2: return kernel_for_dmax<P, 2>(dmax, head_dim);
+    case 4: return kernel_for_dmax<P, 4>(dmax, head_dim);
+    default: return kernel_for_dmax<P, 8>(dmax, head_dim);
   }
 }
 
@@ -395,7 +434,7 @@ int fp32_split_pass(m40llm_cuda_state *st, int head_dim, const Grouping &g, Spli
   const int dmax = dmax_for(head_dim);
   SplitPass pass{kernel_for<P>(g.gt, head_dim), kAttnThreads,
                  split_smem_floats(g.gt, dmax, head_dim, P::K::kHasMin) * sizeof(float),
-                 tile_rows(g.gt, dmax), 0, 0, false, false};
+                 tile_rows(g.gt, dmax, false), 0, 0, false, false};
   int rc = kernel_waits(st, reinterpret_cast<const void *>(pass.kernel), &st->fp32_dependent,
                         &pass.dependent);
   if (rc != M40LLM_OK) return rc;

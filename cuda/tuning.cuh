@@ -15,14 +15,15 @@ constexpr int kMaxGroupTile = 8;
 constexpr int kHeadDimClasses[] = {64, 128, 256};
 
 // Positions per tile: one register batch of K and V per thread, all loads of a tile in flight
-// at once (32 + 32 bytes a thread; sm_5x/6x 16 + 16 for tiles of 2+ heads, where 32 + 32 spill
-// and the M40's bandwidth x latency needs less). The host pass (no __CUDA_ARCH__) takes the
-// largest value, which sizes shared memory for every device pass.
-__host__ __device__ constexpr int tile_rows(int group_tile, int dmax) {
+// at once (32 + 32 bytes a thread; sm_5x/6x 16 + 16 for tiles of 8 heads, and of 4 heads with a
+// quantized K or V, where 32 + 32 spill and the M40's bandwidth x latency needs less). The host
+// pass (no __CUDA_ARCH__) takes the largest value, which sizes shared memory for every device
+// pass.
+__host__ __device__ constexpr int tile_rows(int group_tile, int dmax, bool quantized) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 700
-  return (group_tile >= 2 ? 1024 : 2048) / dmax;
+  return (group_tile >= 8 || (group_tile >= 4 && quantized) ? 1024 : 2048) / dmax;
 #else
-  return (void)group_tile, 2048 / dmax;
+  return (void)group_tile, (void)quantized, 2048 / dmax;
 #endif
 }
 
