@@ -7,8 +7,8 @@
 For attn_fp32_kernel<KvPair<K, V>, GT, DMAX> of every format pair and group tile in the sm_52
 SASS (CUDA 11.8), it finds the main tile loop (the backward branch around the three
 __syncthreads of a tile), counts its instructions by class and its issue slots (a '{' pair is
-dual-issued: one slot), and divides by the tile's K/V elements. The softmax pass, a warp a
-head, runs GT times a tile however many warps the block has; everything else every warp runs.
+dual-issued: one slot), and divides by the tile's K/V elements. The softmax pass, a thread a
+(head, position), runs in ceil(GT x T / 32) warps; everything else every warp runs.
 
 Then, per benchmark shape (bench/formats.sh's), time = max(bytes / bandwidth, issue slots /
 issue rate), the issue slots of the whole plan (the library's split planner, ported), the
@@ -51,9 +51,9 @@ SINKS, WINDOW = 4, 128    # the defaults of a quantized cache (m40llm_kvcache_op
 LATENCY_BLOCKS_PER_SM = 2  # below this (8 warps an SM, 2 a scheduler), latency, not issue, binds
 
 
-def tile_rows(gt, dmax, device=True):
+def tile_rows(gt, dmax, device=True, quantized=False):
     """Positions per tile: sm_5x/6x code (also the compute_52 PTX); the host value sizes smem."""
-    return ((1024 if gt >= 2 else 2048) if device else 2048) // dmax
+    return ((1024 if gt >= 8 or (gt >= 4 and quantized) else 2048) if device else 2048) // dmax
 
 
 def pv_columns(gt):
@@ -106,7 +106,7 @@ H100_MEASURED = {
 # rows is negligible: +9.8 µs; the M40's launch gaps are no shorter, so 10 µs is a floor there.
 PROTECT_FIXED_US = 10.0
 
-KRE = re.compile(r"attn_fp32_kernel<KvPair<(\w+), (\w+)>, (\d+), (\d+)>")
+KRE = re.compile(r"attn_fp32_kernel<KvPair<(\w+), (\w+)>, (\d+), (\d+), true>")
 
 
 # ---- SASS analysis ----
@@ -195,7 +195,7 @@ def block_path(instrs, a, b):
     return n
 
 
-def analyse(instrs, gt, dmax):
+def analyse(instrs, gt, dmax, quantized):
     """Warp-instructions and issue slots a block spends on one full tile, by class and phase."""
     loops = backward_loops(instrs)
     with_bars = [(a, b, [j for j in range(a, b + 1) if instrs[j].op == "BAR"]) for a, b in loops]
@@ -209,32 +209,24 @@ def analyse(instrs, gt, dmax):
     # The softmax pass: after the score pass's barrier (and its MEMBAR), up to the output pass's.
     s_lo = b2 + 1 + (1 if instrs[b2 + 1].op == "MEMBAR" else 0)
     s_hi = b3
+    t = tile_rows(gt, dmax, quantized=quantized)
+    # A thread a (head, position): ceil(GT x T / 32) warps run the pass, each once (more often
+    # where GT x T exceeds the block's threads: the pass's loop body again); the others skip it
+    # at their first predicated branch.
+    vals = gt * t
+    busy = min(WARPS, -(-vals // 32))
+    iters = -(-vals // (32 * WARPS))
+    soft_slots = class_slots(instrs, s_lo, s_hi)
+    soft_instr = class_instrs(instrs, s_lo, s_hi)
     inner = [(x, y) for x, y in loops if s_lo <= x and y < s_hi]
-    ex2 = lambda lo, hi: sum(1 for j in range(lo, hi) if instrs[j].opcode.startswith("MUFU.EX2"))
-    t = tile_rows(gt, dmax)
-    per_head_ex2 = -(-t // 32) + 1  # NS weights and one alpha per head and tile
-    copies = ex2(s_lo, s_hi) / per_head_ex2
-    if inner:
+    if inner and iters > 1:
         x, y = max(inner, key=lambda l: l[1] - l[0])
-        loop_copies = ex2(x, y + 1) / per_head_ex2
-        head_slots = scale(class_slots(instrs, x, y + 1), 1 / loop_copies)
-        head_instr = scale(class_instrs(instrs, x, y + 1), 1 / loop_copies)
-    else:
-        head_slots = scale(class_slots(instrs, s_lo, s_hi), 1 / copies)
-        head_instr = scale(class_instrs(instrs, s_lo, s_hi), 1 / copies)
-    setup_slots = class_slots(instrs, s_lo, s_hi)
-    setup_instr = class_instrs(instrs, s_lo, s_hi)
-    for k in list(setup_slots):
-        setup_slots[k] = max(0.0, setup_slots[k] - copies * head_slots[k])
-    for k in list(setup_instr):
-        setup_instr[k] = max(0.0, setup_instr[k] - copies * head_instr[k])
-    # A warp without a head this tile: up to its first predicated skip.
-    g = next(j for j in range(s_lo, s_hi) if instrs[j].pred and instrs[j].op in ("SYNC", "BRA", "BSYNC"))
-    guard_slots = class_slots(instrs, s_lo, g + 1)
-    busy = min(gt, WARPS)
-    soft_slots = add(scale(head_slots, gt), scale(setup_slots, busy), scale(guard_slots, WARPS - busy))
-    soft_instr = add(scale(head_instr, gt), scale(setup_instr, busy),
-                     scale(class_instrs(instrs, s_lo, g + 1), WARPS - busy))
+        soft_slots = add(soft_slots, scale(class_slots(instrs, x, y + 1), iters - 1))
+        soft_instr = add(soft_instr, scale(class_instrs(instrs, x, y + 1), iters - 1))
+    g = next((j for j in range(s_lo, s_hi) if instrs[j].pred and instrs[j].op in ("SYNC", "BRA", "BSYNC")),
+             s_hi - 1)
+    soft_slots = add(scale(soft_slots, busy), scale(class_slots(instrs, s_lo, g + 1), WARPS - busy))
+    soft_instr = add(scale(soft_instr, busy), scale(class_instrs(instrs, s_lo, g + 1), WARPS - busy))
     phases = {"loads": (a, b1 + 1), "score": (b1 + 1, s_lo), "output": (b3, b + 1)}
     ph_slots = {k: scale(class_slots(instrs, lo, hi), WARPS) for k, (lo, hi) in phases.items()}
     ph_instr = {k: scale(class_instrs(instrs, lo, hi), WARPS) for k, (lo, hi) in phases.items()}
@@ -244,7 +236,6 @@ def analyse(instrs, gt, dmax):
     outside = block_path(instrs, a, b)
     return dict(T=t, loop_first=instrs[a].addr, loop_last=instrs[b].addr, loop_instrs=b - a + 1,
                 loop_pairs=slots(instrs, a, b + 1)[0] - slots(instrs, a, b + 1)[1],
-                softmax_head_slots=sum(head_slots.values()), softmax_setup_slots=sum(setup_slots.values()),
                 tile_slots=tile_slots, tile_instr=tile_instr, phase_slots=ph_slots,
                 total_slots=sum(tile_slots.values()), total_instr=sum(tile_instr.values()),
                 block_overhead=WARPS * outside, block_path=outside, kernel_instrs=len(instrs))
@@ -276,7 +267,7 @@ def kernels_of(path, arch):
         if not m:
             continue
         k, v, gt, dmax = m.group(1), m.group(2), int(m.group(3)), int(m.group(4))
-        r = analyse(instrs, gt, dmax)
+        r = analyse(instrs, gt, dmax, quantized=(k, v) != ("KvF16", "KvF16"))
         r.update(res.get(name, {}))
         out[(k, v, gt, dmax)] = r
     return out
@@ -449,9 +440,8 @@ def report(args, m40k, m40rows, variants, h100k, h100rows, eff, effs):
              "(`m40_resources.py`) with the kernel's dynamic shared memory.")
     L.append("- Main loop: the innermost backward branch around a tile's three `__syncthreads` (loads and "
              "score pass | softmax | output pass). On a full tile every warp runs all of it except the "
-             "softmax pass, which runs once per head: GT times a tile, over the block's 4 warps. Its cost a "
-             "head is the softmax loop's instructions over the heads the loop holds (two `MUFU.EX2` a head), "
-             "plus the loop's setup once per busy warp.")
+             "softmax pass, a thread a (head, position): ceil(GT x T / 32) warps run it, the others skip it. "
+             "The output's rescale (only on tiles where some head's max rose) is counted on every tile.")
     L.append("- Element: one dim of one position of K, or of V, for one K/V head; a tile holds 2 x T x DMAX. "
              "Per element = a tile's warp instructions (or issue slots) x 32 / its elements: thread-level, idle "
              "lanes included. Issue slots = instructions less dual-issued pairs (`{ }` in sm_5x SASS: two "

@@ -12,6 +12,8 @@
 #   formats   bench/formats.sh: F16, Q8, Q4, Q8Q4 side by side, native and compute_52-PTX builds
 #   ab        bench/ab.sh: the previous main (.ab/base, carried) against this tree, native, and
 #             the carried compute_52-PTX benchmarks (.ab/bins/base, .gpu-carry/bench52)
+#   m40       bench/m40_proxy.py: the M40 proxy grid (compute_52 PTX on this GPU against its copy
+#             bandwidth, issue 20's targets), A/B against .ab/bins/base where carried: $OUT/m40
 # Logs and results go to $OUT (or ./gpu-out). Every GPU test must run: a skip is a failure here.
 set -uo pipefail
 out=${OUT:-$PWD/gpu-out}
@@ -92,6 +94,13 @@ ab() {
   return $rc
 }
 
+m40_proxy() {
+  local base=()
+  [ -x .ab/bins/base/bench_attention ] && base=(--base .ab/bins/base/bench_attention)
+  python3 bench/m40_proxy.py "$out/m40" --bin .gpu-carry/bench52/bench_attention "${base[@]}" \
+    --rounds "${M40_ROUNDS:-2}" --work /tmp/m40_proxy
+}
+
 nvidia-smi --query-gpu=name,memory.total,driver_version,compute_cap --format=csv
 for s in $steps; do
   case $s in
@@ -103,6 +112,7 @@ for s in $steps; do
     append) run_step append append_bench ;;
     formats) run_step formats formats ;;
     ab) run_step ab ab ;;
+    m40) run_step m40 m40_proxy ;;
     *) echo "unknown step $s"; exit 2 ;;
   esac
 done
