@@ -8,7 +8,7 @@ For attn_fp32_kernel<KvPair<K, V>, GT, DMAX> of every format pair and group tile
 SASS (CUDA 11.8), it finds the main tile loop (the backward branch around the three
 __syncthreads of a tile), counts its instructions by class and its issue slots (a '{' pair is
 dual-issued: one slot), and divides by the tile's K/V elements. The softmax pass, a thread a
-(head, position), runs in ceil(GT x T / 32) warps; everything else every warp runs.
+(head, position), runs in ceil(GT x T / 32) warps (one for a one-head tile); everything else every warp runs.
 
 Then, per benchmark shape (bench/formats.sh's), time = max(bytes / bandwidth, issue slots /
 issue rate), the issue slots of the whole plan (the library's split planner, ported), the
@@ -210,10 +210,10 @@ def analyse(instrs, gt, dmax, quantized):
     s_lo = b2 + 1 + (1 if instrs[b2 + 1].op == "MEMBAR" else 0)
     s_hi = b3
     t = tile_rows(gt, dmax, quantized=quantized)
-    # A thread a (head, position): ceil(GT x T / 32) warps run the pass, each once (more often
+    # A thread a (head, position): ceil(GT x LH / 32) warps run the pass, each once (more often
     # where GT x T exceeds the block's threads: the pass's loop body again); the others skip it
     # at their first predicated branch.
-    vals = gt * t
+    vals = gt * (32 if gt == 1 else t)  # LH lanes a head: a whole warp for a one-head tile
     busy = min(WARPS, -(-vals // 32))
     iters = -(-vals // (32 * WARPS))
     soft_slots = class_slots(instrs, s_lo, s_hi)
@@ -440,7 +440,7 @@ def report(args, m40k, m40rows, variants, h100k, h100rows, eff, effs):
              "(`m40_resources.py`) with the kernel's dynamic shared memory.")
     L.append("- Main loop: the innermost backward branch around a tile's three `__syncthreads` (loads and "
              "score pass | softmax | output pass). On a full tile every warp runs all of it except the "
-             "softmax pass, a thread a (head, position): ceil(GT x T / 32) warps run it, the others skip it. "
+             "softmax pass, a thread a (head, position): ceil(GT x T / 32) warps run it (one for a one-head tile), the others skip it. "
              "The output's rescale (only on tiles where some head's max rose) is counted on every tile.")
     L.append("- Element: one dim of one position of K, or of V, for one K/V head; a tile holds 2 x T x DMAX. "
              "Per element = a tile's warp instructions (or issue slots) x 32 / its elements: thread-level, idle "
