@@ -295,8 +295,13 @@ int cuda_attention(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, i
 
 int cuda_attention_causal(const m40llm_kvcache *c, int layer, const m40llm_append_item *items,
                           int n_items, const float *q, float *out, float scale, int window) {
-  (void)c, (void)layer, (void)items, (void)n_items, (void)q, (void)out, (void)scale, (void)window;
-  return m40llm_fail(M40LLM_ERR_UNSUPPORTED, "causal attention has no CUDA kernel yet");
+  M40LLM_CUDA_ENTER(c->ctx);
+  m40llm_cuda_state *st = cuda_state(c->ctx);
+  int rc;
+  if ((rc = m40llm_cuda_check_pointer(st, q, "q")) != M40LLM_OK ||
+      (rc = m40llm_cuda_check_pointer(st, out, "out")) != M40LLM_OK)
+    return rc;
+  return m40llm_cuda_attention_causal(c, layer, items, n_items, q, out, scale, window);
 }
 
 }  // namespace
