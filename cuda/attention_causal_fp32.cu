@@ -228,6 +228,7 @@ __global__ void __launch_bounds__(kCausalThreads, kCausalMinBlocksPerSm)
       }
 #pragma unroll
       for (int off = 1; off < TPR; off <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+      __syncwarp();  // every lane has read s_m, s_l before the first replaces them (shuffles don't fence)
       if (spart == 0) s_m[srow] = st.m, s_l[srow] = st.l + sum, s_alpha[srow] = alpha;
     }
     __syncthreads();
