@@ -145,6 +145,21 @@ struct Grouping {
   int group, gt, head_tiles, units;
 };
 
+inline Grouping grouping_for(const m40llm_kvcache_options *o) {
+  Grouping g;
+  g.group = o->n_heads / o->n_kv_heads;
+  g.gt = 1;
+  while (g.gt < g.group && g.gt < kMaxGroupTile) g.gt <<= 1;
+  g.head_tiles = (g.group + g.gt - 1) / g.gt;
+  g.units = o->n_kv_heads * g.head_tiles;
+  return g;
+}
+
+// Bytes of the combine's partials of `splits` rows: output, max and sum of every head.
+inline size_t attn_partial_bytes(int splits, int n_heads, int head_dim) {
+  return (size_t)splits * n_heads * ((size_t)head_dim + 2) * sizeof(float);
+}
+
 // A split kernel as the dispatcher launches it: its block shape and how many blocks fill the GPU.
 struct SplitPass {
   SplitKernel kernel;

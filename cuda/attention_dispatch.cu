@@ -7,16 +7,6 @@
 
 namespace {
 
-Grouping grouping_for(const m40llm_kvcache_options *o) {
-  Grouping g;
-  g.group = o->n_heads / o->n_kv_heads;
-  g.gt = 1;
-  while (g.gt < g.group && g.gt < kMaxGroupTile) g.gt <<= 1;
-  g.head_tiles = (g.group + g.gt - 1) / g.gt;
-  g.units = o->n_kv_heads * g.head_tiles;
-  return g;
-}
-
 // The tensor-core family's passes where this build has the family (M40LLM_TENSOR_CORES) and it
 // runs on this GPU; otherwise p->pass.kernel is null.
 template <typename P>
@@ -41,10 +31,6 @@ int split_passes_for(m40llm_cuda_state *st, const m40llm_kvcache_options *o, con
 // Rows per split of protected tokens' kept parts: a few tiles, so that a window's rows, which
 // are few, run in parallel rather than one tile after another in one block.
 int kept_chunk(int tile) { return tile >= kKeptSplitRows ? tile : kKeptSplitRows / tile * tile; }
-
-size_t partial_bytes(int splits, int n_heads, int head_dim) {
-  return (size_t)splits * n_heads * ((size_t)head_dim + 2) * sizeof(float);
-}
 
 // One launch's worth of sequences (at most M40LLM_PLAN_MAX_ITEMS: the plan is a kernel argument).
 template <typename P>
@@ -107,7 +93,7 @@ int attend(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, const int
   a.part_o = a.part_m = a.part_l = nullptr;
   if (plan.max_splits > 1) {
     void *ws = nullptr;
-    rc = m40llm_cuda_workspace(st, partial_bytes(plan.total_splits, o->n_heads, o->head_dim), &ws);
+    rc = m40llm_cuda_workspace(st, attn_partial_bytes(plan.total_splits, o->n_heads, o->head_dim), &ws);
     if (rc != M40LLM_OK) return rc;
     const size_t n_part = (size_t)plan.total_splits * o->n_heads;
     a.part_o = static_cast<float *>(ws);
@@ -169,7 +155,7 @@ int m40llm_cuda_reserve_for(m40llm_kvcache *c) {
                     m40llm_attn_protect_extra(c->n_sinks, c->window, kept_chunk(1));
     void *ws = nullptr;
     return m40llm_cuda_workspace(cuda_state(c->ctx),
-                                 partial_bytes(max_splits, o->n_heads, o->head_dim), &ws);
+                                 attn_partial_bytes(max_splits, o->n_heads, o->head_dim), &ws);
   });
 }
 

@@ -293,6 +293,17 @@ int cuda_attention(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, i
   return m40llm_cuda_attention(c, layer, seq_ids, n_seqs, q, out, scale);
 }
 
+int cuda_attention_causal(const m40llm_kvcache *c, int layer, const m40llm_append_item *items,
+                          int n_items, const float *q, float *out, float scale, int window) {
+  M40LLM_CUDA_ENTER(c->ctx);
+  m40llm_cuda_state *st = cuda_state(c->ctx);
+  int rc;
+  if ((rc = m40llm_cuda_check_pointer(st, q, "q")) != M40LLM_OK ||
+      (rc = m40llm_cuda_check_pointer(st, out, "out")) != M40LLM_OK)
+    return rc;
+  return m40llm_cuda_attention_causal(c, layer, items, n_items, q, out, scale, window);
+}
+
 }  // namespace
 
 int m40llm_cuda_workspace(m40llm_cuda_state *st, size_t bytes, void **out) {
@@ -316,4 +327,5 @@ const m40llm_backend_ops m40llm_cuda_backend = {
     cuda_synchronize,    cuda_stream,  cuda_device_info,        cuda_malloc, cuda_free,
     cuda_memcpy,         cuda_memset,  cuda_check_cache,        m40llm_cuda_reserve_for,
     cuda_append,         cuda_read_f16, cuda_fork,              cuda_attention,
+    cuda_attention_causal,
 };

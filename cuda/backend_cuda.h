@@ -6,6 +6,9 @@
 int m40llm_cuda_reserve_for(m40llm_kvcache *c);  // attention_dispatch.cu
 int m40llm_cuda_attention(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, int n_seqs,
                           const float *q, float *out, float scale);
+int m40llm_cuda_attention_causal(const m40llm_kvcache *c, int layer,
+                                 const m40llm_append_item *items, int n_items, const float *q,
+                                 float *out, float scale, int window);  // attention_causal_dispatch.cu
 int m40llm_cuda_append(const m40llm_kvcache *c, int layer, const m40llm_append_item *items,
                        int n_items, const void *k, const void *v, int src_is_f32);  // append.cu
 // Positions [pos, pos + n_tokens) of tensor t decoded to FP16 rows (read.cu).

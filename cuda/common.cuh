@@ -16,6 +16,9 @@ struct m40llm_cuda_state {
   size_t workspace_bytes;
   // The FP32 split kernels' resident blocks per SM, by [K format][V format][log2 tile][dim / 8].
   int fp32_occupancy[3][3][4][33];
+  // The FP32 causal kernels' resident blocks per SM, by [K format][V format][log2 tile]
+  // [head-dim class 64, 128, 256].
+  int causal_occupancy[3][3][4][3];
   struct {
     signed char usable;  // whether this build runs it here: 0 = not asked yet, 1 yes, -1 no
     signed char stages;  // K/V steps per warp it stages in shared memory (0: in registers)

@@ -42,6 +42,20 @@ __host__ __device__ constexpr int pv_columns(int group_tile) {
   return group_tile == 1 ? 8 : group_tile == 2 ? 4 : 2;
 }
 
+// ---- FP32 causal kernel (attention_causal_fp32.cu) ----
+// 256 threads in 64 registers (shared memory holds it to 2-3 blocks an SM on sm_52): with 128
+// threads the output took 32 registers a thread and every class spilled 76-116 bytes.
+constexpr int kCausalThreads = 256;
+constexpr int kCausalMinBlocksPerSm = 4;
+// Query vectors x head-dim class a block holds: 64 x 64, 32 x 128, 16 x 256 (the output is 16
+// registers a thread; q, a K/V tile and the scores fit in 26-38 KB of shared memory).
+constexpr int kCausalVectorDims = 4096;
+// Positions per K/V tile: 32 x 128 dims, 16 elsewhere (64 dims: the scores stay at 8 a thread;
+// 256: the tile at 16 KB).
+__host__ __device__ constexpr int causal_tile(int dmax) { return dmax == 128 ? 32 : 16; }
+// Positions a split of a causal call takes at least (its partials stay a few % of its K/V).
+constexpr int kCausalMinSplitRows = 256;
+
 // ---- Split planning (attention_dispatch.cu) ----
 // Positions per query head a split takes at least: the partials it writes and the combine
 // reads back stay near 3% of its K/V bytes.

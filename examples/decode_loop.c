@@ -5,7 +5,8 @@
  *
  * A 4-layer model with 8 query heads sharing 2 KV heads (GQA), head_dim 64, serving 4 sequences
  * whose prompts have different lengths. The prompts go in with one batched append per layer
- * (ragged counts); then each decode step goes through the layers: one batched append stores
+ * (ragged counts) and one causal attention call over all of them (each prompt row attends to
+ * the prompt up to itself); then each decode step goes through the layers: one batched append stores
  * every sequence's new token's K and V (FP32, rounded to FP16 by the library), then one batched
  * attention call computes all sequences' outputs for that layer.
  * Uses the GPU when one is present (backend auto), else the CPU backend.
@@ -94,13 +95,17 @@ int main(int argc, char **argv) {
   }
 
   const int32_t prompt[N_SEQS] = {37, 5, 120, 1};
-  int max_prompt = 0;
-  for (int s = 0; s < N_SEQS; s++) max_prompt = prompt[s] > max_prompt ? prompt[s] : max_prompt;
+  int max_prompt = 0, prompt_rows = 0;
+  for (int s = 0; s < N_SEQS; s++) {
+    max_prompt = prompt[s] > max_prompt ? prompt[s] : max_prompt;
+    prompt_rows += prompt[s];
+  }
 
   int rc = 1;
   m40llm_context *ctx = NULL;
   m40llm_kvcache *cache = NULL;
   float *k_pool = NULL, *v_pool = NULL, *q_pool = NULL, *out = NULL;
+  float *prompt_q = NULL, *prompt_out = NULL, *host_prompt = NULL;
   float *host_out = NULL;
   const size_t kv_row = (size_t)N_KV_HEADS * HEAD_DIM; /* floats per token's K (or V) */
   const size_t q_row = (size_t)N_HEADS * HEAD_DIM;     /* floats per sequence's q (or out) */
@@ -137,16 +142,24 @@ int main(int argc, char **argv) {
   CHECK(upload_random(ctx, &v_pool, (size_t)(max_prompt + POOL) * kv_row));
   CHECK(upload_random(ctx, &q_pool, (size_t)(POOL + N_SEQS) * q_row));
   CHECK(m40llm_malloc((void **)&out, ctx, (size_t)N_SEQS * q_row * sizeof(float)));
+  CHECK(upload_random(ctx, &prompt_q, (size_t)prompt_rows * q_row));
+  CHECK(m40llm_malloc((void **)&prompt_out, ctx, (size_t)prompt_rows * q_row * sizeof(float)));
   host_out = malloc((size_t)N_SEQS * q_row * sizeof(float));
-  if (!host_out) goto cleanup;
+  host_prompt = malloc((size_t)prompt_rows * q_row * sizeof(float));
+  if (!host_out || !host_prompt) goto cleanup;
 
   int32_t seq_ids[N_SEQS];
   for (int s = 0; s < N_SEQS; s++) seq_ids[s] = s;
 
   /* Prefill: every sequence's prompt in one call per layer, the prompts' rows packed in order
-   * (the pool's first rows; their sum fits its max_prompt + POOL rows). */
-  for (int l = 0; l < N_LAYERS; l++)
+   * (the pool's first rows; their sum fits its max_prompt + POOL rows), then the prompts'
+   * attention in one causal call: prompt_q's rows packed the same way, each attending to its
+   * prompt up to its own position. */
+  for (int l = 0; l < N_LAYERS; l++) {
     CHECK(m40llm_kvcache_append_batch_f32(cache, l, seq_ids, prompt, N_SEQS, k_pool, v_pool));
+    CHECK(m40llm_kvcache_attn_causal_f32q(prompt_out, cache, l, seq_ids, prompt, N_SEQS,
+                                          prompt_q, NULL));
+  }
 
   CHECK(m40llm_context_synchronize(ctx));
   const double t0 = now_seconds();
@@ -176,6 +189,15 @@ int main(int argc, char **argv) {
       }
     }
   }
+  /* The last layer's prompt outputs are finite too. */
+  CHECK(m40llm_memcpy_to_host(ctx, host_prompt, prompt_out,
+                              (size_t)prompt_rows * q_row * sizeof(float)));
+  for (size_t i = 0; i < (size_t)prompt_rows * q_row; i++) {
+    if (!isfinite(host_prompt[i])) {
+      fprintf(stderr, "prompt output %zu is not finite\n", i);
+      goto cleanup;
+    }
+  }
   CHECK(m40llm_memcpy_to_host(ctx, host_out, out, (size_t)N_SEQS * q_row * sizeof(float)));
   double checksum = 0.0;
   for (size_t i = 0; i < (size_t)N_SEQS * q_row; i++) {
@@ -190,6 +212,8 @@ int main(int argc, char **argv) {
          "head_dim %d, KV cache %.1f MiB\n",
          N_LAYERS, N_SEQS, (int)prompt[0], (int)prompt[1], (int)prompt[2], (int)prompt[3],
          N_HEADS, N_KV_HEADS, HEAD_DIM, (double)cache_bytes / 1048576.0);
+  printf("prefill: %d prompt rows, one batched append and one causal attention call a layer\n",
+         prompt_rows);
   printf("%d decode steps x %d layers: %d batched appends + %d batched attention calls\n",
          steps, N_LAYERS, steps * N_LAYERS, steps * N_LAYERS);
   printf("%d tokens in %.4f s: %.1f tokens/s (%.3f ms per step, all sequences), checksum %.6g\n",
@@ -199,11 +223,14 @@ int main(int argc, char **argv) {
 
 cleanup:
   free(host_out);
+  free(host_prompt);
   if (ctx) {
     m40llm_free(ctx, k_pool);
     m40llm_free(ctx, v_pool);
     m40llm_free(ctx, q_pool);
     m40llm_free(ctx, out);
+    m40llm_free(ctx, prompt_q);
+    m40llm_free(ctx, prompt_out);
   }
   m40llm_kvcache_destroy(cache);
   m40llm_context_destroy(ctx);

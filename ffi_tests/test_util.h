@@ -162,6 +162,10 @@ void t_cases_quantized(m40llm_context *ctx, int small);
  * small: fewer rounds. */
 void t_cases_append_batch(m40llm_context *ctx, int small);
 
+/* Causal attention (cases_causal.c): ragged prefill and speculative shapes, windows, every
+ * format, against float64 references and the decode call; its errors. cpu: a CPU context. */
+void t_cases_causal(m40llm_context *ctx, m40llm_context *cpu, int small);
+
 /* Positions whose K holds -inf (weight 0), first, last, at tile starts, whole splits, all. */
 void t_cases_attention_masked(m40llm_context *ctx);
 

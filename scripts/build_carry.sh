@@ -6,6 +6,7 @@
 #   .gpu-carry/rust/   the Rust test binaries (same compute_52 PTX)
 #   .gpu-carry/bench52/bench_attention  the benchmark, same PTX (bench/formats.sh, bench/ab.sh)
 #   .gpu-carry/bench52/bench_append     the append benchmark, same PTX (gpu_check.sh append)
+#   .gpu-carry/bench52/bench_causal     the causal-attention benchmark (gpu_check.sh causal)
 # Pass it to the device run as carry: [".gpu-carry"].
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -14,7 +15,8 @@ rm -rf "$carry" && mkdir -p "$carry/ptx52" "$carry/rust" "$carry/bench52"
 cmake -S "$root" -B "$root/build-ptx52" -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DCMAKE_CUDA_ARCHITECTURES=52-virtual -DM40LLM_BUILD_BENCH=ON >/dev/null
 cmake --build "$root/build-ptx52"
-cp "$root/build-ptx52/bench/bench_attention" "$root/build-ptx52/bench/bench_append" "$carry/bench52/"
+cp "$root/build-ptx52/bench/bench_attention" "$root/build-ptx52/bench/bench_append" \
+  "$root/build-ptx52/bench/bench_causal" "$carry/bench52/"
 for f in "$root"/build-ptx52/ffi_tests/test_* "$root/build-ptx52/examples/decode_loop"; do
   [ -x "$f" ] && [ -f "$f" ] && cp "$f" "$carry/ptx52/"
 done

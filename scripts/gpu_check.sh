@@ -10,6 +10,10 @@
 #   append    bench_append (a decode step's append, batched vs one call per sequence), native
 #             and compute_52-PTX builds: tables in append.log, JSON in $OUT/append_*.json
 #   formats   bench/formats.sh: F16, Q8, Q4, Q8Q4 side by side, native and compute_52-PTX builds
+#   causal    causal attention (issue 17): test_gpu (all its cases; the causal ones in
+#             ffi_tests/cases_causal.c) native and compute_52-PTX, then bench_causal on both
+#             builds: tables in causal.log, JSON in $OUT/causal_native.json and
+#             causal_ptx52.json (the sanitize step covers the causal cases too)
 #   ab        bench/ab.sh: the previous main (.ab/base, carried) against this tree, native, and
 #             the carried compute_52-PTX benchmarks (.ab/bins/base, .gpu-carry/bench52)
 #   m40       bench/m40_proxy.py: the M40 proxy grid (compute_52 PTX on this GPU against its copy
@@ -83,6 +87,19 @@ formats() {  # needs build-native (the native step)
     bash bench/formats.sh .gpu-carry/bench52/bench_attention "$out/formats_ptx52"
 }
 
+causal() {  # builds only its targets in build-native (the native step builds them too)
+  local rc=0 bin
+  cmake -S . -B build-native -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES="$arch" &&
+    cmake --build build-native --target test_gpu bench_causal || return 1
+  for bin in build-native/ffi_tests/test_gpu .gpu-carry/ptx52/test_gpu; do
+    echo "--- $bin"
+    "$bin" || rc=1
+  done
+  build-native/bench/bench_causal "$out/causal_native.json" || rc=1
+  .gpu-carry/bench52/bench_causal "$out/causal_ptx52.json" || rc=1
+  return $rc
+}
+
 ab() {
   local rc=0
   bash bench/ab.sh .ab/base /tmp/ab_native 2 || rc=1
@@ -111,6 +128,7 @@ for s in $steps; do
     bench) run_step bench bash bench/run_gpu.sh "$out" ;;
     append) run_step append append_bench ;;
     formats) run_step formats formats ;;
+    causal) run_step causal causal ;;
     ab) run_step ab ab ;;
     m40) run_step m40 m40_proxy ;;
     *) echo "unknown step $s"; exit 2 ;;

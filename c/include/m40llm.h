@@ -450,6 +450,50 @@ int m40llm_kvcache_append_attn_f32q(float *out, m40llm_kvcache *cache, int layer
                                     const int32_t *seq_ids, int n_seqs, const float *k,
                                     const float *v, const float *q, float scale);
 
+/* ---- Causal attention over the cache: prefill, speculative verification ---------------- */
+
+/* Options of m40llm_kvcache_attn_causal_f32q. Later versions may add fields (initialise with
+ * M40LLM_CAUSAL_OPTIONS_INIT or m40llm_causal_options_init). */
+#define M40LLM_CAUSAL_OPTIONS_VERSION 1
+typedef struct m40llm_causal_options {
+  unsigned version; /* M40LLM_CAUSAL_OPTIONS_VERSION */
+  float scale;      /* as the decode call's: 0 means 1/sqrt(head_dim); NaN or infinite fails */
+  int window;       /* sliding window: 0 (the default) off; W >= 1: a query row at position p
+                       sees positions max(0, p - W + 1) .. p only (Mistral-style local
+                       attention, the row's own position included); negative fails */
+} m40llm_causal_options;
+#define M40LLM_CAUSAL_OPTIONS_INIT { M40LLM_CAUSAL_OPTIONS_VERSION, 0.0f, 0 }
+/** Fills *opts with the defaults of the given version (1). */
+int m40llm_causal_options_init(m40llm_causal_options *opts, unsigned version);
+
+/** Causal attention of several new query rows per sequence over the cache, for n_seqs (>= 1)
+ *  sequences of one layer in one call: a prompt's prefill (ragged prompt batches included) or
+ *  the verification of speculative draft tokens. The new tokens' K/V must already be appended
+ *  (e.g. by m40llm_kvcache_append_batch_f32 with the same ids and counts): sequence seq_ids[s]
+ *  of cached length L (this layer's) with T = q_counts[s] rows has them at positions
+ *  L - T .. L - 1, and its query row i (0 <= i < T) attends over positions 0 .. L - T + i
+ *  (with opts->window W >= 1, only the last W of them), each query head h over K/V head
+ *  h / (n_heads / n_kv_heads) as in the decode call. A row with T = 1 and no window is
+ *  m40llm_kvcache_attn_batch_f32q's row for that sequence, bit for bit on the CPU backend.
+ *  seq_ids and q_counts are host arrays of n_seqs entries; q_counts NULL means one row each.
+ *  Each count is 1 .. L (fails with M40LLM_ERR_INVALID_ARGUMENT otherwise); each sequence is
+ *  named once (a repeat fails with M40LLM_ERR_INVALID_ARGUMENT), so n_seqs <= max_seqs.
+ *  q and out are [rows][n_heads][head_dim] FP32 in backend memory, rows the sum of the counts:
+ *  seq_ids[0]'s T rows first (row i at index i), then seq_ids[1]'s, and so on; the whole of q
+ *  and the whole of out must not overlap. opts may be NULL for the defaults. K/V are read as
+ *  the cache holds them at the time of the call: a quantized cache's protected positions (its
+ *  sinks and the newest `window` positions of m40llm_kvcache_options) from their FP16 copies,
+ *  the others dequantized, for every row alike. Arithmetic, masking rules (-inf scores, V
+ *  finite), accuracy and the CPU backend's float64 as for the decode call; the CUDA backend
+ *  runs FP32 kernels on every GPU (no tensor cores yet). The library reads seq_ids and q_counts
+ *  once, into the cache's own copy, before it writes anything (they may share memory with out),
+ *  and checks everything first: on any error nothing is written. No allocation. Threading and
+ *  ordering as for every call on the cache (stream-ordered on CUDA). */
+int m40llm_kvcache_attn_causal_f32q(float *out, m40llm_kvcache *cache, int layer,
+                                    const int32_t *seq_ids, const int32_t *q_counts,
+                                    int n_seqs, const float *q,
+                                    const m40llm_causal_options *opts);
+
 #ifdef __cplusplus
 }
 #endif

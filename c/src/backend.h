@@ -17,7 +17,8 @@ extern "C" {
 
 enum { M40LLM_COPY_H2D, M40LLM_COPY_D2H, M40LLM_COPY_D2D };
 
-/* One sequence's share of an append (the backends' append op). */
+/* One sequence's share of an append (the backends' append op: rows written from position pos
+ * on), or of a causal attention (query rows at positions pos .. pos + n_tokens - 1). */
 typedef struct m40llm_append_item {
   int32_t seq, pos, n_tokens;
 } m40llm_append_item;
@@ -58,6 +59,12 @@ typedef struct m40llm_backend_ops {
   /* Decode attention of n_seqs query rows; each seq_ids[i] is valid, scale final. */
   int (*attention)(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, int n_seqs,
                    const float *q, float *out, float scale);
+  /* Causal attention (m40llm_kvcache_attn_causal_f32q) of checked items: each names a distinct
+   * sequence, n_tokens >= 1 query rows and pos = its length - n_tokens (the first row's
+   * position; row i sees positions [max(0, pos + i - window + 1) if window > 0 else 0,
+   * pos + i]); the items' rows packed in q and out in item order. n_items >= 1, scale final. */
+  int (*attention_causal)(const m40llm_kvcache *c, int layer, const m40llm_append_item *items,
+                          int n_items, const float *q, float *out, float scale, int window);
 } m40llm_backend_ops;
 
 extern const m40llm_backend_ops m40llm_cpu_backend;

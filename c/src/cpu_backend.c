@@ -203,16 +203,16 @@ static int cpu_fork(const m40llm_kvcache *c, int dst_seq, int src_seq) {
   return M40LLM_OK;
 }
 
-/* One query head against the len positions of K/V head h of (layer, seq), in double, with a
- * running (online) softmax so no per-position scratch is needed; q and the output in the
+/* One query head against positions [begin, end) of K/V head h of (layer, seq), in double,
+ * with a running (online) softmax so no per-position scratch is needed; q and the output in the
  * tensors' rotated frames (the caller rotates). A -inf score has weight 0; a row whose every
  * score is -inf yields zeros. */
-static void attend_head(const m40llm_kvcache *c, int layer, int seq, int h, int len,
+static void attend_head(const m40llm_kvcache *c, int layer, int seq, int h, int begin, int end,
                         const double *q, double *out, double scale, float *row) {
   const int d = c->opts.head_dim;
   for (int i = 0; i < d; i++) out[i] = 0.0;
   double max = -INFINITY, sum = 0.0;
-  for (int p = 0; p < len; p++) {
+  for (int p = begin; p < end; p++) {
     row_values(c, &c->k, layer, seq, h, p, row);
     double s = 0.0;
     for (int i = 0; i < d; i++) s += q[i] * (double)row[i];
@@ -233,24 +233,44 @@ static void attend_head(const m40llm_kvcache *c, int layer, int seq, int h, int 
   for (int i = 0; i < d; i++) out[i] = sum > 0.0 ? out[i] / sum : 0.0;
 }
 
-static int cpu_attention(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, int n_seqs,
-                         const float *q, float *out, float scale) {
+/* Query row `row` (every head) of q against positions [begin, end) of (layer, seq). */
+static void attend_row(const m40llm_kvcache *c, int layer, int seq, int begin, int end,
+                       size_t row, const float *q, float *out, float scale) {
   const m40llm_kvcache_options *o = &c->opts;
   const int group = o->n_heads / o->n_kv_heads;
   const int d = o->head_dim;
   double qd[256], acc[256];
-  float row[256];
-  for (int i = 0; i < n_seqs; i++) {
-    const int len = *m40llm_len_slot(c, layer, seq_ids[i]);
-    for (int h = 0; h < o->n_heads; h++) {
-      const size_t r = ((size_t)i * (size_t)o->n_heads + (size_t)h) * (size_t)d;
-      for (int j = 0; j < d; j++) qd[j] = q[r + j];
-      if (c->k.rotated) m40llm_rotate_f64(qd, d);
-      attend_head(c, layer, seq_ids[i], h / group, len, qd, acc, (double)scale, row);
-      if (c->v.rotated) m40llm_rotate_f64(acc, d);
-      for (int j = 0; j < d; j++) out[r + j] = (float)acc[j];
-    }
+  float kv[256];
+  for (int h = 0; h < o->n_heads; h++) {
+    const size_t r = (row * (size_t)o->n_heads + (size_t)h) * (size_t)d;
+    for (int j = 0; j < d; j++) qd[j] = q[r + j];
+    if (c->k.rotated) m40llm_rotate_f64(qd, d);
+    attend_head(c, layer, seq, h / group, begin, end, qd, acc, (double)scale, kv);
+    if (c->v.rotated) m40llm_rotate_f64(acc, d);
+    for (int j = 0; j < d; j++) out[r + j] = (float)acc[j];
   }
+}
+
+static int cpu_attention(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, int n_seqs,
+                         const float *q, float *out, float scale) {
+  for (int i = 0; i < n_seqs; i++)
+    attend_row(c, layer, seq_ids[i], 0, *m40llm_len_slot(c, layer, seq_ids[i]), (size_t)i, q,
+               out, scale);
+  return M40LLM_OK;
+}
+
+/* Row t of an item sees positions up to its own, pos + t, and with a window only the last
+ * `window` of them. */
+static int cpu_attention_causal(const m40llm_kvcache *c, int layer,
+                                const m40llm_append_item *items, int n_items, const float *q,
+                                float *out, float scale, int window) {
+  size_t row = 0;
+  for (int i = 0; i < n_items; i++)
+    for (int t = 0; t < items[i].n_tokens; t++, row++) {
+      const int end = items[i].pos + t + 1;
+      const int begin = window > 0 && end > window ? end - window : 0;
+      attend_row(c, layer, items[i].seq, begin, end, row, q, out, scale);
+    }
   return M40LLM_OK;
 }
 
@@ -273,4 +293,5 @@ const m40llm_backend_ops m40llm_cpu_backend = {
     .read_f16 = cpu_read_f16,
     .fork = cpu_fork,
     .attention = cpu_attention,
+    .attention_causal = cpu_attention_causal,
 };

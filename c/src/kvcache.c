@@ -443,13 +443,13 @@ static int check_attention(const m40llm_kvcache *c, int layer, const float *q, c
       (uintptr_t)n_rows * row > UINTPTR_MAX - oa)
     return FAIL(INVALID_ARGUMENT,
                 "%d row(s) of %ju bytes (n_heads x head_dim floats) from q or out pass the end of "
-                "the address space: n_seqs is too large",
+                "the address space: n_seqs (or the rows counted) is too large",
                 n_rows, (uintmax_t)row);
   const uintptr_t n = (uintptr_t)n_rows * row;
   if (qa < oa + n && oa < qa + n)
     return FAIL(INVALID_ARGUMENT,
                 "q and out overlap: %d row(s) of %ju bytes make each %ju bytes, but they start "
-                "%ju bytes apart (is n_seqs larger than the buffers?)",
+                "%ju bytes apart (is n_seqs, or are the rows counted, more than the buffers hold?)",
                 n_rows, (uintmax_t)row, (uintmax_t)n, (uintmax_t)(qa > oa ? qa - oa : oa - qa));
   return M40LLM_OK;
 }
@@ -513,6 +513,95 @@ int m40llm_kvcache_append_attn_f32q(float *out, m40llm_kvcache *cache, int layer
   return m40llm_context_result(cache->ctx, cache->ctx->ops->attention(cache, layer,
                                                                        cache->batch_ids, n_items,
                                                                        q, out, scale));
+}
+
+int m40llm_causal_options_init(m40llm_causal_options *opts, unsigned version) {
+  if (!opts) return FAIL(INVALID_ARGUMENT, "opts is NULL");
+  if (version != 1)
+    return FAIL(INVALID_ARGUMENT,
+                "causal options version %u is not supported (this library knows 1 to %u)",
+                version, M40LLM_CAUSAL_OPTIONS_VERSION);
+  const m40llm_causal_options defaults = M40LLM_CAUSAL_OPTIONS_INIT;
+  *opts = defaults;
+  return M40LLM_OK;
+}
+
+/* Reads the causal call's ids and counts once into c->batch and checks them against the
+ * layer's lengths (the layer is checked): each id in range and named once, each count 1..len.
+ * Leaves the items there, positions set, and the rows' sum in *out_rows. */
+static int prepare_causal(m40llm_kvcache *c, int layer, const int32_t *seq_ids,
+                          const int32_t *q_counts, int n_seqs, int *out_rows) {
+  if (!seq_ids) return FAIL(INVALID_ARGUMENT, "seq_ids is NULL");
+  if (n_seqs < 1) return FAIL(INVALID_ARGUMENT, "n_seqs is %d, must be >= 1", n_seqs);
+  if (n_seqs > c->opts.max_seqs)
+    return FAIL(INVALID_ARGUMENT,
+                "n_seqs %d is more than max_seqs %d: a call names each sequence once", n_seqs,
+                c->opts.max_seqs);
+  for (int i = 0; i < n_seqs; i++) {
+    c->batch[i].seq = seq_ids[i];
+    c->batch[i].n_tokens = q_counts ? q_counts[i] : 1;
+  }
+  long long rows = 0;
+  int rc = M40LLM_OK;
+  for (int i = 0; i < n_seqs && rc == M40LLM_OK; i++) {
+    m40llm_append_item *it = &c->batch[i];
+    if (it->seq < 0 || it->seq >= c->opts.max_seqs) {
+      rc = FAIL(OUT_OF_RANGE, "seq_ids[%d] = %d is outside 0..%d", i, (int)it->seq,
+                c->opts.max_seqs - 1);
+      break;
+    }
+    int *seen = &c->batch_seen[it->seq];
+    if (*seen) {
+      rc = FAIL(INVALID_ARGUMENT, "seq_ids[%d] = %d repeats seq_ids[%d]: a call names each "
+                "sequence once", i, (int)it->seq, *seen - 1);
+      break;
+    }
+    *seen = i + 1;
+    const int len = *m40llm_len_slot(c, layer, it->seq);
+    if (it->n_tokens < 1 || it->n_tokens > len)
+      rc = FAIL(INVALID_ARGUMENT,
+                "q_counts[%d] is %d, must be 1..%d (the length of layer %d seq %d, whose last "
+                "q_counts[%d] positions are the query rows' own: append them first)",
+                i, (int)it->n_tokens, len, layer, (int)it->seq, i);
+    it->pos = len - it->n_tokens;
+    rows += it->n_tokens;
+  }
+  for (int i = 0; i < n_seqs; i++) /* only ids in range were marked */
+    if (c->batch[i].seq >= 0 && c->batch[i].seq < c->opts.max_seqs)
+      c->batch_seen[c->batch[i].seq] = 0;
+  if (rc != M40LLM_OK) return rc;
+  if (rows > INT32_MAX) return FAIL(INVALID_ARGUMENT, "the counts add up to %lld rows", rows);
+  *out_rows = (int)rows;
+  return M40LLM_OK;
+}
+
+int m40llm_kvcache_attn_causal_f32q(float *out, m40llm_kvcache *cache, int layer,
+                                    const int32_t *seq_ids, const int32_t *q_counts,
+                                    int n_seqs, const float *q,
+                                    const m40llm_causal_options *opts) {
+  if (!cache) return FAIL(INVALID_ARGUMENT, "cache is NULL");
+  m40llm_causal_options o = M40LLM_CAUSAL_OPTIONS_INIT;
+  if (opts) {
+    if (opts->version != 1)
+      return FAIL(INVALID_ARGUMENT,
+                  "opts->version %u is not supported (this library knows 1 to %u; use "
+                  "M40LLM_CAUSAL_OPTIONS_INIT)",
+                  opts->version, M40LLM_CAUSAL_OPTIONS_VERSION);
+    o = *opts;
+  }
+  if (o.window < 0)
+    return FAIL(INVALID_ARGUMENT, "opts->window is %d, must be >= 0 (0: no window)", o.window);
+  if (layer < 0 || layer >= cache->opts.n_layers)
+    return FAIL(OUT_OF_RANGE, "layer %d is outside 0..%d", layer, cache->opts.n_layers - 1);
+  int rows = 0;
+  int rc = prepare_causal(cache, layer, seq_ids, q_counts, n_seqs, &rows);
+  if (rc != M40LLM_OK || (rc = check_attention(cache, layer, q, out, rows, &o.scale)) != M40LLM_OK ||
+      (rc = m40llm_context_check(cache->ctx)) != M40LLM_OK)
+    return rc;
+  return m40llm_context_result(cache->ctx,
+                               cache->ctx->ops->attention_causal(cache, layer, cache->batch,
+                                                                 n_seqs, q, out, o.scale,
+                                                                 o.window));
 }
 
 /* ---- For the capacity planner (capacity.c) ---- */

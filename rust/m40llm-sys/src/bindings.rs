@@ -12,6 +12,7 @@ pub const M40LLM_CONTEXT_OPTIONS_VERSION: u32 = 2;
 pub const M40LLM_DEVICE_INFO_VERSION: u32 = 2;
 pub const M40LLM_KVCACHE_OPTIONS_VERSION: u32 = 3;
 pub const M40LLM_DEVICE_RESERVE_DEFAULT: u32 = 268435456;
+pub const M40LLM_CAUSAL_OPTIONS_VERSION: u32 = 1;
 pub const M40LLM_OK: m40llm_status = 0;
 pub const M40LLM_ERR_INVALID_ARGUMENT: m40llm_status = -1;
 pub const M40LLM_ERR_OUT_OF_RANGE: m40llm_status = -2;
@@ -121,6 +122,13 @@ pub struct m40llm_kvcache_options {
     pub v_format: ::core::ffi::c_int,
     pub rotation: ::core::ffi::c_int,
     pub n_sinks: ::core::ffi::c_int,
+    pub window: ::core::ffi::c_int,
+}
+#[repr(C)]
+#[derive(Debug, Default, Copy, Clone)]
+pub struct m40llm_causal_options {
+    pub version: ::core::ffi::c_uint,
+    pub scale: f32,
     pub window: ::core::ffi::c_int,
 }
 extern "C" {
@@ -431,5 +439,43 @@ extern "C" {
         v: *const f32,
         q: *const f32,
         scale: f32,
+    ) -> ::core::ffi::c_int;
+    /// Fills *opts with the defaults of the given version (1).
+    pub fn m40llm_causal_options_init(
+        opts: *mut m40llm_causal_options,
+        version: ::core::ffi::c_uint,
+    ) -> ::core::ffi::c_int;
+    /** Causal attention of several new query rows per sequence over the cache, for n_seqs (>= 1)
+  sequences of one layer in one call: a prompt's prefill (ragged prompt batches included) or
+  the verification of speculative draft tokens. The new tokens' K/V must already be appended
+  (e.g. by m40llm_kvcache_append_batch_f32 with the same ids and counts): sequence seq_ids[s]
+  of cached length L (this layer's) with T = q_counts[s] rows has them at positions
+  L - T .. L - 1, and its query row i (0 <= i < T) attends over positions 0 .. L - T + i
+  (with opts->window W >= 1, only the last W of them), each query head h over K/V head
+  h / (n_heads / n_kv_heads) as in the decode call. A row with T = 1 and no window is
+  m40llm_kvcache_attn_batch_f32q's row for that sequence, bit for bit on the CPU backend.
+  seq_ids and q_counts are host arrays of n_seqs entries; q_counts NULL means one row each.
+  Each count is 1 .. L (fails with M40LLM_ERR_INVALID_ARGUMENT otherwise); each sequence is
+  named once (a repeat fails with M40LLM_ERR_INVALID_ARGUMENT), so n_seqs <= max_seqs.
+  q and out are [rows][n_heads][head_dim] FP32 in backend memory, rows the sum of the counts:
+  seq_ids[0]'s T rows first (row i at index i), then seq_ids[1]'s, and so on; the whole of q
+  and the whole of out must not overlap. opts may be NULL for the defaults. K/V are read as
+  the cache holds them at the time of the call: a quantized cache's protected positions (its
+  sinks and the newest `window` positions of m40llm_kvcache_options) from their FP16 copies,
+  the others dequantized, for every row alike. Arithmetic, masking rules (-inf scores, V
+  finite), accuracy and the CPU backend's float64 as for the decode call; the CUDA backend
+  runs FP32 kernels on every GPU (no tensor cores yet). The library reads seq_ids and q_counts
+  once, into the cache's own copy, before it writes anything (they may share memory with out),
+  and checks everything first: on any error nothing is written. No allocation. Threading and
+  ordering as for every call on the cache (stream-ordered on CUDA).*/
+    pub fn m40llm_kvcache_attn_causal_f32q(
+        out: *mut f32,
+        cache: *mut m40llm_kvcache,
+        layer: ::core::ffi::c_int,
+        seq_ids: *const i32,
+        q_counts: *const i32,
+        n_seqs: ::core::ffi::c_int,
+        q: *const f32,
+        opts: *const m40llm_causal_options,
     ) -> ::core::ffi::c_int;
 }

@@ -1,9 +1,9 @@
 //! A decode loop shaped like a small decoder: for every step, every layer appends one token of
 //! K/V to each sequence (one batched call) and runs batched attention over all sequences; the attention output of one
 //! layer becomes the query of the next (a stand-in for the layer's other work). Prints the
-//! device and the decode throughput. The prompt is appended on the main thread and the decode
-//! loop runs on a worker thread that owns the context, the cache and the buffers (they are
-//! `Send` and carry no lifetimes).
+//! device and the decode throughput. The prompt is appended (and its causal attention run) on
+//! the main thread and the decode loop runs on a worker thread that owns the context, the
+//! cache and the buffers (they are `Send` and carry no lifetimes).
 //!
 //! ```text
 //! cargo run --release --example decode_loop -- [--backend auto|cuda|cpu] [--device N]
@@ -132,15 +132,23 @@ fn main() -> Result<()> {
 
     let ids: Vec<usize> = (0..seqs).collect();
 
-    // Prefill: the whole prompt of every sequence in one batched append per layer.
+    // Prefill: the whole prompt of every sequence in one batched append per layer, then the
+    // prompt rows' causal attention (each over the prompt up to itself) in one call.
     let t0 = Instant::now();
     if prompt > 0 {
         let k = DeviceBuffer::from_slice(&ctx, &filler(seqs * prompt * kv_row, 1))?;
         let v = DeviceBuffer::from_slice(&ctx, &filler(seqs * prompt * kv_row, 2))?;
+        let q = DeviceBuffer::from_slice(&ctx, &filler(seqs * prompt * q_row, 5))?;
+        let mut out = DeviceBuffer::<f32>::zeros(&ctx, seqs * prompt * q_row)?;
         let counts = vec![prompt; seqs];
         for layer in 0..layers {
             kv.append_batch(layer, &ids, &counts, &k, &v)?;
+            kv.attention_causal(layer, &ids, &counts, &q, &mut out, None, None)?;
         }
+        assert!(
+            out.to_vec()?.iter().all(|x| x.is_finite()),
+            "non-finite prompt attention output"
+        );
     }
     ctx.synchronize()?;
     let prefill = t0.elapsed();

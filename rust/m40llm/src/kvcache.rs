@@ -1130,6 +1130,91 @@ impl KvCache {
         })
     }
 
+    /// Causal attention of several new query rows per sequence (a prompt's prefill, ragged
+    /// prompt batches, speculative verification), one call for the layer: sequence
+    /// `seq_ids[s]`, whose last `q_counts[s]` positions (`T`) are the rows' own tokens, already
+    /// appended, gets `T` rows of `q` and `out`; its row `i` attends over positions
+    /// `0 ..= len - T + i` (with `window` `Some(w)`, only the last `w` of them: sliding-window
+    /// attention). `q` and `out` are `[rows][n_heads][head_dim]`, rows the sum of the counts,
+    /// `seq_ids[0]`'s first, and must not overlap. Each sequence is named once; each count is
+    /// `1 ..= len`. Scale as for [`attention`](Self::attention). With every count 1 and no
+    /// window it is [`attention_batch`](Self::attention_batch) (bit for bit on the CPU
+    /// backend). See `m40llm_kvcache_attn_causal_f32q` in `m40llm.h`.
+    ///
+    /// ```
+    /// use m40llm::{Context, DeviceBuffer, KvCache, KvCacheConfig};
+    /// let ctx = Context::cpu()?;
+    /// let cfg = KvCacheConfig::new(1, 1, 4).max_seqs(1).max_seq_len(8);
+    /// let mut kv = KvCache::new(&ctx, &cfg)?;
+    /// // Three tokens whose V rows are 1, 2 and 3; K is zero, so each row averages what it sees.
+    /// let k = DeviceBuffer::from_slice(&ctx, &[0.0f32; 12])?;
+    /// let v = DeviceBuffer::from_slice(&ctx, &[1.0f32, 1., 1., 1., 2., 2., 2., 2., 3., 3., 3., 3.])?;
+    /// kv.append(0, 0, &k, &v)?;
+    /// let q = DeviceBuffer::from_slice(&ctx, &[0.5f32; 12])?;
+    /// let mut out = DeviceBuffer::<f32>::zeros(&ctx, 12)?;
+    /// kv.attention_causal(0, &[0], &[3], &q, &mut out, None, None)?;
+    /// assert_eq!(out.to_vec()?, [1.0, 1., 1., 1., 1.5, 1.5, 1.5, 1.5, 2., 2., 2., 2.]);
+    /// kv.attention_causal(0, &[0], &[3], &q, &mut out, None, Some(1))?; // each row itself
+    /// assert_eq!(out.to_vec()?, [1.0, 1., 1., 1., 2., 2., 2., 2., 3., 3., 3., 3.]);
+    /// # Ok::<(), m40llm::Error>(())
+    /// ```
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention_causal(
+        &self,
+        layer: usize,
+        seq_ids: &[usize],
+        q_counts: &[usize],
+        q: &impl DeviceRead<f32>,
+        out: &mut impl DeviceWrite<f32>,
+        scale: Option<f32>,
+        window: Option<usize>,
+    ) -> Result<()> {
+        let l = self.layer(layer)?;
+        let (ids, n) = self.seq_ids(seq_ids)?;
+        if q_counts.len() != seq_ids.len() {
+            return Err(Error::invalid(format!(
+                "seq_ids has {} entries but q_counts has {}",
+                seq_ids.len(),
+                q_counts.len()
+            )));
+        }
+        let counts = q_counts
+            .iter()
+            .map(|&c| to_c(c, "q_counts[i]"))
+            .collect::<Result<Vec<c_int>>>()?;
+        let rows = q_counts
+            .iter()
+            .try_fold(0usize, |a, &c| a.checked_add(c))
+            .ok_or_else(|| Error::invalid("the query counts add up past usize"))?;
+        let scale = self.check_attention(rows, q, out, scale)?;
+        let window = match window {
+            None => 0,
+            Some(0) => return Err(Error::invalid("window is Some(0): None means no window")),
+            Some(w) => to_c(w, "window")?,
+        };
+        let opts = sys::m40llm_causal_options {
+            version: sys::M40LLM_CAUSAL_OPTIONS_VERSION,
+            scale,
+            window,
+        };
+        // SAFETY: ids and counts are host arrays of n entries; q and out cover the rows the
+        // counts add up to in this context's memory and don't overlap; opts is a version-1
+        // struct the call only reads.
+        let out = out.device_ptr_mut();
+        self.call(|c| unsafe {
+            sys::m40llm_kvcache_attn_causal_f32q(
+                out,
+                c,
+                l,
+                ids.as_ptr(),
+                counts.as_ptr(),
+                n,
+                q.device_ptr(),
+                &opts,
+            )
+        })
+    }
+
     /// A decode step of one layer in one call: appends one token to each of `seq_ids` (row `i`
     /// of `k` and `v`, `[seq_ids.len()][n_kv_heads][head_dim]`, for `seq_ids[i]`), then attends
     /// row `i` of `q` over every position of `seq_ids[i]`, the new one included, into row `i`

@@ -7,7 +7,8 @@ use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::{
-    check_attention_case, parse_archs, reference_attention, rel_l2, to_f16, Rng, Shape, TOL,
+    check_attention_case, check_causal_case, parse_archs, reference_attention, rel_l2, to_f16, Rng,
+    Shape, TOL,
 };
 use m40llm::{
     build_info, built_with_cuda, cuda_device_count, f16, library_version, Backend, Context,
@@ -582,6 +583,68 @@ fn attention_matches_reference_on_cpu() {
     };
     let e = check_attention_case(&ctx, &mut rng, s, &[4099, 17], false, None);
     println!("worst rel L2 at 4099: {e:e}");
+}
+
+#[test]
+fn causal_attention_on_cpu() {
+    let ctx = cpu();
+    let mut rng = Rng::fresh("causal_attention_on_cpu");
+    for (n_heads, n_kv_heads, head_dim) in [(4, 4, 64), (8, 2, 80), (8, 1, 128)] {
+        let s = Shape {
+            n_heads,
+            n_kv_heads,
+            head_dim,
+        };
+        // Prefill (P = 0), speculative rows on a prefix, a single row, ragged.
+        check_causal_case(&ctx, &mut rng, s, &[0, 40, 7, 100], &[33, 4, 1, 16], None);
+        check_causal_case(&ctx, &mut rng, s, &[0, 40], &[20, 9], Some(5));
+    }
+}
+
+#[test]
+fn causal_attention_arguments() {
+    let ctx = cpu();
+    let cfg = KvCacheConfig::new(1, 2, 8).max_seqs(2).max_seq_len(8);
+    let mut kv = KvCache::new(&ctx, &cfg).unwrap();
+    let kvrow = DeviceBuffer::from_slice(&ctx, &[0.25f32; 3 * 16]).unwrap();
+    kv.append(0, 0, &kvrow, &kvrow).unwrap();
+    let q = DeviceBuffer::from_slice(&ctx, &[0.5f32; 3 * 16]).unwrap();
+    let mut out = DeviceBuffer::from_slice(&ctx, &[7.0f32; 3 * 16]).unwrap();
+    // More rows than the sequence holds, an empty sequence, counts of another length, a
+    // window of Some(0), rows that do not match q: refused, nothing written.
+    let q4 = DeviceBuffer::from_slice(&ctx, &[0.5f32; 4 * 16]).unwrap();
+    let mut out4 = DeviceBuffer::from_slice(&ctx, &[7.0f32; 4 * 16]).unwrap();
+    let e = assert_status(
+        kv.attention_causal(0, &[0], &[4], &q4, &mut out4, None, None),
+        Status::InvalidArgument,
+    );
+    assert!(e.message().contains("q_counts[0]"), "{e}");
+    assert_eq!(out4.to_vec().unwrap(), [7.0f32; 64]);
+    assert_status(
+        kv.attention_causal(0, &[1], &[3], &q, &mut out, None, None),
+        Status::InvalidArgument,
+    );
+    assert_status(
+        kv.attention_causal(0, &[0], &[1, 2], &q, &mut out, None, None),
+        Status::InvalidArgument,
+    );
+    assert_status(
+        kv.attention_causal(0, &[0], &[3], &q, &mut out, None, Some(0)),
+        Status::InvalidArgument,
+    );
+    assert_status(
+        kv.attention_causal(0, &[0], &[2], &q, &mut out, None, None),
+        Status::InvalidArgument,
+    );
+    assert_status(
+        kv.attention_causal(1, &[0], &[3], &q, &mut out, None, None),
+        Status::OutOfRange,
+    );
+    assert_eq!(out.to_vec().unwrap(), [7.0f32; 48]);
+    // Every K the same: each row is the mean of the V rows it sees, here all 0.25.
+    kv.attention_causal(0, &[0], &[3], &q, &mut out, None, Some(2))
+        .unwrap();
+    assert_eq!(out.to_vec().unwrap(), [0.25f32; 48]);
 }
 
 #[test]

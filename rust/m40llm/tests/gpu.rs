@@ -8,8 +8,8 @@ mod common;
 use std::sync::Arc;
 
 use common::{
-    check_attention_case, default_scale, gpu_context, parse_archs, reference_attention, rel_l2,
-    to_f16, Rng, Shape, TOL,
+    check_attention_case, check_causal_case, default_scale, gpu_context, parse_archs,
+    reference_attention, rel_l2, to_f16, Rng, Shape, TOL,
 };
 use m40llm::{
     build_info, f16, Backend, Context, DeviceBuffer, KvCache, KvCacheConfig, KvFormat, KvRotation,
@@ -823,8 +823,34 @@ fn cudarc_interop() {
     ctx.synchronize().unwrap();
 }
 
+fn causal_attention() {
+    let Some(ctx) = gpu_context("causal_attention") else {
+        return;
+    };
+    let mut rng = Rng::fresh("causal_attention");
+    for (n_heads, n_kv_heads, head_dim) in [(8, 8, 64), (32, 8, 128), (16, 2, 256)] {
+        let s = Shape {
+            n_heads,
+            n_kv_heads,
+            head_dim,
+        };
+        // A prompt, speculative rows on long prefixes (split along positions), ragged.
+        let e = check_causal_case(
+            &ctx,
+            &mut rng,
+            s,
+            &[0, 3000, 5, 200],
+            &[300, 4, 1, 33],
+            None,
+        );
+        println!("causal {n_heads}/{n_kv_heads} d {head_dim}: worst rel L2 {e:e}");
+        check_causal_case(&ctx, &mut rng, s, &[0, 100], &[70, 16], Some(24));
+    }
+}
+
 fn main() {
     let tests: &[(&str, fn())] = &[
+        ("causal_attention", causal_attention),
         ("mha_head_dim_64", mha_head_dim_64),
         ("mha_head_dim_128", mha_head_dim_128),
         ("gqa4_head_dim_64", gqa4_head_dim_64),

@@ -387,3 +387,82 @@ pub fn check_append_batch(ctx: &Context, rng: &mut Rng, cfg: &KvCacheConfig) {
         }
     }
 }
+
+/// Causal attention ([`m40llm::KvCache::attention_causal`]) of a ragged batch: sequence `i`
+/// gets `prefix[i]` positions, then `counts[i]` new ones (the query rows' own, one batched
+/// append each), then every row is checked against the float64 reference over the positions
+/// it sees (the last `window` of them, where given). Output poisoned (NaN) first. Returns the
+/// largest relative L2 error of a row.
+#[allow(dead_code)] // each test binary uses what it needs
+pub fn check_causal_case(
+    ctx: &Context,
+    rng: &mut Rng,
+    s: Shape,
+    prefix: &[usize],
+    counts: &[usize],
+    window: Option<usize>,
+) -> f64 {
+    use m40llm::{DeviceBuffer, KvCache, KvCacheConfig};
+
+    let n = prefix.len();
+    let lens: Vec<usize> = prefix.iter().zip(counts).map(|(p, c)| p + c).collect();
+    let cfg = KvCacheConfig::new(1, s.n_heads, s.head_dim)
+        .kv_heads(s.n_kv_heads)
+        .max_seqs(n)
+        .max_seq_len(lens.iter().copied().max().unwrap_or(1));
+    let mut kv = KvCache::new(ctx, &cfg).expect("create cache");
+    let row = cfg.kv_row_len();
+    let ids: Vec<usize> = (0..n).collect();
+    let k: Vec<Vec<f32>> = lens.iter().map(|&l| rng.normal_vec(l * row, 1.0)).collect();
+    let v: Vec<Vec<f32>> = lens.iter().map(|&l| rng.normal_vec(l * row, 1.0)).collect();
+    for (phase, sizes) in [prefix, counts].into_iter().enumerate() {
+        let pick = |x: &[Vec<f32>]| -> Vec<f32> {
+            (0..n)
+                .flat_map(|i| {
+                    let first = if phase == 0 { 0 } else { prefix[i] };
+                    x[i][first * row..(first + sizes[i]) * row].to_vec()
+                })
+                .collect()
+        };
+        let (kp, vp) = (pick(&k), pick(&v));
+        if kp.is_empty() {
+            continue;
+        }
+        let kb = DeviceBuffer::from_slice(ctx, &kp).unwrap();
+        let vb = DeviceBuffer::from_slice(ctx, &vp).unwrap();
+        kv.append_batch(0, &ids, sizes, &kb, &vb).unwrap();
+    }
+    let rows: usize = counts.iter().sum();
+    let q_host = rng.normal_vec(rows * cfg.q_row_len(), 1.0);
+    let q = DeviceBuffer::from_slice(ctx, &q_host).unwrap();
+    let mut out = DeviceBuffer::from_slice(ctx, &vec![f32::NAN; rows * cfg.q_row_len()]).unwrap();
+    kv.attention_causal(0, &ids, counts, &q, &mut out, None, window)
+        .expect("causal attention");
+    let got = out.to_vec().unwrap();
+    let scale = default_scale(s.head_dim);
+    let qr = cfg.q_row_len();
+    let mut worst = 0.0f64;
+    let mut r = 0;
+    for i in 0..n {
+        for t in 0..counts[i] {
+            let end = prefix[i] + t + 1;
+            let begin = window.map_or(0, |w| end.saturating_sub(w));
+            let want = reference_attention(
+                s,
+                &to_f16(&k[i][begin * row..end * row]),
+                &to_f16(&v[i][begin * row..end * row]),
+                &q_host[r * qr..(r + 1) * qr],
+                scale,
+            );
+            let e = rel_l2(&got[r * qr..(r + 1) * qr], &want);
+            assert!(
+                e <= TOL,
+                "seq {i} row {t}: rel L2 {e:e} (prefix {}, window {window:?})",
+                prefix[i]
+            );
+            worst = worst.max(e);
+            r += 1;
+        }
+    }
+    worst
+}

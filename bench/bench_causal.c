@@ -1,0 +1,186 @@
+/* Causal attention over the cache (m40llm_kvcache_attn_causal_f32q, issue 17): the prefill axis
+ * and speculative verification. One sequence of one layer, 32 query heads over 8 K/V heads,
+ * head_dim 128 (and 64), F16 cache:
+ *   prefill  T new rows (512 .. 8192) on a cached prefix of P (0 .. 32768) positions
+ *   spec     T = 2, 4, 16 rows on P = 4096 and 32768, against one decode call
+ *            (m40llm_kvcache_attn_batch_f32q) at the same length: the issue's target is at most
+ *            1.3x
+ * Time: CUDA events around REPS calls on the context's stream, after a warm-up, the median of
+ * SAMPLES such runs, per call. FLOPs: 4 x head_dim per (query head, visible position): the QK
+ * dot and the PV sum, as FLOP/s against the device's FP32 peak (SMs x FP32 lanes x 2 x clock;
+ * the kernel is the FP32 one on every GPU for now).
+ * Usage: bench_causal [out.json [device]] (default bench_causal.json, device 0). */
+#define _POSIX_C_SOURCE 199309L
+#include <cuda_runtime_api.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bench_util.h"
+#include "m40llm.h"
+
+enum { HEADS = 32, KV_HEADS = 8, MAX_T = 8192, MAX_P = 32768, CHUNK = 4096, SAMPLES = 5 };
+
+#define CHECK(x) BENCH_CHECK(x, -1.0)
+#define CUDA_CHECK(x)                                                                    \
+  do {                                                                                   \
+    cudaError_t e_ = (x);                                                                \
+    if (e_ != cudaSuccess) {                                                             \
+      fprintf(stderr, "%s: %s\n", #x, cudaGetErrorString(e_));                           \
+      return -1.0;                                                                       \
+    }                                                                                    \
+  } while (0)
+
+typedef struct {
+  m40llm_context *ctx;
+  m40llm_kvcache *cache;
+  int dim;
+  float *kv;       /* CHUNK random rows of K (and V) */
+  float *q, *out;  /* MAX_T query rows */
+} bench;
+
+/* Sequence 0 refilled to `len` positions. */
+static double fill(bench *b, int len) {
+  CHECK(m40llm_kvcache_seq_reset(b->cache, 0));
+  for (int done = 0; done < len; done += CHUNK) {
+    const int n = len - done < CHUNK ? len - done : CHUNK;
+    CHECK(m40llm_kvcache_append_f32(b->cache, 0, 0, b->kv, b->kv, n));
+  }
+  return 0.0;
+}
+
+static int cmp_double(const void *a, const void *b) {
+  const double x = *(const double *)a, y = *(const double *)b;
+  return x < y ? -1 : x > y;
+}
+
+/* Microseconds a call: causal over the last t rows (t > 0), or the decode call (t = 0). */
+static double time_call(bench *b, int t) {
+  const int32_t id = 0, count = t;
+  cudaStream_t s = (cudaStream_t)m40llm_context_cuda_stream(b->ctx);
+  cudaEvent_t e0, e1;
+  CUDA_CHECK(cudaEventCreate(&e0));
+  CUDA_CHECK(cudaEventCreate(&e1));
+  double samples[SAMPLES];
+  int reps = 1;
+  for (int i = -1; i < SAMPLES; i++) {
+    CUDA_CHECK(cudaEventRecord(e0, s));
+    for (int r = 0; r < reps; r++) {
+      if (t > 0) CHECK(m40llm_kvcache_attn_causal_f32q(b->out, b->cache, 0, &id, &count, 1, b->q, NULL));
+      else CHECK(m40llm_kvcache_attn_batch_f32q(b->out, b->cache, 0, &id, 1, b->q, 0.0f));
+    }
+    CUDA_CHECK(cudaEventRecord(e1, s));
+    CUDA_CHECK(cudaEventSynchronize(e1));
+    float ms = 0.0f;
+    CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+    if (i < 0) {  /* the warm-up sizes the runs: about 20 ms each, 1 to 200 calls */
+      const double per = ms > 0.0f ? ms / reps : 1e-3;
+      reps = (int)(20.0 / per);
+      reps = reps < 1 ? 1 : reps > 200 ? 200 : reps;
+      continue;
+    }
+    samples[i] = 1e3 * ms / reps;
+  }
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  qsort(samples, SAMPLES, sizeof samples[0], cmp_double);
+  return samples[SAMPLES / 2];
+}
+
+/* FP32 lanes per SM by compute capability (the CUDA programming guide's table). */
+static int fp32_lanes(int major, int minor) {
+  if (major == 5 || (major == 6 && minor != 0) || (major == 8 && minor != 0) || major >= 9) return 128;
+  return 64;
+}
+
+int main(int argc, char **argv) {
+  const char *json_path = argc > 1 ? argv[1] : "bench_causal.json";
+  const int device = argc > 2 ? atoi(argv[2]) : 0;
+  int sms = 0, clock_khz = 0, major = 0, minor = 0;
+  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
+    fprintf(stderr, "bench_causal: no CUDA device %d\n", device);
+    return 1;
+  }
+  const double peak = (double)sms * fp32_lanes(major, minor) * 2.0 * clock_khz * 1e3;
+  m40llm_context_options co = M40LLM_CONTEXT_OPTIONS_INIT;
+  co.backend = M40LLM_BACKEND_CUDA;
+  co.device = device;
+  m40llm_device_info info = M40LLM_DEVICE_INFO_INIT;
+  bench b = {0};
+  BENCH_CHECK(m40llm_context_create(&b.ctx, &co), 1);
+  BENCH_CHECK(m40llm_context_device_info(&info, b.ctx), 1);
+  printf("%s, sm_%d%d, kernels for sm_%d (%s); FP32 peak %.1f TFLOP/s\n", info.name, major, minor,
+         info.kernel_arch, info.native_code ? "native" : "PTX JIT", peak / 1e12);
+  FILE *json = fopen(json_path, "w");
+  if (!json) {
+    fprintf(stderr, "bench_causal: cannot write %s\n", json_path);
+    return 1;
+  }
+  fprintf(json, "{\"device\": \"%s\", \"kernel_arch\": %d, \"fp32_peak_flops\": %.6g, \"rows\": [",
+          info.name, info.kernel_arch, peak);
+  printf("%-8s %4s %6s %6s %12s %10s %8s %10s\n", "kind", "dim", "T", "P", "us/call", "TFLOP/s",
+         "of peak", "x decode");
+  int first = 1;
+  const int dims[2] = {128, 64};
+  for (int di = 0; di < 2; di++) {
+    b.dim = dims[di];
+    m40llm_kvcache_options o = M40LLM_KVCACHE_OPTIONS_INIT;
+    o.n_layers = 1, o.n_heads = HEADS, o.n_kv_heads = KV_HEADS, o.head_dim = b.dim;
+    o.max_seqs = 1, o.max_seq_len = MAX_T + MAX_P;
+    BENCH_CHECK(m40llm_kvcache_create(&b.cache, b.ctx, &o), 1);
+    const size_t kv_floats = (size_t)CHUNK * KV_HEADS * b.dim, q_floats = (size_t)MAX_T * HEADS * b.dim;
+    float *h = malloc((kv_floats > q_floats ? kv_floats : q_floats) * sizeof(float));
+    if (!h) return 1;
+    srand(17);
+    for (size_t i = 0; i < (kv_floats > q_floats ? kv_floats : q_floats); i++)
+      h[i] = (float)rand() / RAND_MAX * 2.0f - 1.0f;
+    BENCH_CHECK(m40llm_malloc((void **)&b.kv, b.ctx, kv_floats * sizeof(float)), 1);
+    BENCH_CHECK(m40llm_malloc((void **)&b.q, b.ctx, q_floats * sizeof(float)), 1);
+    BENCH_CHECK(m40llm_malloc((void **)&b.out, b.ctx, q_floats * sizeof(float)), 1);
+    BENCH_CHECK(m40llm_memcpy_to_device(b.ctx, b.kv, h, kv_floats * sizeof(float)), 1);
+    BENCH_CHECK(m40llm_memcpy_to_device(b.ctx, b.q, h, q_floats * sizeof(float)), 1);
+    free(h);
+    static const int prefill_t[] = {512, 1024, 2048, 4096, 8192}, prefill_p[] = {0, 4096, 32768};
+    static const int spec_t[] = {2, 4, 16}, spec_p[] = {4096, 32768};
+    for (int kind = 0; kind < 2; kind++) {
+      const int nt = kind ? 3 : 5, np = kind ? 2 : 3;
+      for (int pi = 0; pi < np; pi++)
+        for (int ti = 0; ti < nt; ti++) {
+          const int t = kind ? spec_t[ti] : prefill_t[ti], p = kind ? spec_p[pi] : prefill_p[pi];
+          if (!kind && p == 32768 && t > 2048 && b.dim == 64) continue;  /* dim 128 covers it */
+          if (fill(&b, p + t) < 0.0) return 1;
+          const double us = time_call(&b, t);
+          double dec = 0.0;
+          if (kind) {  /* one decode call at the same length */
+            if (fill(&b, p + 1) < 0.0) return 1;
+            dec = time_call(&b, 0);
+          }
+          if (us < 0.0 || dec < 0.0) return 1;
+          const double flops = (double)HEADS * 4.0 * b.dim *
+                               ((double)t * p + (double)t * (t + 1) / 2.0);
+          const double rate = flops / (us * 1e-6);
+          printf("%-8s %4d %6d %6d %12.1f %10.2f %7.1f%%", kind ? "spec" : "prefill", b.dim, t, p,
+                 us, rate / 1e12, 100.0 * rate / peak);
+          if (kind) printf(" %10.2f", us / dec);
+          printf("\n");
+          fprintf(json,
+                  "%s\n  {\"kind\": \"%s\", \"head_dim\": %d, \"heads\": %d, \"kv_heads\": %d, "
+                  "\"T\": %d, \"P\": %d, \"us\": %.3f, \"flops_per_s\": %.6g, \"of_fp32_peak\": "
+                  "%.4f, \"decode_us\": %.3f}",
+                  first ? "" : ",", kind ? "spec" : "prefill", b.dim, HEADS, KV_HEADS, t, p, us,
+                  rate, rate / peak, dec);
+          first = 0;
+        }
+    }
+    m40llm_free(b.ctx, b.kv), m40llm_free(b.ctx, b.q), m40llm_free(b.ctx, b.out);
+    m40llm_kvcache_destroy(b.cache);
+  }
+  fprintf(json, "\n]}\n");
+  fclose(json);
+  m40llm_context_destroy(b.ctx);
+  printf("wrote %s\n", json_path);
+  return 0;
+}

@@ -1,0 +1,57 @@
+// Causal attention over the cache (m40llm_kvcache_attn_causal_f32q): what the FP32 causal
+// kernel (attention_causal_fp32.cu) and its dispatcher (attention_causal_dispatch.cu) share.
+//   A launch takes up to kCausalMaxItems sequences ("items"), each with its query rows at
+//   positions pos .. pos + rows - 1 (already in the cache). A block takes BR consecutive rows
+//   of one item times a tile of one K/V head's query heads, over one split of the positions
+//   they see; grid x counts (item, row tile, split), grid y (K/V head, head tile) as the decode
+//   kernels do.
+#pragma once
+
+#include "attention.cuh"
+
+// Items per launch: the plan travels as a kernel argument (4 KB on sm_52).
+constexpr int kCausalMaxItems = 64;
+
+struct CausalPlan {
+  int32_t n_items;
+  int32_t splits;      // splits of every (item, row tile) along its positions; 1: no combine
+  int32_t window;      // m40llm_causal_options.window (0: none)
+  int32_t sinks, ring; // the cache's protected tokens (n_sinks, window), 0 where it has none
+  int32_t seq[kCausalMaxItems];
+  int32_t pos[kCausalMaxItems];          // the position of the item's first query row
+  int32_t rows[kCausalMaxItems];
+  int32_t row_first[kCausalMaxItems];    // the item's first row in this launch's q and out
+  int32_t chunk[kCausalMaxItems];        // positions per split, from the first row's first
+  int32_t window_begin[kCausalMaxItems]; // protected tokens: m40llm_window_begin
+  int32_t block_begin[kCausalMaxItems + 1];  // item i owns blocks [begin[i], begin[i + 1])
+};
+
+struct CausalArgs {
+  KvPlanes k, v;                 // this layer's K and V from its first row
+  const __half *kept_k, *kept_v; // this layer's FP16 slots, [seq][kv_head][slot][dim], or null
+  const float *q;                // this launch's rows: [row][n_heads][head_dim]
+  float *out;
+  float *part_o, *part_m, *part_l;  // splits > 1: [row * splits + split][n_heads]([head_dim])
+  size_t seq_stride, head_stride;            // elements, of K/V
+  size_t slot_seq_stride, slot_head_stride;  // elements, of the FP16 slots
+  int n_heads, group, head_tiles, head_dim;
+  float q_scale;  // scale * log2(e)
+  float rot_scale;
+  bool rot_k, rot_v;
+};
+
+using CausalKernel = void (*)(CausalArgs, CausalPlan);
+
+// The FP32 causal kernel for a cache's formats, head_dim and group tile, as the dispatcher
+// launches it.
+struct CausalPass {
+  CausalKernel kernel;
+  int threads;
+  size_t smem;
+  int rows;    // query rows a block takes (its tile of query vectors / group tile)
+  int tile;    // positions per K/V tile
+  int target;  // blocks that fill the GPU (SMs x resident blocks x waves)
+};
+
+template <typename P>
+int causal_fp32_pass(m40llm_cuda_state *st, int head_dim, int gt, CausalPass *out);

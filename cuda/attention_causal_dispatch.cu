@@ -1,0 +1,140 @@
+// Causal attention from the host: cuts a call's items into launches of kCausalMaxItems, plans
+// each (blocks per item, splits along positions where the blocks alone would not fill the GPU)
+// and launches the FP32 causal kernel (attention_causal_fp32.cu) and, for split plans, the
+// decode call's combine (attention_combine.cu), one query row per combine item.
+#include "attention_causal.cuh"
+#include "backend_cuda.h"
+
+namespace {
+
+// Splits per (item, row tile) for a launch of `rows` query rows in `blocks` unsplit blocks whose
+// longest item sees `longest` positions: enough to fill the GPU, none shorter than
+// kCausalMinSplitRows, as many as the workspace reserved at cache creation holds (a call never
+// allocates), and only where the combine can take every row as an item.
+int causal_splits(const m40llm_cuda_state *st, const CausalPass &pass, long long blocks, int rows,
+                  int longest, int n_heads, int head_dim) {
+  if (rows > M40LLM_PLAN_MAX_ITEMS || blocks >= pass.target) return 1;
+  long long s = (pass.target + blocks - 1) / blocks;
+  const long long by_len = (longest + kCausalMinSplitRows - 1) / kCausalMinSplitRows;
+  if (s > by_len) s = by_len;
+  const long long room = (long long)(st->workspace_bytes / attn_partial_bytes(rows, n_heads, head_dim));
+  if (s > room) s = room;
+  return s > 1 ? (int)s : 1;
+}
+
+template <typename P>
+int causal_launch(const m40llm_kvcache *c, int layer, const m40llm_append_item *items, int n,
+                  const float *q, float *out, float scale, int window) {
+  m40llm_cuda_state *st = cuda_state(c->ctx);
+  const m40llm_kvcache_options *o = &c->opts;
+  const Grouping g = grouping_for(o);
+  CausalPass pass;
+  bool combine_dependent = false;
+  int rc = causal_fp32_pass<P>(st, o->head_dim, g.gt, &pass);
+  if (rc != M40LLM_OK || (rc = combine_prepare(st, &combine_dependent)) != M40LLM_OK) return rc;
+
+  CausalPlan plan;
+  plan.n_items = n;
+  plan.window = window;
+  plan.sinks = c->slots > 0 ? c->n_sinks : 0;
+  plan.ring = c->slots > 0 ? c->window : 0;
+  int rows = 0, longest = 0;
+  long long blocks = 0;
+  for (int i = 0; i < n; i++) {
+    plan.seq[i] = items[i].seq;
+    plan.pos[i] = items[i].pos;
+    plan.rows[i] = items[i].n_tokens;
+    plan.row_first[i] = rows;
+    plan.window_begin[i] = c->slots > 0 ? m40llm_window_begin(c, layer, items[i].seq) : 0;
+    const int begin = window > 0 && items[i].pos - window + 1 > 0 ? items[i].pos - window + 1 : 0;
+    plan.chunk[i] = items[i].pos + items[i].n_tokens - begin;  // every position: one split
+    if (plan.chunk[i] > longest) longest = plan.chunk[i];
+    rows += items[i].n_tokens;
+    blocks += (long long)((items[i].n_tokens + pass.rows - 1) / pass.rows) * g.units;
+  }
+  plan.splits = causal_splits(st, pass, blocks, rows, longest, o->n_heads, o->head_dim);
+  plan.block_begin[0] = 0;
+  for (int i = 0; i < n; i++) {
+    if (plan.splits > 1) {  // even cuts of the item's positions, whole tiles
+      const int per = (plan.chunk[i] + plan.splits - 1) / plan.splits;
+      plan.chunk[i] = (per + pass.tile - 1) / pass.tile * pass.tile;
+    }
+    plan.block_begin[i + 1] =
+        plan.block_begin[i] + (plan.rows[i] + pass.rows - 1) / pass.rows * plan.splits;
+  }
+
+  CausalArgs a;
+  const size_t layer_row = m40llm_kv_row(o, layer, 0, 0, 0);
+  a.k = kv_planes_at(c->k, layer_row);
+  a.v = kv_planes_at(c->v, layer_row);
+  const size_t slot_row = m40llm_kv_protected_row(o, c->slots, layer, 0, 0, 0) * o->head_dim;
+  a.kept_k = c->slots > 0 && c->k.fp16 ? reinterpret_cast<const __half *>(c->k.fp16 + slot_row) : nullptr;
+  a.kept_v = c->slots > 0 && c->v.fp16 ? reinterpret_cast<const __half *>(c->v.fp16 + slot_row) : nullptr;
+  a.q = q;
+  a.out = out;
+  a.part_o = a.part_m = a.part_l = nullptr;
+  if (plan.splits > 1) {
+    void *ws = nullptr;
+    rc = m40llm_cuda_workspace(st, attn_partial_bytes(rows * plan.splits, o->n_heads, o->head_dim),
+                               &ws);
+    if (rc != M40LLM_OK) return rc;
+    const size_t n_part = (size_t)rows * plan.splits * o->n_heads;
+    a.part_o = static_cast<float *>(ws);
+    a.part_m = a.part_o + n_part * o->head_dim;
+    a.part_l = a.part_m + n_part;
+  }
+  a.head_stride = (size_t)o->max_seq_len * o->head_dim;
+  a.seq_stride = (size_t)o->n_kv_heads * a.head_stride;
+  a.slot_head_stride = (size_t)c->slots * o->head_dim;
+  a.slot_seq_stride = (size_t)o->n_kv_heads * a.slot_head_stride;
+  a.n_heads = o->n_heads;
+  a.group = g.group;
+  a.head_tiles = g.head_tiles;
+  a.head_dim = o->head_dim;
+  a.q_scale = scale * kLog2e;
+  a.rot_scale = m40llm_rotation_scale(m40llm_rotation_block(o->head_dim));
+  a.rot_k = c->k.rotated;
+  a.rot_v = c->v.rotated;
+
+  const dim3 grid((unsigned)plan.block_begin[n], (unsigned)g.units);
+  pass.kernel<<<grid, pass.threads, pass.smem, st->stream>>>(a, plan);
+  M40LLM_CUDA_CHECK_LAUNCH("the causal attention kernel");
+  if (plan.splits == 1) return M40LLM_OK;
+
+  // The combine, a query row an item: row j's partials are rows j * splits .. + splits - 1.
+  m40llm_attn_plan cplan{};
+  cplan.n_items = rows;
+  cplan.max_splits = plan.splits;
+  cplan.total_splits = rows * plan.splits;
+  cplan.chunk = 0;
+  for (int j = 0; j <= rows; j++) cplan.split_begin[j] = j * plan.splits;
+  AttnArgs ca{};
+  ca.out = out;
+  ca.part_o = a.part_o;
+  ca.part_m = a.part_m;
+  ca.part_l = a.part_l;
+  ca.n_heads = o->n_heads;
+  ca.head_dim = o->head_dim;
+  return combine_launch(st, ca, cplan, combine_dependent);
+}
+
+}  // namespace
+
+int m40llm_cuda_attention_causal(const m40llm_kvcache *c, int layer,
+                                 const m40llm_append_item *items, int n_items, const float *q,
+                                 float *out, float scale, int window) {
+  M40LLM_CUDA_ENTER(c->ctx);
+  const size_t row = (size_t)c->opts.n_heads * (size_t)c->opts.head_dim;
+  return with_kv_pair(c->k.layout.fmt->format, c->v.layout.fmt->format, [&](auto pair) -> int {
+    using P = decltype(pair);
+    size_t done = 0;  // rows of the launches before
+    for (int first = 0; first < n_items; first += kCausalMaxItems) {
+      const int n = n_items - first < kCausalMaxItems ? n_items - first : kCausalMaxItems;
+      const int rc = causal_launch<P>(c, layer, items + first, n, q + done * row,
+                                      out + done * row, scale, window);
+      if (rc != M40LLM_OK) return rc;
+      for (int i = 0; i < n; i++) done += (size_t)items[first + i].n_tokens;
+    }
+    return M40LLM_OK;
+  });
+}

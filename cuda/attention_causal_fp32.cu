@@ -1,0 +1,359 @@
+// The FP32 causal kernel: several query rows per sequence against the positions each sees
+// (m40llm_kvcache_attn_causal_f32q), FP32 arithmetic throughout, on every GPU (the M40's).
+//
+// A block holds a tile of BM query vectors (BR rows x GT heads of one K/V head's group) in
+// shared memory and walks the positions they see in tiles of BN: each K tile and then V tile is
+// decoded once into FP32 in shared memory (a protected position from its FP16 slot) and serves
+// every query vector of the block. Scores (BM x BN) go through shared memory, an online softmax
+// per query vector, and the output (BM x head_dim) stays in registers, 4 vectors x 4 dims a
+// thread. Tiles wholly visible to every row skip the mask; positions no row sees are never
+// loaded. Scores are in the log2 domain (q is pre-multiplied by scale * log2(e)).
+#include <math.h>
+
+#include "attention_causal.cuh"
+
+namespace {
+
+// Shapes, by head-dim class: BM query vectors (4096 / DMAX keeps the output at 16 registers a
+// thread), BN positions a tile, row strides padded by 4 floats (16-byte rows of consecutive
+// positions fall in distinct banks).
+template <int DMAX>
+struct CausalShape {
+  static constexpr int BM = kCausalVectorDims / DMAX;
+  static constexpr int BN = causal_tile(DMAX);
+  static constexpr int LD = DMAX + 4;  // q, K and V rows in shared memory
+  static constexpr int PS = BN + 1;    // score rows
+  static constexpr int smem_floats() { return BM * LD + BN * LD + BM * PS; }
+};
+
+// Decodes positions t0 .. t0 + n - 1 of one K/V head (rows from `base`, FP16 slots from
+// `kept` where the cache has them) into dst [BN][LD] as FP32; rows from n to BN become zeros.
+template <typename F, int DMAX>
+__device__ __forceinline__ void load_tile(float *dst, const KvPlanes &planes,
+                                          typename F::Ptr base, const __half *kept,
+                                          const CausalPlan &plan, int item, int t0, int n, int D) {
+  using S = CausalShape<DMAX>;
+  const int chunks = D / 8;
+  for (int c = threadIdx.x; c < S::BN * chunks; c += kCausalThreads) {
+    const int row = c / chunks, c8 = (c % chunks) * 8, p = t0 + row;
+    float f[8];
+    if (row >= n) {
+#pragma unroll
+      for (int i = 0; i < 8; i++) f[i] = 0.0f;
+    } else if (kept && (p < plan.sinks || p >= plan.window_begin[item])) {
+      const uint4 raw = __ldg(reinterpret_cast<const uint4 *>(
+          kept + (size_t)m40llm_kv_protected_slot(plan.sinks, plan.ring, p) * D + c8));
+      KvF16::widen<8>(raw, f);
+    } else {
+      const auto raw = F::template load<8>(planes, F::add(base, (size_t)p * D + c8), 0);
+      F::template widen<8>(raw, f);
+      const float scale = F::template scale<8>(raw), mn = F::template min<8>(raw);
+      // As the CPU reference decodes: code x scale (+ min, in one rounding).
+#pragma unroll
+      for (int i = 0; i < 8; i++)
+        if constexpr (F::kHasMin) f[i] = fmaf(f[i], scale, mn);
+        else if constexpr (F::kScaled) f[i] *= scale;
+    }
+    float4 *d4 = reinterpret_cast<float4 *>(dst + row * S::LD + c8);
+    d4[0] = make_float4(f[0], f[1], f[2], f[3]);
+    d4[1] = make_float4(f[4], f[5], f[6], f[7]);
+  }
+}
+
+// A block's share: its item, split, first row r0 and rows nr (the last row tile, whose rows
+// see the most, first), its first query head h0 and heads nh, K/V head kvh, and its first row
+// in q and out.
+struct CausalBlock {
+  int item, split, r0, nr, kvh, h0, nh;
+  size_t row_q;
+};
+
+template <int BR, int GT>
+__device__ __forceinline__ CausalBlock causal_block(const CausalArgs &a, const CausalPlan &plan) {
+  CausalBlock b;
+  int item = 0;
+  for (int hi = plan.n_items - 1; item < hi;) {
+    const int mid = (item + hi + 1) >> 1;
+    if (plan.block_begin[mid] <= (int)blockIdx.x) item = mid; else hi = mid - 1;
+  }
+  const int local = blockIdx.x - plan.block_begin[item];
+  const int rows = plan.rows[item];
+  b.item = item;
+  b.split = local % plan.splits;
+  b.r0 = ((rows + BR - 1) / BR - 1 - local / plan.splits) * BR;
+  b.nr = min(BR, rows - b.r0);
+  b.kvh = blockIdx.y / a.head_tiles;
+  b.h0 = b.kvh * a.group + (blockIdx.y % a.head_tiles) * GT;
+  b.nh = min(GT, (b.kvh + 1) * a.group - b.h0);
+  b.row_q = (size_t)plan.row_first[item] + b.r0;
+  return b;
+}
+
+// P: the cache's KvPair. GT: query heads of the group a block takes (a power of two <= 8; heads
+// past the group get a zero q and are never written). DMAX: the head-dim class.
+template <typename P, int GT, int DMAX>
+__global__ void __launch_bounds__(kCausalThreads, kCausalMinBlocksPerSm)
+    causal_fp32_kernel(const CausalArgs a, const CausalPlan plan) {
+  using S = CausalShape<DMAX>;
+  constexpr int BM = S::BM, BN = S::BN, LD = S::LD, PS = S::PS;
+  constexpr int BR = BM / GT;                        // query rows
+  constexpr int SPT = BM * BN / kCausalThreads;      // scores a thread
+  constexpr int QSTEP = kCausalThreads / BN;         // between a thread's query vectors
+  constexpr int TPR = kCausalThreads / BM;           // threads a vector in the softmax
+  constexpr int EPT = BN / TPR;                      // scores each of them takes
+  constexpr int C4 = DMAX / 4;                       // 4-dim columns of the output
+  constexpr int RG = kCausalThreads / C4;            // output row groups
+  constexpr int OR = BM / RG;                        // output vectors a thread
+  static_assert(SPT >= 1 && TPR >= 1 && TPR <= 32 && EPT >= 1 && OR >= 1 && QSTEP % GT == 0,
+                "tile shape");
+  using KF = typename P::K;
+  using VF = typename P::V;
+
+  extern __shared__ float smem[];
+  float *sq = smem;              // [BM][LD]: vector qi = r * GT + g (row r, head g)
+  float *skv = sq + BM * LD;     // [BN][LD]: the K tile, then the V tile
+  float *sp = skv + BN * LD;     // [BM][PS]: scores, then weights
+  __shared__ float s_alpha[BM], s_m[BM], s_l[BM];
+  const int tid = threadIdx.x, D = a.head_dim;
+
+  const CausalBlock b = causal_block<BR, GT>(a, plan);
+  const int item = b.item;
+  const int first_pos = plan.pos[item] + b.r0, last_pos = first_pos + b.nr - 1;
+  const int window = plan.window;
+  // Positions the block's rows see, within its split of the item's.
+  const int item_begin = window > 0 ? max(0, plan.pos[item] - window + 1) : 0;
+  const int s_begin = item_begin + b.split * plan.chunk[item];
+  const int kv_begin = max(s_begin, window > 0 ? max(0, first_pos - window + 1) : 0);
+  const int kv_end = min(s_begin + plan.chunk[item], last_pos + 1);
+
+  wait_for_prerequisite_grid();
+
+  // q, scaled into the log2 domain (rotated into K's frame where K is), zeros past the rows
+  // and heads of the block.
+  const float *qb = a.q + b.row_q * a.n_heads * D;
+  if (a.rot_k) {
+    for (int qi = tid >> 5; qi < BM; qi += kCausalThreads / 32) {
+      const int r = qi / GT, g = qi % GT;
+      const bool on = r < b.nr && g < b.nh;
+      float v[DMAX / 32];
+#pragma unroll
+      for (int e = 0; e < DMAX / 32; e++) {
+        const int d = (tid & 31) + 32 * e;
+        v[e] = on && d < D ? qb[((size_t)r * a.n_heads + b.h0 + g) * D + d] * a.q_scale : 0.0f;
+      }
+      warp_rotate(v, D, a.rot_scale);
+#pragma unroll
+      for (int e = 0; e < DMAX / 32; e++) sq[qi * LD + (tid & 31) + 32 * e] = v[e];
+    }
+  } else {
+    for (int i = tid; i < BM * DMAX; i += kCausalThreads) {
+      const int qi = i / DMAX, d = i % DMAX, r = qi / GT, g = qi % GT;
+      sq[qi * LD + d] = r < b.nr && g < b.nh && d < D
+                            ? qb[((size_t)r * a.n_heads + b.h0 + g) * D + d] * a.q_scale
+                            : 0.0f;
+    }
+  }
+
+  // Formed again at each tile from these two (kept, the four pointers spilled on sm_52).
+  const size_t base = (size_t)plan.seq[item] * a.seq_stride + (size_t)b.kvh * a.head_stride;
+  const size_t slot_base =
+      (size_t)plan.seq[item] * a.slot_seq_stride + (size_t)b.kvh * a.slot_head_stride;
+
+  const int kj = tid % BN, q_first = tid / BN;  // score pass: a position, SPT vectors
+  const int srow = tid / TPR, spart = tid % TPR;  // softmax pass
+  const int c4 = tid % C4, rg = tid / C4;         // output pass: 4 dims of OR vectors
+  const bool col_on = c4 * 4 < D;
+  // The softmax state of each vector lives in s_m, s_l (in registers it spilled on sm_52): the
+  // threads of a vector read it before their shuffles and the first writes it after them.
+  if (tid < BM) s_m[tid] = -INFINITY, s_l[tid] = 0.0f;
+  float o[OR][4];
+#pragma unroll
+  for (int i = 0; i < OR; i++) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+
+  for (int t0 = kv_begin; t0 < kv_end; t0 += BN) {
+    const int n = min(BN, kv_end - t0);
+    // Every row sees every position of the tile: no mask.
+    const bool full = n == BN && t0 + BN - 1 <= first_pos && (window == 0 || t0 + window > last_pos);
+    __syncthreads();  // q is staged; the last tile's V and weights are consumed
+    load_tile<KF, DMAX>(skv, a.k, KF::at(a.k, base), a.kept_k ? a.kept_k + slot_base : nullptr,
+                        plan, item, t0, n, D);
+    __syncthreads();
+
+    float acc[SPT];
+#pragma unroll
+    for (int s = 0; s < SPT; s++) acc[s] = 0.0f;
+    const float *kr = skv + kj * LD;
+#pragma unroll 1
+    for (int d = 0; d < D; d += 4) {
+      const float4 k4 = *reinterpret_cast<const float4 *>(kr + d);
+#pragma unroll
+      for (int s = 0; s < SPT; s++) {
+        const float4 q4 = *reinterpret_cast<const float4 *>(sq + (q_first + QSTEP * s) * LD + d);
+        acc[s] = fmaf(q4.x, k4.x, acc[s]);
+        acc[s] = fmaf(q4.y, k4.y, acc[s]);
+        acc[s] = fmaf(q4.z, k4.z, acc[s]);
+        acc[s] = fmaf(q4.w, k4.w, acc[s]);
+      }
+    }
+    // Row of vector q_first + QSTEP s: q_first / GT + (QSTEP / GT) s (QSTEP >= 8 >= GT).
+    const int dist0 = first_pos + q_first / GT - (t0 + kj);  // query minus key position
+#pragma unroll
+    for (int s = 0; s < SPT; s++) {
+      const int dist = dist0 + QSTEP / GT * s;
+      const bool seen = full || (kj < n && dist >= 0 && (window == 0 || dist < window));
+      sp[(q_first + QSTEP * s) * PS + kj] = seen ? acc[s] : -INFINITY;
+    }
+    __syncthreads();  // K is consumed: V takes its place while the softmax runs
+
+    load_tile<VF, DMAX>(skv, a.v, VF::at(a.v, base), a.kept_v ? a.kept_v + slot_base : nullptr,
+                        plan, item, t0, n, D);
+    {
+      float sc[EPT];
+      float mx = -INFINITY;
+#pragma unroll
+      for (int e = 0; e < EPT; e++) {
+        sc[e] = sp[srow * PS + spart * EPT + e];
+        mx = fmaxf(mx, sc[e]);
+      }
+#pragma unroll
+      for (int off = 1; off < TPR; off <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+      SoftmaxState st{s_m[srow], s_l[srow]};
+      const float alpha = st.raise(mx);
+      float sum = 0.0f;
+#pragma unroll
+      for (int e = 0; e < EPT; e++) {
+        const float w = st.weight(sc[e]);
+        sp[srow * PS + spart * EPT + e] = w;
+        sum += w;
+      }
+#pragma unroll
+      for (int off = 1; off < TPR; off <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+      __syncwarp();  // every lane has read s_m, s_l before the first replaces them (shuffles don't fence)
+      if (spart == 0) s_m[srow] = st.m, s_l[srow] = st.l + sum, s_alpha[srow] = alpha;
+    }
+    __syncthreads();
+
+#pragma unroll
+    for (int i = 0; i < OR; i++) {
+      const float alpha = s_alpha[rg + RG * i];
+      o[i][0] *= alpha, o[i][1] *= alpha, o[i][2] *= alpha, o[i][3] *= alpha;
+    }
+    if (col_on) {
+#pragma unroll 1
+      for (int j = 0; j < n; j++) {
+        const float4 v4 = *reinterpret_cast<const float4 *>(skv + j * LD + c4 * 4);
+#pragma unroll
+        for (int i = 0; i < OR; i++) {
+          const float w = sp[(rg + RG * i) * PS + j];
+          o[i][0] = fmaf(w, v4.x, o[i][0]);
+          o[i][1] = fmaf(w, v4.y, o[i][1]);
+          o[i][2] = fmaf(w, v4.z, o[i][2]);
+          o[i][3] = fmaf(w, v4.w, o[i][3]);
+        }
+      }
+    }
+  }
+
+  __syncthreads();  // the states are in; q and the tiles are dead
+  // The block's coordinates again rather than kept through the loop (they spilled on sm_52).
+  const CausalBlock f = causal_block<BR, GT>(a, plan);
+  const int split = f.split, nr = f.nr, nh = f.nh, h0 = f.h0;
+  const size_t row_q = f.row_q;
+  const bool single = plan.splits == 1;
+  // One split: the normalised output; several: the unnormalised partial and the state, merged
+  // by the combine kernel (attention_combine.cu) with the decode call's partials layout.
+  const auto dst = [&](int qi, int d) -> float * {
+    const size_t row = row_q + qi / GT, h = h0 + qi % GT;
+    return single ? a.out + (row * a.n_heads + h) * D + d
+                  : a.part_o + ((row * plan.splits + split) * a.n_heads + h) * D + d;
+  };
+  if (!single && tid < BM) {
+    const int r = tid / GT, g = tid % GT;
+    if (r < nr && g < nh) {
+      const size_t p = ((row_q + r) * plan.splits + split) * a.n_heads + h0 + g;
+      a.part_m[p] = s_m[tid];
+      a.part_l[p] = s_l[tid];
+    }
+  }
+  if (a.rot_v) {  // rotated back from V's frame, a warp a vector, through shared memory
+    float *so = smem;  // [BM][LD]
+    if (col_on) {
+#pragma unroll
+      for (int i = 0; i < OR; i++) {
+        const int qi = rg + RG * i;
+        const float f = single ? SoftmaxState{s_m[qi], s_l[qi]}.inv_sum() : 1.0f;
+#pragma unroll
+        for (int k = 0; k < 4; k++) so[qi * LD + c4 * 4 + k] = o[i][k] * f;
+      }
+    }
+    __syncthreads();
+    for (int qi = tid >> 5; qi < BM; qi += kCausalThreads / 32) {
+      if (qi / GT >= nr || qi % GT >= nh) continue;  // warp-uniform
+      float v[DMAX / 32];
+#pragma unroll
+      for (int e = 0; e < DMAX / 32; e++) {
+        const int d = (tid & 31) + 32 * e;
+        v[e] = d < D ? so[qi * LD + d] : 0.0f;
+      }
+      warp_rotate(v, D, a.rot_scale);
+#pragma unroll
+      for (int e = 0; e < DMAX / 32; e++) {
+        const int d = (tid & 31) + 32 * e;
+        if (d < D) *dst(qi, d) = v[e];
+      }
+    }
+    return;
+  }
+  if (!col_on) return;
+#pragma unroll
+  for (int i = 0; i < OR; i++) {
+    const int qi = rg + RG * i;
+    if (qi / GT >= nr || qi % GT >= nh) continue;
+    const float f = single ? SoftmaxState{s_m[qi], s_l[qi]}.inv_sum() : 1.0f;
+    store4(dst(qi, c4 * 4), make_float4(o[i][0] * f, o[i][1] * f, o[i][2] * f, o[i][3] * f));
+  }
+}
+
+int dmax_class(int head_dim) { return head_dim <= 64 ? 64 : head_dim <= 128 ? 128 : 256; }
+int log2_tile(int gt) { return gt >= 8 ? 3 : gt >= 4 ? 2 : gt >= 2 ? 1 : 0; }
+
+template <typename P, int GT>
+CausalKernel kernel_for_dmax(int dmax) {
+  return dmax == 64 ? causal_fp32_kernel<P, GT, 64>
+                    : dmax == 128 ? causal_fp32_kernel<P, GT, 128> : causal_fp32_kernel<P, GT, 256>;
+}
+
+template <int DMAX>
+size_t smem_bytes() { return CausalShape<DMAX>::smem_floats() * sizeof(float); }
+
+}  // namespace
+
+template <typename P>
+int causal_fp32_pass(m40llm_cuda_state *st, int head_dim, int gt, CausalPass *out) {
+  const int dmax = dmax_class(head_dim);
+  CausalPass pass;
+  switch (gt) {
+    case 1: pass.kernel = kernel_for_dmax<P, 1>(dmax); break;
+    case 2: pass.kernel = kernel_for_dmax<P, 2>(dmax); break;
+    case 4: pass.kernel = kernel_for_dmax<P, 4>(dmax); break;
+    default: pass.kernel = kernel_for_dmax<P, 8>(dmax); break;
+  }
+  pass.threads = kCausalThreads;
+  pass.smem = dmax == 64 ? smem_bytes<64>() : dmax == 128 ? smem_bytes<128>() : smem_bytes<256>();
+  pass.rows = kCausalVectorDims / dmax / gt;
+  pass.tile = causal_tile(dmax);
+  int &occ = st->causal_occupancy[P::K::kFormat][P::V::kFormat][log2_tile(gt)][dmax / 128];
+  if (occ == 0) {
+    M40LLM_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, pass.kernel, pass.threads,
+                                                                  pass.smem));
+    if (occ < 1) occ = 1;
+  }
+  pass.target = st->sm_count * occ * kAttnWaves;
+  *out = pass;
+  return M40LLM_OK;
+}
+
+#define M40LLM_INSTANTIATE(P) \
+  template int causal_fp32_pass<P>(m40llm_cuda_state *, int, int, CausalPass *);
+M40LLM_KV_PAIRS(M40LLM_INSTANTIATE)
+#undef M40LLM_INSTANTIATE
