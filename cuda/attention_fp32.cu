@@ -102,8 +102,7 @@ __global__ void __launch_bounds__(kAttnThreads, kAttnMinBlocksPerSm)
   constexpr int COLS = pv_columns(GT);        // V columns per thread in the output pass
   constexpr int VR = T * DMAX / (kAttnThreads * COLS);  // V rows per thread, at most
   constexpr int GH = heads_per_pass(GT);      // heads a score or output pass takes at once
-  constexpr int LH = GT == 1 ? 32 : T;        // lanes a head in the softmax pass
-  constexpr int kSoftPasses = (GT * LH + kAttnThreads - 1) / kAttnThreads;  // softmax, per thread
+  constexpr int kSoftPasses = (GT * T + kAttnThreads - 1) / kAttnThreads;  // softmax, per thread
   using KF = typename P::K;
   using VF = typename P::V;
   constexpr bool kFoldKMin = KF::kHasMin && fold_min(GT);
@@ -252,29 +251,29 @@ __global__ void __launch_bounds__(kAttnThreads, kAttnMinBlocksPerSm)
     }
     __syncthreads();
 
-    // Online softmax over the tile: a thread a (head, position), LH adjacent lanes a head (T,
-    // or a whole warp for a one-head tile: measured faster there), so every lane of a busy warp
-    // has a weight to work out. Whether any head's max rose comes back from the barrier: the
-    // output is rescaled only then (alpha is exactly 1 otherwise).
+    // Online softmax over the tile: a thread a (head, position), T adjacent lanes a head, so
+    // that every lane of a busy warp has a weight to work out. Whether any head's max rose
+    // comes back from the barrier: the output is rescaled only then (alpha is exactly 1
+    // otherwise).
     bool raised = false;
 #pragma unroll
     for (int pass = 0; pass < kSoftPasses; pass++) {
       const int i0 = (tid & ~31) + pass * kAttnThreads;
-      if (i0 >= GT * LH) break;  // whole warps: every lane of a busy one takes part
+      if (i0 >= GT * T) break;  // whole warps: every lane of a busy one takes part
       const int i = i0 + (tid & 31);
-      const int g = i / LH, r = i % LH;
-      const bool mine = g < GT && r < T;
+      const bool mine = i < GT * T;
+      const int g = mine ? i / T : 0, r = i % T;
       const float x = mine ? sp[r * GT + g] : -INFINITY;
       float tile_max = x;
 #pragma unroll
-      for (int off = LH / 2; off > 0; off >>= 1)
+      for (int off = T / 2; off > 0; off >>= 1)
         tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, off));
-      SoftmaxState st = s_state[g < GT ? g : 0];
+      SoftmaxState st = s_state[g];
       const float alpha = st.raise(tile_max);
       const float w = st.weight(x);
       float sum = w;
 #pragma unroll
-      for (int off = LH / 2; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+      for (int off = T / 2; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
       st.l += sum;
       raised |= mine && alpha != 1.0f;
       __syncwarp();  // every lane has read s_state[g] before its head's first lane replaces it
@@ -444,7 +443,10 @@ int fp32_split_pass(m40llm_cuda_state *st, int head_dim, const Grouping &g, Spli
                                                                   pass.smem));
     if (occ < 1) occ = 1;
   }
-  pass.target = st->sm_count * occ * kAttnWaves;
+  // The plan counts at most kAttnMinBlocksPerSm resident blocks, as tuned: kernels that fit 9
+  // (52-56 registers) split finer and ran slower (compute_52 on an H100, B8 16/16 D256 L8K:
+  // 390 us against 352).
+  pass.target = st->sm_count * (occ < kAttnMinBlocksPerSm ? occ : kAttnMinBlocksPerSm) * kAttnWaves;
   *out = pass;
   return M40LLM_OK;
 }
