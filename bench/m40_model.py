@@ -81,32 +81,26 @@ SHAPES = [(1, 32, 32, 128, 8192), (1, 32, 32, 128, 32768), (8, 32, 32, 128, 8192
           (1, 32, 8, 128, 1024)]
 
 # H100, compute_52 PTX build (the M40's code through the JIT), µs a call: bench/RESULTS.md,
-# "Rotation and protected tokens", compute_52 PTX table. "-plain": no rotation, no protected
-# tokens (what the codes kernel alone does); Q8, Q4, Q8Q4: the defaults (rotated, protected).
+# "The M40's FP32 kernel for GQA (issue 20)", formats.sh on the compute_52 PTX build. "-plain":
+# no rotation, no protected tokens (what the codes kernel alone does); Q8, Q4, Q8Q4: the defaults
+# (rotated, protected).
 H100_MEASURED = {
-    (1, 32, 32, 128, 8192): dict(F16=54.88, Q8=50.88, Q4=52.00, Q8Q4=50.61, Q8_plain=40.50, Q4_plain=41.58),
-    (1, 32, 32, 128, 32768): dict(F16=187.97, Q8=143.84, Q4=149.15, Q8Q4=143.10, Q8_plain=131.26,
-                                  Q4_plain=137.44),
-    (8, 32, 32, 128, 8192): dict(F16=360.61, Q8=267.97, Q4=280.16, Q8Q4=267.65, Q8_plain=245.44,
-                                 Q4_plain=259.23),
-    (8, 32, 8, 128, 8192): dict(F16=149.82, Q8=184.35, Q4=209.38, Q8Q4=211.39, Q8_plain=167.71,
-                                Q4_plain=191.81),
-    (1, 32, 8, 128, 32768): dict(F16=78.96, Q8=105.63, Q4=119.39, Q8Q4=119.39, Q8_plain=88.38,
-                                 Q4_plain=107.04),
-    (8, 64, 8, 128, 8192): dict(F16=229.57, Q8=277.31, Q4=312.32, Q8Q4=301.12, Q8_plain=255.33,
-                                Q4_plain=292.29),
-    (8, 32, 8, 64, 8192): dict(F16=78.24, Q8=102.37, Q4=113.89, Q8Q4=112.03, Q8_plain=85.10,
-                               Q4_plain=100.26),
-    (32, 32, 8, 128, 2048): dict(F16=150.27, Q8=196.77, Q4=220.16, Q8Q4=223.78, Q8_plain=167.81,
-                                 Q4_plain=192.58),
-    (1, 32, 8, 128, 1024): dict(F16=15.33, Q8=25.66, Q4=26.62, Q8Q4=29.59, Q8_plain=15.88, Q4_plain=16.82),
+    (1, 32, 32, 128, 8192): dict(F16=54.00, Q8=45.18, Q4=47.08, Q8Q4=44.57, Q8_plain=36.54, Q4_plain=37.87),
+    (1, 32, 32, 128, 32768): dict(F16=188.80, Q8=130.75, Q4=140.16, Q8Q4=128.58, Q8_plain=120.64, Q4_plain=127.58),
+    (8, 32, 32, 128, 8192): dict(F16=361.73, Q8=242.82, Q4=266.18, Q8Q4=244.06, Q8_plain=223.42, Q4_plain=245.25),
+    (8, 32, 8, 128, 8192): dict(F16=109.70, Q8=141.60, Q4=159.87, Q8Q4=152.19, Q8_plain=126.91, Q4_plain=145.60),
+    (1, 32, 8, 128, 32768): dict(F16=58.98, Q8=74.67, Q4=84.75, Q8Q4=81.01, Q8_plain=66.00, Q4_plain=76.21),
+    (8, 64, 8, 128, 8192): dict(F16=155.10, Q8=194.98, Q4=244.77, Q8Q4=215.10, Q8_plain=176.99, Q4_plain=227.55),
+    (8, 32, 8, 64, 8192): dict(F16=61.89, Q8=78.64, Q4=87.81, Q8Q4=84.47, Q8_plain=68.41, Q4_plain=77.50),
+    (32, 32, 8, 128, 2048): dict(F16=110.62, Q8=151.74, Q4=170.43, Q8Q4=162.30, Q8_plain=127.10, Q4_plain=145.09),
+    (1, 32, 8, 128, 1024): dict(F16=10.44, Q8=19.91, Q4=20.51, Q8Q4=20.33, Q8_plain=13.50, Q4_plain=13.90),
 }
 # The protected tokens' fixed cost: their F16 launch and the combine every protected call has.
 # The H100 PTX run's step from Q8-plain to Q8 at B1 32/8 D128 L1K, where the work of 132 FP16
 # rows is negligible: +9.8 µs; the M40's launch gaps are no shorter, so 10 µs is a floor there.
 PROTECT_FIXED_US = 10.0
 
-KRE = re.compile(r"attn_fp32_kernel<KvPair<(\w+), (\w+)>, (\d+), (\d+), true>")
+KRE = re.compile(r"attn_fp32_kernel<KvPair<(\w+), (\w+)>, (\d+), (\d+), (true|false)>")
 
 
 # ---- SASS analysis ----
@@ -267,8 +261,13 @@ def kernels_of(path, arch):
         if not m:
             continue
         k, v, gt, dmax = m.group(1), m.group(2), int(m.group(3)), int(m.group(4))
+        # The kernel of a head_dim equal to its class's (true) where it is built, else the general one.
+        exact = m.group(5) == "true"
+        if not exact and (k, v, gt, dmax) in out:
+            continue
         r = analyse(instrs, gt, dmax, quantized=(k, v) != ("KvF16", "KvF16"))
         r.update(res.get(name, {}))
+        r["exact"] = exact
         out[(k, v, gt, dmax)] = r
     return out
 
@@ -561,7 +560,7 @@ def report(args, m40k, m40rows, variants, h100k, h100rows, eff, effs):
         L.append(f"sm_90 SASS of the library's compute_52 PTX from CUDA 11.8's ptxas (the driver's JIT is newer; "
                  f"its code may differ a little); {H100['sms']} SMs x 4 schedulers x {H100['clock_ghz']:.2f} GHz "
                  f"(maximum boost), {H100['bw_gbps']:.0f} GB/s (the copy measured in that run); no dual issue. "
-                 f"Measured: bench/RESULTS.md, \"Rotation and protected tokens\", compute_52 PTX (plain: no "
+                 f"Measured: bench/RESULTS.md, \"The M40's FP32 kernel for GQA (issue 20)\", compute_52 PTX (plain: no "
                  f"rotation, no protected tokens; default: both).\n")
         L.append("| format | GT | slots per element, sm_90 | sm_52 | sm_52 instructions |")
         L.append("|---|---|---|---|---|")

@@ -6,9 +6,12 @@
 #   bench/run_gpu.sh OUTDIR [compare.py options, e.g. --quick or --batch 1,8]
 #
 # OUTDIR gets (5 files): compare.md, compare.json (both raw results inside), bench_plot.png
-# (if matplotlib is there), bench_log.txt (everything printed), build_log.txt.
+# (if matplotlib is there), bench_log.txt (everything printed), build_log.txt; and, where a
+# compute_52-only bench_attention is carried (scripts/build_carry.sh: .gpu-carry/bench52), the M40
+# proxy grid beside the native one (bench/m40_proxy.py: m40_proxy.md, m40_proxy.json).
 # Environment: M40LLM_BENCH_BUILD (build dir, default /tmp/m40llm-bench-build),
-#              CUDA_ARCHS (default 90), BENCH_TOTAL_S (whole script's time, default 540).
+#              CUDA_ARCHS (default 90), BENCH_TOTAL_S (whole script's time, default 540),
+#              M40LLM_PROXY_BIN (the compute_52 bench_attention, default .gpu-carry/bench52/...).
 set -uo pipefail
 if [ $# -lt 1 ]; then
   echo "usage: $0 OUTDIR [compare.py options]" >&2
@@ -62,7 +65,10 @@ BIN="$BUILD/bench/bench_attention"
 
 # Both benchmarks share what is left of BENCH_TOTAL_S (default 540 s, for a 600 s command limit);
 # each writes its JSON after every shape, so a timeout still leaves partial results.
-LEFT=$(( ${BENCH_TOTAL_S:-540} - SECONDS - 15 ))
+PROXY_BIN=${M40LLM_PROXY_BIN:-$ROOT/.gpu-carry/bench52/bench_attention}
+PROXY_S=0
+[ -x "$PROXY_BIN" ] && PROXY_S=60  # the proxy grid's one round, after the comparison
+LEFT=$(( ${BENCH_TOTAL_S:-540} - SECONDS - 15 - PROXY_S ))
 [ $LEFT -lt 60 ] && LEFT=60
 say "benchmarks get ${LEFT} s"
 CMP=(python3 "$ROOT/bench/compare.py" --outdir "$WORK" --total-timeout "$LEFT")
@@ -82,5 +88,11 @@ if [ -f "$WORK/compare.json" ]; then
 else
   # compare.py died before writing: keep whatever raw JSON exists.
   for f in m40llm.json sdpa.json; do [ -f "$WORK/$f" ] && cp "$WORK/$f" "$OUTDIR/"; done
+fi
+if [ -x "$PROXY_BIN" ]; then
+  say "M40 proxy grid: $PROXY_BIN"
+  python3 "$ROOT/bench/m40_proxy.py" "$OUTDIR" --bin "$PROXY_BIN" --work "$WORK/m40" 2>&1 | tee -a "$LOG"
+else
+  say "no compute_52 bench_attention at $PROXY_BIN (scripts/build_carry.sh): no M40 proxy grid"
 fi
 say "done $(date -u +%FT%TZ); files: $(cd "$OUTDIR" && ls | tr '\n' ' ')"

@@ -65,7 +65,7 @@ sanitize() {  # needs build-native (the native step); each run gets SANITIZE_TIM
     name=$(basename "$(dirname "$(dirname "$bin")")")  # build-native or .gpu-carry
     for tool in memcheck racecheck; do
       echo "--- compute-sanitizer --tool $tool $bin"
-      M40LLM_TEST_SMALL=1 M40LLM_TEST_NO_FAULT=1 timeout "${SANITIZE_TIMEOUT:-240}" \
+      M40LLM_TEST_SMALL=1 M40LLM_TEST_NO_FAULT=1 timeout "${SANITIZE_TIMEOUT:-300}" \
         compute-sanitizer --tool "$tool" --report-api-errors no --error-exitcode 1 "$bin" \
         >"$out/$tool-$name.txt" 2>&1 || rc=1
       tail -n 3 "$out/$tool-$name.txt"
