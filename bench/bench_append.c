@@ -23,14 +23,7 @@
 enum { SEQS = 64, HEADS = 32, KV_HEADS = 8, DIM = 128, STEPS = 100, SAMPLES = 15, REPLAYS = 20 };
 
 #define CHECK(x) BENCH_CHECK(x, -1.0)
-#define CUDA_CHECK(x)                                                                    \
-  do {                                                                                   \
-    cudaError_t e_ = (x);                                                                \
-    if (e_ != cudaSuccess) {                                                             \
-      fprintf(stderr, "%s: %s\n", #x, cudaGetErrorString(e_));                           \
-      return -1.0;                                                                       \
-    }                                                                                    \
-  } while (0)
+#define CUDA_CHECK(x) BENCH_CUDA_CHECK(x, -1.0)
 
 /* A step: n_seqs sequences, one token each, in one batched call or n_seqs single calls; and
  * for the decode-step rows (attend), the attention after it: as its own call (1) or in

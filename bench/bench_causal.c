@@ -22,14 +22,7 @@
 enum { HEADS = 32, KV_HEADS = 8, MAX_T = 8192, MAX_P = 32768, CHUNK = 4096, SAMPLES = 5 };
 
 #define CHECK(x) BENCH_CHECK(x, -1.0)
-#define CUDA_CHECK(x)                                                                    \
-  do {                                                                                   \
-    cudaError_t e_ = (x);                                                                \
-    if (e_ != cudaSuccess) {                                                             \
-      fprintf(stderr, "%s: %s\n", #x, cudaGetErrorString(e_));                           \
-      return -1.0;                                                                       \
-    }                                                                                    \
-  } while (0)
+#define CUDA_CHECK(x) BENCH_CUDA_CHECK(x, -1.0)
 
 typedef struct {
   m40llm_context *ctx;

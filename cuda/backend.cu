@@ -270,38 +270,34 @@ int cuda_fork(const m40llm_kvcache *c, int dst_seq, int src_seq) {
   return M40LLM_OK;
 }
 
-// The kernels' entry points behind the pointer-kind checks.
-int cuda_append(const m40llm_kvcache *c, int layer, const m40llm_append_item *items,
-                int n_items, const void *k, const void *v, int src_is_f32) {
+// The kernels' entry points behind the pointer-kind checks: each makes the cache's device current
+// and checks a call's two caller buffers first.
+int enter_with(const m40llm_kvcache *c, const void *a, const char *a_name, const void *b,
+               const char *b_name) {
   M40LLM_CUDA_ENTER(c->ctx);
   m40llm_cuda_state *st = cuda_state(c->ctx);
-  int rc;
-  if ((rc = m40llm_cuda_check_pointer(st, k, "k")) != M40LLM_OK ||
-      (rc = m40llm_cuda_check_pointer(st, v, "v")) != M40LLM_OK)
-    return rc;
-  return m40llm_cuda_append(c, layer, items, n_items, k, v, src_is_f32);
+  int rc = m40llm_cuda_check_pointer(st, a, a_name);
+  return rc != M40LLM_OK ? rc : m40llm_cuda_check_pointer(st, b, b_name);
+}
+
+int cuda_append(const m40llm_kvcache *c, int layer, const m40llm_append_item *items,
+                int n_items, const void *k, const void *v, int src_is_f32) {
+  const int rc = enter_with(c, k, "k", v, "v");
+  return rc != M40LLM_OK ? rc : m40llm_cuda_append(c, layer, items, n_items, k, v, src_is_f32);
 }
 
 int cuda_attention(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, int n_seqs,
                    const float *q, float *out, float scale) {
-  M40LLM_CUDA_ENTER(c->ctx);
-  m40llm_cuda_state *st = cuda_state(c->ctx);
-  int rc;
-  if ((rc = m40llm_cuda_check_pointer(st, q, "q")) != M40LLM_OK ||
-      (rc = m40llm_cuda_check_pointer(st, out, "out")) != M40LLM_OK)
-    return rc;
-  return m40llm_cuda_attention(c, layer, seq_ids, n_seqs, q, out, scale);
+  const int rc = enter_with(c, q, "q", out, "out");
+  return rc != M40LLM_OK ? rc : m40llm_cuda_attention(c, layer, seq_ids, n_seqs, q, out, scale);
 }
 
 int cuda_attention_causal(const m40llm_kvcache *c, int layer, const m40llm_append_item *items,
                           int n_items, const float *q, float *out, float scale, int window) {
-  M40LLM_CUDA_ENTER(c->ctx);
-  m40llm_cuda_state *st = cuda_state(c->ctx);
-  int rc;
-  if ((rc = m40llm_cuda_check_pointer(st, q, "q")) != M40LLM_OK ||
-      (rc = m40llm_cuda_check_pointer(st, out, "out")) != M40LLM_OK)
-    return rc;
-  return m40llm_cuda_attention_causal(c, layer, items, n_items, q, out, scale, window);
+  const int rc = enter_with(c, q, "q", out, "out");
+  return rc != M40LLM_OK
+             ? rc
+             : m40llm_cuda_attention_causal(c, layer, items, n_items, q, out, scale, window);
 }
 
 }  // namespace
