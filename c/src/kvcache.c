@@ -342,26 +342,33 @@ static int check_batch(const m40llm_kvcache *c, int layer, int n, unsigned long 
   return M40LLM_OK;
 }
 
+/* Reads a call's ids and counts (NULL: one each) once into the cache's scratch, which is then
+ * the only copy checked and used; a call names each sequence once, so at most max_seqs. */
+static int read_batch(m40llm_kvcache *c, const int32_t *seq_ids, const int32_t *counts,
+                      int n_seqs) {
+  if (!seq_ids) return FAIL(INVALID_ARGUMENT, "seq_ids is NULL");
+  if (n_seqs < 1) return FAIL(INVALID_ARGUMENT, "n_seqs is %d, must be >= 1", n_seqs);
+  if (n_seqs > c->opts.max_seqs)
+    return FAIL(INVALID_ARGUMENT,
+                "n_seqs %d is more than max_seqs %d: a call names each sequence once", n_seqs,
+                c->opts.max_seqs);
+  for (int i = 0; i < n_seqs; i++) {
+    c->batch[i].seq = seq_ids[i];
+    c->batch[i].n_tokens = counts ? counts[i] : 1;
+  }
+  return M40LLM_OK;
+}
+
 /* Reads a batch's ids and counts once into c->batch, checks them and the rows' span, and
  * leaves there the items of the sequences with tokens (*n_items), positions set. The cache and
  * layer are checked. */
 static int prepare_batch(m40llm_kvcache *c, int layer, const int32_t *seq_ids,
                          const int32_t *n_tokens, int n_seqs, const void *k, const void *v,
                          int src_is_f32, int *n_items) {
-  if (!seq_ids) return FAIL(INVALID_ARGUMENT, "seq_ids is NULL");
-  if (n_seqs < 1) return FAIL(INVALID_ARGUMENT, "n_seqs is %d, must be >= 1", n_seqs);
-  if (n_seqs > c->opts.max_seqs)
-    return FAIL(INVALID_ARGUMENT,
-                "n_seqs %d is more than max_seqs %d: a batch names each sequence once", n_seqs,
-                c->opts.max_seqs);
-  /* The ids and counts are read once, here, into the cache's scratch, which is then the only
-   * copy checked and used. */
-  for (int i = 0; i < n_seqs; i++) {
-    c->batch[i].seq = seq_ids[i];
-    c->batch[i].n_tokens = n_tokens ? n_tokens[i] : 1;
-  }
+  int rc = read_batch(c, seq_ids, n_tokens, n_seqs);
+  if (rc != M40LLM_OK) return rc;
   unsigned long long tokens = 0;
-  int rc = check_batch(c, layer, n_seqs, &tokens);
+  rc = check_batch(c, layer, n_seqs, &tokens);
   for (int i = 0; i < n_seqs; i++) /* only ids in range were marked */
     if (c->batch[i].seq >= 0 && c->batch[i].seq < c->opts.max_seqs)
       c->batch_seen[c->batch[i].seq] = 0;
@@ -531,18 +538,9 @@ int m40llm_causal_options_init(m40llm_causal_options *opts, unsigned version) {
  * Leaves the items there, positions set, and the rows' sum in *out_rows. */
 static int prepare_causal(m40llm_kvcache *c, int layer, const int32_t *seq_ids,
                           const int32_t *q_counts, int n_seqs, int *out_rows) {
-  if (!seq_ids) return FAIL(INVALID_ARGUMENT, "seq_ids is NULL");
-  if (n_seqs < 1) return FAIL(INVALID_ARGUMENT, "n_seqs is %d, must be >= 1", n_seqs);
-  if (n_seqs > c->opts.max_seqs)
-    return FAIL(INVALID_ARGUMENT,
-                "n_seqs %d is more than max_seqs %d: a call names each sequence once", n_seqs,
-                c->opts.max_seqs);
-  for (int i = 0; i < n_seqs; i++) {
-    c->batch[i].seq = seq_ids[i];
-    c->batch[i].n_tokens = q_counts ? q_counts[i] : 1;
-  }
+  int rc = read_batch(c, seq_ids, q_counts, n_seqs);
+  if (rc != M40LLM_OK) return rc;
   long long rows = 0;
-  int rc = M40LLM_OK;
   for (int i = 0; i < n_seqs && rc == M40LLM_OK; i++) {
     m40llm_append_item *it = &c->batch[i];
     if (it->seq < 0 || it->seq >= c->opts.max_seqs) {

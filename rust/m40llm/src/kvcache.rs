@@ -402,6 +402,28 @@ fn to_c(v: usize, what: &str) -> Result<c_int> {
     c_int::try_from(v).map_err(|_| Error::invalid(format!("{what} = {v} does not fit in a C int")))
 }
 
+/// A call's per-sequence counts (one per id) as the C ABI takes them, and their sum.
+fn c_counts(n_ids: usize, counts: &[usize], name: &str) -> Result<(Vec<c_int>, usize)> {
+    if counts.len() != n_ids {
+        return Err(Error::invalid(format!(
+            "seq_ids has {n_ids} entries but {name} has {}",
+            counts.len()
+        )));
+    }
+    let c = counts
+        .iter()
+        .map(|&n| {
+            c_int::try_from(n)
+                .map_err(|_| Error::invalid(format!("{name}[i] = {n} does not fit in a C int")))
+        })
+        .collect::<Result<Vec<c_int>>>()?;
+    let total = counts
+        .iter()
+        .try_fold(0usize, |a, &n| a.checked_add(n))
+        .ok_or_else(|| Error::invalid(format!("the {name} add up past usize")))?;
+    Ok((c, total))
+}
+
 /// Input element types for [`KvCache::append`]: `f32` (stored in the cache's formats on the
 /// backend, rounded once), and `f16`/`u16` (an F16 cache stores them as is). Sealed.
 pub trait KvInput: Element {
@@ -826,21 +848,7 @@ impl KvCache {
         k: &impl DeviceRead<T>,
         v: &impl DeviceRead<T>,
     ) -> Result<()> {
-        if n_tokens.len() != seq_ids.len() {
-            return Err(Error::invalid(format!(
-                "seq_ids has {} entries but n_tokens has {}",
-                seq_ids.len(),
-                n_tokens.len()
-            )));
-        }
-        let counts = n_tokens
-            .iter()
-            .map(|&n| to_c(n, "n_tokens[i]"))
-            .collect::<Result<Vec<c_int>>>()?;
-        let total = n_tokens
-            .iter()
-            .try_fold(0usize, |a, &n| a.checked_add(n))
-            .ok_or_else(|| Error::invalid("the token counts add up past usize"))?;
+        let (counts, total) = c_counts(seq_ids.len(), n_tokens, "n_tokens")?;
         self.append_batch_raw(layer, seq_ids, Some(&counts), total, k, v)
     }
 
@@ -1171,21 +1179,7 @@ impl KvCache {
     ) -> Result<()> {
         let l = self.layer(layer)?;
         let (ids, n) = self.seq_ids(seq_ids)?;
-        if q_counts.len() != seq_ids.len() {
-            return Err(Error::invalid(format!(
-                "seq_ids has {} entries but q_counts has {}",
-                seq_ids.len(),
-                q_counts.len()
-            )));
-        }
-        let counts = q_counts
-            .iter()
-            .map(|&c| to_c(c, "q_counts[i]"))
-            .collect::<Result<Vec<c_int>>>()?;
-        let rows = q_counts
-            .iter()
-            .try_fold(0usize, |a, &c| a.checked_add(c))
-            .ok_or_else(|| Error::invalid("the query counts add up past usize"))?;
+        let (counts, rows) = c_counts(seq_ids.len(), q_counts, "q_counts")?;
         let scale = self.check_attention(rows, q, out, scale)?;
         let window = match window {
             None => 0,
