@@ -1,4 +1,4 @@
-// Appending K/V rows: the caller's [token][kv_head][dim] FP32 or FP16 rows of one or more
+// Appending K/V rows: the caller's [token][kv_head][dim] FP32, FP16 or BF16 rows of one or more
 // sequences of a layer (packed in item order), encoded by the cache's K and V formats into its
 // [kv_head][pos][dim] rows. A launch takes up to kAppendMaxItems sequences, described by a table
 // in its arguments: a batch of decode tokens is one launch.
@@ -9,6 +9,24 @@
 #include "tuning.cuh"
 
 namespace {
+
+// The caller's elements: FP32, FP16 (which an F16 cache keeps bit for bit) or bfloat16, which
+// is widened to FP32 (exactly) in registers and then takes FP32's path.
+struct Bf16 {
+  unsigned short bits;
+};
+template <typename T>
+struct Src {
+  using Reg = T;
+  __device__ static T at(const T *p, size_t i) { return p[i]; }
+};
+template <>
+struct Src<Bf16> {
+  using Reg = float;
+  __device__ static float at(const Bf16 *p, size_t i) {
+    return __uint_as_float((unsigned)p[i].bits << 16);
+  }
+};
 
 // Sequences per launch: the table travels as a kernel argument (4 KB of them on sm_52).
 constexpr int kAppendMaxItems = 128;
@@ -61,18 +79,19 @@ __global__ void append_kernel(const T *__restrict__ k, const T *__restrict__ v, 
     const int item = d.item_of(t);
     const SeqRows at = d.rows(item);
     const size_t dst = at.row((int)(th % H), at.pos + (int)(t - d.tok[item])) + e % D;
-    T xk[R], xv[R];
+    using Reg = typename Src<T>::Reg;
+    Reg xk[R], xv[R];
 #pragma unroll
     for (int j = 0; j < R; j++) {
-      xk[j] = k[e + j];
-      xv[j] = v[e + j];
+      xk[j] = Src<T>::at(k, e + j);
+      xv[j] = Src<T>::at(v, e + j);
     }
 #pragma unroll
     for (int j = 0; j < R; j += KF::kEncodeRun)
-      KF::encode(ck, dst + j, *reinterpret_cast<const T(*)[KF::kEncodeRun]>(xk + j));
+      KF::encode(ck, dst + j, *reinterpret_cast<const Reg(*)[KF::kEncodeRun]>(xk + j));
 #pragma unroll
     for (int j = 0; j < R; j += VF::kEncodeRun)
-      VF::encode(cv, dst + j, *reinterpret_cast<const T(*)[VF::kEncodeRun]>(xv + j));
+      VF::encode(cv, dst + j, *reinterpret_cast<const Reg(*)[VF::kEncodeRun]>(xv + j));
   }
 }
 
@@ -96,7 +115,8 @@ __device__ __forceinline__ void append_row(float *x, const T *src, const KvMutPl
   const int D = at.head_dim;
   float v[8];  // dims lane + 32 e (head_dim <= 256)
 #pragma unroll
-  for (int e = 0; e < 8; e++) v[e] = lane + 32 * e < D ? (float)src[lane + 32 * e] : 0.0f;
+  for (int e = 0; e < 8; e++)
+    v[e] = lane + 32 * e < D ? (float)Src<T>::at(src, lane + 32 * e) : 0.0f;
   if (rotate) warp_rotate(v, D, at.rot_scale);
 #pragma unroll
   for (int e = 0; e < 8; e++)
@@ -196,14 +216,17 @@ int append_items(const m40llm_kvcache *c, int layer, const m40llm_append_item *i
 }  // namespace
 
 int m40llm_cuda_append(const m40llm_kvcache *c, int layer, const m40llm_append_item *items,
-                       int n_items, const void *k, const void *v, int src_is_f32) {
+                       int n_items, const void *k, const void *v, int dtype) {
   M40LLM_CUDA_ENTER(c->ctx);
   return with_kv_pair(c->k.layout.fmt->format, c->v.layout.fmt->format, [&](auto pair) -> int {
     using P = decltype(pair);
-    if (src_is_f32)
-      return append_items<P>(c, layer, items, n_items, static_cast<const float *>(k),
-                             static_cast<const float *>(v));
-    return append_items<P>(c, layer, items, n_items, static_cast<const __half *>(k),
-                           static_cast<const __half *>(v));
+    if (dtype == M40LLM_DTYPE_F16)
+      return append_items<P>(c, layer, items, n_items, static_cast<const __half *>(k),
+                             static_cast<const __half *>(v));
+    if (dtype == M40LLM_DTYPE_BF16)
+      return append_items<P>(c, layer, items, n_items, static_cast<const Bf16 *>(k),
+                             static_cast<const Bf16 *>(v));
+    return append_items<P>(c, layer, items, n_items, static_cast<const float *>(k),
+                           static_cast<const float *>(v));
   });
 }

@@ -281,23 +281,25 @@ int enter_with(const m40llm_kvcache *c, const void *a, const char *a_name, const
 }
 
 int cuda_append(const m40llm_kvcache *c, int layer, const m40llm_append_item *items,
-                int n_items, const void *k, const void *v, int src_is_f32) {
+                int n_items, const void *k, const void *v, int dtype) {
   const int rc = enter_with(c, k, "k", v, "v");
-  return rc != M40LLM_OK ? rc : m40llm_cuda_append(c, layer, items, n_items, k, v, src_is_f32);
+  return rc != M40LLM_OK ? rc : m40llm_cuda_append(c, layer, items, n_items, k, v, dtype);
 }
 
 int cuda_attention(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, int n_seqs,
-                   const float *q, float *out, float scale) {
+                   const void *q, void *out, int dtype, float scale) {
   const int rc = enter_with(c, q, "q", out, "out");
-  return rc != M40LLM_OK ? rc : m40llm_cuda_attention(c, layer, seq_ids, n_seqs, q, out, scale);
+  return rc != M40LLM_OK ? rc
+                         : m40llm_cuda_attention(c, layer, seq_ids, n_seqs, q, out, dtype, scale);
 }
 
 int cuda_attention_causal(const m40llm_kvcache *c, int layer, const m40llm_append_item *items,
-                          int n_items, const float *q, float *out, float scale, int window) {
+                          int n_items, const void *q, void *out, int dtype, float scale,
+                          int window) {
   const int rc = enter_with(c, q, "q", out, "out");
-  return rc != M40LLM_OK
-             ? rc
-             : m40llm_cuda_attention_causal(c, layer, items, n_items, q, out, scale, window);
+  return rc != M40LLM_OK ? rc
+                         : m40llm_cuda_attention_causal(c, layer, items, n_items, q, out, dtype,
+                                                        scale, window);
 }
 
 }  // namespace

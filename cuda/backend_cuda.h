@@ -5,12 +5,13 @@
 
 int m40llm_cuda_reserve_for(m40llm_kvcache *c);  // attention_dispatch.cu
 int m40llm_cuda_attention(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, int n_seqs,
-                          const float *q, float *out, float scale);
+                          const void *q, void *out, int dtype, float scale);
 int m40llm_cuda_attention_causal(const m40llm_kvcache *c, int layer,
-                                 const m40llm_append_item *items, int n_items, const float *q,
-                                 float *out, float scale, int window);  // attention_causal_dispatch.cu
+                                 const m40llm_append_item *items, int n_items, const void *q,
+                                 void *out, int dtype, float scale,
+                                 int window);  // attention_causal_dispatch.cu
 int m40llm_cuda_append(const m40llm_kvcache *c, int layer, const m40llm_append_item *items,
-                       int n_items, const void *k, const void *v, int src_is_f32);  // append.cu
+                       int n_items, const void *k, const void *v, int dtype);  // append.cu
 // Positions [pos, pos + n_tokens) of tensor t decoded to FP16 rows (read.cu).
 int m40llm_cuda_read_decoded(const m40llm_kvcache *c, const m40llm_kv_tensor &t, uint16_t *out,
                              int layer, int seq, int pos, int n_tokens);

@@ -1,7 +1,9 @@
 // What the CUDA backend's translation units share: the backend state, error reporting, launch
-// checks, programmatic dependent launches, warp reductions and an unaligned float4 store.
+// checks, programmatic dependent launches, warp reductions, and loads and stores of the caller's
+// q and out rows in their element type.
 #pragma once
 
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include "internal.h"
@@ -121,10 +123,38 @@ __device__ __forceinline__ void fma4(float w, const float4 &v, float4 &acc) {
   acc.w = fmaf(w, v.w, acc.w);
 }
 
-// Four floats of the caller's memory, which promises only 4-byte alignment.
-__device__ __forceinline__ void store4(float *dst, float4 x) {
-  dst[0] = x.x;
-  dst[1] = x.y;
-  dst[2] = x.z;
-  dst[3] = x.w;
+// The caller's q and out rows hold elements of an m40llm_dtype (`io`): 16-bit ones are widened
+// exactly on load and rounded to nearest even on store, with integer operations and the FP32
+// <-> FP16 conversion every GPU has (no half arithmetic: the M40 has none). The branch is on a
+// kernel argument, uniform across the grid.
+__device__ __forceinline__ float io_load(const void *p, int io, size_t i) {
+  if (io == M40LLM_DTYPE_F32) return static_cast<const float *>(p)[i];
+  const unsigned short h = static_cast<const unsigned short *>(p)[i];
+  return io == M40LLM_DTYPE_BF16 ? __uint_as_float((unsigned)h << 16)
+                                 : __half2float(__ushort_as_half(h));
+}
+
+// bfloat16 bits of x, to nearest even (a NaN stays a quiet NaN): m40llm_f32_to_bf16's rule.
+__device__ __forceinline__ unsigned short bf16_bits(float x) {
+  unsigned u = __float_as_uint(x);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return (unsigned short)(u >> 16);
+}
+
+__device__ __forceinline__ void io_store(void *p, int io, size_t i, float x) {
+  if (io == M40LLM_DTYPE_F32) {
+    static_cast<float *>(p)[i] = x;
+  } else {
+    static_cast<unsigned short *>(p)[i] =
+        io == M40LLM_DTYPE_BF16 ? bf16_bits(x) : __half_as_ushort(__float2half_rn(x));
+  }
+}
+
+// Four elements i .. i + 3 of the caller's memory, which promises only the element's alignment.
+__device__ __forceinline__ void io_store4(void *p, int io, size_t i, float4 x) {
+  io_store(p, io, i, x.x);
+  io_store(p, io, i + 1, x.y);
+  io_store(p, io, i + 2, x.z);
+  io_store(p, io, i + 3, x.w);
 }

@@ -835,6 +835,7 @@ int main(void) {
   t_cases_append_batch(dev, small);
   t_cases_attention_masked(dev);
   t_cases_causal(dev, cpu, small);
+  t_cases_dtype(dev, cpu, small);
   test_shape_sweep();
   test_head_dim_sweep();
   test_ragged_batch();

@@ -166,6 +166,10 @@ void t_cases_append_batch(m40llm_context *ctx, int small);
  * format, against float64 references and the decode call; its errors. cpu: a CPU context. */
 void t_cases_causal(m40llm_context *ctx, m40llm_context *cpu, int small);
 
+/* FP16 and BF16 q, out and K/V rows (cases_dtype.c): the _ex calls against the FP32 ones,
+ * rounded, bit for bit, and the FP32 ones against the CPU backend; their errors. */
+void t_cases_dtype(m40llm_context *ctx, m40llm_context *cpu, int small);
+
 /* Positions whose K holds -inf (weight 0), first, last, at tile starts, whole splits, all. */
 void t_cases_attention_masked(m40llm_context *ctx);
 

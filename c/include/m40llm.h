@@ -224,6 +224,18 @@ int m40llm_memcpy_device(m40llm_context *ctx, void *dst, const void *src, size_t
 /** Sets bytes of backend memory to (unsigned char)value, stream-ordered. */
 int m40llm_memset(m40llm_context *ctx, void *dst, int value, size_t bytes);
 
+/* ---- Element types of the caller's rows -------------------------------------------------- */
+
+/* The element type of the q, out and K/V rows a caller passes to the calls ending in _ex. The
+ * arithmetic is FP32 (float64 on the CPU backend) whatever the type: 16-bit inputs are widened
+ * exactly on load, and outputs are rounded once, to nearest even, on store (a NaN stays a NaN).
+ * Any other value fails with M40LLM_ERR_INVALID_ARGUMENT. */
+typedef enum m40llm_dtype {
+  M40LLM_DTYPE_F32 = 0,  /* IEEE binary32 */
+  M40LLM_DTYPE_F16 = 1,  /* IEEE binary16 bit patterns */
+  M40LLM_DTYPE_BF16 = 2  /* bfloat16 bit patterns: the high 16 bits of a binary32 */
+} m40llm_dtype;
+
 /* ---- KV cache ------------------------------------------------------------------------------ */
 
 /** K and V for n_layers x max_seqs sequences of up to max_seq_len positions each.
@@ -354,6 +366,12 @@ int m40llm_kvcache_append_batch_f32(m40llm_kvcache *cache, int layer, const int3
 int m40llm_kvcache_append_batch_f16(m40llm_kvcache *cache, int layer, const int32_t *seq_ids,
                                     const int32_t *n_tokens, int n_seqs, const uint16_t *k,
                                     const uint16_t *v);
+/** As m40llm_kvcache_append_batch_f32 with k and v of element type dtype (m40llm_dtype): F32
+ *  and F16 rows are stored as the _f32 and _f16 calls store them; BF16 rows are widened to FP32
+ *  (exactly) and stored as FP32 rows are. */
+int m40llm_kvcache_append_batch_ex(m40llm_kvcache *cache, int layer, const int32_t *seq_ids,
+                                   const int32_t *n_tokens, int n_seqs, const void *k,
+                                   const void *v, int dtype);
 /** Copies positions [pos, pos + n_tokens) of (layer, seq) out as FP16 into k_out and v_out
  *  (Q8 and Q4: what attention reads: the dequantized values, or a protected position's FP16
  *  copy, rotated back where the tensor is rotated, rounded to FP16),
@@ -433,6 +451,15 @@ int m40llm_kvcache_attn_last_token_f32q(float *out, m40llm_kvcache *cache, int l
 int m40llm_kvcache_attn_batch_f32q(float *out, m40llm_kvcache *cache, int layer,
                                    const int32_t *seq_ids, int n_seqs, const float *q,
                                    float scale);
+/** As m40llm_kvcache_attn_batch_f32q with q and out of element type dtype (m40llm_dtype), so
+ *  that an FP16 or BF16 model passes its activations as they are: the kernels widen q as they
+ *  load it and round the output as they store it (the split partials and the softmax stay
+ *  FP32), on every GPU (the M40's FP32 path converts with integer and FP32 operations). With an
+ *  F32 dtype it is m40llm_kvcache_attn_batch_f32q. Overlap of q and out is checked over their
+ *  bytes in that type. */
+int m40llm_kvcache_attn_batch_ex(void *out, m40llm_kvcache *cache, int layer,
+                                 const int32_t *seq_ids, int n_seqs, const void *q, int dtype,
+                                 float scale);
 
 /** A decode step of one layer in one call: appends one token to each of n_seqs (>= 1)
  *  sequences, then attends each sequence's q row over all its positions, the new one included.
@@ -449,6 +476,12 @@ int m40llm_kvcache_attn_batch_f32q(float *out, m40llm_kvcache *cache, int layer,
 int m40llm_kvcache_append_attn_f32q(float *out, m40llm_kvcache *cache, int layer,
                                     const int32_t *seq_ids, int n_seqs, const float *k,
                                     const float *v, const float *q, float scale);
+/** As m40llm_kvcache_append_attn_f32q with k, v, q and out all of element type dtype
+ *  (m40llm_dtype): the append of m40llm_kvcache_append_batch_ex, then the attention of
+ *  m40llm_kvcache_attn_batch_ex. */
+int m40llm_kvcache_append_attn_ex(void *out, m40llm_kvcache *cache, int layer,
+                                  const int32_t *seq_ids, int n_seqs, const void *k,
+                                  const void *v, const void *q, int dtype, float scale);
 
 /* ---- Causal attention over the cache: prefill, speculative verification ---------------- */
 
@@ -493,6 +526,11 @@ int m40llm_kvcache_attn_causal_f32q(float *out, m40llm_kvcache *cache, int layer
                                     const int32_t *seq_ids, const int32_t *q_counts,
                                     int n_seqs, const float *q,
                                     const m40llm_causal_options *opts);
+/** As m40llm_kvcache_attn_causal_f32q with q and out of element type dtype (m40llm_dtype),
+ *  converted in the kernels as m40llm_kvcache_attn_batch_ex converts them. */
+int m40llm_kvcache_attn_causal_ex(void *out, m40llm_kvcache *cache, int layer,
+                                  const int32_t *seq_ids, const int32_t *q_counts, int n_seqs,
+                                  const void *q, int dtype, const m40llm_causal_options *opts);
 
 #ifdef __cplusplus
 }

@@ -46,25 +46,28 @@ typedef struct m40llm_backend_ops {
   /* A new cache's planes are allocated: reserve what its calls need so they never allocate. */
   int (*cache_created)(m40llm_kvcache *c);
   /* Writes, for each item, positions [pos, pos + n_tokens) of (layer, seq) from
-   * [n_tokens][n_kv_heads][dim] FP32 (src_is_f32) or FP16 rows of k and v, the items' rows
+   * [n_tokens][n_kv_heads][dim] rows of k and v of element type dtype (m40llm_dtype, valid),
+   * F16 rows stored as they are in an F16 tensor, the others as their FP32 values; the items' rows
    * packed in item order, rotated where the tensor is; a quantized tensor's FP16 slots get the
    * positions p < c->n_sinks and p >= pos + n_tokens - c->window (the window after this
    * append). Items name distinct sequences, each n_tokens >= 1; n_items >= 1. */
   int (*append)(const m40llm_kvcache *c, int layer, const m40llm_append_item *items,
-                int n_items, const void *k, const void *v, int src_is_f32);
+                int n_items, const void *k, const void *v, int dtype);
   int (*read_f16)(const m40llm_kvcache *c, uint16_t *k_out, uint16_t *v_out, int layer,
                   int seq, int pos, int n_tokens);
   /* Copies src_seq's stored positions of every layer to dst_seq (lengths are the caller's). */
   int (*fork)(const m40llm_kvcache *c, int dst_seq, int src_seq);
-  /* Decode attention of n_seqs query rows; each seq_ids[i] is valid, scale final. */
+  /* Decode attention of n_seqs query rows; each seq_ids[i] is valid, scale final; q and out
+   * of element type dtype (m40llm_dtype, valid). */
   int (*attention)(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, int n_seqs,
-                   const float *q, float *out, float scale);
+                   const void *q, void *out, int dtype, float scale);
   /* Causal attention (m40llm_kvcache_attn_causal_f32q) of checked items: each names a distinct
    * sequence, n_tokens >= 1 query rows and pos = its length - n_tokens (the first row's
    * position; row i sees positions [max(0, pos + i - window + 1) if window > 0 else 0,
    * pos + i]); the items' rows packed in q and out in item order. n_items >= 1, scale final. */
   int (*attention_causal)(const m40llm_kvcache *c, int layer, const m40llm_append_item *items,
-                          int n_items, const float *q, float *out, float scale, int window);
+                          int n_items, const void *q, void *out, int dtype, float scale,
+                          int window);
 } m40llm_backend_ops;
 
 extern const m40llm_backend_ops m40llm_cpu_backend;

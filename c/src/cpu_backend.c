@@ -76,33 +76,32 @@ static int cpu_cache_created(m40llm_kvcache *c) {
   return M40LLM_OK;
 }
 
-/* Encodes one row of a tensor from FP32 or FP16 input: an F16 tensor stores it as it is (FP16
- * bits unchanged); a quantized one takes it as FP32, rotated where the tensor is, and keeps the
- * FP16 copy in slot `slot` (-1: none). */
+/* Encodes one row of a tensor from input of element type dtype: an F16 tensor stores FP16
+ * input as it is (bits unchanged); otherwise the row is taken as FP32, rotated where the tensor
+ * is, and a quantized tensor keeps its FP16 copy in protected row `protected_row` (SIZE_MAX:
+ * none; an F16 tensor has no copies). */
 static void append_row(const m40llm_kvcache *c, const m40llm_kv_tensor *x, size_t row,
-                       const void *src, int src_is_f32, size_t protected_row) {
+                       const void *src, int dtype, size_t protected_row) {
   const int d = c->opts.head_dim;
   void *codes = m40llm_kv_at(x, M40LLM_KV_CODES, row);
   void *params = m40llm_kv_at(x, M40LLM_KV_PARAMS, row);
-  if (x->layout.fmt->format == M40LLM_KV_F16) {
-    if (src_is_f32) x->layout.fmt->encode_f32(codes, params, src, d);
-    else x->layout.fmt->encode_f16(codes, params, src, d);
+  if (x->layout.fmt->format == M40LLM_KV_F16 && dtype == M40LLM_DTYPE_F16) {
+    x->layout.fmt->encode_f16(codes, params, src, d);
     return;
   }
   float f[256];
-  for (int i = 0; i < d; i++)
-    f[i] = src_is_f32 ? ((const float *)src)[i] : m40llm_f16_to_f32(((const uint16_t *)src)[i]);
+  for (int i = 0; i < d; i++) f[i] = m40llm_dtype_load(src, dtype, (size_t)i);
   if (x->rotated) m40llm_rotate_f32(f, d);
   x->layout.fmt->encode_f32(codes, params, f, d);
-  if (protected_row != SIZE_MAX)
+  if (x->layout.fmt->format != M40LLM_KV_F16 && protected_row != SIZE_MAX)
     for (int i = 0; i < d; i++) x->fp16[protected_row * (size_t)d + i] = m40llm_f32_to_f16(f[i]);
 }
 
 /* One item's rows: positions [pos, pos + n_tokens) of (layer, seq) from src rows k and v. */
 static void append_item(const m40llm_kvcache *c, int layer, const m40llm_append_item *it,
-                        const unsigned char *k, const unsigned char *v, int src_is_f32) {
+                        const unsigned char *k, const unsigned char *v, int dtype) {
   const m40llm_kvcache_options *o = &c->opts;
-  const size_t d = (size_t)o->head_dim, elem = src_is_f32 ? sizeof(float) : sizeof(uint16_t);
+  const size_t d = (size_t)o->head_dim, elem = m40llm_dtype_size(dtype);
   const m40llm_kv_tensor *tensors[2] = {&c->k, &c->v};
   const unsigned char *srcs[2] = {k, v};
   const int end = it->pos + it->n_tokens;
@@ -116,20 +115,20 @@ static void append_item(const m40llm_kvcache *c, int layer, const m40llm_append_
                                          m40llm_kv_protected_slot(c->n_sinks, c->window, p))
                : SIZE_MAX;
       for (int i = 0; i < 2; i++)
-        append_row(c, tensors[i], m40llm_kv_row(o, layer, it->seq, h, p), srcs[i] + src,
-                   src_is_f32, prow);
+        append_row(c, tensors[i], m40llm_kv_row(o, layer, it->seq, h, p), srcs[i] + src, dtype,
+                   prow);
     }
   }
 }
 
 static int cpu_append(const m40llm_kvcache *c, int layer, const m40llm_append_item *items,
-                      int n_items, const void *k, const void *v, int src_is_f32) {
-  const size_t row = (size_t)c->opts.n_kv_heads * (size_t)c->opts.head_dim *
-                     (src_is_f32 ? sizeof(float) : sizeof(uint16_t));
+                      int n_items, const void *k, const void *v, int dtype) {
+  const size_t row =
+      (size_t)c->opts.n_kv_heads * (size_t)c->opts.head_dim * m40llm_dtype_size(dtype);
   size_t off = 0;
   for (int i = 0; i < n_items; i++) {
     append_item(c, layer, &items[i], (const unsigned char *)k + off,
-                (const unsigned char *)v + off, src_is_f32);
+                (const unsigned char *)v + off, dtype);
     off += (size_t)items[i].n_tokens * row;
   }
   return M40LLM_OK;
@@ -235,7 +234,7 @@ static void attend_head(const m40llm_kvcache *c, int layer, int seq, int h, int 
 
 /* Query row `row` (every head) of q against positions [begin, end) of (layer, seq). */
 static void attend_row(const m40llm_kvcache *c, int layer, int seq, int begin, int end,
-                       size_t row, const float *q, float *out, float scale) {
+                       size_t row, const void *q, void *out, int dtype, float scale) {
   const m40llm_kvcache_options *o = &c->opts;
   const int group = o->n_heads / o->n_kv_heads;
   const int d = o->head_dim;
@@ -243,33 +242,33 @@ static void attend_row(const m40llm_kvcache *c, int layer, int seq, int begin, i
   float kv[256];
   for (int h = 0; h < o->n_heads; h++) {
     const size_t r = (row * (size_t)o->n_heads + (size_t)h) * (size_t)d;
-    for (int j = 0; j < d; j++) qd[j] = q[r + j];
+    for (int j = 0; j < d; j++) qd[j] = m40llm_dtype_load(q, dtype, r + (size_t)j);
     if (c->k.rotated) m40llm_rotate_f64(qd, d);
     attend_head(c, layer, seq, h / group, begin, end, qd, acc, (double)scale, kv);
     if (c->v.rotated) m40llm_rotate_f64(acc, d);
-    for (int j = 0; j < d; j++) out[r + j] = (float)acc[j];
+    for (int j = 0; j < d; j++) m40llm_dtype_store(out, dtype, r + (size_t)j, (float)acc[j]);
   }
 }
 
 static int cpu_attention(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, int n_seqs,
-                         const float *q, float *out, float scale) {
+                         const void *q, void *out, int dtype, float scale) {
   for (int i = 0; i < n_seqs; i++)
     attend_row(c, layer, seq_ids[i], 0, *m40llm_len_slot(c, layer, seq_ids[i]), (size_t)i, q,
-               out, scale);
+               out, dtype, scale);
   return M40LLM_OK;
 }
 
 /* Row t of an item sees positions up to its own, pos + t, and with a window only the last
  * `window` of them. */
 static int cpu_attention_causal(const m40llm_kvcache *c, int layer,
-                                const m40llm_append_item *items, int n_items, const float *q,
-                                float *out, float scale, int window) {
+                                const m40llm_append_item *items, int n_items, const void *q,
+                                void *out, int dtype, float scale, int window) {
   size_t row = 0;
   for (int i = 0; i < n_items; i++)
     for (int t = 0; t < items[i].n_tokens; t++, row++) {
       const int end = items[i].pos + t + 1;
       const int begin = window > 0 && end > window ? end - window : 0;
-      attend_row(c, layer, items[i].seq, begin, end, row, q, out, scale);
+      attend_row(c, layer, items[i].seq, begin, end, row, q, out, dtype, scale);
     }
   return M40LLM_OK;
 }

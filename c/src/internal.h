@@ -94,6 +94,14 @@ extern int (*m40llm_host_alloc_hook)(size_t bytes);
 /* IEEE binary16 conversions, round-to-nearest-even (what CUDA's __float2half_rn does). */
 uint16_t m40llm_f32_to_f16(float f);
 float m40llm_f16_to_f32(uint16_t h);
+/* bfloat16: round-to-nearest-even from FP32 (NaN stays a quiet NaN); widening is exact. */
+uint16_t m40llm_f32_to_bf16(float f);
+float m40llm_bf16_to_f32(uint16_t h);
+/* Bytes of one element of an m40llm_dtype, or 0 for a value that is none. */
+size_t m40llm_dtype_size(int dtype);
+/* Element i of a row of type dtype as FP32 (exact), and x stored as element i (rounded once). */
+float m40llm_dtype_load(const void *p, int dtype, size_t i);
+void m40llm_dtype_store(void *p, int dtype, size_t i, float x);
 
 #ifdef __cplusplus
 }

@@ -228,6 +228,12 @@ static int check_seq(const m40llm_kvcache *c, const char *name, int seq) {
   return M40LLM_OK;
 }
 
+static int check_dtype(int dtype) {
+  if (m40llm_dtype_size(dtype) == 0)
+    return FAIL(INVALID_ARGUMENT, "dtype %d is not an m40llm_dtype (F32 0, F16 1, BF16 2)", dtype);
+  return M40LLM_OK;
+}
+
 int m40llm_kvcache_seq_len(int *out_len, const m40llm_kvcache *cache, int layer, int seq) {
   if (!out_len) return FAIL(INVALID_ARGUMENT, "out_len is NULL");
   if (!cache) return FAIL(INVALID_ARGUMENT, "cache is NULL");
@@ -274,11 +280,11 @@ int m40llm_kvcache_seq_fork(m40llm_kvcache *cache, int dst_seq, int src_seq) {
 /* The backend's append of checked items (distinct sequences, each n_tokens >= 1, capacity
  * checked), then their lengths and window starts. */
 static int run_append(m40llm_kvcache *c, int layer, const m40llm_append_item *items, int n_items,
-                      const void *k, const void *v, int src_is_f32) {
+                      const void *k, const void *v, int dtype) {
   int rc = m40llm_context_check(c->ctx);
   if (rc != M40LLM_OK || n_items == 0) return rc;
   rc = m40llm_context_result(c->ctx,
-                             c->ctx->ops->append(c, layer, items, n_items, k, v, src_is_f32));
+                             c->ctx->ops->append(c, layer, items, n_items, k, v, dtype));
   for (int i = 0; i < n_items && rc == M40LLM_OK; i++) {
     int *len = m40llm_len_slot(c, layer, items[i].seq);
     int *lo = m40llm_lo_slot(c, layer, items[i].seq);
@@ -289,7 +295,7 @@ static int run_append(m40llm_kvcache *c, int layer, const m40llm_append_item *it
 }
 
 static int append(m40llm_kvcache *c, int layer, int seq, const void *k, const void *v,
-                  int n_tokens, int src_is_f32) {
+                  int n_tokens, int dtype) {
   if (!c) return FAIL(INVALID_ARGUMENT, "cache is NULL");
   int rc = check_layer_seq(c, layer, seq);
   if (rc != M40LLM_OK) return rc;
@@ -301,17 +307,17 @@ static int append(m40llm_kvcache *c, int layer, int seq, const void *k, const vo
     return FAIL(CAPACITY, "appending %d token(s) to layer %d seq %d (length %d) passes max_seq_len %d",
                 n_tokens, layer, seq, len, c->opts.max_seq_len);
   const m40llm_append_item item = {seq, len, n_tokens};
-  return run_append(c, layer, &item, 1, k, v, src_is_f32);
+  return run_append(c, layer, &item, 1, k, v, dtype);
 }
 
 int m40llm_kvcache_append_f32(m40llm_kvcache *cache, int layer, int seq, const float *k,
                               const float *v, int n_tokens) {
-  return append(cache, layer, seq, k, v, n_tokens, 1);
+  return append(cache, layer, seq, k, v, n_tokens, M40LLM_DTYPE_F32);
 }
 
 int m40llm_kvcache_append_f16(m40llm_kvcache *cache, int layer, int seq, const uint16_t *k,
                               const uint16_t *v, int n_tokens) {
-  return append(cache, layer, seq, k, v, n_tokens, 0);
+  return append(cache, layer, seq, k, v, n_tokens, M40LLM_DTYPE_F16);
 }
 
 /* Checks the batch copied into c->batch (n entries: the caller's ids and counts) and adds up
@@ -364,7 +370,7 @@ static int read_batch(m40llm_kvcache *c, const int32_t *seq_ids, const int32_t *
  * layer are checked. */
 static int prepare_batch(m40llm_kvcache *c, int layer, const int32_t *seq_ids,
                          const int32_t *n_tokens, int n_seqs, const void *k, const void *v,
-                         int src_is_f32, int *n_items) {
+                         int dtype, int *n_items) {
   int rc = read_batch(c, seq_ids, n_tokens, n_seqs);
   if (rc != M40LLM_OK) return rc;
   unsigned long long tokens = 0;
@@ -378,7 +384,7 @@ static int prepare_batch(m40llm_kvcache *c, int layer, const int32_t *seq_ids,
   /* The rows must lie in the address space from where k and v start. */
   const unsigned long long row = (unsigned long long)c->opts.n_kv_heads *
                                  (unsigned long long)c->opts.head_dim *
-                                 (src_is_f32 ? sizeof(float) : sizeof(uint16_t));
+                                 m40llm_dtype_size(dtype);
   if (tokens > UINTPTR_MAX / row || tokens * row > UINTPTR_MAX - (uintptr_t)k ||
       tokens * row > UINTPTR_MAX - (uintptr_t)v)
     return FAIL(INVALID_ARGUMENT, "%llu token(s) of %llu bytes from k or v pass the end of the "
@@ -396,25 +402,32 @@ static int prepare_batch(m40llm_kvcache *c, int layer, const int32_t *seq_ids,
 
 static int append_batch(m40llm_kvcache *c, int layer, const int32_t *seq_ids,
                         const int32_t *n_tokens, int n_seqs, const void *k, const void *v,
-                        int src_is_f32) {
+                        int dtype) {
   if (!c) return FAIL(INVALID_ARGUMENT, "cache is NULL");
   if (layer < 0 || layer >= c->opts.n_layers)
     return FAIL(OUT_OF_RANGE, "layer %d is outside 0..%d", layer, c->opts.n_layers - 1);
   int n_items = 0;
-  const int rc = prepare_batch(c, layer, seq_ids, n_tokens, n_seqs, k, v, src_is_f32, &n_items);
-  return rc != M40LLM_OK ? rc : run_append(c, layer, c->batch, n_items, k, v, src_is_f32);
+  int rc = check_dtype(dtype);
+  if (rc == M40LLM_OK) rc = prepare_batch(c, layer, seq_ids, n_tokens, n_seqs, k, v, dtype, &n_items);
+  return rc != M40LLM_OK ? rc : run_append(c, layer, c->batch, n_items, k, v, dtype);
 }
 
 int m40llm_kvcache_append_batch_f32(m40llm_kvcache *cache, int layer, const int32_t *seq_ids,
                                     const int32_t *n_tokens, int n_seqs, const float *k,
                                     const float *v) {
-  return append_batch(cache, layer, seq_ids, n_tokens, n_seqs, k, v, 1);
+  return append_batch(cache, layer, seq_ids, n_tokens, n_seqs, k, v, M40LLM_DTYPE_F32);
 }
 
 int m40llm_kvcache_append_batch_f16(m40llm_kvcache *cache, int layer, const int32_t *seq_ids,
                                     const int32_t *n_tokens, int n_seqs, const uint16_t *k,
                                     const uint16_t *v) {
-  return append_batch(cache, layer, seq_ids, n_tokens, n_seqs, k, v, 0);
+  return append_batch(cache, layer, seq_ids, n_tokens, n_seqs, k, v, M40LLM_DTYPE_F16);
+}
+
+int m40llm_kvcache_append_batch_ex(m40llm_kvcache *cache, int layer, const int32_t *seq_ids,
+                                   const int32_t *n_tokens, int n_seqs, const void *k,
+                                   const void *v, int dtype) {
+  return append_batch(cache, layer, seq_ids, n_tokens, n_seqs, k, v, dtype);
 }
 
 int m40llm_kvcache_read_f16(uint16_t *k_out, uint16_t *v_out, const m40llm_kvcache *cache,
@@ -434,22 +447,25 @@ int m40llm_kvcache_read_f16(uint16_t *k_out, uint16_t *v_out, const m40llm_kvcac
                                                          n_tokens));
 }
 
-static int check_attention(const m40llm_kvcache *c, int layer, const float *q, const float *out,
-                           int n_rows, float *scale) {
+static int check_attention(const m40llm_kvcache *c, int layer, const void *q, const void *out,
+                           int dtype, int n_rows, float *scale) {
   if (layer < 0 || layer >= c->opts.n_layers)
     return FAIL(OUT_OF_RANGE, "layer %d is outside 0..%d", layer, c->opts.n_layers - 1);
+  const int rc = check_dtype(dtype);
+  if (rc != M40LLM_OK) return rc;
   if (!q) return FAIL(INVALID_ARGUMENT, "q is NULL");
   if (!out) return FAIL(INVALID_ARGUMENT, "out is NULL");
   if (!isfinite(*scale)) return FAIL(INVALID_ARGUMENT, "scale is not finite");
   if (*scale == 0.0f) *scale = 1.0f / sqrtf((float)c->opts.head_dim);
-  /* Bytes of q and of out: n_rows rows of n_heads x head_dim floats, which must fit in the
+  /* Bytes of q and of out: n_rows rows of n_heads x head_dim elements, which must fit in the
    * address space from where each starts. Said first, so that a wrong n_seqs is named as such. */
-  const uintptr_t row = (uintptr_t)c->opts.n_heads * (uintptr_t)c->opts.head_dim * sizeof(float);
+  const uintptr_t row =
+      (uintptr_t)c->opts.n_heads * (uintptr_t)c->opts.head_dim * m40llm_dtype_size(dtype);
   const uintptr_t qa = (uintptr_t)q, oa = (uintptr_t)out;
   if ((uintptr_t)n_rows > UINTPTR_MAX / row || (uintptr_t)n_rows * row > UINTPTR_MAX - qa ||
       (uintptr_t)n_rows * row > UINTPTR_MAX - oa)
     return FAIL(INVALID_ARGUMENT,
-                "%d row(s) of %ju bytes (n_heads x head_dim floats) from q or out pass the end of "
+                "%d row(s) of %ju bytes (n_heads x head_dim elements) from q or out pass the end of "
                 "the address space: n_seqs (or the rows counted) is too large",
                 n_rows, (uintmax_t)row);
   const uintptr_t n = (uintptr_t)n_rows * row;
@@ -464,13 +480,13 @@ static int check_attention(const m40llm_kvcache *c, int layer, const float *q, c
 /* Ids copied on the stack up to this many; more come from the heap. */
 #define M40LLM_IDS_ON_STACK 64
 
-int m40llm_kvcache_attn_batch_f32q(float *out, m40llm_kvcache *cache, int layer,
-                                   const int32_t *seq_ids, int n_seqs, const float *q,
-                                   float scale) {
+int m40llm_kvcache_attn_batch_ex(void *out, m40llm_kvcache *cache, int layer,
+                                 const int32_t *seq_ids, int n_seqs, const void *q, int dtype,
+                                 float scale) {
   if (!cache) return FAIL(INVALID_ARGUMENT, "cache is NULL");
   if (!seq_ids) return FAIL(INVALID_ARGUMENT, "seq_ids is NULL");
   if (n_seqs < 1) return FAIL(INVALID_ARGUMENT, "n_seqs is %d, must be >= 1", n_seqs);
-  int rc = check_attention(cache, layer, q, out, n_seqs, &scale);
+  int rc = check_attention(cache, layer, q, out, dtype, n_seqs, &scale);
   if (rc != M40LLM_OK) return rc;
   /* The ids are read once, here, into the library's own copy, which is checked and then the
    * only one the backend sees: the caller's array may share memory with out (which the backend
@@ -490,9 +506,17 @@ int m40llm_kvcache_attn_batch_f32q(float *out, m40llm_kvcache *cache, int layer,
   if (rc == M40LLM_OK) rc = m40llm_context_check(cache->ctx);
   if (rc == M40LLM_OK)
     rc = m40llm_context_result(cache->ctx,
-                               cache->ctx->ops->attention(cache, layer, ids, n_seqs, q, out, scale));
+                               cache->ctx->ops->attention(cache, layer, ids, n_seqs, q, out,
+                                                          dtype, scale));
   if (ids != on_stack) free(ids);
   return rc;
+}
+
+int m40llm_kvcache_attn_batch_f32q(float *out, m40llm_kvcache *cache, int layer,
+                                   const int32_t *seq_ids, int n_seqs, const float *q,
+                                   float scale) {
+  return m40llm_kvcache_attn_batch_ex(out, cache, layer, seq_ids, n_seqs, q, M40LLM_DTYPE_F32,
+                                      scale);
 }
 
 int m40llm_kvcache_attn_last_token_f32q(float *out, m40llm_kvcache *cache, int layer, int seq,
@@ -504,22 +528,30 @@ int m40llm_kvcache_attn_last_token_f32q(float *out, m40llm_kvcache *cache, int l
   return m40llm_kvcache_attn_batch_f32q(out, cache, layer, &id, 1, q, scale);
 }
 
-int m40llm_kvcache_append_attn_f32q(float *out, m40llm_kvcache *cache, int layer,
-                                    const int32_t *seq_ids, int n_seqs, const float *k,
-                                    const float *v, const float *q, float scale) {
+int m40llm_kvcache_append_attn_ex(void *out, m40llm_kvcache *cache, int layer,
+                                  const int32_t *seq_ids, int n_seqs, const void *k,
+                                  const void *v, const void *q, int dtype, float scale) {
   if (!cache) return FAIL(INVALID_ARGUMENT, "cache is NULL");
-  int rc = check_attention(cache, layer, q, out, n_seqs > 0 ? n_seqs : 0, &scale);
+  int rc = check_attention(cache, layer, q, out, dtype, n_seqs > 0 ? n_seqs : 0, &scale);
   if (rc != M40LLM_OK) return rc;
   int n_items = 0;
   /* Every id is checked and read before the append writes (seq_ids may share memory with out,
    * which the attention writes): the items keep them in order, one token each. */
-  if ((rc = prepare_batch(cache, layer, seq_ids, NULL, n_seqs, k, v, 1, &n_items)) != M40LLM_OK)
+  if ((rc = prepare_batch(cache, layer, seq_ids, NULL, n_seqs, k, v, dtype, &n_items)) !=
+      M40LLM_OK)
     return rc;
   for (int i = 0; i < n_items; i++) cache->batch_ids[i] = cache->batch[i].seq;
-  if ((rc = run_append(cache, layer, cache->batch, n_items, k, v, 1)) != M40LLM_OK) return rc;
+  if ((rc = run_append(cache, layer, cache->batch, n_items, k, v, dtype)) != M40LLM_OK) return rc;
   return m40llm_context_result(cache->ctx, cache->ctx->ops->attention(cache, layer,
                                                                        cache->batch_ids, n_items,
-                                                                       q, out, scale));
+                                                                       q, out, dtype, scale));
+}
+
+int m40llm_kvcache_append_attn_f32q(float *out, m40llm_kvcache *cache, int layer,
+                                    const int32_t *seq_ids, int n_seqs, const float *k,
+                                    const float *v, const float *q, float scale) {
+  return m40llm_kvcache_append_attn_ex(out, cache, layer, seq_ids, n_seqs, k, v, q,
+                                       M40LLM_DTYPE_F32, scale);
 }
 
 int m40llm_causal_options_init(m40llm_causal_options *opts, unsigned version) {
@@ -573,10 +605,9 @@ static int prepare_causal(m40llm_kvcache *c, int layer, const int32_t *seq_ids,
   return M40LLM_OK;
 }
 
-int m40llm_kvcache_attn_causal_f32q(float *out, m40llm_kvcache *cache, int layer,
-                                    const int32_t *seq_ids, const int32_t *q_counts,
-                                    int n_seqs, const float *q,
-                                    const m40llm_causal_options *opts) {
+int m40llm_kvcache_attn_causal_ex(void *out, m40llm_kvcache *cache, int layer,
+                                  const int32_t *seq_ids, const int32_t *q_counts, int n_seqs,
+                                  const void *q, int dtype, const m40llm_causal_options *opts) {
   if (!cache) return FAIL(INVALID_ARGUMENT, "cache is NULL");
   m40llm_causal_options o = M40LLM_CAUSAL_OPTIONS_INIT;
   if (opts) {
@@ -593,13 +624,21 @@ int m40llm_kvcache_attn_causal_f32q(float *out, m40llm_kvcache *cache, int layer
     return FAIL(OUT_OF_RANGE, "layer %d is outside 0..%d", layer, cache->opts.n_layers - 1);
   int rows = 0;
   int rc = prepare_causal(cache, layer, seq_ids, q_counts, n_seqs, &rows);
-  if (rc != M40LLM_OK || (rc = check_attention(cache, layer, q, out, rows, &o.scale)) != M40LLM_OK ||
+  if (rc != M40LLM_OK || (rc = check_attention(cache, layer, q, out, dtype, rows, &o.scale)) != M40LLM_OK ||
       (rc = m40llm_context_check(cache->ctx)) != M40LLM_OK)
     return rc;
   return m40llm_context_result(cache->ctx,
                                cache->ctx->ops->attention_causal(cache, layer, cache->batch,
-                                                                 n_seqs, q, out, o.scale,
-                                                                 o.window));
+                                                                 n_seqs, q, out, dtype,
+                                                                 o.scale, o.window));
+}
+
+int m40llm_kvcache_attn_causal_f32q(float *out, m40llm_kvcache *cache, int layer,
+                                    const int32_t *seq_ids, const int32_t *q_counts,
+                                    int n_seqs, const float *q,
+                                    const m40llm_causal_options *opts) {
+  return m40llm_kvcache_attn_causal_ex(out, cache, layer, seq_ids, q_counts, n_seqs, q,
+                                       M40LLM_DTYPE_F32, opts);
 }
 
 /* ---- For the capacity planner (capacity.c) ---- */

@@ -93,6 +93,10 @@ impl Default for m40llm_device_info {
         }
     }
 }
+pub const M40LLM_DTYPE_F32: m40llm_dtype = 0;
+pub const M40LLM_DTYPE_F16: m40llm_dtype = 1;
+pub const M40LLM_DTYPE_BF16: m40llm_dtype = 2;
+pub type m40llm_dtype = ::core::ffi::c_uint;
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
 pub struct m40llm_kvcache {
@@ -328,6 +332,19 @@ extern "C" {
         k: *const u16,
         v: *const u16,
     ) -> ::core::ffi::c_int;
+    /** As m40llm_kvcache_append_batch_f32 with k and v of element type dtype (m40llm_dtype): F32
+  and F16 rows are stored as the _f32 and _f16 calls store them; BF16 rows are widened to FP32
+  (exactly) and stored as FP32 rows are.*/
+    pub fn m40llm_kvcache_append_batch_ex(
+        cache: *mut m40llm_kvcache,
+        layer: ::core::ffi::c_int,
+        seq_ids: *const i32,
+        n_tokens: *const i32,
+        n_seqs: ::core::ffi::c_int,
+        k: *const ::core::ffi::c_void,
+        v: *const ::core::ffi::c_void,
+        dtype: ::core::ffi::c_int,
+    ) -> ::core::ffi::c_int;
     /** Copies positions [pos, pos + n_tokens) of (layer, seq) out as FP16 into k_out and v_out
   (Q8 and Q4: what attention reads: the dequantized values, or a protected position's FP16
   copy, rotated back where the tensor is rotated, rounded to FP16),
@@ -417,6 +434,22 @@ extern "C" {
         q: *const f32,
         scale: f32,
     ) -> ::core::ffi::c_int;
+    /** As m40llm_kvcache_attn_batch_f32q with q and out of element type dtype (m40llm_dtype), so
+  that an FP16 or BF16 model passes its activations as they are: the kernels widen q as they
+  load it and round the output as they store it (the split partials and the softmax stay
+  FP32), on every GPU (the M40's FP32 path converts with integer and FP32 operations). With an
+  F32 dtype it is m40llm_kvcache_attn_batch_f32q. Overlap of q and out is checked over their
+  bytes in that type.*/
+    pub fn m40llm_kvcache_attn_batch_ex(
+        out: *mut ::core::ffi::c_void,
+        cache: *mut m40llm_kvcache,
+        layer: ::core::ffi::c_int,
+        seq_ids: *const i32,
+        n_seqs: ::core::ffi::c_int,
+        q: *const ::core::ffi::c_void,
+        dtype: ::core::ffi::c_int,
+        scale: f32,
+    ) -> ::core::ffi::c_int;
     /** A decode step of one layer in one call: appends one token to each of n_seqs (>= 1)
   sequences, then attends each sequence's q row over all its positions, the new one included.
   The same as m40llm_kvcache_append_batch_f32(cache, layer, seq_ids, NULL, n_seqs, k, v)
@@ -438,6 +471,21 @@ extern "C" {
         k: *const f32,
         v: *const f32,
         q: *const f32,
+        scale: f32,
+    ) -> ::core::ffi::c_int;
+    /** As m40llm_kvcache_append_attn_f32q with k, v, q and out all of element type dtype
+  (m40llm_dtype): the append of m40llm_kvcache_append_batch_ex, then the attention of
+  m40llm_kvcache_attn_batch_ex.*/
+    pub fn m40llm_kvcache_append_attn_ex(
+        out: *mut ::core::ffi::c_void,
+        cache: *mut m40llm_kvcache,
+        layer: ::core::ffi::c_int,
+        seq_ids: *const i32,
+        n_seqs: ::core::ffi::c_int,
+        k: *const ::core::ffi::c_void,
+        v: *const ::core::ffi::c_void,
+        q: *const ::core::ffi::c_void,
+        dtype: ::core::ffi::c_int,
         scale: f32,
     ) -> ::core::ffi::c_int;
     /// Fills *opts with the defaults of the given version (1).
@@ -476,6 +524,19 @@ extern "C" {
         q_counts: *const i32,
         n_seqs: ::core::ffi::c_int,
         q: *const f32,
+        opts: *const m40llm_causal_options,
+    ) -> ::core::ffi::c_int;
+    /** As m40llm_kvcache_attn_causal_f32q with q and out of element type dtype (m40llm_dtype),
+  converted in the kernels as m40llm_kvcache_attn_batch_ex converts them.*/
+    pub fn m40llm_kvcache_attn_causal_ex(
+        out: *mut ::core::ffi::c_void,
+        cache: *mut m40llm_kvcache,
+        layer: ::core::ffi::c_int,
+        seq_ids: *const i32,
+        q_counts: *const i32,
+        n_seqs: ::core::ffi::c_int,
+        q: *const ::core::ffi::c_void,
+        dtype: ::core::ffi::c_int,
         opts: *const m40llm_causal_options,
     ) -> ::core::ffi::c_int;
 }

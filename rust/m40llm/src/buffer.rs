@@ -7,7 +7,7 @@ use std::mem::size_of;
 use std::ops::{Bound, RangeBounds};
 use std::ptr;
 
-use half::f16;
+use half::{bf16, f16};
 use m40llm_sys as sys;
 
 use crate::context::Context;
@@ -17,11 +17,11 @@ pub(crate) mod private {
     pub trait Sealed {}
 }
 
-/// Element types a [`DeviceBuffer`] can hold: `f32`, [`half::f16`] and `u16` (raw binary16 bit
-/// patterns). Every bit pattern is a valid value of each, so device memory can always be
-/// copied back into them. Sealed.
+/// Element types a [`DeviceBuffer`] can hold: `f32`, [`half::f16`], [`half::bf16`] and `u16`
+/// (raw binary16 bit patterns). Every bit pattern is a valid value of each, so device memory
+/// can always be copied back into them. Sealed.
 pub trait Element: private::Sealed + Copy + Default + Send + Sync + fmt::Debug + 'static {
-    /// A short name for messages (`"f32"`, `"f16"`, `"u16"`).
+    /// A short name for messages (`"f32"`, `"f16"`, `"bf16"`, `"u16"`).
     const NAME: &'static str;
 }
 
@@ -42,6 +42,31 @@ impl Element for u16 {
     const NAME: &'static str = "u16";
 }
 impl HalfElement for u16 {}
+impl private::Sealed for bf16 {}
+impl Element for bf16 {
+    const NAME: &'static str = "bf16";
+}
+
+/// Element types of the attention calls' `q` and `out` (and of
+/// [`KvCache::append_attention_batch`](crate::KvCache::append_attention_batch)'s K/V rows):
+/// `f32`, [`half::f16`] and [`half::bf16`], so that an FP16 or BF16 model passes its
+/// activations as they are. The arithmetic is FP32 whatever the type: the kernels widen 16-bit
+/// `q` exactly as they load it and round the output once, to nearest even, as they store it
+/// (on every GPU; the M40 converts with integer and FP32 operations). Sealed.
+pub trait IoElement: Element {
+    /// The library's `m40llm_dtype` of this type.
+    #[doc(hidden)]
+    const DTYPE: std::ffi::c_int;
+}
+impl IoElement for f32 {
+    const DTYPE: std::ffi::c_int = sys::M40LLM_DTYPE_F32 as std::ffi::c_int;
+}
+impl IoElement for f16 {
+    const DTYPE: std::ffi::c_int = sys::M40LLM_DTYPE_F16 as std::ffi::c_int;
+}
+impl IoElement for bf16 {
+    const DTYPE: std::ffi::c_int = sys::M40LLM_DTYPE_BF16 as std::ffi::c_int;
+}
 
 /// Read access to a run of `T` in a context's backend memory: implemented by [`DeviceBuffer`],
 /// [`DeviceSlice`] and [`DeviceSliceMut`]. Sealed; the pointer is only handed to the library.

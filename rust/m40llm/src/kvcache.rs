@@ -4,10 +4,12 @@ use std::ffi::c_int;
 use std::fmt;
 use std::ptr::{self, NonNull};
 
-use half::f16;
+use half::{bf16, f16};
 use m40llm_sys as sys;
 
-use crate::buffer::{overlaps, DeviceBuffer, DeviceRead, DeviceWrite, Element, HalfElement};
+use crate::buffer::{
+    overlaps, DeviceBuffer, DeviceRead, DeviceWrite, Element, HalfElement, IoElement,
+};
 use crate::context::Context;
 use crate::error::{check, Error, Result, Status};
 
@@ -424,8 +426,9 @@ fn c_counts(n_ids: usize, counts: &[usize], name: &str) -> Result<(Vec<c_int>, u
     Ok((c, total))
 }
 
-/// Input element types for [`KvCache::append`]: `f32` (stored in the cache's formats on the
-/// backend, rounded once), and `f16`/`u16` (an F16 cache stores them as is). Sealed.
+/// Input element types for [`KvCache::append`]: `f32` and `bf16` (stored in the cache's
+/// formats on the backend from their FP32 values, rounded once), and `f16`/`u16` (an F16 cache
+/// stores them as is). Sealed.
 pub trait KvInput: Element {
     /// Calls the library's append for this element type (used by [`KvCache::append`]).
     ///
@@ -543,6 +546,42 @@ impl KvInput for u16 {
         v: *const u16,
     ) -> c_int {
         sys::m40llm_kvcache_append_batch_f16(cache, layer, seq_ids, n_tokens, n_seqs, k, v)
+    }
+}
+
+impl KvInput for bf16 {
+    unsafe fn append_raw(
+        cache: *mut sys::m40llm_kvcache,
+        layer: c_int,
+        seq: c_int,
+        k: *const bf16,
+        v: *const bf16,
+        n_tokens: c_int,
+    ) -> c_int {
+        // The C library's bfloat16 append is the batched one: a batch of one sequence.
+        Self::append_batch_raw(cache, layer, &seq, &n_tokens, 1, k, v)
+    }
+
+    unsafe fn append_batch_raw(
+        cache: *mut sys::m40llm_kvcache,
+        layer: c_int,
+        seq_ids: *const i32,
+        n_tokens: *const i32,
+        n_seqs: c_int,
+        k: *const bf16,
+        v: *const bf16,
+    ) -> c_int {
+        // bf16 is #[repr(transparent)] over u16 (its bit pattern).
+        sys::m40llm_kvcache_append_batch_ex(
+            cache,
+            layer,
+            seq_ids,
+            n_tokens,
+            n_seqs,
+            k.cast(),
+            v.cast(),
+            <bf16 as IoElement>::DTYPE,
+        )
     }
 }
 
@@ -1093,38 +1132,32 @@ impl KvCache {
     /// Attention of one new query token against every cached position of `(layer, seq)`:
     /// `out[h] = softmax(scale * q[h] · K[g]ᵀ) V[g]` with `g = h / (n_heads / n_kv_heads)`.
     ///
-    /// `q` and `out` are `[n_heads][head_dim]` FP32 ([`KvCacheConfig::q_row_len`] elements)
-    /// and must not overlap. `scale` `None` means `1/sqrt(head_dim)`; a given scale must be
+    /// `q` and `out` are `[n_heads][head_dim]` ([`KvCacheConfig::q_row_len`] elements) of one
+    /// element type, `f32`, `f16` or `bf16` (see [`IoElement`]), and must not overlap. `scale` `None` means `1/sqrt(head_dim)`; a given scale must be
     /// finite and non-zero. A sequence with no positions yields zeros. Sums are FP32; on sm_80+
     /// builds (F16: head_dim a multiple of 16 up to 128; Q8/Q4: 32, 64, 96, 128) the products
     /// run on tensor cores with q split into two FP16 terms (see
     /// `m40llm_kvcache_attn_last_token_f32q` in `m40llm.h`).
-    pub fn attention(
+    pub fn attention<T: IoElement>(
         &self,
         layer: usize,
         seq: usize,
-        q: &impl DeviceRead<f32>,
-        out: &mut impl DeviceWrite<f32>,
+        q: &impl DeviceRead<T>,
+        out: &mut impl DeviceWrite<T>,
         scale: Option<f32>,
     ) -> Result<()> {
-        let (l, s) = (self.layer(layer)?, self.seq("seq", seq)?);
-        let scale = self.check_attention(1, q, out, scale)?;
-        // SAFETY: q and out cover one query row each in this context's memory and don't overlap.
-        let out = out.device_ptr_mut();
-        self.call(|c| unsafe {
-            sys::m40llm_kvcache_attn_last_token_f32q(out, c, l, s, q.device_ptr(), scale)
-        })
+        self.attention_batch(layer, &[seq], q, out, scale)
     }
 
     /// [`attention`](Self::attention) for several sequences at once (one launch over their
     /// ragged lengths): row `i` of `q` and `out` (`[seq_ids.len()][n_heads][head_dim]`) belongs
     /// to `seq_ids[i]`. Repeated ids are allowed.
-    pub fn attention_batch(
+    pub fn attention_batch<T: IoElement>(
         &self,
         layer: usize,
         seq_ids: &[usize],
-        q: &impl DeviceRead<f32>,
-        out: &mut impl DeviceWrite<f32>,
+        q: &impl DeviceRead<T>,
+        out: &mut impl DeviceWrite<T>,
         scale: Option<f32>,
     ) -> Result<()> {
         let l = self.layer(layer)?;
@@ -1132,9 +1165,9 @@ impl KvCache {
         let scale = self.check_attention(ids.len(), q, out, scale)?;
         // SAFETY: q and out cover ids.len() query rows each in this context's memory and don't
         // overlap; ids is a host array of n valid sequence indices.
-        let out = out.device_ptr_mut();
+        let (qp, op) = (q.device_ptr().cast(), out.device_ptr_mut().cast());
         self.call(|c| unsafe {
-            sys::m40llm_kvcache_attn_batch_f32q(out, c, l, ids.as_ptr(), n, q.device_ptr(), scale)
+            sys::m40llm_kvcache_attn_batch_ex(op, c, l, ids.as_ptr(), n, qp, T::DTYPE, scale)
         })
     }
 
@@ -1167,13 +1200,13 @@ impl KvCache {
     /// # Ok::<(), m40llm::Error>(())
     /// ```
     #[allow(clippy::too_many_arguments)]
-    pub fn attention_causal(
+    pub fn attention_causal<T: IoElement>(
         &self,
         layer: usize,
         seq_ids: &[usize],
         q_counts: &[usize],
-        q: &impl DeviceRead<f32>,
-        out: &mut impl DeviceWrite<f32>,
+        q: &impl DeviceRead<T>,
+        out: &mut impl DeviceWrite<T>,
         scale: Option<f32>,
         window: Option<usize>,
     ) -> Result<()> {
@@ -1194,16 +1227,17 @@ impl KvCache {
         // SAFETY: ids and counts are host arrays of n entries; q and out cover the rows the
         // counts add up to in this context's memory and don't overlap; opts is a version-1
         // struct the call only reads.
-        let out = out.device_ptr_mut();
+        let (qp, op) = (q.device_ptr().cast(), out.device_ptr_mut().cast());
         self.call(|c| unsafe {
-            sys::m40llm_kvcache_attn_causal_f32q(
-                out,
+            sys::m40llm_kvcache_attn_causal_ex(
+                op,
                 c,
                 l,
                 ids.as_ptr(),
                 counts.as_ptr(),
                 n,
-                q.device_ptr(),
+                qp,
+                T::DTYPE,
                 &opts,
             )
         })
@@ -1232,14 +1266,14 @@ impl KvCache {
     /// # Ok::<(), m40llm::Error>(())
     /// ```
     #[allow(clippy::too_many_arguments)]
-    pub fn append_attention_batch(
+    pub fn append_attention_batch<T: IoElement + KvInput>(
         &mut self,
         layer: usize,
         seq_ids: &[usize],
-        k: &impl DeviceRead<f32>,
-        v: &impl DeviceRead<f32>,
-        q: &impl DeviceRead<f32>,
-        out: &mut impl DeviceWrite<f32>,
+        k: &impl DeviceRead<T>,
+        v: &impl DeviceRead<T>,
+        q: &impl DeviceRead<T>,
+        out: &mut impl DeviceWrite<T>,
         scale: Option<f32>,
     ) -> Result<()> {
         let l = self.layer(layer)?;
@@ -1247,20 +1281,32 @@ impl KvCache {
         self.check_rows(ids.len(), k, v)?;
         self.check_kv_pair(k, v)?;
         let scale = self.check_attention(ids.len(), q, out, scale)?;
-        let (kp, vp, qp) = (k.device_ptr(), v.device_ptr(), q.device_ptr());
-        let out = out.device_ptr_mut();
+        let (kp, vp) = (k.device_ptr().cast(), v.device_ptr().cast());
+        let (qp, op) = (q.device_ptr().cast(), out.device_ptr_mut().cast());
         // SAFETY: ids is a host array of n valid sequence indices; k and v cover n K/V rows, q
-        // and out n query rows each, in this context's memory; q and out don't overlap.
+        // and out n query rows each, of element type T in this context's memory; q and out
+        // don't overlap.
         self.call(|c| unsafe {
-            sys::m40llm_kvcache_append_attn_f32q(out, c, l, ids.as_ptr(), n, kp, vp, qp, scale)
+            sys::m40llm_kvcache_append_attn_ex(
+                op,
+                c,
+                l,
+                ids.as_ptr(),
+                n,
+                kp,
+                vp,
+                qp,
+                T::DTYPE,
+                scale,
+            )
         })
     }
 
-    fn check_attention(
+    fn check_attention<T: IoElement>(
         &self,
         rows: usize,
-        q: &impl DeviceRead<f32>,
-        out: &impl DeviceRead<f32>,
+        q: &impl DeviceRead<T>,
+        out: &impl DeviceRead<T>,
         scale: Option<f32>,
     ) -> Result<f32> {
         self.same_context("q", q)?;

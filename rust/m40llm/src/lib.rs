@@ -227,6 +227,7 @@ mod kvcache;
 
 pub use buffer::{
     DeviceBuffer, DeviceRead, DeviceSlice, DeviceSliceMut, DeviceWrite, Element, HalfElement,
+    IoElement,
 };
 pub use build_info::{build_info, BuildInfo};
 pub use context::{
@@ -236,7 +237,7 @@ pub use context::{
 #[cfg(feature = "cudarc")]
 pub use cudarc_interop::{CudarcView, CudarcViewMut};
 pub use error::{Error, Result, Status};
-pub use half::f16;
+pub use half::{bf16, f16};
 pub use kvcache::{KvCache, KvCacheConfig, KvFormat, KvInput, KvRotation};
 /// The raw FFI bindings this crate wraps.
 pub use m40llm_sys as sys;

@@ -602,6 +602,28 @@ fn causal_attention_on_cpu() {
 }
 
 #[test]
+fn half_and_bf16_q_out_on_cpu() {
+    let ctx = cpu();
+    let mut rng = Rng::fresh("half_and_bf16_q_out_on_cpu");
+    for cfg in [
+        KvCacheConfig::new(1, 8, 64)
+            .kv_heads(2)
+            .max_seqs(4)
+            .max_seq_len(300),
+        KvCacheConfig::new(1, 6, 64)
+            .kv_heads(2)
+            .max_seqs(4)
+            .max_seq_len(300)
+            .format(KvFormat::Q8)
+            .v_format(KvFormat::Q4)
+            .window(16),
+    ] {
+        common::check_half_io::<f16>(&ctx, &mut rng, &cfg);
+        common::check_half_io::<m40llm::bf16>(&ctx, &mut rng, &cfg);
+    }
+}
+
+#[test]
 fn causal_attention_arguments() {
     let ctx = cpu();
     let cfg = KvCacheConfig::new(1, 2, 8).max_seqs(2).max_seq_len(8);

@@ -597,6 +597,35 @@ fn append_attention_batch_matches_the_two_calls() {
     ctx.synchronize().unwrap();
 }
 
+/// FP16 and BF16 q/out/K/V against the f32 calls rounded (bit for bit) and the CPU backend,
+/// on the FP32 and tensor-core paths (MHA, GQA 4 and 8, head_dim 64, 128, 256, quantized).
+fn half_and_bf16_q_out() {
+    let Some(ctx) = gpu_context("half_and_bf16_q_out") else {
+        return;
+    };
+    let mut rng = Rng::fresh("half_and_bf16_q_out");
+    let base = |h, kvh, d| {
+        KvCacheConfig::new(1, h, d)
+            .kv_heads(kvh)
+            .max_seqs(4)
+            .max_seq_len(300)
+    };
+    for cfg in [
+        base(8, 8, 64),
+        base(32, 8, 128),
+        base(16, 2, 256),
+        base(12, 4, 96)
+            .format(KvFormat::Q8)
+            .v_format(KvFormat::Q4)
+            .window(16),
+        base(8, 1, 128).format(KvFormat::Q4).window(16),
+    ] {
+        common::check_half_io::<f16>(&ctx, &mut rng, &cfg);
+        common::check_half_io::<m40llm::bf16>(&ctx, &mut rng, &cfg);
+    }
+    ctx.synchronize().unwrap();
+}
+
 fn append_row_length_checks() {
     // The GQA mix-up (a query-shaped K row) is an error before any kernel runs.
     let Some(ctx) = gpu_context("append_row_length_checks") else {
@@ -874,6 +903,7 @@ fn main() {
         ),
         ("cache_moves_between_threads", cache_moves_between_threads),
         ("append_row_length_checks", append_row_length_checks),
+        ("half_and_bf16_q_out", half_and_bf16_q_out),
         (
             "append_batch_matches_single_appends",
             append_batch_matches_single_appends,

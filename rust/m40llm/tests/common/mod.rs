@@ -466,3 +466,123 @@ pub fn check_causal_case(
     }
     worst
 }
+
+/// 16-bit element types of q, out and K/V (f16, bf16), with the conversions of `half`.
+pub trait Half16: m40llm::IoElement + m40llm::KvInput {
+    fn from_f32(x: f32) -> Self;
+    fn to_f32(self) -> f32;
+}
+impl Half16 for f16 {
+    fn from_f32(x: f32) -> Self {
+        f16::from_f32(x)
+    }
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+}
+impl Half16 for m40llm::bf16 {
+    fn from_f32(x: f32) -> Self {
+        m40llm::bf16::from_f32(x)
+    }
+    fn to_f32(self) -> f32 {
+        m40llm::bf16::to_f32(self)
+    }
+}
+
+/// q, out and K/V in a 16-bit type T on `ctx`, for the decode, causal and append+attend calls:
+/// two caches of `cfg` get the same values (T rows, and the same rows widened to f32); every
+/// output element in T must be the f32 call's, on the widened q, rounded to T by `half` (bit
+/// for bit: the kernels' arithmetic is the same FP32), and the f32 call must agree with the CPU
+/// backend (float64, relative L2 ≤ 1e-5 a call). Outputs are poisoned (NaN) first.
+#[allow(dead_code)] // each test binary uses what it needs
+pub fn check_half_io<T: Half16>(ctx: &Context, rng: &mut Rng, cfg: &KvCacheConfig) {
+    let cpu = Context::cpu().unwrap();
+    let mut a = KvCache::new(ctx, cfg).unwrap();
+    let mut b = KvCache::new(ctx, cfg).unwrap();
+    let mut c = KvCache::new(&cpu, cfg).unwrap();
+    let (row, qrow) = (cfg.kv_row_len(), cfg.q_row_len());
+    let ids = [0usize, 1, 2, 3];
+    let lens = [1usize, 31, 33, 257];
+    let narrow = |x: Vec<f32>| -> (Vec<T>, Vec<f32>) {
+        let t: Vec<T> = x.into_iter().map(T::from_f32).collect();
+        let w = t.iter().map(|&h| h.to_f32()).collect();
+        (t, w)
+    };
+    let (k16, k32) = narrow(rng.normal_vec(lens.iter().sum::<usize>() * row, 1.0));
+    let (v16, v32) = narrow(rng.normal_vec(k16.len(), 1.0));
+    let up = |ctx: &Context, x: &[T]| DeviceBuffer::from_slice(ctx, x).unwrap();
+    let up32 = |ctx: &Context, x: &[f32]| DeviceBuffer::from_slice(ctx, x).unwrap();
+    a.append_batch(0, &ids, &lens, &up(ctx, &k16), &up(ctx, &v16))
+        .unwrap();
+    b.append_batch(0, &ids, &lens, &up32(ctx, &k32), &up32(ctx, &v32))
+        .unwrap();
+    c.append_batch(0, &ids, &lens, &up32(&cpu, &k32), &up32(&cpu, &v32))
+        .unwrap();
+    for (s, len) in ids.into_iter().zip(lens) {
+        assert_eq!(
+            a.read_to_host(0, s, 0, len).unwrap(),
+            b.read_to_host(0, s, 0, len).unwrap(),
+            "{}: seq {s}: rows appended as {} are stored differently from their f32 values",
+            T::NAME,
+            T::NAME
+        );
+    }
+    let counts = [1usize, 7, 33, 40];
+    for call in ["decode", "causal", "append_attention"] {
+        let rows = if call == "causal" {
+            counts.iter().sum()
+        } else {
+            ids.len()
+        };
+        let (q16, q32) = narrow(rng.normal_vec(rows * qrow, 1.0));
+        let (nk16, nk32) = narrow(rng.normal_vec(ids.len() * row, 1.0));
+        let (nv16, nv32) = narrow(rng.normal_vec(ids.len() * row, 1.0));
+        let mut o16 = up(ctx, &vec![T::from_f32(f32::NAN); rows * qrow]);
+        let mut o32 = up32(ctx, &vec![f32::NAN; rows * qrow]);
+        let mut oc = up32(&cpu, &vec![f32::NAN; rows * qrow]);
+        let (dq16, dq32, cq) = (up(ctx, &q16), up32(ctx, &q32), up32(&cpu, &q32));
+        match call {
+            "decode" => {
+                a.attention_batch(0, &ids, &dq16, &mut o16, None).unwrap();
+                b.attention_batch(0, &ids, &dq32, &mut o32, None).unwrap();
+                c.attention_batch(0, &ids, &cq, &mut oc, None).unwrap();
+            }
+            "causal" => {
+                a.attention_causal(0, &ids, &counts, &dq16, &mut o16, None, None)
+                    .unwrap();
+                b.attention_causal(0, &ids, &counts, &dq32, &mut o32, None, None)
+                    .unwrap();
+                c.attention_causal(0, &ids, &counts, &cq, &mut oc, None, None)
+                    .unwrap();
+            }
+            _ => {
+                let (k, v) = (up(ctx, &nk16), up(ctx, &nv16));
+                a.append_attention_batch(0, &ids, &k, &v, &dq16, &mut o16, None)
+                    .unwrap();
+                let (k, v) = (up32(ctx, &nk32), up32(ctx, &nv32));
+                b.append_attention_batch(0, &ids, &k, &v, &dq32, &mut o32, None)
+                    .unwrap();
+                let (k, v) = (up32(&cpu, &nk32), up32(&cpu, &nv32));
+                c.append_attention_batch(0, &ids, &k, &v, &cq, &mut oc, None)
+                    .unwrap();
+            }
+        }
+        let (got, wide) = (o16.to_vec().unwrap(), o32.to_vec().unwrap());
+        for (i, (&g, &w)) in got.iter().zip(&wide).enumerate() {
+            let want = T::from_f32(w);
+            assert!(
+                g.to_f32().to_bits() == want.to_f32().to_bits()
+                    || (w.is_nan() && g.to_f32().is_nan()),
+                "{} {call}: element {i} is {g:?}, the f32 output {w} rounds to {want:?}",
+                T::NAME
+            );
+        }
+        let want: Vec<f64> = oc.to_vec().unwrap().iter().map(|&x| x as f64).collect();
+        let e = rel_l2(&wide, &want);
+        assert!(
+            e <= 1e-5,
+            "{} {call}: f32 output against the CPU backend: rel L2 {e:e}",
+            T::NAME
+        );
+    }
+}

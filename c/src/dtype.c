@@ -1,3 +1,4 @@
+/* 16-bit floating-point conversions, and the element types of the caller's rows (m40llm_dtype). */
 #include <string.h>
 
 #include "internal.h"
@@ -49,4 +50,40 @@ float m40llm_f16_to_f32(uint16_t h) {
   float f;
   memcpy(&f, &x, sizeof f);
   return f;
+}
+
+uint16_t m40llm_f32_to_bf16(float f) {
+  uint32_t x;
+  memcpy(&x, &f, sizeof x);
+  if ((x & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x >> 16) | 0x0040u); /* quiet NaN */
+  x += 0x7fffu + ((x >> 16) & 1u); /* to nearest even; overflow carries into inf */
+  return (uint16_t)(x >> 16);
+}
+
+float m40llm_bf16_to_f32(uint16_t h) {
+  const uint32_t x = (uint32_t)h << 16;
+  float f;
+  memcpy(&f, &x, sizeof f);
+  return f;
+}
+
+size_t m40llm_dtype_size(int dtype) {
+  switch (dtype) {
+    case M40LLM_DTYPE_F32: return sizeof(float);
+    case M40LLM_DTYPE_F16:
+    case M40LLM_DTYPE_BF16: return sizeof(uint16_t);
+    default: return 0;
+  }
+}
+
+float m40llm_dtype_load(const void *p, int dtype, size_t i) {
+  if (dtype == M40LLM_DTYPE_F16) return m40llm_f16_to_f32(((const uint16_t *)p)[i]);
+  if (dtype == M40LLM_DTYPE_BF16) return m40llm_bf16_to_f32(((const uint16_t *)p)[i]);
+  return ((const float *)p)[i];
+}
+
+void m40llm_dtype_store(void *p, int dtype, size_t i, float x) {
+  if (dtype == M40LLM_DTYPE_F16) ((uint16_t *)p)[i] = m40llm_f32_to_f16(x);
+  else if (dtype == M40LLM_DTYPE_BF16) ((uint16_t *)p)[i] = m40llm_f32_to_bf16(x);
+  else ((float *)p)[i] = x;
 }
