@@ -12,12 +12,15 @@
 #   formats   bench/formats.sh: F16, Q8, Q4, Q8Q4 side by side, native and compute_52-PTX builds
 #   causal    causal attention (issue 17): test_gpu (all its cases; the causal ones in
 #             ffi_tests/cases_causal.c) native and compute_52-PTX, then bench_causal on both
-#             builds: tables in causal.log, JSON in $OUT/causal_native.json and
-#             causal_ptx52.json (the sanitize step covers the causal cases too)
+#             builds, and PyTorch SDPA (fp16, fp32) on the same shapes: tables in causal.log,
+#             JSON in $OUT/causal_native.json, causal_ptx52.json and causal_sdpa.json (the
+#             sanitize step covers the causal cases too)
 #   ab        bench/ab.sh: the previous main (.ab/base, carried) against this tree, native, and
 #             the carried compute_52-PTX benchmarks (.ab/bins/base, .gpu-carry/bench52)
 #   m40       bench/m40_proxy.py: the M40 proxy grid (compute_52 PTX on this GPU against its copy
 #             bandwidth, issue 20's targets), A/B against .ab/bins/base where carried: $OUT/m40
+#   abcausal  bench/ab_causal.py: the causal kernel's A/B, the previous main's compute_52
+#             bench_causal (.ab/bins/base) against this tree's (.gpu-carry/bench52): $OUT/abcausal
 # Logs and results go to $OUT (or ./gpu-out). Every GPU test must run: a skip is a failure here.
 set -uo pipefail
 out=${OUT:-$PWD/gpu-out}
@@ -97,6 +100,7 @@ causal() {  # builds only its targets in build-native (the native step builds th
   done
   build-native/bench/bench_causal "$out/causal_native.json" || rc=1
   .gpu-carry/bench52/bench_causal "$out/causal_ptx52.json" || rc=1
+  python3 bench/sdpa_causal.py "$out/causal_sdpa.json" --m40llm "$out/causal_native.json" || rc=1
   return $rc
 }
 
@@ -118,6 +122,11 @@ m40_proxy() {
     --rounds "${M40_ROUNDS:-2}" --work /tmp/m40_proxy
 }
 
+ab_causal() {
+  python3 bench/ab_causal.py "$out/abcausal" --base .ab/bins/base/bench_causal \
+    --new .gpu-carry/bench52/bench_causal --rounds "${AB_ROUNDS:-2}"
+}
+
 nvidia-smi --query-gpu=name,memory.total,driver_version,compute_cap --format=csv
 for s in $steps; do
   case $s in
@@ -131,6 +140,7 @@ for s in $steps; do
     causal) run_step causal causal ;;
     ab) run_step ab ab ;;
     m40) run_step m40 m40_proxy ;;
+    abcausal) run_step abcausal ab_causal ;;
     *) echo "unknown step $s"; exit 2 ;;
   esac
 done
