@@ -265,7 +265,7 @@ void t_cases_dtype(m40llm_context *ctx, m40llm_context *cpu, int small) {
   const dtype_shape shapes[] = {
       {F, F, 8, 8, 64},  {F, F, 9, 3, 64},    {F, F, 16, 2, 256}, {F, F, 12, 3, 128},
       {F, F, 5, 5, 40},  {Q8, Q4, 8, 2, 128}, {Q4, Q4, 6, 2, 64}, {Q8, Q8, 4, 4, 96},
-      {F, Q4, 8, 1, 64},
+      {Q8, Q4, 8, 1, 64},
   };
   const int n = (int)(sizeof shapes / sizeof shapes[0]);
   for (int i = 0; i < n; i++) {
