@@ -131,31 +131,34 @@ __global__ void __launch_bounds__(kCausalThreads, kCausalMinBlocksPerSm)
   // q, scaled into the log2 domain (rotated into K's frame where K is), zeros past the rows
   // and heads of the block.
   const size_t qb = b.row_q * a.n_heads * D;  // the block's first row in a.q
-  if (a.rot_k) {
-    for (int qi = tid >> 5; qi < BM; qi += kCausalThreads / 32) {
-      const int r = qi / GT, g = qi % GT;
-      const bool on = r < b.nr && g < b.nh;
-      float v[DMAX / 32];
+  with_io(a.io, [&](auto io) {
+    using Io = decltype(io);
+    if (a.rot_k) {
+      for (int qi = tid >> 5; qi < BM; qi += kCausalThreads / 32) {
+        const int r = qi / GT, g = qi % GT;
+        const bool on = r < b.nr && g < b.nh;
+        float v[DMAX / 32];
 #pragma unroll
-      for (int e = 0; e < DMAX / 32; e++) {
-        const int d = (tid & 31) + 32 * e;
-        v[e] = on && d < D
-                   ? io_load(a.q, a.io, qb + ((size_t)r * a.n_heads + b.h0 + g) * D + d) * a.q_scale
-                   : 0.0f;
+        for (int e = 0; e < DMAX / 32; e++) {
+          const int d = (tid & 31) + 32 * e;
+          v[e] = on && d < D
+                     ? Io::load(a.q, qb + ((size_t)r * a.n_heads + b.h0 + g) * D + d) * a.q_scale
+                     : 0.0f;
+        }
+        warp_rotate(v, D, a.rot_scale);
+#pragma unroll
+        for (int e = 0; e < DMAX / 32; e++) sq[qi * LD + (tid & 31) + 32 * e] = v[e];
       }
-      warp_rotate(v, D, a.rot_scale);
-#pragma unroll
-      for (int e = 0; e < DMAX / 32; e++) sq[qi * LD + (tid & 31) + 32 * e] = v[e];
+    } else {
+      for (int i = tid; i < BM * DMAX; i += kCausalThreads) {
+        const int qi = i / DMAX, d = i % DMAX, r = qi / GT, g = qi % GT;
+        sq[qi * LD + d] = r < b.nr && g < b.nh && d < D
+                              ? Io::load(a.q, qb + ((size_t)r * a.n_heads + b.h0 + g) * D + d) *
+                                    a.q_scale
+                              : 0.0f;
+      }
     }
-  } else {
-    for (int i = tid; i < BM * DMAX; i += kCausalThreads) {
-      const int qi = i / DMAX, d = i % DMAX, r = qi / GT, g = qi % GT;
-      sq[qi * LD + d] = r < b.nr && g < b.nh && d < D
-                            ? io_load(a.q, a.io, qb + ((size_t)r * a.n_heads + b.h0 + g) * D + d) *
-                                  a.q_scale
-                            : 0.0f;
-    }
-  }
+  });
 
   // Formed again at each tile from these two (kept, the four pointers spilled on sm_52).
   const size_t base = (size_t)plan.seq[item] * a.seq_stride + (size_t)b.kvh * a.head_stride;

@@ -517,38 +517,46 @@ __global__ void __launch_bounds__(32 * W, mma_min_blocks(32 * NC + 16 * TAIL, W)
   float qmax = 0.0f;
   {
     const size_t qrow = ((size_t)b.item * a.n_heads + b.h0 + g) * D;  // in a.q
-    const float *staged = nullptr;  // q rotated in shared memory, where K is rotated
+    bool staged = false;  // q rotated in shared memory (s_scratch), where K is rotated
     float q_scale = a.q_scale;
     if constexpr (kQuant) {
       if (a.rot_k) {  // rotated to meet K, a warp a head, through shared memory
-        for (int h = warp; h < G; h += W) {
-          const size_t row = ((size_t)b.item * a.n_heads + b.h0 + h) * D;
-          float v[NC];
+        with_io(a.io, [&](auto io) {
+          for (int h = warp; h < G; h += W) {
+            const size_t row = ((size_t)b.item * a.n_heads + b.h0 + h) * D;
+            float v[NC];
 #pragma unroll
-          for (int c = 0; c < NC; c++)
-            v[c] = h < b.nh ? io_load(a.q, a.io, row + lane + 32 * c) * a.q_scale : 0.0f;
-          warp_rotate(v, D, a.rot_scale);
+            for (int c = 0; c < NC; c++)
+              v[c] = h < b.nh ? decltype(io)::load(a.q, row + lane + 32 * c) * a.q_scale : 0.0f;
+            warp_rotate(v, D, a.rot_scale);
 #pragma unroll
-          for (int c = 0; c < NC; c++) s_scratch[h * D + lane + 32 * c] = v[c];
-        }
+            for (int c = 0; c < NC; c++) s_scratch[h * D + lane + 32 * c] = v[c];
+          }
+        });
         __syncthreads();
-        staged = s_scratch + g * D;
+        staged = true;
         q_scale = 1.0f;
       }
     }
-    const auto q_at = [&](int d) { return staged ? staged[d] : io_load(a.q, a.io, qrow + d); };
+    // This lane's elements of q, element d of its row from q_at(d).
+    const auto take = [&](auto q_at) {
 #pragma unroll
-    for (int c = 0; c < NC; c++)
+      for (int c = 0; c < NC; c++)
 #pragma unroll
-      for (int j = 0; j < 8; j++) {
-        qf[c][j] = g < b.nh ? q_at(32 * c + 8 * t + j) * q_scale : 0.0f;
-        qmax = fmaxf(qmax, fabsf(qf[c][j]));
+        for (int j = 0; j < 8; j++) {
+          qf[c][j] = g < b.nh ? q_at(32 * c + 8 * t + j) * q_scale : 0.0f;
+          qmax = fmaxf(qmax, fabsf(qf[c][j]));
+        }
+#pragma unroll
+      for (int j = 0; j < 4; j++) {
+        qt[j] = TAIL && g < b.nh ? q_at(32 * NC + 4 * t + j) * q_scale : 0.0f;
+        qmax = fmaxf(qmax, fabsf(qt[j]));
       }
-#pragma unroll
-    for (int j = 0; j < 4; j++) {
-      qt[j] = TAIL && g < b.nh ? q_at(32 * NC + 4 * t + j) * q_scale : 0.0f;
-      qmax = fmaxf(qmax, fabsf(qt[j]));
-    }
+    };
+    if (staged)
+      take([&](int d) { return s_scratch[g * D + d]; });
+    else
+      with_io(a.io, [&](auto io) { take([&](int d) { return decltype(io)::load(a.q, qrow + d); }); });
   }
   qmax = warp_max(qmax);
   int e = 0;
