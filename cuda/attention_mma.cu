@@ -509,12 +509,11 @@ __global__ void __launch_bounds__(32 * W, mma_min_blocks(32 * NC + 16 * TAIL, W)
   }
   int p0 = cb.p_begin + kMmaRows * warp;
   const int p_end = cb.p_end;
-  Steps src(a, cb, p0, lane, s_dyn, a.stages);
   float *const s_scratch = reinterpret_cast<float *>(s_dyn) + W * G * D;  // [G][D], kQuant
 
-  // q in the log2 domain, then scaled by 2^e so its largest magnitude is near 2^13.
+  // q in the log2 domain, then scaled by 2^e so its largest magnitude is near 2^13. Its loads
+  // go out before the first K/V steps' (src), so that they do not queue behind them.
   float qf[NC][8], qt[4];
-  float qmax = 0.0f;
   {
     const size_t qrow = ((size_t)b.item * a.n_heads + b.h0 + g) * D;  // in a.q
     bool staged = false;  // q rotated in shared memory (s_scratch), where K is rotated
@@ -543,21 +542,23 @@ __global__ void __launch_bounds__(32 * W, mma_min_blocks(32 * NC + 16 * TAIL, W)
 #pragma unroll
       for (int c = 0; c < NC; c++)
 #pragma unroll
-        for (int j = 0; j < 8; j++) {
-          qf[c][j] = g < b.nh ? q_at(32 * c + 8 * t + j) * q_scale : 0.0f;
-          qmax = fmaxf(qmax, fabsf(qf[c][j]));
-        }
+        for (int j = 0; j < 8; j++) qf[c][j] = g < b.nh ? q_at(32 * c + 8 * t + j) * q_scale : 0.0f;
 #pragma unroll
-      for (int j = 0; j < 4; j++) {
-        qt[j] = TAIL && g < b.nh ? q_at(32 * NC + 4 * t + j) * q_scale : 0.0f;
-        qmax = fmaxf(qmax, fabsf(qt[j]));
-      }
+      for (int j = 0; j < 4; j++) qt[j] = TAIL && g < b.nh ? q_at(32 * NC + 4 * t + j) * q_scale : 0.0f;
     };
     if (staged)
       take([&](int d) { return s_scratch[g * D + d]; });
     else
       with_io(a.io, [&](auto io) { take([&](int d) { return decltype(io)::load(a.q, qrow + d); }); });
   }
+  Steps src(a, cb, p0, lane, s_dyn, a.stages);
+  float qmax = 0.0f;
+#pragma unroll
+  for (int c = 0; c < NC; c++)
+#pragma unroll
+    for (int j = 0; j < 8; j++) qmax = fmaxf(qmax, fabsf(qf[c][j]));
+#pragma unroll
+  for (int j = 0; j < 4; j++) qmax = fmaxf(qmax, fabsf(qt[j]));
   qmax = warp_max(qmax);
   int e = 0;
   if (qmax > 0.0f && qmax <= 3.0e38f) frexpf(qmax, &e);
