@@ -15,8 +15,8 @@
 
 struct AttnArgs {
   KvPlanes k, v;    // this layer's K and V from its first row: [seq][kv_head][pos][dim]
-  const void *q;    // [item][n_heads][head_dim], elements of type io
-  void *out;        // [item][n_heads][head_dim], elements of type io
+  const float *q;   // [item][n_heads][head_dim]
+  float *out;       // [item][n_heads][head_dim]
   float *part_o;    // [split][n_heads][head_dim]
   float *part_m;    // [split][n_heads]
   float *part_l;    // [split][n_heads]
@@ -32,7 +32,6 @@ struct AttnArgs {
   // from V's frame) by rot_scale's transform. (This struct is at 128 bytes: 32 more made the
   // sm_52 kernels of 4 and 8 heads spill, with CUDA 11.8.)
   bool rot_k, rot_v;
-  unsigned char io;  // m40llm_dtype of q and out (in the padding before rot_scale)
   float rot_scale;
 };
 
@@ -111,7 +110,7 @@ template <typename Block>
 __device__ __forceinline__ void store_split_result(const AttnArgs &a, const Block &b, int h,
                                                    int d, float o, const SoftmaxState &s) {
   if (b.n_splits == 1) {
-    io_store(a.out, a.io, ((size_t)b.item * a.n_heads + h) * a.head_dim + d, s.normalise(o));
+    a.out[((size_t)b.item * a.n_heads + h) * a.head_dim + d] = s.normalise(o);
   } else {
     a.part_o[((size_t)b.split * a.n_heads + h) * a.head_dim + d] = o;
     if (d == 0) store_split_stats(a, b.split, h, s);
@@ -124,7 +123,7 @@ template <typename Block>
 __device__ __forceinline__ void store_split_out4(const AttnArgs &a, const Block &b, int h, int d,
                                                  float4 o) {
   if (b.n_splits == 1) {
-    io_store4(a.out, a.io, ((size_t)b.item * a.n_heads + h) * a.head_dim + d, o);
+    store4(a.out + ((size_t)b.item * a.n_heads + h) * a.head_dim + d, o);
   } else {
     // The workspace is the library's: rows of head_dim (a multiple of 4) floats, 16-byte aligned.
     reinterpret_cast<float4 *>(a.part_o + ((size_t)b.split * a.n_heads + h) * a.head_dim)[d / 4] = o;
@@ -136,10 +135,8 @@ __device__ __forceinline__ void store_split_out4(const AttnArgs &a, const Block 
 template <typename Block>
 __device__ __forceinline__ void store_split_value(const AttnArgs &a, const Block &b, int h, int d,
                                                   float x) {
-  if (b.n_splits == 1)
-    io_store(a.out, a.io, ((size_t)b.item * a.n_heads + h) * a.head_dim + d, x);
-  else
-    a.part_o[((size_t)b.split * a.n_heads + h) * a.head_dim + d] = x;
+  const int row = b.n_splits == 1 ? b.item : b.split;
+  (b.n_splits == 1 ? a.out : a.part_o)[((size_t)row * a.n_heads + h) * a.head_dim + d] = x;
 }
 
 // How a cache's query heads map onto blocks: each K/V head's group of query heads in tiles of

@@ -1,4 +1,4 @@
-// Causal attention over the cache (m40llm_kvcache_attn_causal_ex): what the FP32 causal
+// Causal attention over the cache (m40llm_kvcache_attn_causal_f32q): what the FP32 causal
 // kernel (attention_causal_fp32.cu) and its dispatcher (attention_causal_dispatch.cu) share.
 //   A launch takes up to kCausalMaxItems sequences ("items"), each with its query rows at
 //   positions pos .. pos + rows - 1 (already in the cache). A block takes BR consecutive rows
@@ -29,8 +29,8 @@ struct CausalPlan {
 struct CausalArgs {
   KvPlanes k, v;                 // this layer's K and V from its first row
   const __half *kept_k, *kept_v; // this layer's FP16 slots, [seq][kv_head][slot][dim], or null
-  const void *q;                 // this launch's rows: [row][n_heads][head_dim], type io
-  void *out;
+  const float *q;                // this launch's rows: [row][n_heads][head_dim]
+  float *out;
   float *part_o, *part_m, *part_l;  // splits > 1: [row * splits + split][n_heads]([head_dim])
   size_t seq_stride, head_stride;            // elements, of K/V
   size_t slot_seq_stride, slot_head_stride;  // elements, of the FP16 slots
@@ -38,7 +38,6 @@ struct CausalArgs {
   float q_scale;  // scale * log2(e)
   float rot_scale;
   bool rot_k, rot_v;
-  unsigned char io;  // m40llm_dtype of q and out
 };
 
 using CausalKernel = void (*)(CausalArgs, CausalPlan);

@@ -3,6 +3,7 @@
 // and launches the FP32 causal kernel (attention_causal_fp32.cu) and, for split plans, the
 // decode call's combine (attention_combine.cu), one query row per combine item.
 #include "attention_causal.cuh"
+#include "io_rows.cuh"
 #include "backend_cuda.h"
 
 namespace {
@@ -24,7 +25,7 @@ int causal_splits(const m40llm_cuda_state *st, const CausalPass &pass, long long
 
 template <typename P>
 int causal_launch(const m40llm_kvcache *c, int layer, const m40llm_append_item *items, int n,
-                  const void *q, void *out, int dtype, float scale, int window) {
+                  const float *q, float *out, float scale, int window) {
   m40llm_cuda_state *st = cuda_state(c->ctx);
   const m40llm_kvcache_options *o = &c->opts;
   const Grouping g = grouping_for(o);
@@ -95,7 +96,6 @@ int causal_launch(const m40llm_kvcache *c, int layer, const m40llm_append_item *
   a.rot_scale = m40llm_rotation_scale(m40llm_rotation_block(o->head_dim));
   a.rot_k = c->k.rotated;
   a.rot_v = c->v.rotated;
-  a.io = (unsigned char)dtype;
 
   const dim3 grid((unsigned)plan.block_begin[n], (unsigned)g.units);
   pass.kernel<<<grid, pass.threads, pass.smem, st->stream>>>(a, plan);
@@ -111,7 +111,6 @@ int causal_launch(const m40llm_kvcache *c, int layer, const m40llm_append_item *
   for (int j = 0; j <= rows; j++) cplan.split_begin[j] = j * plan.splits;
   AttnArgs ca{};
   ca.out = out;
-  ca.io = (unsigned char)dtype;
   ca.part_o = a.part_o;
   ca.part_m = a.part_m;
   ca.part_l = a.part_l;
@@ -126,18 +125,22 @@ int m40llm_cuda_attention_causal(const m40llm_kvcache *c, int layer,
                                  const m40llm_append_item *items, int n_items, const void *q,
                                  void *out, int dtype, float scale, int window) {
   M40LLM_CUDA_ENTER(c->ctx);
-  const size_t row = (size_t)c->opts.n_heads * (size_t)c->opts.head_dim * m40llm_dtype_size(dtype);
-  return with_kv_pair(c->k.layout.fmt->format, c->v.layout.fmt->format, [&](auto pair) -> int {
-    using P = decltype(pair);
-    size_t done = 0;  // rows of the launches before
-    for (int first = 0; first < n_items; first += kCausalMaxItems) {
-      const int n = n_items - first < kCausalMaxItems ? n_items - first : kCausalMaxItems;
-      const int rc = causal_launch<P>(c, layer, items + first, n,
-                                      static_cast<const char *>(q) + done * row,
-                                      static_cast<char *>(out) + done * row, dtype, scale, window);
-      if (rc != M40LLM_OK) return rc;
-      for (int i = 0; i < n; i++) done += (size_t)items[first + i].n_tokens;
-    }
-    return M40LLM_OK;
+  const size_t row = (size_t)c->opts.n_heads * (size_t)c->opts.head_dim;
+  size_t rows = 0;
+  for (int i = 0; i < n_items; i++) rows += (size_t)items[i].n_tokens;
+  return with_f32_rows(cuda_state(c->ctx), q, out, rows * row, dtype,
+                       [&](const float *q32, float *out32) {
+    return with_kv_pair(c->k.layout.fmt->format, c->v.layout.fmt->format, [&](auto pair) -> int {
+      using P = decltype(pair);
+      size_t done = 0;  // rows of the launches before
+      for (int first = 0; first < n_items; first += kCausalMaxItems) {
+        const int n = n_items - first < kCausalMaxItems ? n_items - first : kCausalMaxItems;
+        const int rc = causal_launch<P>(c, layer, items + first, n, q32 + done * row,
+                                        out32 + done * row, scale, window);
+        if (rc != M40LLM_OK) return rc;
+        for (int i = 0; i < n; i++) done += (size_t)items[first + i].n_tokens;
+      }
+      return M40LLM_OK;
+    });
   });
 }

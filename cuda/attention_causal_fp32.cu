@@ -130,35 +130,29 @@ __global__ void __launch_bounds__(kCausalThreads, kCausalMinBlocksPerSm)
 
   // q, scaled into the log2 domain (rotated into K's frame where K is), zeros past the rows
   // and heads of the block.
-  const size_t qb = b.row_q * a.n_heads * D;  // the block's first row in a.q
-  with_io(a.io, [&](auto io) {
-    using Io = decltype(io);
-    if (a.rot_k) {
-      for (int qi = tid >> 5; qi < BM; qi += kCausalThreads / 32) {
-        const int r = qi / GT, g = qi % GT;
-        const bool on = r < b.nr && g < b.nh;
-        float v[DMAX / 32];
+  const float *qb = a.q + b.row_q * a.n_heads * D;
+  if (a.rot_k) {
+    for (int qi = tid >> 5; qi < BM; qi += kCausalThreads / 32) {
+      const int r = qi / GT, g = qi % GT;
+      const bool on = r < b.nr && g < b.nh;
+      float v[DMAX / 32];
 #pragma unroll
-        for (int e = 0; e < DMAX / 32; e++) {
-          const int d = (tid & 31) + 32 * e;
-          v[e] = on && d < D
-                     ? Io::load(a.q, qb + ((size_t)r * a.n_heads + b.h0 + g) * D + d) * a.q_scale
-                     : 0.0f;
-        }
-        warp_rotate(v, D, a.rot_scale);
+      for (int e = 0; e < DMAX / 32; e++) {
+        const int d = (tid & 31) + 32 * e;
+        v[e] = on && d < D ? qb[((size_t)r * a.n_heads + b.h0 + g) * D + d] * a.q_scale : 0.0f;
+      }
+      warp_rotate(v, D, a.rot_scale);
 #pragma unroll
-        for (int e = 0; e < DMAX / 32; e++) sq[qi * LD + (tid & 31) + 32 * e] = v[e];
-      }
-    } else {
-      for (int i = tid; i < BM * DMAX; i += kCausalThreads) {
-        const int qi = i / DMAX, d = i % DMAX, r = qi / GT, g = qi % GT;
-        sq[qi * LD + d] = r < b.nr && g < b.nh && d < D
-                              ? Io::load(a.q, qb + ((size_t)r * a.n_heads + b.h0 + g) * D + d) *
-                                    a.q_scale
-                              : 0.0f;
-      }
+      for (int e = 0; e < DMAX / 32; e++) sq[qi * LD + (tid & 31) + 32 * e] = v[e];
     }
-  });
+  } else {
+    for (int i = tid; i < BM * DMAX; i += kCausalThreads) {
+      const int qi = i / DMAX, d = i % DMAX, r = qi / GT, g = qi % GT;
+      sq[qi * LD + d] = r < b.nr && g < b.nh && d < D
+                            ? qb[((size_t)r * a.n_heads + b.h0 + g) * D + d] * a.q_scale
+                            : 0.0f;
+    }
+  }
 
   // Formed again at each tile from these two (kept, the four pointers spilled on sm_52).
   const size_t base = (size_t)plan.seq[item] * a.seq_stride + (size_t)b.kvh * a.head_stride;
@@ -268,10 +262,10 @@ __global__ void __launch_bounds__(kCausalThreads, kCausalMinBlocksPerSm)
   const bool single = plan.splits == 1;
   // One split: the normalised output; several: the unnormalised partial and the state, merged
   // by the combine kernel (attention_combine.cu) with the decode call's partials layout.
-  const auto store = [&](int qi, int d, float x) {
+  const auto dst = [&](int qi, int d) -> float * {
     const size_t row = row_q + qi / GT, h = h0 + qi % GT;
-    if (single) io_store(a.out, a.io, (row * a.n_heads + h) * D + d, x);
-    else a.part_o[((row * plan.splits + split) * a.n_heads + h) * D + d] = x;
+    return single ? a.out + (row * a.n_heads + h) * D + d
+                  : a.part_o + ((row * plan.splits + split) * a.n_heads + h) * D + d;
   };
   if (!single && tid < BM) {
     const int r = tid / GT, g = tid % GT;
@@ -305,7 +299,7 @@ __global__ void __launch_bounds__(kCausalThreads, kCausalMinBlocksPerSm)
 #pragma unroll
       for (int e = 0; e < DMAX / 32; e++) {
         const int d = (tid & 31) + 32 * e;
-        if (d < D) store(qi, d, v[e]);
+        if (d < D) *dst(qi, d) = v[e];
       }
     }
     return;
@@ -316,8 +310,7 @@ __global__ void __launch_bounds__(kCausalThreads, kCausalMinBlocksPerSm)
     const int qi = rg + RG * i;
     if (qi / GT >= nr || qi % GT >= nh) continue;
     const float f = single ? SoftmaxState{s_m[qi], s_l[qi]}.inv_sum() : 1.0f;
-#pragma unroll
-    for (int k = 0; k < 4; k++) store(qi, c4 * 4 + k, o[i][k] * f);
+    store4(dst(qi, c4 * 4), make_float4(o[i][0] * f, o[i][1] * f, o[i][2] * f, o[i][3] * f));
   }
 }
 

@@ -95,7 +95,7 @@ __global__ void __launch_bounds__(kCombineThreads, kCombineMinBlocksPerSm)
     float4 t = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
     for (int w = 0; w < kCombineWarps; w++) fma4(wt[w], s_acc[w][d4], t);
-    io_store4(a.out, a.io, ((size_t)item * a.n_heads + h) * a.head_dim + d4 * 4,
+    store4(a.out + ((size_t)item * a.n_heads + h) * a.head_dim + d4 * 4,
            make_float4(t.x * inv_l, t.y * inv_l, t.z * inv_l, t.w * inv_l));
   }
 }
@@ -132,7 +132,7 @@ __global__ void __launch_bounds__(32 * kCombineFewHeads, 8)
     if (s < n) fma4(st.add_partial(ms[s], ls[s]), v[s][0], acc);
   if (!active) return;
   const float inv_l = st.inv_sum();
-  io_store4(a.out, a.io, ((size_t)item * a.n_heads + h) * a.head_dim + 4 * lane,
+  store4(a.out + ((size_t)item * a.n_heads + h) * a.head_dim + 4 * lane,
          make_float4(acc.x * inv_l, acc.y * inv_l, acc.z * inv_l, acc.w * inv_l));
 }
 

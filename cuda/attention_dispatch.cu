@@ -4,6 +4,7 @@
 // attention_combine.cu); the workspace for the partials is the context's (backend.cu).
 #include "attention.cuh"
 #include "backend_cuda.h"
+#include "io_rows.cuh"
 
 namespace {
 
@@ -35,7 +36,7 @@ int kept_chunk(int tile) { return tile >= kKeptSplitRows ? tile : kKeptSplitRows
 // One launch's worth of sequences (at most M40LLM_PLAN_MAX_ITEMS: the plan is a kernel argument).
 template <typename P>
 int attend(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, const int32_t *lens,
-           int n_seqs, const void *q, void *out, int dtype, float scale) {
+           int n_seqs, const float *q, float *out, float scale) {
   m40llm_cuda_state *st = cuda_state(c->ctx);
   const m40llm_kvcache_options *o = &c->opts;
   const Grouping g = grouping_for(o);
@@ -110,7 +111,6 @@ int attend(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, const int
   a.stages = pass.stages;
   a.rot_k = c->k.rotated;
   a.rot_v = c->v.rotated;
-  a.io = (unsigned char)dtype;
   a.rot_scale = m40llm_rotation_scale(m40llm_rotation_block(o->head_dim));
 
   const dim3 grid((unsigned)plan.total_splits, (unsigned)g.units);
@@ -171,18 +171,21 @@ int m40llm_cuda_tensor_cores(m40llm_cuda_state *st, int *out) {
 int m40llm_cuda_attention(const m40llm_kvcache *c, int layer, const int32_t *seq_ids,
                           int n_seqs, const void *q, void *out, int dtype, float scale) {
   M40LLM_CUDA_ENTER(c->ctx);
-  const size_t row = (size_t)c->opts.n_heads * (size_t)c->opts.head_dim * m40llm_dtype_size(dtype);
-  return with_kv_pair(c->k.layout.fmt->format, c->v.layout.fmt->format, [&](auto pair) -> int {
-    using P = decltype(pair);
-    for (int first = 0; first < n_seqs; first += M40LLM_PLAN_MAX_ITEMS) {
-      const int n = n_seqs - first < M40LLM_PLAN_MAX_ITEMS ? n_seqs - first : M40LLM_PLAN_MAX_ITEMS;
-      int32_t lens[M40LLM_PLAN_MAX_ITEMS];
-      for (int i = 0; i < n; i++) lens[i] = *m40llm_len_slot(c, layer, seq_ids[first + i]);
-      const int rc = attend<P>(c, layer, seq_ids + first, lens, n,
-                               static_cast<const char *>(q) + (size_t)first * row,
-                               static_cast<char *>(out) + (size_t)first * row, dtype, scale);
-      if (rc != M40LLM_OK) return rc;
-    }
-    return M40LLM_OK;
+  const size_t row = (size_t)c->opts.n_heads * (size_t)c->opts.head_dim;
+  return with_f32_rows(cuda_state(c->ctx), q, out, (size_t)n_seqs * row, dtype,
+                       [&](const float *q32, float *out32) {
+    return with_kv_pair(c->k.layout.fmt->format, c->v.layout.fmt->format, [&](auto pair) -> int {
+      using P = decltype(pair);
+      for (int first = 0; first < n_seqs; first += M40LLM_PLAN_MAX_ITEMS) {
+        const int n =
+            n_seqs - first < M40LLM_PLAN_MAX_ITEMS ? n_seqs - first : M40LLM_PLAN_MAX_ITEMS;
+        int32_t lens[M40LLM_PLAN_MAX_ITEMS];
+        for (int i = 0; i < n; i++) lens[i] = *m40llm_len_slot(c, layer, seq_ids[first + i]);
+        const int rc = attend<P>(c, layer, seq_ids + first, lens, n, q32 + (size_t)first * row,
+                                 out32 + (size_t)first * row, scale);
+        if (rc != M40LLM_OK) return rc;
+      }
+      return M40LLM_OK;
+    });
   });
 }

@@ -127,31 +127,28 @@ __global__ void __launch_bounds__(kAttnThreads, kAttnMinBlocksPerSm)
   if (plan.max_splits > 1) allow_dependent_launch();  // the combine kernel: see below
   const int p_begin = b.p_begin, p_end = b.p_end, nh = b.nh;
 
-  const size_t q0 = ((size_t)b.item * a.n_heads + b.h0) * D;  // q's first element here
-  with_io(a.io, [&](auto io) {
-    using Io = decltype(io);
-    if (a.rot_k) {  // a warp a head, rotated in registers on the way in
-      for (int g = tid >> 5; g < GT; g += kAttnThreads / 32) {
-        float v[DMAX / 32];
+  const float *q = a.q + ((size_t)b.item * a.n_heads + b.h0) * D;
+  if (a.rot_k) {  // a warp a head, rotated in registers on the way in
+    for (int g = tid >> 5; g < GT; g += kAttnThreads / 32) {
+      float v[DMAX / 32];
 #pragma unroll
-        for (int e = 0; e < DMAX / 32; e++) {
-          const int d = (tid & 31) + 32 * e;
-          v[e] = g < nh && d < D ? Io::load(a.q, q0 + g * D + d) * a.q_scale : 0.0f;
-        }
-        warp_rotate(v, D, a.rot_scale);
-#pragma unroll
-        for (int e = 0; e < DMAX / 32; e++) {
-          const int d = (tid & 31) + 32 * e;
-          if (d < D) sq[g * DMAX + QIndex<DMAX>()(d)] = v[e];
-        }
+      for (int e = 0; e < DMAX / 32; e++) {
+        const int d = (tid & 31) + 32 * e;
+        v[e] = g < nh && d < D ? q[g * D + d] * a.q_scale : 0.0f;
       }
-    } else {
-      for (int i = tid; i < GT * D; i += kAttnThreads) {
-        const int g = i / D, d = i % D;
-        sq[g * DMAX + QIndex<DMAX>()(d)] = g < nh ? Io::load(a.q, q0 + i) * a.q_scale : 0.0f;
+      warp_rotate(v, D, a.rot_scale);
+#pragma unroll
+      for (int e = 0; e < DMAX / 32; e++) {
+        const int d = (tid & 31) + 32 * e;
+        if (d < D) sq[g * DMAX + QIndex<DMAX>()(d)] = v[e];
       }
     }
-  });
+  } else {
+    for (int i = tid; i < GT * D; i += kAttnThreads) {
+      const int g = i / D, d = i % D;
+      sq[g * DMAX + QIndex<DMAX>()(d)] = g < nh ? q[i] * a.q_scale : 0.0f;
+    }
+  }
   float *sqsum = smem + GT * (DMAX + T);  // [GT][DMAX / 8], K formats with a min only
   if constexpr (kSumKMin) {
     __syncthreads();

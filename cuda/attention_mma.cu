@@ -509,56 +509,44 @@ __global__ void __launch_bounds__(32 * W, mma_min_blocks(32 * NC + 16 * TAIL, W)
   }
   int p0 = cb.p_begin + kMmaRows * warp;
   const int p_end = cb.p_end;
+  Steps src(a, cb, p0, lane, s_dyn, a.stages);
   float *const s_scratch = reinterpret_cast<float *>(s_dyn) + W * G * D;  // [G][D], kQuant
 
-  // q in the log2 domain, then scaled by 2^e so its largest magnitude is near 2^13. Its loads
-  // go out before the first K/V steps' (src), so that they do not queue behind them.
+  // q in the log2 domain, then scaled by 2^e so its largest magnitude is near 2^13.
   float qf[NC][8], qt[4];
+  float qmax = 0.0f;
   {
-    const size_t qrow = ((size_t)b.item * a.n_heads + b.h0 + g) * D;  // in a.q
-    bool staged = false;  // q rotated in shared memory (s_scratch), where K is rotated
+    const float *qrow = a.q + ((size_t)b.item * a.n_heads + b.h0 + g) * D;
     float q_scale = a.q_scale;
     if constexpr (kQuant) {
       if (a.rot_k) {  // rotated to meet K, a warp a head, through shared memory
-        with_io(a.io, [&](auto io) {
-          for (int h = warp; h < G; h += W) {
-            const size_t row = ((size_t)b.item * a.n_heads + b.h0 + h) * D;
-            float v[NC];
+        for (int h = warp; h < G; h += W) {
+          const float *row = a.q + ((size_t)b.item * a.n_heads + b.h0 + h) * D;
+          float v[NC];
 #pragma unroll
-            for (int c = 0; c < NC; c++)
-              v[c] = h < b.nh ? decltype(io)::load(a.q, row + lane + 32 * c) * a.q_scale : 0.0f;
-            warp_rotate(v, D, a.rot_scale);
+          for (int c = 0; c < NC; c++) v[c] = h < b.nh ? row[lane + 32 * c] * a.q_scale : 0.0f;
+          warp_rotate(v, D, a.rot_scale);
 #pragma unroll
-            for (int c = 0; c < NC; c++) s_scratch[h * D + lane + 32 * c] = v[c];
-          }
-        });
+          for (int c = 0; c < NC; c++) s_scratch[h * D + lane + 32 * c] = v[c];
+        }
         __syncthreads();
-        staged = true;
+        qrow = s_scratch + g * D;
         q_scale = 1.0f;
       }
     }
-    // This lane's elements of q, element d of its row from q_at(d).
-    const auto take = [&](auto q_at) {
 #pragma unroll
-      for (int c = 0; c < NC; c++)
+    for (int c = 0; c < NC; c++)
 #pragma unroll
-        for (int j = 0; j < 8; j++) qf[c][j] = g < b.nh ? q_at(32 * c + 8 * t + j) * q_scale : 0.0f;
+      for (int j = 0; j < 8; j++) {
+        qf[c][j] = g < b.nh ? qrow[32 * c + 8 * t + j] * q_scale : 0.0f;
+        qmax = fmaxf(qmax, fabsf(qf[c][j]));
+      }
 #pragma unroll
-      for (int j = 0; j < 4; j++) qt[j] = TAIL && g < b.nh ? q_at(32 * NC + 4 * t + j) * q_scale : 0.0f;
-    };
-    if (staged)
-      take([&](int d) { return s_scratch[g * D + d]; });
-    else
-      with_io(a.io, [&](auto io) { take([&](int d) { return decltype(io)::load(a.q, qrow + d); }); });
+    for (int j = 0; j < 4; j++) {
+      qt[j] = TAIL && g < b.nh ? qrow[32 * NC + 4 * t + j] * q_scale : 0.0f;
+      qmax = fmaxf(qmax, fabsf(qt[j]));
+    }
   }
-  Steps src(a, cb, p0, lane, s_dyn, a.stages);
-  float qmax = 0.0f;
-#pragma unroll
-  for (int c = 0; c < NC; c++)
-#pragma unroll
-    for (int j = 0; j < 8; j++) qmax = fmaxf(qmax, fabsf(qf[c][j]));
-#pragma unroll
-  for (int j = 0; j < 4; j++) qmax = fmaxf(qmax, fabsf(qt[j]));
   qmax = warp_max(qmax);
   int e = 0;
   if (qmax > 0.0f && qmax <= 3.0e38f) frexpf(qmax, &e);

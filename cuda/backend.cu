@@ -124,6 +124,7 @@ void cuda_fini(m40llm_context *ctx) {
   (void)cudaSetDevice(ctx->device);
   (void)cudaStreamSynchronize(st->stream);
   (void)cudaFree(st->workspace);
+  (void)cudaFree(st->io_stage);
   if (st->owns_stream) (void)cudaStreamDestroy(st->stream);
   (void)cudaGetLastError();
   free(st);

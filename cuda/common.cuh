@@ -1,9 +1,7 @@
 // What the CUDA backend's translation units share: the backend state, error reporting, launch
-// checks, programmatic dependent launches, warp reductions, and loads and stores of the caller's
-// q and out rows in their element type.
+// checks, programmatic dependent launches, warp reductions and an unaligned float4 store.
 #pragma once
 
-#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include "internal.h"
@@ -16,6 +14,8 @@ struct m40llm_cuda_state {
   size_t smem_per_sm, smem_per_block, smem_reserved_per_block;  // shared memory, in bytes
   void *workspace;  // scratch of the attention calls (split-K partials): cuda_workspace()
   size_t workspace_bytes;
+  void *io_stage;  // FP32 copies of a 16-bit caller's q and out rows (io_rows.cuh)
+  size_t io_stage_bytes;
   // The FP32 split kernels' resident blocks per SM, by [K format][V format][log2 tile][dim / 8].
   int fp32_occupancy[3][3][4][33];
   // The FP32 causal kernels' resident blocks per SM, by [K format][V format][log2 tile]
@@ -123,55 +123,10 @@ __device__ __forceinline__ void fma4(float w, const float4 &v, float4 &acc) {
   acc.w = fmaf(w, v.w, acc.w);
 }
 
-// The caller's q and out rows hold elements of an m40llm_dtype (`io`, a kernel argument): 16-bit
-// ones are widened exactly on load and rounded to nearest even on store, with integer operations
-// and the FP32 <-> FP16 conversion every GPU has (no half arithmetic: the M40 has none).
-// Loads go through with_io, one branch around a whole loop of them: a branch per element put
-// each load in a block of its own, and a block's loads of q then waited on each other (up to
-// 10% on small decode shapes).
-struct IoF32 {
-  __device__ static float load(const void *p, size_t i) { return static_cast<const float *>(p)[i]; }
-};
-struct IoF16 {
-  __device__ static float load(const void *p, size_t i) {
-    return __half2float(__ushort_as_half(static_cast<const unsigned short *>(p)[i]));
-  }
-};
-struct IoBf16 {
-  __device__ static float load(const void *p, size_t i) {
-    return __uint_as_float((unsigned)static_cast<const unsigned short *>(p)[i] << 16);
-  }
-};
-
-// f(IoF32{}), f(IoF16{}) or f(IoBf16{}), as io says.
-template <typename F>
-__device__ __forceinline__ void with_io(int io, F &&f) {
-  if (io == M40LLM_DTYPE_F16) f(IoF16{});
-  else if (io == M40LLM_DTYPE_BF16) f(IoBf16{});
-  else f(IoF32{});
-}
-
-// bfloat16 bits of x, to nearest even (a NaN stays a quiet NaN): m40llm_f32_to_bf16's rule.
-__device__ __forceinline__ unsigned short bf16_bits(float x) {
-  unsigned u = __float_as_uint(x);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40u);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return (unsigned short)(u >> 16);
-}
-
-__device__ __forceinline__ void io_store(void *p, int io, size_t i, float x) {
-  if (io == M40LLM_DTYPE_F32) {
-    static_cast<float *>(p)[i] = x;
-  } else {
-    static_cast<unsigned short *>(p)[i] =
-        io == M40LLM_DTYPE_BF16 ? bf16_bits(x) : __half_as_ushort(__float2half_rn(x));
-  }
-}
-
-// Four elements i .. i + 3 of the caller's memory, which promises only the element's alignment.
-__device__ __forceinline__ void io_store4(void *p, int io, size_t i, float4 x) {
-  io_store(p, io, i, x.x);
-  io_store(p, io, i + 1, x.y);
-  io_store(p, io, i + 2, x.z);
-  io_store(p, io, i + 3, x.w);
+// Four floats of the caller's memory, which promises only 4-byte alignment.
+__device__ __forceinline__ void store4(float *dst, float4 x) {
+  dst[0] = x.x;
+  dst[1] = x.y;
+  dst[2] = x.z;
+  dst[3] = x.w;
 }

@@ -116,3 +116,8 @@ constexpr int kMmaStagedMinSteps = 8;
 // Threads per block, and at most this many blocks (a grid-stride loop covers the rest).
 constexpr int kAppendThreads = 256;
 constexpr int kAppendMaxBlocks = 4096;
+
+// ---- 16-bit q and out rows (io_rows.cu) ----
+// Element-wise grid-stride loops over a call's rows (a few hundred KB at most): one wave's worth.
+constexpr int kIoThreads = 256;
+constexpr int kIoMaxBlocks = 1024;

@@ -228,7 +228,7 @@ int m40llm_memset(m40llm_context *ctx, void *dst, int value, size_t bytes);
 
 /* The element type of the q, out and K/V rows a caller passes to the calls ending in _ex. The
  * arithmetic is FP32 (float64 on the CPU backend) whatever the type: 16-bit inputs are widened
- * exactly on load, and outputs are rounded once, to nearest even, on store (a NaN stays a NaN).
+ * exactly, and outputs are rounded once, to nearest even (a NaN stays a NaN).
  * Any other value fails with M40LLM_ERR_INVALID_ARGUMENT. */
 typedef enum m40llm_dtype {
   M40LLM_DTYPE_F32 = 0,  /* IEEE binary32 */
@@ -452,11 +452,13 @@ int m40llm_kvcache_attn_batch_f32q(float *out, m40llm_kvcache *cache, int layer,
                                    const int32_t *seq_ids, int n_seqs, const float *q,
                                    float scale);
 /** As m40llm_kvcache_attn_batch_f32q with q and out of element type dtype (m40llm_dtype), so
- *  that an FP16 or BF16 model passes its activations as they are: the kernels widen q as they
- *  load it and round the output as they store it (the split partials and the softmax stay
- *  FP32), on every GPU (the M40's FP32 path converts with integer and FP32 operations). With an
- *  F32 dtype it is m40llm_kvcache_attn_batch_f32q. Overlap of q and out is checked over their
- *  bytes in that type. */
+ *  that an FP16 or BF16 model passes its activations as they are. On the CUDA backend a 16-bit
+ *  q is widened into FP32 rows of the context's own staging buffer by a small kernel, the FP32
+ *  attention runs on them, and a second small kernel rounds its output into out (on every GPU;
+ *  the M40 converts with integer and FP32 operations), so the output is the FP32 call's,
+ *  rounded once; the staging buffer (8 bytes per element of q) is allocated at the first such
+ *  call and grown by a larger one. With an F32 dtype it is m40llm_kvcache_attn_batch_f32q.
+ *  Overlap of q and out is checked over their bytes in that type. */
 int m40llm_kvcache_attn_batch_ex(void *out, m40llm_kvcache *cache, int layer,
                                  const int32_t *seq_ids, int n_seqs, const void *q, int dtype,
                                  float scale);
@@ -527,7 +529,7 @@ int m40llm_kvcache_attn_causal_f32q(float *out, m40llm_kvcache *cache, int layer
                                     int n_seqs, const float *q,
                                     const m40llm_causal_options *opts);
 /** As m40llm_kvcache_attn_causal_f32q with q and out of element type dtype (m40llm_dtype),
- *  converted in the kernels as m40llm_kvcache_attn_batch_ex converts them. */
+ *  converted as m40llm_kvcache_attn_batch_ex converts them. */
 int m40llm_kvcache_attn_causal_ex(void *out, m40llm_kvcache *cache, int layer,
                                   const int32_t *seq_ids, const int32_t *q_counts, int n_seqs,
                                   const void *q, int dtype, const m40llm_causal_options *opts);

@@ -435,11 +435,13 @@ extern "C" {
         scale: f32,
     ) -> ::core::ffi::c_int;
     /** As m40llm_kvcache_attn_batch_f32q with q and out of element type dtype (m40llm_dtype), so
-  that an FP16 or BF16 model passes its activations as they are: the kernels widen q as they
-  load it and round the output as they store it (the split partials and the softmax stay
-  FP32), on every GPU (the M40's FP32 path converts with integer and FP32 operations). With an
-  F32 dtype it is m40llm_kvcache_attn_batch_f32q. Overlap of q and out is checked over their
-  bytes in that type.*/
+  that an FP16 or BF16 model passes its activations as they are. On the CUDA backend a 16-bit
+  q is widened into FP32 rows of the context's own staging buffer by a small kernel, the FP32
+  attention runs on them, and a second small kernel rounds its output into out (on every GPU;
+  the M40 converts with integer and FP32 operations), so the output is the FP32 call's,
+  rounded once; the staging buffer (8 bytes per element of q) is allocated at the first such
+  call and grown by a larger one. With an F32 dtype it is m40llm_kvcache_attn_batch_f32q.
+  Overlap of q and out is checked over their bytes in that type.*/
     pub fn m40llm_kvcache_attn_batch_ex(
         out: *mut ::core::ffi::c_void,
         cache: *mut m40llm_kvcache,
@@ -527,7 +529,7 @@ extern "C" {
         opts: *const m40llm_causal_options,
     ) -> ::core::ffi::c_int;
     /** As m40llm_kvcache_attn_causal_f32q with q and out of element type dtype (m40llm_dtype),
-  converted in the kernels as m40llm_kvcache_attn_batch_ex converts them.*/
+  converted as m40llm_kvcache_attn_batch_ex converts them.*/
     pub fn m40llm_kvcache_attn_causal_ex(
         out: *mut ::core::ffi::c_void,
         cache: *mut m40llm_kvcache,

@@ -50,9 +50,9 @@ impl Element for bf16 {
 /// Element types of the attention calls' `q` and `out` (and of
 /// [`KvCache::append_attention_batch`](crate::KvCache::append_attention_batch)'s K/V rows):
 /// `f32`, [`half::f16`] and [`half::bf16`], so that an FP16 or BF16 model passes its
-/// activations as they are. The arithmetic is FP32 whatever the type: the kernels widen 16-bit
-/// `q` exactly as they load it and round the output once, to nearest even, as they store it
-/// (on every GPU; the M40 converts with integer and FP32 operations). Sealed.
+/// activations as they are. The arithmetic is FP32 whatever the type: 16-bit `q` is widened
+/// exactly on the device and the output rounded once, to nearest even (see
+/// `m40llm_kvcache_attn_batch_ex` in `m40llm.h`). Sealed.
 pub trait IoElement: Element {
     /// The library's `m40llm_dtype` of this type.
     #[doc(hidden)]
