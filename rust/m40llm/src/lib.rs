@@ -219,6 +219,8 @@
 
 mod buffer;
 mod build_info;
+#[cfg(feature = "candle")]
+pub mod candle_interop;
 mod context;
 #[cfg(feature = "cudarc")]
 pub mod cudarc_interop;
