@@ -5,6 +5,9 @@
 //! 1. [`Context::from_candle_device`] gives the context for a device: the CPU backend for
 //!    [`Device::Cpu`]; for a CUDA device a context on candle's own stream (through
 //!    [`Context::from_cudarc_stream`]), so m40llm's work and candle's are ordered on one stream.
+//!    candle's default CUDA device (`Device::new_cuda`) uses the per-thread stream, which a
+//!    context that may move between threads cannot take: that one gets a new stream of
+//!    candle's CUDA context, and each call orders the two streams with an event each way.
 //! 2. The cache's `*_tensor` methods read K, V and q from tensors on the cache's device and
 //!    return attention outputs as new tensors there, shaped like `q`:
 //!    [`append_tensor`](KvCache::append_tensor) (`[tokens, n_kv_heads, head_dim]`),
@@ -21,9 +24,12 @@
 //! by the buffer methods. While a call runs it holds each input tensor's storage read lock,
 //! so candle cannot write them meanwhile.
 //!
-//! CUDA tensors go through [`CudarcView`](crate::CudarcView), so cudarc's event tracking
-//! orders them with candle's other streams; outputs are allocated on the tensor's device
-//! stream. Without the `candle-cuda` feature a CUDA tensor is an [`Status::Unsupported`] error.
+//! CUDA tensors go through `CudarcView`s; where a tensor's stream is not
+//! the context's, the context's stream waits for the tensor's before the call and the tensor's
+//! for the context's after it. Outputs are allocated on the tensor's device stream. Without the
+//! `candle-cuda` feature a CUDA tensor is an [`Status::Unsupported`] error. Don't write a tensor
+//! from another thread while a call reads it: the call holds its storage's read lock (more than
+//! once where k, v and q share storage), so such a writer waits, and may block the call.
 //!
 //! ```
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -473,12 +479,15 @@ fn metal() -> Error {
 #[cfg(feature = "candle-cuda")]
 mod cuda {
     //! CUDA tensors: cudarc slices of candle's CUDA storage, seen through cudarc views.
+    use std::sync::Arc;
+
     use candle_core::{CudaDevice, CudaStorage, Storage};
+    use cudarc::driver::CudaStream;
 
     use super::{candle_error, TensorElement};
     use crate::buffer::{DeviceRead, DeviceSlice, DeviceSliceMut, DeviceWrite};
     use crate::context::{Backend, Context};
-    use crate::cudarc_interop::{CudarcView, CudarcViewMut};
+    use crate::cudarc_interop::{CudarcView, CudarcViewMut, PER_THREAD_STREAM};
     use crate::error::{Error, Result, Status};
 
     /// What a CUDA tensor's elements must be, besides a candle dtype.
@@ -489,7 +498,40 @@ mod cuda {
     impl<T: candle_core::cuda::CudaDType + cudarc::driver::DeviceRepr> CudaElement for T {}
 
     pub(super) fn context(dev: &CudaDevice) -> Result<Context> {
-        Context::from_cudarc_stream(&dev.cuda_stream())
+        let stream = dev.cuda_stream();
+        if stream.cu_stream() as usize != PER_THREAD_STREAM {
+            return Context::from_cudarc_stream(&stream);
+        }
+        // candle's default (Device::new_cuda) is the per-thread stream, which a context that
+        // may move between threads cannot take: a stream of its own, ordered per call.
+        let own = stream
+            .context()
+            .new_stream()
+            .map_err(|e| cuda_error("a stream", e))?;
+        Context::from_cudarc_stream(&own)
+    }
+
+    fn cuda_error(what: &str, e: cudarc::driver::DriverError) -> Error {
+        Error::new(Status::Cuda, format!("{what}: {e}"))
+    }
+
+    /// Orders `later` after the work queued on `earlier` so far (nothing on one stream).
+    /// Needed besides cudarc's per-slice events, which exist only in its multi-stream mode and
+    /// only for memory allocated after it began.
+    fn order(later: &CudaStream, earlier: &CudaStream) -> Result<()> {
+        if later.cu_stream() == earlier.cu_stream() {
+            return Ok(());
+        }
+        later
+            .join(earlier)
+            .map_err(|e| cuda_error("ordering candle's stream and m40llm's", e))
+    }
+
+    /// The context's cudarc stream (the views made before have checked that it has one).
+    fn ours(ctx: &Context) -> Result<&Arc<CudaStream>> {
+        ctx.cudarc_stream().ok_or_else(|| {
+            Error::invalid("the context was not made by Context::from_candle_device")
+        })
     }
 
     fn cuda_context(ctx: &Context, what: &str) -> Result<()> {
@@ -518,10 +560,14 @@ mod cuda {
             .try_slice(start..start + len)
             .ok_or_else(|| Error::invalid(format!("{what}'s layout passes its storage")))?;
         let cv = CudarcView::new(ctx, &view)?;
+        let theirs = slice.stream();
+        order(ours(ctx)?, theirs)?;
         // SAFETY: `cv` covers `len` elements of `T` in the context's CUDA context (checked by
-        // CudarcView::new) and, with the caller's storage read lock, keeps them alive and
-        // ordered for `f`; it is dropped after `f`, recording the use.
+        // CudarcView::new), kept alive by the caller's storage read lock; the context's stream
+        // runs after the work queued on the tensor's stream, which waits for the call below
+        // before anything of candle's can reuse the memory.
         let r = f(unsafe { DeviceSlice::from_raw_parts(ctx, cv.device_ptr(), len) });
+        order(theirs, ours(ctx)?)?;
         drop(cv);
         r
     }
@@ -543,9 +589,13 @@ mod cuda {
             .map_err(|e| Error::new(Status::Cuda, format!("allocating the output: {e}")))?;
         {
             let mut cv = CudarcViewMut::new(ctx, &mut slice)?;
+            // The allocation is ordered on candle's stream.
+            order(ours(ctx)?, &stream)?;
             // SAFETY: `cv` covers `len` elements of `T` in the context's CUDA context, ours
             // alone, alive until it is dropped after `f`.
-            f(unsafe { DeviceSliceMut::from_raw_parts(ctx, cv.device_ptr_mut(), len) })?;
+            let r = f(unsafe { DeviceSliceMut::from_raw_parts(ctx, cv.device_ptr_mut(), len) });
+            order(&stream, ours(ctx)?)?;
+            r?;
         }
         Ok(Storage::Cuda(CudaStorage::wrap_cuda_slice(
             slice,
