@@ -4,7 +4,7 @@
 //!
 //! 1. [`Context::from_candle_device`] gives the context for a device: the CPU backend for
 //!    [`Device::Cpu`]; for a CUDA device a context on candle's own stream (through
-//!    [`Context::from_cudarc_stream`]), so m40llm's work and candle's are ordered on one stream.
+//!    `Context::from_cudarc_stream`), so m40llm's work and candle's are ordered on one stream.
 //!    candle's default CUDA device (`Device::new_cuda`) uses the per-thread stream, which a
 //!    context that may move between threads cannot take: that one gets a new stream of
 //!    candle's CUDA context, and each call orders the two streams with an event each way.
@@ -62,10 +62,11 @@ use crate::kvcache::{KvCache, KvInput};
 
 impl Context {
     /// The context for a candle device: the CPU backend for [`Device::Cpu`], and for a CUDA
-    /// device a CUDA context on that device's stream (see [`Context::from_cudarc_stream`]).
+    /// device a CUDA context on that device's stream (see `Context::from_cudarc_stream`), or on
+    /// a stream of its own for candle's per-thread stream (see the [module docs](self)).
     ///
     /// Fails with [`Status::Unsupported`] for Metal, and for CUDA when m40llm was built
-    /// without its `candle-cuda` feature; CUDA failures as [`Context::from_cudarc_stream`].
+    /// without its `candle-cuda` feature; CUDA failures as `Context::from_cudarc_stream`.
     pub fn from_candle_device(device: &Device) -> Result<Context> {
         match device {
             Device::Cpu => Context::cpu(),
