@@ -56,7 +56,7 @@ use crate::context::{Backend, Context};
 use crate::error::{Error, Result, Status};
 
 /// cudarc's handle of the per-thread default stream (`CU_STREAM_PER_THREAD`).
-const PER_THREAD_STREAM: usize = 0x2;
+pub(crate) const PER_THREAD_STREAM: usize = 0x2;
 
 impl Context {
     /// A CUDA context that queues its work on `stream` (a cudarc stream) and keeps it alive:

@@ -16,6 +16,8 @@
 //!   (length, reset, truncate, fork, read back).
 //! * With the `cudarc` feature, `cudarc_interop`: a context on a cudarc stream and cudarc
 //!   memory as K, V, q and out.
+//! * With the `candle` feature, `candle_interop`: a context for a candle `Device` and cache
+//!   calls on candle `Tensor`s (CUDA tensors with `candle-cuda`, without host copies).
 //!
 //! Every fallible call returns [`Result`]; an [`Error`] carries the library's [`Status`] and its
 //! detail message. Buffer lengths and indices are checked in Rust before the C library is
@@ -212,13 +214,17 @@
 //! the GPU is required: it fails with the reason.
 //!
 //! Features: `cuda` (require the CUDA backend), `cudarc` (the `cudarc_interop` module; cudarc
-//! is built with its driver API loaded at run time, so building needs no CUDA toolkit).
+//! is built with its driver API loaded at run time, so building needs no CUDA toolkit),
+//! `candle` (the `candle_interop` module, CPU tensors; candle 0.11 needs Rust 1.89) and
+//! `candle-cuda` (`candle` + `cudarc` + candle's CUDA backend, whose kernels need nvcc).
 
 #![deny(missing_docs)]
 #![warn(rust_2018_idioms)]
 
 mod buffer;
 mod build_info;
+#[cfg(feature = "candle")]
+pub mod candle_interop;
 mod context;
 #[cfg(feature = "cudarc")]
 pub mod cudarc_interop;

@@ -3,7 +3,7 @@
 
 use anyhow::Result;
 use candle_core::{DType, Tensor, D};
-use m40llm::{Context, DeviceBuffer, KvCache, KvCacheConfig};
+use m40llm::{Backend, Context, DeviceBuffer, KvCache, KvCacheConfig};
 
 /// One decode step of one layer: store the token's K/V, return its attention output.
 pub trait Attention {
@@ -13,11 +13,19 @@ pub trait Attention {
 }
 
 /// m40llm as the KV cache and attention of one sequence. The prompt goes in token by token
-/// like the generated tokens (the library has no prefill call yet). q/K/V go through host
-/// memory into the context's buffers (on the CUDA backend: a host-to-device copy per call).
+/// like the generated tokens. Where candle runs on the context's device (both CPU, or both the
+/// same GPU with the `cuda` feature), q/K/V tensors go to the cache as they are and the output
+/// is a new tensor there (m40llm's candle interop: no copies). Where one runs on the CPU and
+/// the other on a GPU, they are staged through host memory and the context's buffers (copies
+/// each way per call).
 pub struct M40Attention {
     kv: KvCache,
     seq: usize,
+    staging: Option<Staging>,
+}
+
+/// The context's buffers for tensors on another device than the cache.
+struct Staging {
     q: DeviceBuffer<f32>,
     k: DeviceBuffer<f32>,
     v: DeviceBuffer<f32>,
@@ -29,15 +37,33 @@ impl M40Attention {
         Ok(M40Attention {
             kv: KvCache::new(ctx, cfg)?,
             seq: 0,
-            q: DeviceBuffer::zeros(ctx, cfg.q_row_len())?,
-            k: DeviceBuffer::zeros(ctx, cfg.kv_row_len())?,
-            v: DeviceBuffer::zeros(ctx, cfg.kv_row_len())?,
-            out: DeviceBuffer::zeros(ctx, cfg.q_row_len())?,
+            staging: None,
         })
     }
 
     pub fn cache(&self) -> &KvCache {
         &self.kv
+    }
+
+    fn staged(&mut self, layer: usize, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
+        let s = match &mut self.staging {
+            Some(s) => s,
+            staging => {
+                let (ctx, cfg) = (self.kv.context(), self.kv.config());
+                staging.insert(Staging {
+                    q: DeviceBuffer::zeros(ctx, cfg.q_row_len())?,
+                    k: DeviceBuffer::zeros(ctx, cfg.kv_row_len())?,
+                    v: DeviceBuffer::zeros(ctx, cfg.kv_row_len())?,
+                    out: DeviceBuffer::zeros(ctx, cfg.q_row_len())?,
+                })
+            }
+        };
+        s.k.copy_from_host(&host(k)?)?;
+        s.v.copy_from_host(&host(v)?)?;
+        s.q.copy_from_host(&host(q)?)?;
+        self.kv.append_token(layer, self.seq, &s.k, &s.v)?;
+        self.kv.attention(layer, self.seq, &s.q, &mut s.out, None)?;
+        Ok(Tensor::from_vec(s.out.to_vec()?, q.shape(), q.device())?)
     }
 }
 
@@ -47,13 +73,13 @@ fn host(t: &Tensor) -> Result<Vec<f32>> {
 
 impl Attention for M40Attention {
     fn attend(&mut self, layer: usize, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
-        self.k.copy_from_host(&host(k)?)?;
-        self.v.copy_from_host(&host(v)?)?;
-        self.q.copy_from_host(&host(q)?)?;
-        self.kv.append_token(layer, self.seq, &self.k, &self.v)?;
-        self.kv
-            .attention(layer, self.seq, &self.q, &mut self.out, None)?;
-        Ok(Tensor::from_vec(self.out.to_vec()?, q.shape(), q.device())?)
+        if q.device().is_cpu() != (self.kv.context().backend() == Backend::Cpu) {
+            return self.staged(layer, q, k, v);
+        }
+        // RoPE's output may be a strided view: the interop takes contiguous tensors.
+        let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
+        self.kv.append_tensor(layer, self.seq, &k, &v)?;
+        Ok(self.kv.attention_tensor(layer, self.seq, &q, None)?)
     }
 }
 

@@ -176,7 +176,12 @@ fn main() -> Result<()> {
             c.context_len
         );
     }
-    let ctx = Context::new(a.backend)?;
+    // With candle on a GPU, m40llm on candle's device and stream: tensors pass without copies.
+    let ctx = if device.is_cuda() && a.backend != Backend::Cpu {
+        Context::from_candle_device(&device)?
+    } else {
+        Context::new(a.backend)?
+    };
     let mut kv_cfg = KvCacheConfig::new(c.n_layers, c.n_heads, c.head_dim)
         .kv_heads(c.n_kv_heads)
         .max_seqs(1)
