@@ -19,8 +19,9 @@
 //!
 //! Tensors must be contiguous (a view with a start offset is fine: [`Layout::start_offset`] is
 //! honoured) and on the cache's device; otherwise the call fails with
-//! [`Status::InvalidArgument`] and writes nothing. dtypes: K/V `F32` or `F16`, q `F32` (the
-//! output has q's dtype); any other is [`Status::Unsupported`]. Element counts are checked as
+//! [`Status::InvalidArgument`] and writes nothing. dtypes: K/V and q `F32`, `F16` or `BF16`
+//! (the output has q's dtype; the arithmetic is FP32 whatever they are); any other is
+//! [`Status::Unsupported`]. Element counts are checked as
 //! by the buffer methods. While a call runs it holds each input tensor's storage read lock,
 //! so candle cannot write them meanwhile.
 //!
@@ -53,9 +54,9 @@
 //! ```
 
 use candle_core::{CpuStorage, DType, Device, Layout, Shape, Storage, Tensor, WithDType};
-use half::f16;
+use half::{bf16, f16};
 
-use crate::buffer::{DeviceSlice, DeviceSliceMut, Element};
+use crate::buffer::{DeviceSlice, DeviceSliceMut, Element, IoElement};
 use crate::context::{Backend, Context};
 use crate::error::{Error, Result, Status};
 use crate::kvcache::{KvCache, KvInput};
@@ -81,16 +82,7 @@ impl Context {
 pub(crate) trait TensorElement: Element + WithDType + cuda::CudaElement {}
 impl TensorElement for f32 {}
 impl TensorElement for f16 {}
-
-/// q/out element types: the attention calls for one of them.
-trait QElement: TensorElement {
-    fn attend(
-        cache: &KvCache,
-        op: &Attend<'_>,
-        q: &DeviceSlice<'_, Self>,
-        out: &mut DeviceSliceMut<'_, Self>,
-    ) -> Result<()>;
-}
+impl TensorElement for bf16 {}
 
 /// Which attention call, with its arguments other than q and out.
 enum Attend<'a> {
@@ -113,14 +105,14 @@ enum Attend<'a> {
     },
 }
 
-impl QElement for f32 {
-    fn attend(
+impl Attend<'_> {
+    fn run<T: IoElement>(
+        &self,
         cache: &KvCache,
-        op: &Attend<'_>,
-        q: &DeviceSlice<'_, f32>,
-        out: &mut DeviceSliceMut<'_, f32>,
+        q: &DeviceSlice<'_, T>,
+        out: &mut DeviceSliceMut<'_, T>,
     ) -> Result<()> {
-        match *op {
+        match *self {
             Attend::One { layer, seq, scale } => cache.attention(layer, seq, q, out, scale),
             Attend::Batch {
                 layer,
@@ -155,7 +147,7 @@ enum Append<'a> {
 impl KvCache {
     /// Appends the tokens of `k` and `v` to `(layer, seq)`: tensors shaped
     /// `[tokens, n_kv_heads, head_dim]` (leading dimensions of size 1 allowed, e.g. a batch of
-    /// one) or `[n_kv_heads, head_dim]` for one token, `F32` or `F16`, both the same. Returns
+    /// one) or `[n_kv_heads, head_dim]` for one token, `F32`, `F16` or `BF16`, both the same. Returns
     /// the token count. Any other shape fails with [`Status::InvalidArgument`], a query-shaped
     /// `[n_heads, head_dim]` included (the GQA mix-up); for K/V laid out otherwise (e.g.
     /// `[tokens, n_kv_heads × head_dim]`) give the count:
@@ -211,7 +203,7 @@ impl KvCache {
         )
     }
 
-    /// [`attention`](Self::attention) of `q` (`n_heads × head_dim` elements, `F32`, any shape)
+    /// [`attention`](Self::attention) of `q` (`n_heads × head_dim` elements, `F32`, `F16` or `BF16`, any shape)
     /// over `(layer, seq)`: a new tensor shaped like `q` on its device.
     pub fn attention_tensor(
         &self,
@@ -268,7 +260,7 @@ impl KvCache {
     }
 
     /// [`append_attention_batch`](Self::append_attention_batch) from tensors (a decode step
-    /// in one call): row `i` of `k`/`v` (`F32`) is appended to `seq_ids[i]`, then row `i` of
+    /// in one call): row `i` of `k`/`v` (q's dtype) is appended to `seq_ids[i]`, then row `i` of
     /// `q` attends over it. Returns a new tensor shaped like `q`.
     pub fn append_attention_batch_tensor(
         &mut self,
@@ -279,14 +271,37 @@ impl KvCache {
         q: &Tensor,
         scale: Option<f32>,
     ) -> Result<Tensor> {
-        for (what, t) in [("k", k), ("v", v), ("q", q)] {
-            expect_dtype(what, t, DType::F32, "F32")?;
+        for (what, t) in [("k", k), ("v", v)] {
+            if t.dtype() != q.dtype() {
+                return Err(Error::invalid(format!(
+                    "{what} is {:?} but q is {:?}: the fused call takes one dtype",
+                    t.dtype(),
+                    q.dtype()
+                )));
+            }
         }
+        match q.dtype() {
+            DType::F32 => self.append_attend_as::<f32>(layer, seq_ids, k, v, q, scale),
+            DType::F16 => self.append_attend_as::<f16>(layer, seq_ids, k, v, q, scale),
+            DType::BF16 => self.append_attend_as::<bf16>(layer, seq_ids, k, v, q, scale),
+            other => Err(unsupported_dtype("q", other, "F32, F16 or BF16")),
+        }
+    }
+
+    fn append_attend_as<T: TensorElement + IoElement + KvInput>(
+        &mut self,
+        layer: usize,
+        seq_ids: &[usize],
+        k: &Tensor,
+        v: &Tensor,
+        q: &Tensor,
+        scale: Option<f32>,
+    ) -> Result<Tensor> {
         let ctx = self.context().clone();
-        with_tensor::<f32, _>(&ctx, "k", k, |k| {
-            with_tensor::<f32, _>(&ctx, "v", v, |v| {
-                with_tensor::<f32, _>(&ctx, "q", q, |qs| {
-                    new_tensor::<f32>(&ctx, qs.len(), q, |mut out| {
+        with_tensor::<T, _>(&ctx, "k", k, |k| {
+            with_tensor::<T, _>(&ctx, "v", v, |v| {
+                with_tensor::<T, _>(&ctx, "q", q, |qs| {
+                    new_tensor::<T>(&ctx, qs.len(), q, |mut out| {
                         self.append_attention_batch(layer, seq_ids, &k, &v, &qs, &mut out, scale)
                     })
                 })
@@ -326,7 +341,8 @@ impl KvCache {
         match k.dtype() {
             DType::F32 => self.append_as::<f32>(op, k, v),
             DType::F16 => self.append_as::<f16>(op, k, v),
-            other => Err(unsupported_dtype("k and v", other, "F32 or F16")),
+            DType::BF16 => self.append_as::<bf16>(op, k, v),
+            other => Err(unsupported_dtype("k and v", other, "F32, F16 or BF16")),
         }
     }
 
@@ -356,17 +372,20 @@ impl KvCache {
     fn attend_tensor(&self, op: &Attend<'_>, q: &Tensor) -> Result<Tensor> {
         match q.dtype() {
             DType::F32 => self.attend_as::<f32>(op, q),
-            // FP16/BF16 q and out: one arm each here once the cache takes them.
-            other => Err(unsupported_dtype("q", other, "F32")),
+            DType::F16 => self.attend_as::<f16>(op, q),
+            DType::BF16 => self.attend_as::<bf16>(op, q),
+            other => Err(unsupported_dtype("q", other, "F32, F16 or BF16")),
         }
     }
 
-    fn attend_as<T: QElement>(&self, op: &Attend<'_>, q: &Tensor) -> Result<Tensor> {
+    fn attend_as<T: TensorElement + IoElement>(
+        &self,
+        op: &Attend<'_>,
+        q: &Tensor,
+    ) -> Result<Tensor> {
         let ctx = self.context();
         with_tensor::<T, _>(ctx, "q", q, |qs| {
-            new_tensor::<T>(ctx, qs.len(), q, |mut out| {
-                T::attend(self, op, &qs, &mut out)
-            })
+            new_tensor::<T>(ctx, qs.len(), q, |mut out| op.run(self, &qs, &mut out))
         })
     }
 }

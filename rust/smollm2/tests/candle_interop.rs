@@ -36,6 +36,11 @@ fn f16_kv_is_stored_as_given() {
 }
 
 #[test]
+fn half_q_and_kv() {
+    run("half_q_and_kv");
+}
+
+#[test]
 fn append_attention_batch_matches_two_calls() {
     run("append_attention_batch_matches_two_calls");
 }

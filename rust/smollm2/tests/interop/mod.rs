@@ -21,11 +21,12 @@ const LENS: [usize; 4] = [1, 31, 33, 257];
 pub type Check = fn(&Context, &Device, &mut Rng);
 
 /// Every check, by name.
-pub const CHECKS: [(&str, Check); 7] = [
+pub const CHECKS: [(&str, Check); 8] = [
     ("attention_matches_reference", attention_matches_reference),
     ("causal_matches_reference", causal_matches_reference),
     ("offsets_and_layouts", offsets_and_layouts),
     ("f16_kv_is_stored_as_given", f16_kv_is_stored_as_given),
+    ("half_q_and_kv", half_q_and_kv),
     (
         "append_attention_batch_matches_two_calls",
         append_attention_batch_matches_two_calls,
@@ -313,8 +314,8 @@ pub fn bad_input_is_refused_and_writes_nothing(ctx: &Context, device: &Device, r
         InvalidArgument,
         &["n_kv_heads × head_dim"],
     );
-    // dtypes: BF16 and F64 K/V, K and V of different dtypes, F16/BF16 q (not yet).
-    for dt in [DType::BF16, DType::F64] {
+    // dtypes: F64 and I64 K/V, K and V of different dtypes, F64 q.
+    for dt in [DType::F64, DType::I64] {
         let kd = k.to_dtype(dt).unwrap();
         refused(kv.append_tensor(0, 0, &kd, &kd), Unsupported, &["dtype"]);
     }
@@ -326,13 +327,18 @@ pub fn bad_input_is_refused_and_writes_nothing(ctx: &Context, device: &Device, r
     assert_eq!(kv.seq_len(0, 0).unwrap(), 0);
     assert_eq!(kv.append_tensor(0, 0, &k, &k).unwrap(), 2);
     let (q, _) = random(rng, &[S.n_heads, S.head_dim], device);
-    for dt in [DType::F16, DType::BF16] {
-        refused(
-            kv.attention_tensor(0, 0, &q.to_dtype(dt).unwrap(), None),
-            Unsupported,
-            &["F32"],
-        );
-    }
+    let q64 = q.to_dtype(DType::F64).unwrap();
+    refused(
+        kv.attention_tensor(0, 0, &q64, None),
+        Unsupported,
+        &["F32, F16 or BF16"],
+    );
+    let qh = q.to_dtype(DType::F16).unwrap();
+    refused(
+        kv.append_attention_batch_tensor(0, &[0], &k1, &k1, &qh, None),
+        InvalidArgument,
+        &["one dtype"],
+    );
     let (short, _) = random(rng, &[S.n_heads - 1, S.head_dim], device);
     refused(
         kv.attention_tensor(0, 0, &short, None),
@@ -376,4 +382,102 @@ pub fn host_tensors_on_a_gpu_cache_are_refused(ctx: &Context, _device: &Device, 
         &["CPU"],
     );
     assert_eq!(kv.seq_len(0, 0).unwrap(), 0);
+}
+
+/// F16 and BF16 q: outputs of q's dtype, bit for bit the library's buffer API, within the
+/// output's rounding of the float64 reference over the same (16-bit) q; BF16 K/V stored as
+/// their FP32 widening would be.
+pub fn half_q_and_kv(ctx: &Context, device: &Device, rng: &mut Rng) {
+    let mut kv = KvCache::new(ctx, &config(2, 64)).unwrap();
+    let dims = [33, S.n_kv_heads, S.head_dim];
+    let (k, kh) = random(rng, &dims, device);
+    let (v, vh) = random(rng, &dims, device);
+    assert_eq!(kv.append_tensor(0, 0, &k, &v).unwrap(), 33);
+    let ids = [0, 0];
+    for (dt, tol) in [(DType::F16, 1e-3), (DType::BF16, 8e-3)] {
+        let q = random(rng, &[ids.len(), S.n_heads, S.head_dim], device)
+            .0
+            .to_dtype(dt)
+            .unwrap();
+        let qw = host(&q.to_dtype(DType::F32).unwrap()); // q's 16-bit values, exactly
+        let out = kv.attention_batch_tensor(0, &ids, &q, None).unwrap();
+        assert_eq!((out.dtype(), out.dims()), (dt, q.dims()));
+        let got = host(&out.to_dtype(DType::F32).unwrap());
+        for r in 0..ids.len() {
+            let rows = r * q_row()..(r + 1) * q_row();
+            let want = reference_attention(
+                S,
+                &to_f16(&kh),
+                &to_f16(&vh),
+                &qw[rows.clone()],
+                default_scale(S.head_dim),
+            );
+            let e = rel_l2(&got[rows], &want);
+            assert!(e <= tol, "{dt:?} q row {r}: rel L2 {e:e} > {tol:e}");
+        }
+        let bits16 = |t: &Tensor| -> Vec<u16> {
+            match dt {
+                DType::F16 => t
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1::<m40llm::f16>()
+                    .unwrap()
+                    .iter()
+                    .map(|x| x.to_bits())
+                    .collect(),
+                _ => t
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1::<m40llm::bf16>()
+                    .unwrap()
+                    .iter()
+                    .map(|x| x.to_bits())
+                    .collect(),
+            }
+        };
+        let want = match dt {
+            DType::F16 => {
+                let qb = DeviceBuffer::from_slice(
+                    ctx,
+                    &q.flatten_all().unwrap().to_vec1::<m40llm::f16>().unwrap(),
+                )
+                .unwrap();
+                let mut ob =
+                    DeviceBuffer::from_slice(ctx, &vec![m40llm::f16::NAN; qb.len()]).unwrap();
+                kv.attention_batch(0, &ids, &qb, &mut ob, None).unwrap();
+                ob.to_vec()
+                    .unwrap()
+                    .iter()
+                    .map(|x| x.to_bits())
+                    .collect::<Vec<u16>>()
+            }
+            _ => {
+                let qb = DeviceBuffer::from_slice(
+                    ctx,
+                    &q.flatten_all().unwrap().to_vec1::<m40llm::bf16>().unwrap(),
+                )
+                .unwrap();
+                let mut ob =
+                    DeviceBuffer::from_slice(ctx, &vec![m40llm::bf16::NAN; qb.len()]).unwrap();
+                kv.attention_batch(0, &ids, &qb, &mut ob, None).unwrap();
+                ob.to_vec()
+                    .unwrap()
+                    .iter()
+                    .map(|x| x.to_bits())
+                    .collect::<Vec<u16>>()
+            }
+        };
+        assert_eq!(bits16(&out), want, "{dt:?}: not the buffer API's bits");
+    }
+    // BF16 K/V: the cache holds what their FP32 widening gives.
+    let kb = k.to_dtype(DType::BF16).unwrap();
+    let vb = v.to_dtype(DType::BF16).unwrap();
+    assert_eq!(kv.append_tensor(0, 1, &kb, &vb).unwrap(), 33);
+    let mut wide = KvCache::new(ctx, &config(1, 64)).unwrap();
+    let f32s = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+    wide.append_tensor(0, 0, &f32s(&kb), &f32s(&vb)).unwrap();
+    assert_eq!(
+        kv.read_to_host(0, 1, 0, 33).unwrap(),
+        wide.read_to_host(0, 0, 0, 33).unwrap()
+    );
 }
