@@ -430,159 +430,21 @@ fn c_counts(n_ids: usize, counts: &[usize], name: &str) -> Result<(Vec<c_int>, u
 /// formats on the backend from their FP32 values, rounded once), and `f16`/`u16` (an F16 cache
 /// stores them as is). Sealed.
 pub trait KvInput: Element {
-    /// Calls the library's append for this element type (used by [`KvCache::append`]).
-    ///
-    /// # Safety
-    /// `cache` must be a live cache handle; `k` and `v` must each point to `n_tokens` rows of
-    /// K/V in the backend memory of the cache's context.
+    /// The library's `m40llm_dtype` of these rows (`u16`: FP16 bit patterns).
     #[doc(hidden)]
-    unsafe fn append_raw(
-        cache: *mut sys::m40llm_kvcache,
-        layer: c_int,
-        seq: c_int,
-        k: *const Self,
-        v: *const Self,
-        n_tokens: c_int,
-    ) -> c_int;
-
-    /// Calls the library's batched append for this element type (used by
-    /// [`KvCache::append_batch`]).
-    ///
-    /// # Safety
-    /// `cache` must be a live cache handle; `seq_ids` and `n_tokens` (or null) host arrays of
-    /// `n_seqs` entries; `k` and `v` must each point to the rows those counts add up to, in the
-    /// backend memory of the cache's context.
-    #[doc(hidden)]
-    unsafe fn append_batch_raw(
-        cache: *mut sys::m40llm_kvcache,
-        layer: c_int,
-        seq_ids: *const i32,
-        n_tokens: *const i32,
-        n_seqs: c_int,
-        k: *const Self,
-        v: *const Self,
-    ) -> c_int;
+    const DTYPE: c_int;
 }
-
 impl KvInput for f32 {
-    unsafe fn append_raw(
-        cache: *mut sys::m40llm_kvcache,
-        layer: c_int,
-        seq: c_int,
-        k: *const f32,
-        v: *const f32,
-        n_tokens: c_int,
-    ) -> c_int {
-        sys::m40llm_kvcache_append_f32(cache, layer, seq, k, v, n_tokens)
-    }
-
-    unsafe fn append_batch_raw(
-        cache: *mut sys::m40llm_kvcache,
-        layer: c_int,
-        seq_ids: *const i32,
-        n_tokens: *const i32,
-        n_seqs: c_int,
-        k: *const f32,
-        v: *const f32,
-    ) -> c_int {
-        sys::m40llm_kvcache_append_batch_f32(cache, layer, seq_ids, n_tokens, n_seqs, k, v)
-    }
+    const DTYPE: c_int = sys::M40LLM_DTYPE_F32 as c_int;
 }
-
 impl KvInput for f16 {
-    unsafe fn append_raw(
-        cache: *mut sys::m40llm_kvcache,
-        layer: c_int,
-        seq: c_int,
-        k: *const f16,
-        v: *const f16,
-        n_tokens: c_int,
-    ) -> c_int {
-        // f16 is #[repr(transparent)] over u16 (its bit pattern).
-        sys::m40llm_kvcache_append_f16(cache, layer, seq, k.cast(), v.cast(), n_tokens)
-    }
-
-    unsafe fn append_batch_raw(
-        cache: *mut sys::m40llm_kvcache,
-        layer: c_int,
-        seq_ids: *const i32,
-        n_tokens: *const i32,
-        n_seqs: c_int,
-        k: *const f16,
-        v: *const f16,
-    ) -> c_int {
-        // f16 is #[repr(transparent)] over u16 (its bit pattern).
-        sys::m40llm_kvcache_append_batch_f16(
-            cache,
-            layer,
-            seq_ids,
-            n_tokens,
-            n_seqs,
-            k.cast(),
-            v.cast(),
-        )
-    }
+    const DTYPE: c_int = sys::M40LLM_DTYPE_F16 as c_int;
 }
-
 impl KvInput for u16 {
-    unsafe fn append_raw(
-        cache: *mut sys::m40llm_kvcache,
-        layer: c_int,
-        seq: c_int,
-        k: *const u16,
-        v: *const u16,
-        n_tokens: c_int,
-    ) -> c_int {
-        sys::m40llm_kvcache_append_f16(cache, layer, seq, k, v, n_tokens)
-    }
-
-    unsafe fn append_batch_raw(
-        cache: *mut sys::m40llm_kvcache,
-        layer: c_int,
-        seq_ids: *const i32,
-        n_tokens: *const i32,
-        n_seqs: c_int,
-        k: *const u16,
-        v: *const u16,
-    ) -> c_int {
-        sys::m40llm_kvcache_append_batch_f16(cache, layer, seq_ids, n_tokens, n_seqs, k, v)
-    }
+    const DTYPE: c_int = sys::M40LLM_DTYPE_F16 as c_int;
 }
-
 impl KvInput for bf16 {
-    unsafe fn append_raw(
-        cache: *mut sys::m40llm_kvcache,
-        layer: c_int,
-        seq: c_int,
-        k: *const bf16,
-        v: *const bf16,
-        n_tokens: c_int,
-    ) -> c_int {
-        // The C library's bfloat16 append is the batched one: a batch of one sequence.
-        Self::append_batch_raw(cache, layer, &seq, &n_tokens, 1, k, v)
-    }
-
-    unsafe fn append_batch_raw(
-        cache: *mut sys::m40llm_kvcache,
-        layer: c_int,
-        seq_ids: *const i32,
-        n_tokens: *const i32,
-        n_seqs: c_int,
-        k: *const bf16,
-        v: *const bf16,
-    ) -> c_int {
-        // bf16 is #[repr(transparent)] over u16 (its bit pattern).
-        sys::m40llm_kvcache_append_batch_ex(
-            cache,
-            layer,
-            seq_ids,
-            n_tokens,
-            n_seqs,
-            k.cast(),
-            v.cast(),
-            <bf16 as IoElement>::DTYPE,
-        )
-    }
+    const DTYPE: c_int = sys::M40LLM_DTYPE_BF16 as c_int;
 }
 
 /// K and V for `n_layers x max_seqs` sequences of up to `max_seq_len` positions, in the
@@ -922,8 +784,20 @@ impl KvCache {
         let counts = counts.map_or(ptr::null(), <[c_int]>::as_ptr);
         let (kp, vp) = (k.device_ptr(), v.device_ptr());
         // SAFETY: ids and counts (or null) are host arrays of n entries; k and v each cover the
-        // `total` rows the counts add up to, in backend memory of this cache's context.
-        self.call(|c| unsafe { T::append_batch_raw(c, l, ids.as_ptr(), counts, n, kp, vp) })
+        // `total` rows the counts add up to, in backend memory of this cache's context, as
+        // elements of T's dtype.
+        self.call(|c| unsafe {
+            sys::m40llm_kvcache_append_batch_ex(
+                c,
+                l,
+                ids.as_ptr(),
+                counts,
+                n,
+                kp.cast(),
+                vp.cast(),
+                T::DTYPE,
+            )
+        })
     }
 
     /// `k` and `v` hold exactly `n_tokens` K/V rows; the message names `n_kv_heads × head_dim`
@@ -992,8 +866,11 @@ impl KvCache {
         debug_assert_eq!(v.len(), k.len());
         let n = to_c(n_tokens, "n_tokens")?;
         let (kp, vp) = (k.device_ptr(), v.device_ptr());
-        // SAFETY: k and v each cover n_tokens rows of backend memory of this cache's context.
-        self.call(|c| unsafe { T::append_raw(c, l, s, kp, vp, n) })
+        // SAFETY: k and v each cover n_tokens rows of backend memory of this cache's context, as
+        // elements of T's dtype; the batch is one sequence (s) of n tokens.
+        self.call(|c| unsafe {
+            sys::m40llm_kvcache_append_batch_ex(c, l, &s, &n, 1, kp.cast(), vp.cast(), T::DTYPE)
+        })
     }
 
     fn check_read_out<T: HalfElement>(
@@ -1296,7 +1173,7 @@ impl KvCache {
                 kp,
                 vp,
                 qp,
-                T::DTYPE,
+                <T as IoElement>::DTYPE,
                 scale,
             )
         })

@@ -384,6 +384,38 @@ pub fn host_tensors_on_a_gpu_cache_are_refused(ctx: &Context, _device: &Device, 
     assert_eq!(kv.seq_len(0, 0).unwrap(), 0);
 }
 
+/// The 16-bit element types of q and out, with their bit patterns.
+trait Half16: m40llm::IoElement + candle_core::WithDType {
+    const NAN: Self;
+    fn bits(self) -> u16;
+}
+impl Half16 for m40llm::f16 {
+    const NAN: Self = m40llm::f16::NAN;
+    fn bits(self) -> u16 {
+        self.to_bits()
+    }
+}
+impl Half16 for m40llm::bf16 {
+    const NAN: Self = m40llm::bf16::NAN;
+    fn bits(self) -> u16 {
+        self.to_bits()
+    }
+}
+
+fn bits16<T: Half16>(t: &Tensor) -> Vec<u16> {
+    let v = t.flatten_all().unwrap().to_vec1::<T>().unwrap();
+    v.into_iter().map(T::bits).collect()
+}
+
+/// The library's buffer API on q's values in T (output poisoned first): the output's bits.
+fn buffer_api_bits<T: Half16>(ctx: &Context, kv: &KvCache, ids: &[usize], q: &Tensor) -> Vec<u16> {
+    let qb =
+        DeviceBuffer::from_slice(ctx, &q.flatten_all().unwrap().to_vec1::<T>().unwrap()).unwrap();
+    let mut ob = DeviceBuffer::from_slice(ctx, &vec![T::NAN; qb.len()]).unwrap();
+    kv.attention_batch(0, ids, &qb, &mut ob, None).unwrap();
+    ob.to_vec().unwrap().into_iter().map(T::bits).collect()
+}
+
 /// F16 and BF16 q: outputs of q's dtype, bit for bit the library's buffer API, within the
 /// output's rounding of the float64 reference over the same (16-bit) q; BF16 K/V stored as
 /// their FP32 widening would be.
@@ -415,59 +447,17 @@ pub fn half_q_and_kv(ctx: &Context, device: &Device, rng: &mut Rng) {
             let e = rel_l2(&got[rows], &want);
             assert!(e <= tol, "{dt:?} q row {r}: rel L2 {e:e} > {tol:e}");
         }
-        let bits16 = |t: &Tensor| -> Vec<u16> {
-            match dt {
-                DType::F16 => t
-                    .flatten_all()
-                    .unwrap()
-                    .to_vec1::<m40llm::f16>()
-                    .unwrap()
-                    .iter()
-                    .map(|x| x.to_bits())
-                    .collect(),
-                _ => t
-                    .flatten_all()
-                    .unwrap()
-                    .to_vec1::<m40llm::bf16>()
-                    .unwrap()
-                    .iter()
-                    .map(|x| x.to_bits())
-                    .collect(),
-            }
+        let (got, want) = match dt {
+            DType::F16 => (
+                bits16::<m40llm::f16>(&out),
+                buffer_api_bits::<m40llm::f16>(ctx, &kv, &ids, &q),
+            ),
+            _ => (
+                bits16::<m40llm::bf16>(&out),
+                buffer_api_bits::<m40llm::bf16>(ctx, &kv, &ids, &q),
+            ),
         };
-        let want = match dt {
-            DType::F16 => {
-                let qb = DeviceBuffer::from_slice(
-                    ctx,
-                    &q.flatten_all().unwrap().to_vec1::<m40llm::f16>().unwrap(),
-                )
-                .unwrap();
-                let mut ob =
-                    DeviceBuffer::from_slice(ctx, &vec![m40llm::f16::NAN; qb.len()]).unwrap();
-                kv.attention_batch(0, &ids, &qb, &mut ob, None).unwrap();
-                ob.to_vec()
-                    .unwrap()
-                    .iter()
-                    .map(|x| x.to_bits())
-                    .collect::<Vec<u16>>()
-            }
-            _ => {
-                let qb = DeviceBuffer::from_slice(
-                    ctx,
-                    &q.flatten_all().unwrap().to_vec1::<m40llm::bf16>().unwrap(),
-                )
-                .unwrap();
-                let mut ob =
-                    DeviceBuffer::from_slice(ctx, &vec![m40llm::bf16::NAN; qb.len()]).unwrap();
-                kv.attention_batch(0, &ids, &qb, &mut ob, None).unwrap();
-                ob.to_vec()
-                    .unwrap()
-                    .iter()
-                    .map(|x| x.to_bits())
-                    .collect::<Vec<u16>>()
-            }
-        };
-        assert_eq!(bits16(&out), want, "{dt:?}: not the buffer API's bits");
+        assert_eq!(got, want, "{dt:?}: not the buffer API's bits");
     }
     // BF16 K/V: the cache holds what their FP32 widening gives.
     let kb = k.to_dtype(DType::BF16).unwrap();
