@@ -1,5 +1,6 @@
-// bench_attention: times m40llm_kvcache_attn_batch_f32q (FP32 Q, FP16 K/V, decode attention) over a
-// grid of decode shapes, next to two ceilings measured in the same run:
+// bench_attention: times m40llm_kvcache_attn_batch_ex (FP32 Q and out, or --io f16/bf16; FP16 K/V
+// by default, --format for the others; decode attention) over a grid of decode shapes, next to
+// two ceilings measured in the same run:
 //   copy  cudaMemcpyAsync device-to-device of a 4 GiB buffer, bytes read + bytes written
 //   read  a read-only sweep kernel over one 4 GiB buffer (16-byte loads, grid-stride)
 // and the launch floor: the per-call time, in a CUDA graph, of one and of two empty kernels (one
@@ -247,6 +248,8 @@ struct Options {
   std::string format_name = "F16";
   int kv_rotation = M40LLM_ROTATE_AUTO;  // --kv-rotation
   int kv_sinks = 4, kv_window = 128;      // --kv-protect
+  int io = M40LLM_DTYPE_F32;              // --io: q and out element type
+  std::string io_name = "f32";
 };
 
 static std::vector<Shape> full_grid(bool quick) {
@@ -336,6 +339,8 @@ static void usage() {
       "  --format F             K/V format: F16 (default), Q8, Q4, Q8Q4 (K Q8, V Q4)\n"
       "  --kv-rotation R        quantized K/V rotated: auto (the library's default) or none\n"
       "  --kv-protect S,W       quantized K/V: S sinks and a window of W kept FP16 (4,128)\n"
+      "  --io T                 q and out as f32 (default), f16 or bf16 (m40llm_kvcache_attn_batch_ex;\n"
+      "                         16-bit runs skip the output check, which reads FP32)\n"
       "  --list                 print the selected shapes and exit (no GPU needed)\n");
 }
 
@@ -409,6 +414,17 @@ static Options parse_args(int argc, char **argv) {
         std::fprintf(stderr, "bench: --kv-protect takes SINKS,WINDOW (e.g. 4,128 or 0,0)\n");
         std::exit(2);
       }
+    }
+    else if (a == "--io") {
+      o.io_name = next();
+      if (o.io_name == "f32") o.io = M40LLM_DTYPE_F32;
+      else if (o.io_name == "f16") o.io = M40LLM_DTYPE_F16;
+      else if (o.io_name == "bf16") o.io = M40LLM_DTYPE_BF16;
+      else {
+        std::fprintf(stderr, "bench: --io takes f32, f16 or bf16\n");
+        std::exit(2);
+      }
+      if (o.io != M40LLM_DTYPE_F32) o.check = false;
     }
     else if (a == "-h" || a == "--help") {
       usage();
@@ -693,7 +709,7 @@ static Result run_shape(Bench &B, const Shape &s) {
   }
   const size_t q_layer = (size_t)s.batch * s.n_heads * s.head_dim;  // floats
   r.kv_bytes = (double)kv_layer;
-  r.qo_bytes = 2.0 * q_layer * sizeof(float);
+  r.qo_bytes = 2.0 * q_layer * (o.io == M40LLM_DTYPE_F32 ? 4 : 2);
   r.bytes = r.kv_bytes + r.qo_bytes;
 
   // Rotation count and memory.
@@ -764,7 +780,10 @@ static Result run_shape(Bench &B, const Shape &s) {
   M40_FATAL(m40llm_malloc((void **)&d_out, B.ctx, (size_t)R * q_layer * 4));
   M40_FATAL(m40llm_malloc((void **)&d_k, B.ctx, chunk_bytes / 2));
   M40_FATAL(m40llm_malloc((void **)&d_v, B.ctx, chunk_bytes / 2));
-  fill_f32(st, d_q, (size_t)R * q_layer, 777 + (uint64_t)s.ctx);
+  // 16-bit q: FP16 bit patterns of small values (finite as BF16 too); the buffers hold FP32's size.
+  if (o.io == M40LLM_DTYPE_F32) fill_f32(st, d_q, (size_t)R * q_layer, 777 + (uint64_t)s.ctx);
+  else fill_f16(st, (uint16_t *)d_q, (size_t)R * q_layer, 777 + (uint64_t)s.ctx);
+  const size_t io_bytes = o.io == M40LLM_DTYPE_F32 ? 4 : 2;
   CUDA_CHECK(cudaMemsetAsync(d_out, 0, (size_t)R * q_layer * 4, st));
 
   cudaEvent_t f0, f1;
@@ -810,8 +829,10 @@ static Result run_shape(Bench &B, const Shape &s) {
   long long counter = 0;
   int call_rc = M40LLM_OK;
   auto call = [&](int layer) {
-    int rc2 = m40llm_kvcache_attn_batch_f32q(d_out + (size_t)layer * q_layer, cache, layer, seq_ids.data(),
-                                            s.batch, d_q + (size_t)layer * q_layer, 0.0f);
+    int rc2 = m40llm_kvcache_attn_batch_ex((char *)d_out + (size_t)layer * q_layer * io_bytes, cache,
+                                           layer, seq_ids.data(), s.batch,
+                                           (const char *)d_q + (size_t)layer * q_layer * io_bytes,
+                                           o.io, 0.0f);
     if (rc2 != M40LLM_OK && call_rc == M40LLM_OK) call_rc = rc2;
   };
   auto next_call = [&]() { call((int)(counter++ % R)); };
@@ -955,7 +976,7 @@ static Result run_shape(Bench &B, const Shape &s) {
 // Output
 
 static const char *kMethod =
-    "m40llm_kvcache_attn_batch_f32q, FP32 Q/out, K/V in the run's format (--format), every "
+    "m40llm_kvcache_attn_batch_ex, Q/out of the run's io (--io), K/V in the run's format (--format), every "
     "sequence at full ctx; kv_bytes are that format's bytes (codes and scales). "
     "Cache n_layers = rotation R with R*KV >= max(4*L2, 256MiB) (capped); calls cycle layers. "
     "Warm-up: one call on each of the first 64 layers, then --warmup-ms (default 50) of calls. "
@@ -1019,6 +1040,7 @@ static void write_json(const Bench &B, const std::vector<Result> &rs, bool compl
   std::fprintf(f, "{\n  \"tool\": \"bench_attention\",\n  \"library_version\": %s,\n",
                json_str(m40llm_version_string()).c_str());
   std::fprintf(f, "  \"format\": %s,\n", json_str(B.opt.format_name).c_str());
+  std::fprintf(f, "  \"io\": %s,\n", json_str(B.opt.io_name).c_str());
   std::fprintf(f, "  \"kv_rotation\": %s,\n  \"kv_protect\": [%d, %d],\n",
                B.opt.kv_rotation == M40LLM_ROTATE_NONE ? "\"none\"" : "\"auto\"",
                B.opt.kv_sinks, B.opt.kv_window);
@@ -1112,10 +1134,10 @@ int main(int argc, char **argv) {
   B.ceil0 = measure_ceilings(B.st);
   B.copy_gbps = B.ceil0.copy_gbps;
   B.read_gbps = B.ceil0.read_gbps;
-  std::printf("K/V format: %s%s, protected %d sinks + window %d (quantized only)\n",
+  std::printf("K/V format: %s%s, protected %d sinks + window %d (quantized only), q/out %s\n",
               B.opt.format_name.c_str(),
               B.opt.kv_rotation == M40LLM_ROTATE_NONE ? ", not rotated" : "", B.opt.kv_sinks,
-              B.opt.kv_window);
+              B.opt.kv_window, B.opt.io_name.c_str());
   std::printf("ceilings: copy %.0f GB/s (read+write, %zu MiB buffer), read sweep %.0f GB/s\n", B.copy_gbps,
               B.ceil0.buffer_bytes >> 20, B.read_gbps);
   B.floor = measure_launch_floor(B.st);
