@@ -2,7 +2,7 @@
 // q is widened into FP32 rows of the context's staging buffer, the kernels run on them as on an
 // FP32 caller's, and their FP32 output is rounded into the caller's rows (to nearest even), two
 // small launches on the stream. The kernels themselves stay FP32-only: the element type
-// branches inside them, a load and a store path per type, cost the FP32 calls up to 10% (sm_52
+// branches inside them, a load and a store path per type, cost the FP32 calls up to 10% (compute_52
 // code) and 1.6 us (sm_90, small shapes) in the A/B of bench/RESULTS.md.
 #pragma once
 
