@@ -12,10 +12,8 @@ BIN=$1; OUT=$2; shift 2
 mkdir -p "$OUT"
 args=("$@")
 if [ ${#args[@]} -eq 0 ]; then
-  for s in 1,32,32,128,8192 1,32,32,128,32768 8,32,32,128,8192 8,32,8,128,8192 1,32,8,128,32768 \
-           8,64,8,128,8192 8,32,8,64,8192 32,32,8,128,2048 1,32,8,128,1024; do
-    args+=(--shape "$s")
-  done
+  source "$(dirname "$0")/formats_shapes.sh"
+  for s in "${FORMAT_SHAPES[@]}"; do args+=(--shape "$s"); done
 fi
 for f in F16 Q8 Q4 Q8Q4; do
   "$BIN" --format "$f" "${args[@]}" --json "$OUT/$f.json" >"$OUT/$f.txt" 2>&1 ||

@@ -51,20 +51,22 @@ SINKS, WINDOW = 4, 128    # the defaults of a quantized cache (m40llm_kvcache_op
 LATENCY_BLOCKS_PER_SM = 2  # below this (8 warps an SM, 2 a scheduler), latency, not issue, binds
 
 
-def tile_rows(gt, dmax, device=True, quantized=False):
-    """Positions per tile: sm_5x/6x code (also the compute_52 PTX); the host value sizes smem."""
-    return ((1024 if gt >= 8 or (gt >= 4 and quantized) else 2048) if device else 2048) // dmax
+def tile_rows(gt, dmax, device=True, tight=False):
+    """Positions per tile: sm_5x/6x code (also the compute_52 PTX); the host value sizes smem.
+    tight: a quantized kernel of a head_dim known only at run time (cuda/tuning.cuh)."""
+    return ((1024 if gt >= 8 or (gt >= 4 and tight) else 2048) if device else 2048) // dmax
 
 
-def pv_columns(gt):
-    return 8 if gt == 1 else 4 if gt == 2 else 2
+def pv_columns(gt, wide=False):
+    """wide: 4 heads over a quantized V at a head_dim of its class (cuda/tuning.cuh)."""
+    return 8 if gt == 1 else 4 if gt == 2 or (gt == 4 and wide) else 2
 
 
-def smem_bytes(gt, dmax, head_dim, k_min):
+def smem_bytes(gt, dmax, head_dim, k_min, wide_v=False):
     k_min = k_min and not gt > 4  # fold_min
     t = tile_rows(gt, dmax, device=False)
     a = gt * (dmax + t + (dmax // 8 if k_min else 0))
-    rg = THREADS // (head_dim // pv_columns(gt))
+    rg = THREADS // (head_dim // pv_columns(gt, wide_v))
     return 4 * max(a, rg * gt * head_dim)
 
 
@@ -189,7 +191,7 @@ def block_path(instrs, a, b):
     return n
 
 
-def analyse(instrs, gt, dmax, quantized):
+def analyse(instrs, gt, dmax, tight):
     """Warp-instructions and issue slots a block spends on one full tile, by class and phase."""
     loops = backward_loops(instrs)
     with_bars = [(a, b, [j for j in range(a, b + 1) if instrs[j].op == "BAR"]) for a, b in loops]
@@ -203,7 +205,7 @@ def analyse(instrs, gt, dmax, quantized):
     # The softmax pass: after the score pass's barrier (and its MEMBAR), up to the output pass's.
     s_lo = b2 + 1 + (1 if instrs[b2 + 1].op == "MEMBAR" else 0)
     s_hi = b3
-    t = tile_rows(gt, dmax, quantized=quantized)
+    t = tile_rows(gt, dmax, tight=tight)
     # A thread a (head, position): ceil(GT x LH / 32) warps run the pass, each once (more often
     # where GT x T exceeds the block's threads: the pass's loop body again); the others skip it
     # at their first predicated branch.
@@ -265,7 +267,7 @@ def kernels_of(path, arch):
         exact = m.group(5) == "true"
         if not exact and (k, v, gt, dmax) in out:
             continue
-        r = analyse(instrs, gt, dmax, quantized=(k, v) != ("KvF16", "KvF16"))
+        r = analyse(instrs, gt, dmax, tight=not exact and (k, v) != ("KvF16", "KvF16"))
         r.update(res.get(name, {}))
         r["exact"] = exact
         out[(k, v, gt, dmax)] = r
@@ -305,8 +307,8 @@ def plan_chunks(lens, units, target, min_blocks, min_chunk, tile):
     return [[min(chunk, n - s) for s in range(0, n, chunk)] for n in lens]
 
 
-def occupancy(kern, gt, dmax, head_dim, kfmt, dev):
-    sm = smem_bytes(gt, dmax, head_dim, K_HAS_MIN[kfmt]) + kern.get("smem", 0)
+def occupancy(kern, gt, dmax, head_dim, kfmt, dev, vfmt="KvF16"):
+    sm = smem_bytes(gt, dmax, head_dim, K_HAS_MIN[kfmt], vfmt != "KvF16" and head_dim == dmax) + kern.get("smem", 0)
     return m40_resources.occupancy(kern.get("regs", 64), sm, THREADS, dev)["blocks_per_sm"], sm
 
 
@@ -367,7 +369,7 @@ def model_all(kerns, dev, shapes, eff=1.0):
             if kern is None:
                 continue
             kern = dict(kern, gt=gt)
-            occ, _ = occupancy(kern, gt, dmax, d, pair[0], dev)
+            occ, _ = occupancy(kern, gt, dmax, d, pair[0], dev, pair[1])
             bpv = FMT[pair[0]][1] + FMT[pair[1]][1]
             r = dict(plain=model_call(s, kern, dev, bpv, False, occ, eff), occ=occ)
             if pair != ("KvF16", "KvF16"):
@@ -476,7 +478,7 @@ def report(args, m40k, m40rows, variants, h100k, h100rows, eff, effs):
                 k = m40k.get(pair + (gt, dmax))
                 if not k:
                     continue
-                occ, _ = occupancy(k, gt, dmax, dmax, pair[0], M40)
+                occ, _ = occupancy(k, gt, dmax, dmax, pair[0], M40, pair[1])
                 tot = per_elem(k, dmax, k["total_slots"])
                 soft = sum(k["phase_slots"]["softmax"].values()) / k["total_slots"]
                 sp = "none" if not (k.get("stack") or k.get("local")) else f"{k.get('stack')}/{k.get('local')} B"

@@ -64,12 +64,13 @@ __host__ __device__ constexpr int pv_row_groups(int head_dim, int cols) {
 // tiles: the sums that keep it apart (per head, or q's per chunk) would spill on sm_52.
 __host__ __device__ constexpr bool fold_min(int gt) { return gt > 4; }
 
-constexpr int split_smem_floats(int gt, int dmax, int head_dim, bool k_min) {
+// wide_v: the kernel's pv_columns are its `wide` ones (more columns a thread, more row groups).
+constexpr int split_smem_floats(int gt, int dmax, int head_dim, bool k_min, bool wide_v) {
   k_min = k_min && !fold_min(gt);
   return gt * (dmax + tile_rows(gt, dmax, false) + (k_min ? dmax / 8 : 0)) >
-                 pv_row_groups(head_dim, pv_columns(gt)) * gt * head_dim
+                 pv_row_groups(head_dim, pv_columns(gt, wide_v)) * gt * head_dim
              ? gt * (dmax + tile_rows(gt, dmax, false) + (k_min ? dmax / 8 : 0))
-             : pv_row_groups(head_dim, pv_columns(gt)) * gt * head_dim;
+             : pv_row_groups(head_dim, pv_columns(gt, wide_v)) * gt * head_dim;
 }
 
 // Where the q of head g keeps dim d in shared memory: [GT][2][DMAX / 8][4], dims 0-3 of every
@@ -78,6 +79,33 @@ constexpr int split_smem_floats(int gt, int dmax, int head_dim, bool k_min) {
 template <int DMAX>
 struct QIndex {
   __device__ int operator()(int d) const { return (d & 4 ? DMAX / 2 : 0) + (d >> 3) * 4 + (d & 3); }
+};
+
+// A thread's walk over K or V, advanced by whole quantization groups. kAddresses: the format's
+// Cursor (addresses: loads at constant offsets, no index arithmetic; on sm_52 a quantized load
+// from an index costs about 10 integer instructions), else its Ptr (an index: 2 registers where
+// a quantized cursor takes 4; 8-head tiles spill with cursors).
+template <typename F, bool kAddresses>
+struct Walk;
+template <typename F>
+struct Walk<F, true> {
+  typename F::Cursor c;
+  __device__ Walk(const KvPlanes &t, typename F::Ptr p) : c(F::cursor(t, p)) {}
+  __device__ void step(ptrdiff_t n) { c = F::step(c, n); }
+  template <int N>
+  __device__ typename F::template Raw<N> load(const KvPlanes &, int n) const {
+    return F::template load_at<N>(c, n);
+  }
+};
+template <typename F>
+struct Walk<F, false> {
+  typename F::Ptr p;
+  __device__ Walk(const KvPlanes &, typename F::Ptr p_) : p(p_) {}
+  __device__ void step(ptrdiff_t n) { p = F::add(p, n); }
+  template <int N>
+  __device__ typename F::template Raw<N> load(const KvPlanes &t, int n) const {
+    return F::template load<N>(t, p, n);
+  }
 };
 
 // P: the KvPair of K and V formats. GT: query heads per block (power of two <= kMaxGroupTile);
@@ -96,10 +124,12 @@ struct QIndex {
 template <typename P, int GT, int DMAX, bool kExact>
 __global__ void __launch_bounds__(kAttnThreads, kAttnMinBlocksPerSm)
     attn_fp32_kernel(const AttnArgs a, const m40llm_attn_plan plan) {
-  constexpr int T = tile_rows(GT, DMAX, P::K::kScaled || P::V::kScaled);  // positions per tile
+  constexpr bool kQuant = P::K::kScaled || P::V::kScaled;
+  constexpr int T = tile_rows(GT, DMAX, kQuant && !kExact);  // positions per tile
   constexpr int LPR = kAttnThreads / T;       // lanes per K row in the score pass (2..16)
   constexpr int KC = DMAX / 8 / LPR;          // 16-byte K chunks per lane, at most
-  constexpr int COLS = pv_columns(GT);        // V columns per thread in the output pass
+  // V columns per thread in the output pass (split_smem_floats sizes for them: wide_v)
+  constexpr int COLS = pv_columns(GT, P::V::kScaled && kExact);
   constexpr int VR = T * DMAX / (kAttnThreads * COLS);  // V rows per thread, at most
   constexpr int GH = heads_per_pass(GT);      // heads a score or output pass takes at once
   constexpr int kSoftPasses = (GT * T + kAttnThreads - 1) / kAttnThreads;  // softmax, per thread
@@ -107,6 +137,9 @@ __global__ void __launch_bounds__(kAttnThreads, kAttnMinBlocksPerSm)
   using VF = typename P::V;
   constexpr bool kFoldKMin = KF::kHasMin && fold_min(GT);
   constexpr bool kSumKMin = KF::kHasMin && !kFoldKMin;
+  // Up to 4 heads at a head_dim of its class: address walks, and no per-row branch (8-head
+  // tiles and runtime head_dims spill with either on sm_52).
+  constexpr bool kLean = GT <= 4 && kExact;
   using KRaw = typename KF::template Raw<8>;
   using VRaw = typename VF::template Raw<COLS>;
   static_assert(LPR >= 2 && LPR <= 32 && KC >= 1 && T <= 32, "tile shape");
@@ -170,7 +203,9 @@ __global__ void __launch_bounds__(kAttnThreads, kAttnMinBlocksPerSm)
   const int rg = tid / pv_tpr;
   const int col = (tid % pv_tpr) * COLS;
   const bool pv_active = rg < row_groups;
-  constexpr bool kFoldMin = VF::kHasMin && fold_min(GT);
+  // V folds its min also where a thread holds 16 accumulators (GT x COLS): the fold's COLS adds
+  // a row cost no more than the sum's GT multiply-adds, and o_min's GT registers spill there.
+  constexpr bool kFoldMin = VF::kHasMin && (fold_min(GT) || GT * COLS >= 16);
   constexpr bool kSumMin = VF::kHasMin && !kFoldMin;
   float o[GT][COLS];
   float o_min[kSumMin ? GT : 1];  // sum(w * min) over the rows, per head
@@ -181,27 +216,36 @@ __global__ void __launch_bounds__(kAttnThreads, kAttnMinBlocksPerSm)
     if constexpr (kSumMin) o_min[g] = 0.0f;
   }
 
-  // Per-thread cursors, advanced a tile at a time: the loop body computes no 64-bit products.
-  const size_t tile_step = (size_t)T * D;
+  // Per-thread walks, advanced a tile at a time: the loop body computes no 64-bit products,
+  // and every step (a tile, a row group, a K chunk) is whole quantization groups.
+  if constexpr (KF::kScaled) static_assert(LPR * 8 % KF::kGroup == 0, "K chunks a group apart");
+  const ptrdiff_t tile_step = (ptrdiff_t)T * D;
   const int v_step = row_groups * D;
-  typename KF::Ptr kp = KF::add(b.k, (size_t)(p_begin + k_row) * D + k_lane * 8);
-  typename VF::Ptr vp = VF::add(b.v, (size_t)(p_begin + rg) * D + col);
+  Walk<KF, kLean> kw(a.k, KF::add(b.k, (size_t)(p_begin + k_row) * D + k_lane * 8));
+  Walk<VF, kLean> vw(a.v, VF::add(b.v, (size_t)(p_begin + rg) * D + col));
   const float *qp = sq + k_lane * 4;
 
-  for (int t0 = p_begin; t0 < p_end;
-       t0 += T, kp = KF::add(kp, tile_step), vp = VF::add(vp, tile_step)) {
+  for (int t0 = p_begin; t0 < p_end; t0 += T, kw.step(tile_step), vw.step(tile_step)) {
     const int rows = min(T, p_end - t0);
     // Every load of the tile goes out before anything waits on one: one memory latency per
-    // tile instead of one per row batch.
+    // tile instead of one per row batch. kLean: rows past the tile's end read as zeros (every
+    // format decodes them to 0): their scores are replaced by -inf and their weights are 0, so
+    // the passes below need no per-row branch.
     KRaw kraw[KC];
 #pragma unroll
-    for (int j = 0; j < KC; j++)
-      if (k_row < rows && k_lane + j * LPR < chunks) kraw[j] = KF::template load<8>(a.k, kp, j * LPR * 8);
+    for (int j = 0; j < KC; j++) {
+      const bool live = k_row < rows && k_lane + j * LPR < chunks;
+      if (live) kraw[j] = kw.template load<8>(a.k, j * LPR * 8);
+      else if (kLean) kraw[j] = KRaw{};
+    }
     VRaw vraw[VR];
-    typename VF::Ptr vpi = vp;  // a step a row: no product per row and tile
+    Walk<VF, kLean> vwi = vw;  // a step a row: no product per row and tile
 #pragma unroll
-    for (int i = 0; i < VR; i++, vpi = VF::add(vpi, v_step))
-      if (pv_active && rg + i * row_groups < rows) vraw[i] = VF::template load<COLS>(a.v, vpi, 0);
+    for (int i = 0; i < VR; i++, vwi.step(v_step)) {
+      const bool live = pv_active && rg + i * row_groups < rows;
+      if (live) vraw[i] = vwi.template load<COLS>(a.v, 0);
+      else if (kLean) vraw[i] = VRaw{};
+    }
     __syncthreads();  // q is staged, and the previous tile's weights are consumed
 
 #pragma unroll
@@ -212,7 +256,7 @@ __global__ void __launch_bounds__(kAttnThreads, kAttnMinBlocksPerSm)
 #pragma unroll
       for (int j = 0; j < KC; j++) {
         const int c = k_lane + j * LPR;
-        if (k_row < rows && c < chunks) {
+        if ((kLean || k_row < rows) && c < chunks) {  // q past head_dim is not staged
           float kf[8];
           KF::template widen<8>(kraw[j], kf);
           float k_scale = KF::template scale<8>(kraw[j]);
@@ -300,8 +344,8 @@ __global__ void __launch_bounds__(kAttnThreads, kAttnMinBlocksPerSm)
       }
 #pragma unroll
       for (int i = 0; i < VR; i++) {
-        const int r = rg + i * row_groups;
-        if (r < rows) {
+        const int r = rg + i * row_groups;  // past the tile only where head_dim < DMAX
+        if (kLean ? kExact || r < T : r < rows) {
           float vf[COLS];
           VF::template widen<COLS>(vraw[i], vf);
           float v_scale = VF::template scale<COLS>(vraw[i]);
@@ -432,7 +476,8 @@ template <typename P>
 int fp32_split_pass(m40llm_cuda_state *st, int head_dim, const Grouping &g, SplitPass *out) {
   const int dmax = dmax_for(head_dim);
   SplitPass pass{kernel_for<P>(g.gt, head_dim), kAttnThreads,
-                 split_smem_floats(g.gt, dmax, head_dim, P::K::kHasMin) * sizeof(float),
+                 split_smem_floats(g.gt, dmax, head_dim, P::K::kHasMin,
+                                   P::V::kScaled && head_dim == dmax) * sizeof(float),
                  tile_rows(g.gt, dmax, false), 0, 0, false, false};
   int rc = kernel_waits(st, reinterpret_cast<const void *>(pass.kernel), &st->fp32_dependent,
                         &pass.dependent);

@@ -18,6 +18,10 @@
 //   kEncodeRun, encode()   F16: the append kernel's unit, kEncodeRun elements from FP32 or FP16
 //   encode_lane(t,e,x)     quantized: one group from e on, a warp's lane l holding element l
 //   kRowBytes(D)           bytes of one codes row (the staged tensor-core kernel copies rows)
+//   Cursor, cursor(t,p)    the FP32 kernel's walk: p as addresses to load at (F16: the pointer;
+//   step(c,n), load_at<N>  quantized: the codes' and the parameters'), moved and loaded at n
+//                          elements on, n a multiple of the group (a quantized Ptr is an index,
+//                          and each load from it costs sm_52 about 10 integer instructions)
 #pragma once
 
 #include <cuda_fp16.h>
@@ -67,6 +71,14 @@ struct KvF16 {
   template <int N>
   __device__ static Raw<N> load(const KvPlanes &, Ptr p, int n) {
     return __ldg(reinterpret_cast<const Raw<N> *>(p + n));
+  }
+
+  using Cursor = Ptr;
+  __device__ static Cursor cursor(const KvPlanes &, Ptr p) { return p; }
+  __device__ static Cursor step(Cursor c, ptrdiff_t n) { return c + n; }
+  template <int N>
+  __device__ static Raw<N> load_at(Cursor c, int n) {
+    return __ldg(reinterpret_cast<const Raw<N> *>(c + n));
   }
 
   template <int N>
@@ -151,6 +163,26 @@ struct KvQuant {
     r.codes = __ldg(reinterpret_cast<const typename CodeVec<N * kBits / 8>::Raw *>(
         static_cast<const uint8_t *>(t.plane[M40LLM_KV_CODES]) + e * kBits / 8));
     r.param = __ldg(static_cast<const Param *>(t.plane[M40LLM_KV_PARAMS]) + e / kGroup);
+    return r;
+  }
+
+  struct Cursor {
+    const uint8_t *codes;
+    const Param *param;
+  };
+  __device__ static Cursor cursor(const KvPlanes &t, Ptr e) {
+    return {static_cast<const uint8_t *>(t.plane[M40LLM_KV_CODES]) + e * kBits / 8,
+            static_cast<const Param *>(t.plane[M40LLM_KV_PARAMS]) + e / kGroup};
+  }
+  __device__ static Cursor step(Cursor c, ptrdiff_t n) {
+    return {c.codes + n * kBits / 8, c.param + n / kGroup};
+  }
+  template <int N>
+  __device__ static Raw<N> load_at(Cursor c, int n) {
+    Raw<N> r;
+    r.codes = __ldg(reinterpret_cast<const typename CodeVec<N * kBits / 8>::Raw *>(
+        c.codes + n * kBits / 8));
+    r.param = __ldg(c.param + n / kGroup);
     return r;
   }
 };

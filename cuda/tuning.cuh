@@ -15,15 +15,15 @@ constexpr int kMaxGroupTile = 8;
 constexpr int kHeadDimClasses[] = {64, 128, 256};
 
 // Positions per tile: one register batch of K and V per thread, all loads of a tile in flight
-// at once (32 + 32 bytes a thread; sm_5x/6x 16 + 16 for tiles of 8 heads, and of 4 heads with a
-// quantized K or V, where 32 + 32 spill and the M40's bandwidth x latency needs less). The host
-// pass (no __CUDA_ARCH__) takes the largest value, which sizes shared memory for every device
-// pass.
-__host__ __device__ constexpr int tile_rows(int group_tile, int dmax, bool quantized) {
+// at once (32 + 32 bytes of F16 a thread; sm_5x/6x 16 + 16 for tiles of 8 heads, and for `tight`
+// ones: 4 heads with a quantized K or V and head_dim known only at run time, where 32 + 32 spill
+// and the M40's bandwidth x latency needs less). The host pass (no __CUDA_ARCH__) takes the
+// largest value, which sizes shared memory for every device pass.
+__host__ __device__ constexpr int tile_rows(int group_tile, int dmax, bool tight) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 700
-  return (group_tile >= 8 || (group_tile >= 4 && quantized) ? 1024 : 2048) / dmax;
+  return (group_tile >= 8 || (group_tile >= 4 && tight) ? 1024 : 2048) / dmax;
 #else
-  return (void)group_tile, (void)quantized, 2048 / dmax;
+  return (void)group_tile, (void)tight, 2048 / dmax;
 #endif
 }
 
@@ -38,8 +38,10 @@ __host__ __device__ constexpr int heads_per_pass(int group_tile) {
 }
 
 // V columns per thread in the output pass: heads x columns accumulators stay at 8-16 registers.
-__host__ __device__ constexpr int pv_columns(int group_tile) {
-  return group_tile == 1 ? 8 : group_tile == 2 ? 4 : 2;
+// `wide`: 4 heads over a quantized V at a compile-time head_dim take 4 (16 accumulators): a row's
+// codes and parameters are then two registers for 4 columns, and the tile 32 + 32 bytes of F16.
+__host__ __device__ constexpr int pv_columns(int group_tile, bool wide = false) {
+  return group_tile == 1 ? 8 : group_tile == 2 || (group_tile == 4 && wide) ? 4 : 2;
 }
 
 // ---- FP32 causal kernel (attention_causal_fp32.cu) ----

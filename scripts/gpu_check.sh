@@ -21,6 +21,9 @@
 #             bandwidth, issue 20's targets), A/B against .ab/bins/base where carried: $OUT/m40
 #   abcausal  bench/ab_causal.py: the causal kernel's A/B, the previous main's compute_52
 #             bench_causal (.ab/bins/base) against this tree's (.gpu-carry/bench52): $OUT/abcausal
+#   abformats the M40 path's K/V formats: the previous main's compute_52 bench_attention
+#             (.ab/bins/base) against this tree's, bench/ab.sh over bench/formats_shapes.sh for
+#             F16, Q8, Q4, Q8Q4 (library defaults) and Q8, Q4 plain: $OUT/abformats/*/ab.md
 # Logs and results go to $OUT (or ./gpu-out). Every GPU test must run: a skip is a failure here.
 set -uo pipefail
 out=${OUT:-$PWD/gpu-out}
@@ -127,6 +130,24 @@ ab_causal() {
     --new .gpu-carry/bench52/bench_causal --rounds "${AB_ROUNDS:-2}"
 }
 
+ab_formats() {
+  local rc=0 spec shapes=() FORMAT_SHAPES
+  source bench/formats_shapes.sh
+  for spec in "${FORMAT_SHAPES[@]}"; do shapes+=(--shape "$spec"); done
+  mkdir -p /tmp/abf_bins/base /tmp/abf_bins/new
+  cp .ab/bins/base/bench_attention /tmp/abf_bins/base/ &&
+    cp .gpu-carry/bench52/bench_attention /tmp/abf_bins/new/ || return 1
+  for spec in F16 Q8 Q4 Q8Q4 "Q8 --kv-rotation none --kv-protect 0,0" \
+              "Q4 --kv-rotation none --kv-protect 0,0"; do
+    local name=${spec%% *}
+    [ "$name" != "$spec" ] && name+=-plain
+    # shellcheck disable=SC2086  # spec is a format and its options
+    AB_BINS=/tmp/abf_bins AB_BUILD=/tmp/m40llm-abf bash bench/ab.sh .ab/base \
+      "$out/abformats/$name" "${AB_ROUNDS:-2}" -- --format $spec "${shapes[@]}" || rc=1
+  done
+  return $rc
+}
+
 nvidia-smi --query-gpu=name,memory.total,driver_version,compute_cap --format=csv
 for s in $steps; do
   case $s in
@@ -141,6 +162,7 @@ for s in $steps; do
     ab) run_step ab ab ;;
     m40) run_step m40 m40_proxy ;;
     abcausal) run_step abcausal ab_causal ;;
+    abformats) run_step abformats ab_formats ;;
     *) echo "unknown step $s"; exit 2 ;;
   esac
 done
