@@ -56,8 +56,8 @@
  * - A decode step's calls can be captured into a CUDA graph on the context's stream
  *   (m40llm_context_cuda_stream; the caller's, if it gave one): append, append_batch,
  *   attn_batch, attn_last_token, append_attn and attn_causal, their _ex forms, every K/V
- *   format. They allocate nothing, never wait for the GPU and read no device memory
- *   on the host; the capture records their kernel launches. Not capturable: host copies,
+ *   format. They allocate no device memory (after the warm-up below), never wait for the
+ *   GPU and read no device memory on the host; the capture records their kernel launches. Not capturable: host copies,
  *   m40llm_malloc and m40llm_free, m40llm_context_synchronize, creating or destroying a cache.
  * - A captured call bakes in what the host decided when it was made: the positions an append
  *   writes and the lengths attention reads (its split plan is a kernel argument), the
