@@ -159,7 +159,8 @@ static double copy_bandwidth(m40llm_context *ctx) {
         m40llm_memcpy_device(ctx, dst, src, bytes) == M40LLM_OK && /* warm */
         cudaEventRecord(e0, st) == cudaSuccess) {
       int ok = 1;
-      for (int r = 0; r < REPS && ok; r++) ok = m40llm_memcpy_device(ctx, dst, src, bytes) == M40LLM_OK;
+      for (int r = 0; r < REPS && ok; r++)
+        ok = m40llm_memcpy_device(ctx, dst, src, bytes) == M40LLM_OK;
       if (ok && cudaEventRecord(e1, st) == cudaSuccess && cudaEventSynchronize(e1) == cudaSuccess &&
           cudaEventElapsedTime(&ms, e0, e1) == cudaSuccess && ms > 0.0f)
         gbps = 2.0 * (double)bytes * REPS / ((double)ms * 1e-3) / 1e9;
@@ -224,8 +225,8 @@ typedef struct {
 
 static int step_calls(const decode_step *d) {
   for (int l = 0; l < d->layers; l++) {
-    const int rc =
-        m40llm_kvcache_append_attn_f32q(d->out, d->cache, l, d->ids, d->seqs, d->k, d->v, d->q, 0.0f);
+    const int rc = m40llm_kvcache_append_attn_f32q(d->out, d->cache, l, d->ids, d->seqs, d->k,
+                                                   d->v, d->q, 0.0f);
     if (rc != M40LLM_OK) return rc;
   }
   return M40LLM_OK;

@@ -217,10 +217,12 @@ static void graph_case(m40llm_context *ctx, m40llm_context *cpu, graph_shape s, 
     if (!ok) goto done;
     const size_t used = (size_t)n * qrow * sizeof(float);
     for (int l = 0; l < LAYERS; l++) {
-      if (!t_dev_download(ctx, og, dev.out[l], used) || !t_dev_download(ctx, oe, dev.out2[l], used) ||
+      if (!t_dev_download(ctx, og, dev.out[l], used) ||
+          !t_dev_download(ctx, oe, dev.out2[l], used) ||
           !t_dev_download(cpu, oc, host.out[l], used))
         goto done;
-      T_CHECKF(memcmp(og, oe, used) == 0, "layer %d: the graph's output differs from the eager calls'", l);
+      T_CHECKF(memcmp(og, oe, used) == 0,
+               "layer %d: the graph's output differs from the eager calls'", l);
       for (size_t i = 0; i < (size_t)n * qrow; i++) ref[i] = oc[i];
       const double err = t_rel_l2(og, ref, (size_t)n * qrow);
       T_CHECKF(err <= 1e-5, "layer %d: graph vs the CPU backend: relative L2 %.3g (bound 1e-5)", l,
@@ -306,7 +308,8 @@ static void growth_case(void) {
   if (!T_OK(m40llm_kvcache_append_attn_ex(ob, b, 0, ids, N, dk, dv, dq, M40LLM_DTYPE_BF16, 0.0f)) ||
       !T_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal) == cudaSuccess))
     goto done;
-  const int rc = m40llm_kvcache_append_attn_ex(oa, a, 0, ids, N, dk, dv, dq, M40LLM_DTYPE_BF16, 0.0f);
+  const int rc =
+      m40llm_kvcache_append_attn_ex(oa, a, 0, ids, N, dk, dv, dq, M40LLM_DTYPE_BF16, 0.0f);
   const cudaError_t end2 = cudaStreamEndCapture(st, &graph);
   if (T_OK(rc) && T_CHECK(end2 == cudaSuccess) &&
       T_CHECK(cudaGraphInstantiateWithFlags(&exec, graph, 0) == cudaSuccess) &&
