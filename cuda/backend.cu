@@ -7,6 +7,7 @@
 
 #include "backend_cuda.h"
 #include "common.cuh"
+#include "io_rows.cuh"
 #include "kv_format.cuh"
 
 namespace {
@@ -287,6 +288,15 @@ int cuda_append(const m40llm_kvcache *c, int layer, const m40llm_append_item *it
   return rc != M40LLM_OK ? rc : m40llm_cuda_append(c, layer, items, n_items, k, v, dtype);
 }
 
+int cuda_prepare_attention(const m40llm_kvcache *c, int n_rows, const void *q, const void *out,
+                           int dtype) {
+  int rc = enter_with(c, q, "q", out, "out");
+  if (rc != M40LLM_OK || dtype == M40LLM_DTYPE_F32) return rc;
+  float *stage = nullptr;  // with_f32_rows's size for these rows
+  return m40llm_cuda_io_stage(cuda_state(c->ctx),
+                              2 * (size_t)n_rows * c->opts.n_heads * c->opts.head_dim, &stage);
+}
+
 int cuda_attention(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, int n_seqs,
                    const void *q, void *out, int dtype, float scale) {
   const int rc = enter_with(c, q, "q", out, "out");
@@ -305,8 +315,21 @@ int cuda_attention_causal(const m40llm_kvcache *c, int layer, const m40llm_appen
 
 }  // namespace
 
+int m40llm_cuda_may_grow(m40llm_cuda_state *st, const char *what) {
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  M40LLM_CUDA_TRY(cudaStreamIsCapturing(st->stream, &capture));
+  if (capture == cudaStreamCaptureStatusNone) return M40LLM_OK;
+  return m40llm_fail(M40LLM_ERR_UNSUPPORTED,
+                     "the context's %s would have to grow while its stream is being captured "
+                     "into a CUDA graph, and an allocation cannot be captured: make the same "
+                     "call once before the capture (see Graphs in m40llm.h)",
+                     what);
+}
+
 int m40llm_cuda_workspace(m40llm_cuda_state *st, size_t bytes, void **out) {
   if (bytes > st->workspace_bytes) {
+    const int rc = m40llm_cuda_may_grow(st, "attention workspace");
+    if (rc != M40LLM_OK) return rc;
     M40LLM_CUDA_TRY(cudaStreamSynchronize(st->stream));
     M40LLM_CUDA_TRY(cudaFree(st->workspace));
     st->workspace = nullptr;
@@ -325,6 +348,6 @@ const m40llm_backend_ops m40llm_cuda_backend = {
     M40LLM_BACKEND_CUDA, cuda_count,   cuda_no_device_reason,   cuda_init,   cuda_fini,
     cuda_synchronize,    cuda_stream,  cuda_device_info,        cuda_malloc, cuda_free,
     cuda_memcpy,         cuda_memset,  cuda_check_cache,        m40llm_cuda_reserve_for,
-    cuda_append,         cuda_read_f16, cuda_fork,              cuda_attention,
-    cuda_attention_causal,
+    cuda_append,         cuda_read_f16, cuda_fork,              cuda_prepare_attention,
+    cuda_attention,      cuda_attention_causal,
 };

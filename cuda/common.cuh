@@ -51,6 +51,12 @@ int m40llm_cuda_error(cudaError_t err, const char *what);
 // Grows the context's workspace to at least `bytes` (never shrinks it) and returns it.
 int m40llm_cuda_workspace(m40llm_cuda_state *st, size_t bytes, void **out);
 
+// M40LLM_OK unless the context's stream is being captured into a CUDA graph, where `what` (one
+// of the context's buffers) cannot grow: an allocation, and the wait for the old buffer's
+// users, cannot be captured. Refused then with M40LLM_ERR_UNSUPPORTED before anything is
+// queued, so that the capture stays valid.
+int m40llm_cuda_may_grow(m40llm_cuda_state *st, const char *what);
+
 #define M40LLM_CUDA_TRY(call)                                           \
   do {                                                                  \
     cudaError_t m40llm_err_ = (call);                                   \

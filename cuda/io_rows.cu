@@ -48,6 +48,8 @@ unsigned blocks_for(size_t n) {
 int m40llm_cuda_io_stage(m40llm_cuda_state *st, size_t floats, float **out) {
   const size_t bytes = floats * sizeof(float);
   if (bytes > st->io_stage_bytes) {
+    const int rc = m40llm_cuda_may_grow(st, "staging buffer of 16-bit rows");
+    if (rc != M40LLM_OK) return rc;
     M40LLM_CUDA_TRY(cudaStreamSynchronize(st->stream));  // the old buffer may still be in use
     M40LLM_CUDA_TRY(cudaFree(st->io_stage));
     st->io_stage = nullptr;

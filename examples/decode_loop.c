@@ -1,15 +1,30 @@
 /*
- * decode_loop: plays the attention part of a small decoder on m40llm.
+ * decode_loop: plays the attention part of a decoder on m40llm and times its decode step.
  *
- *   decode_loop [steps] [auto|cuda|cpu]
+ *   decode_loop [steps] [auto|cuda|cpu] [--layers N] [--seqs N] [--heads N] [--kv-heads N]
+ *               [--head-dim N] [--context N] [--eager | --graph] [--no-prefill-attention]
  *
- * A 4-layer model with 8 query heads sharing 2 KV heads (GQA), head_dim 64, serving 4 sequences
- * whose prompts have different lengths. The prompts go in with one batched append per layer
- * (ragged counts) and one causal attention call over all of them (each prompt row attends to
- * the prompt up to itself); then each decode step goes through the layers: one batched append stores
- * every sequence's new token's K and V (FP32, rounded to FP16 by the library), then one batched
- * attention call computes all sequences' outputs for that layer.
- * Uses the GPU when one is present (backend auto), else the CPU backend.
+ * By default a 4-layer model with 8 query heads sharing 2 KV heads (GQA), head_dim 64, serving
+ * 4 sequences whose prompts have different lengths (37, 5, 120, 1, repeated for more
+ * sequences); --context N gives every sequence a prompt of N tokens instead. The prompts go in
+ * chunk by chunk (at most 256 tokens of each sequence a chunk): one batched append a layer
+ * (ragged counts) and one causal attention call over the chunk's rows (each row attends to its
+ * prompt up to itself; --no-prefill-attention leaves it out, for long prompts whose decode is
+ * all that is timed). Then a decode step goes through the layers, each one call of
+ * m40llm_kvcache_append_attn_f32q: every sequence's new token's K and V stored, then every
+ * sequence's attention over its positions.
+ *
+ * The decode steps run twice (on the GPU; --eager or --graph runs one way only):
+ *   eager  each step's calls as they are, 1 + (attention's) launches a layer from the host;
+ *   graph  each step's calls captured into a CUDA graph on the context's stream, applied to one
+ *          executable graph with cudaGraphExecUpdate (a new one instantiated where the update is
+ *          refused), and launched: one launch a step. A captured call bakes in the lengths it
+ *          saw (m40llm.h, "Graphs"), so every step is captured anew; the host captures and
+ *          updates the next step while the GPU runs the one before.
+ * Each prints its time a step against the K/V bytes the step reads over the GPU's copy
+ * bandwidth (cudaMemcpy device to device of a large buffer, bytes read + written, measured
+ * here): 1.0x would be a step at the speed of its bytes. Needs a CUDA build for the graph and
+ * the bandwidth; the CPU backend runs eager.
  */
 #define _POSIX_C_SOURCE 200809L
 
@@ -20,16 +35,19 @@
 #include <string.h>
 #include <time.h>
 
+#ifdef DECODE_LOOP_CUDART
+#include <cuda_runtime_api.h>
+#endif
+
 #include "m40llm.h"
 
-enum {
-  N_LAYERS = 4,
-  N_SEQS = 4,
-  N_HEADS = 8,
-  N_KV_HEADS = 2,
-  HEAD_DIM = 64,
-  POOL = 64 /* random token rows the steps cycle through, so the loop times only m40llm */
-};
+enum { CHUNK = 256 }; /* prompt tokens of a sequence per prefill call */
+
+typedef struct {
+  int steps, backend, layers, seqs, heads, kv_heads, head_dim, context;
+  int eager, graph; /* the ways to run the decode steps */
+  int prefill_attention;
+} options;
 
 #define CHECK(call)                                                                       \
   do {                                                                                    \
@@ -73,164 +91,417 @@ static int upload_random(m40llm_context *ctx, float **out, size_t n) {
   return M40LLM_OK;
 }
 
-int main(int argc, char **argv) {
-  int steps = 256;
-  int backend = M40LLM_BACKEND_AUTO;
-  if (argc > 1) {
-    char *end = NULL;
-    long v = strtol(argv[1], &end, 10);
-    if (!end || *end != '\0' || v < 1 || v > 100000) {
-      fprintf(stderr, "usage: %s [steps (1..100000)] [auto|cuda|cpu]\n", argv[0]);
-      return 2;
-    }
-    steps = (int)v;
-  }
-  if (argc > 2) {
-    if (strcmp(argv[2], "cuda") == 0) backend = M40LLM_BACKEND_CUDA;
-    else if (strcmp(argv[2], "cpu") == 0) backend = M40LLM_BACKEND_CPU;
-    else if (strcmp(argv[2], "auto") != 0) {
-      fprintf(stderr, "usage: %s [steps] [auto|cuda|cpu]\n", argv[0]);
-      return 2;
-    }
-  }
+static int usage(const char *argv0) {
+  fprintf(stderr,
+          "usage: %s [steps (1..100000)] [auto|cuda|cpu] [--layers N] [--seqs N] [--heads N]\n"
+          "       [--kv-heads N] [--head-dim N] [--context N] [--eager | --graph]\n"
+          "       [--no-prefill-attention]\n",
+          argv0);
+  return 2;
+}
 
-  const int32_t prompt[N_SEQS] = {37, 5, 120, 1};
-  int max_prompt = 0, prompt_rows = 0;
-  for (int s = 0; s < N_SEQS; s++) {
-    max_prompt = prompt[s] > max_prompt ? prompt[s] : max_prompt;
-    prompt_rows += prompt[s];
+/* Parses argv into *o; returns 0, or 2 after printing the usage. */
+static int parse_args(options *o, int argc, char **argv) {
+  int positional = 0;
+  for (int i = 1; i < argc; i++) {
+    const char *a = argv[i];
+    int *num = NULL;
+    if (strcmp(a, "--layers") == 0) num = &o->layers;
+    else if (strcmp(a, "--seqs") == 0) num = &o->seqs;
+    else if (strcmp(a, "--heads") == 0) num = &o->heads;
+    else if (strcmp(a, "--kv-heads") == 0) num = &o->kv_heads;
+    else if (strcmp(a, "--head-dim") == 0) num = &o->head_dim;
+    else if (strcmp(a, "--context") == 0) num = &o->context;
+    else if (strcmp(a, "--eager") == 0) o->graph = 0;
+    else if (strcmp(a, "--graph") == 0) o->eager = 0;
+    else if (strcmp(a, "--no-prefill-attention") == 0) o->prefill_attention = 0;
+    else if (positional == 0 && a[0] != '-') {
+      char *end = NULL;
+      const long v = strtol(a, &end, 10);
+      if (!end || *end != '\0' || v < 1 || v > 100000) return usage(argv[0]);
+      o->steps = (int)v;
+      positional++;
+    } else if (positional == 1 && a[0] != '-') {
+      if (strcmp(a, "cuda") == 0) o->backend = M40LLM_BACKEND_CUDA;
+      else if (strcmp(a, "cpu") == 0) o->backend = M40LLM_BACKEND_CPU;
+      else if (strcmp(a, "auto") != 0) return usage(argv[0]);
+      positional++;
+    } else {
+      return usage(argv[0]);
+    }
+    if (num) {
+      char *end = NULL;
+      const long v = i + 1 < argc ? strtol(argv[i + 1], &end, 10) : 0;
+      if (!end || *end != '\0' || v < 1 || v > 1000000) return usage(argv[0]);
+      *num = (int)v;
+      i++;
+    }
   }
+  if (!o->eager && !o->graph) return usage(argv[0]); /* --eager and --graph together */
+  return 0;
+}
+
+#ifdef DECODE_LOOP_CUDART
+/* Device-to-device copy bandwidth, GB/s (bytes read + bytes written), of the largest buffer
+ * pair up to 2 x 512 MiB the GPU has room for; 0 where none could be measured. */
+static double copy_bandwidth(m40llm_context *ctx) {
+  cudaStream_t st = (cudaStream_t)m40llm_context_cuda_stream(ctx);
+  double gbps = 0.0;
+  for (size_t bytes = (size_t)512 << 20; bytes >= ((size_t)64 << 20) && gbps == 0.0; bytes /= 2) {
+    void *src = NULL, *dst = NULL;
+    cudaEvent_t e0 = NULL, e1 = NULL;
+    float ms = 0.0f;
+    enum { REPS = 10 };
+    if (m40llm_malloc(&src, ctx, bytes) == M40LLM_OK &&
+        m40llm_malloc(&dst, ctx, bytes) == M40LLM_OK &&
+        m40llm_memset(ctx, src, 1, bytes) == M40LLM_OK &&
+        cudaEventCreate(&e0) == cudaSuccess && cudaEventCreate(&e1) == cudaSuccess &&
+        m40llm_memcpy_device(ctx, dst, src, bytes) == M40LLM_OK && /* warm */
+        cudaEventRecord(e0, st) == cudaSuccess) {
+      int ok = 1;
+      for (int r = 0; r < REPS && ok; r++)
+        ok = m40llm_memcpy_device(ctx, dst, src, bytes) == M40LLM_OK;
+      if (ok && cudaEventRecord(e1, st) == cudaSuccess && cudaEventSynchronize(e1) == cudaSuccess &&
+          cudaEventElapsedTime(&ms, e0, e1) == cudaSuccess && ms > 0.0f)
+        gbps = 2.0 * (double)bytes * REPS / ((double)ms * 1e-3) / 1e9;
+    }
+    if (e0) cudaEventDestroy(e0);
+    if (e1) cudaEventDestroy(e1);
+    m40llm_free(ctx, src);
+    m40llm_free(ctx, dst);
+  }
+  (void)cudaGetLastError();
+  return gbps;
+}
+
+/* The graph mode's executable graph, and what the steps' captures cost the host. */
+typedef struct {
+  cudaGraphExec_t exec;
+  int instantiated, updated;
+  double capture_s, apply_s; /* host seconds in the steps' captures and in applying them */
+} step_graph;
+
+/* Puts a step's captured graph into g->exec: cudaGraphExecUpdate where the topology is the one
+ * instantiated (the cheap path: same launches, new parameters), else a new instantiation (a
+ * launch more or less, e.g. a combine that a longer sequence now needs). */
+static int graph_apply(step_graph *g, cudaGraph_t graph) {
+  if (g->exec) {
+#if CUDART_VERSION >= 12000
+    cudaGraphExecUpdateResultInfo info;
+    const cudaError_t e = cudaGraphExecUpdate(g->exec, graph, &info);
+#else
+    cudaGraphNode_t node;
+    enum cudaGraphExecUpdateResult result;
+    const cudaError_t e = cudaGraphExecUpdate(g->exec, graph, &node, &result);
+#endif
+    if (e == cudaSuccess) {
+      g->updated++;
+      return 1;
+    }
+    (void)cudaGetLastError(); /* refused: not an error for the calls that follow */
+    (void)cudaGraphExecDestroy(g->exec); /* released once its launches in flight are done */
+    g->exec = NULL;
+  }
+  if (cudaGraphInstantiateWithFlags(&g->exec, graph, 0) != cudaSuccess) {
+    (void)cudaGetLastError();
+    g->exec = NULL;
+    fprintf(stderr, "cudaGraphInstantiateWithFlags failed\n");
+    return 0;
+  }
+  g->instantiated++;
+  return 1;
+}
+#endif
+
+/* The decode step: one call a layer. The K/V, q and out buffers are the same every step, as a
+ * model's projection outputs would be; a CUDA graph takes new ones too (they are parameters). */
+typedef struct {
+  m40llm_kvcache *cache;
+  int layers, seqs;
+  const int32_t *ids;
+  const float *k, *v, *q;
+  float *out;
+} decode_step;
+
+static int step_calls(const decode_step *d) {
+  for (int l = 0; l < d->layers; l++) {
+    const int rc = m40llm_kvcache_append_attn_f32q(d->out, d->cache, l, d->ids, d->seqs, d->k,
+                                                   d->v, d->q, 0.0f);
+    if (rc != M40LLM_OK) return rc;
+  }
+  return M40LLM_OK;
+}
+
+/* Positions the attention reads in `steps` steps from lengths len[] (each step's new token
+ * included), summed over sequences and steps; len[] advances by the steps. */
+static double positions_read(int *len, int seqs, int steps) {
+  double sum = 0.0;
+  for (int t = 0; t < steps; t++)
+    for (int s = 0; s < seqs; s++) sum += (double)++len[s];
+  return sum;
+}
+
+static void report(const char *mode, double seconds, int steps, double bytes_per_step,
+                   double copy_gbps, int seqs) {
+  const double step_s = seconds / steps;
+  printf("%-6s %9.3f ms a step  %9.0f tokens/s", mode, 1e3 * step_s, seqs / step_s);
+  if (copy_gbps > 0.0)
+    printf("  %6.2fx the step's K/V bytes over copy bandwidth (%.3f ms)",
+           step_s / (bytes_per_step / (copy_gbps * 1e9)), 1e3 * bytes_per_step / (copy_gbps * 1e9));
+  printf("\n");
+}
+
+int main(int argc, char **argv) {
+  options o = {256, M40LLM_BACKEND_AUTO, 4, 4, 8, 2, 64, 0, 1, 1, 1};
+  if (parse_args(&o, argc, argv) != 0) return 2;
+  const int32_t default_prompt[4] = {37, 5, 120, 1};
 
   int rc = 1;
   m40llm_context *ctx = NULL;
   m40llm_kvcache *cache = NULL;
-  float *k_pool = NULL, *v_pool = NULL, *q_pool = NULL, *out = NULL;
-  float *prompt_q = NULL, *prompt_out = NULL, *host_prompt = NULL;
-  float *host_out = NULL;
-  const size_t kv_row = (size_t)N_KV_HEADS * HEAD_DIM; /* floats per token's K (or V) */
-  const size_t q_row = (size_t)N_HEADS * HEAD_DIM;     /* floats per sequence's q (or out) */
+  int32_t *ids = NULL, *prompt = NULL, *done_rows = NULL, *chunk_ids = NULL, *chunk_rows = NULL;
+  int *len = NULL;
+  float *k_pool = NULL, *v_pool = NULL, *prompt_q = NULL, *prompt_out = NULL;
+  float *k_step = NULL, *v_step = NULL, *q_step = NULL, *out = NULL, *host_out = NULL;
+#ifdef DECODE_LOOP_CUDART
+  step_graph sg = {NULL, 0, 0, 0.0, 0.0};
+  cudaEvent_t e0 = NULL, e1 = NULL;
+#endif
+  const size_t kv_row = (size_t)o.kv_heads * o.head_dim; /* floats per token's K (or V) */
+  const size_t q_row = (size_t)o.heads * o.head_dim;     /* floats per sequence's q (or out) */
+
+  ids = malloc((size_t)o.seqs * sizeof *ids);
+  prompt = malloc((size_t)o.seqs * sizeof *prompt);
+  done_rows = calloc((size_t)o.seqs, sizeof *done_rows);
+  chunk_ids = malloc((size_t)o.seqs * sizeof *chunk_ids);
+  chunk_rows = malloc((size_t)o.seqs * sizeof *chunk_rows);
+  len = malloc((size_t)o.seqs * sizeof *len);
+  host_out = malloc((size_t)o.seqs * q_row * sizeof(float));
+  if (!ids || !prompt || !done_rows || !chunk_ids || !chunk_rows || !len || !host_out) {
+    fprintf(stderr, "out of host memory\n");
+    goto cleanup;
+  }
+  int max_prompt = 0;
+  for (int s = 0; s < o.seqs; s++) {
+    ids[s] = s;
+    prompt[s] = o.context > 0 ? o.context : default_prompt[s % 4];
+    max_prompt = prompt[s] > max_prompt ? prompt[s] : max_prompt;
+  }
 
   int n_devices = 0;
   CHECK(m40llm_cuda_device_count(&n_devices));
   m40llm_context_options copts = M40LLM_CONTEXT_OPTIONS_INIT;
-  copts.backend = backend;
+  copts.backend = o.backend;
   CHECK(m40llm_context_create(&ctx, &copts));
-
   m40llm_device_info info = M40LLM_DEVICE_INFO_INIT;
   CHECK(m40llm_context_device_info(&info, ctx));
+  const int on_gpu = info.backend == M40LLM_BACKEND_CUDA;
   printf("m40llm %s, built %s CUDA, %d CUDA device(s)\n", m40llm_version_string(),
          m40llm_built_with_cuda() ? "with" : "without", n_devices);
-  if (info.backend == M40LLM_BACKEND_CUDA)
-    printf("backend: CUDA device %d: %s, compute %d.%d, %d SMs, %.1f GiB\n", info.device,
+  if (on_gpu)
+    printf("backend: CUDA device %d: %s, compute %d.%d, %d SMs, %.1f GiB, runs %s\n", info.device,
            info.name, info.compute_major, info.compute_minor, info.multiprocessors,
-           (double)info.total_memory / 1073741824.0);
+           (double)info.total_memory / 1073741824.0,
+           info.native_code ? "native code" : "PTX through the JIT");
   else
     printf("backend: CPU\n");
 
+  double copy_gbps = 0.0;
+#ifdef DECODE_LOOP_CUDART
+  if (on_gpu) {
+    copy_gbps = copy_bandwidth(ctx);
+    printf("copy bandwidth: %.0f GB/s (cudaMemcpy device to device, bytes read + written)\n",
+           copy_gbps);
+  }
+#endif
+  if (o.graph && !on_gpu) {
+    if (!o.eager) {
+      fprintf(stderr, "--graph needs the CUDA backend on a GPU%s\n",
+              m40llm_built_with_cuda() ? "" : " (this build has no CUDA)");
+      goto cleanup;
+    }
+    o.graph = 0;
+  }
+#ifndef DECODE_LOOP_CUDART
+  o.graph = 0; /* a CUDA build of the library, this example built without the CUDA runtime */
+#endif
+
+  /* Room for every step: a warm-up step, then the steps of each mode. */
+  const int decode_steps = 1 + (o.eager ? o.steps : 0) + (o.graph ? o.steps : 0);
   m40llm_kvcache_options kopts = M40LLM_KVCACHE_OPTIONS_INIT;
-  kopts.n_layers = N_LAYERS;
-  kopts.n_heads = N_HEADS;
-  kopts.n_kv_heads = N_KV_HEADS;
-  kopts.head_dim = HEAD_DIM;
-  kopts.max_seqs = N_SEQS;
-  kopts.max_seq_len = max_prompt + steps;
+  kopts.n_layers = o.layers;
+  kopts.n_heads = o.heads;
+  kopts.n_kv_heads = o.kv_heads;
+  kopts.head_dim = o.head_dim;
+  kopts.max_seqs = o.seqs;
+  kopts.max_seq_len = max_prompt + decode_steps;
   size_t cache_bytes = 0;
   CHECK(m40llm_kvcache_bytes_needed(&cache_bytes, &kopts));
   CHECK(m40llm_kvcache_create(&cache, ctx, &kopts));
+  printf("%d layers, %d sequences, %d query heads / %d KV heads, head_dim %d, KV cache %.1f MiB\n",
+         o.layers, o.seqs, o.heads, o.kv_heads, o.head_dim, (double)cache_bytes / 1048576.0);
 
-  CHECK(upload_random(ctx, &k_pool, (size_t)(max_prompt + POOL) * kv_row));
-  CHECK(upload_random(ctx, &v_pool, (size_t)(max_prompt + POOL) * kv_row));
-  CHECK(upload_random(ctx, &q_pool, (size_t)(POOL + N_SEQS) * q_row));
-  CHECK(m40llm_malloc((void **)&out, ctx, (size_t)N_SEQS * q_row * sizeof(float)));
-  CHECK(upload_random(ctx, &prompt_q, (size_t)prompt_rows * q_row));
-  CHECK(m40llm_malloc((void **)&prompt_out, ctx, (size_t)prompt_rows * q_row * sizeof(float)));
-  host_out = malloc((size_t)N_SEQS * q_row * sizeof(float));
-  host_prompt = malloc((size_t)prompt_rows * q_row * sizeof(float));
-  if (!host_out || !host_prompt) goto cleanup;
-
-  int32_t seq_ids[N_SEQS];
-  for (int s = 0; s < N_SEQS; s++) seq_ids[s] = s;
-
-  /* Prefill: every sequence's prompt in one call per layer, the prompts' rows packed in order
-   * (the pool's first rows; their sum fits its max_prompt + POOL rows), then the prompts'
-   * attention in one causal call: prompt_q's rows packed the same way, each attending to its
-   * prompt up to its own position. */
-  for (int l = 0; l < N_LAYERS; l++) {
-    CHECK(m40llm_kvcache_append_batch_f32(cache, l, seq_ids, prompt, N_SEQS, k_pool, v_pool));
-    CHECK(m40llm_kvcache_attn_causal_f32q(prompt_out, cache, l, seq_ids, prompt, N_SEQS,
-                                          prompt_q, NULL));
+  /* Prefill, chunk by chunk: each sequence's next (at most CHUNK) prompt tokens in one batched
+   * append a layer, rows packed in sequence order (random rows from the pool, which holds a
+   * chunk of every sequence), then their causal attention in one call. */
+  const size_t chunk_cap = (size_t)o.seqs * (max_prompt < CHUNK ? max_prompt : CHUNK);
+  CHECK(upload_random(ctx, &k_pool, chunk_cap * kv_row));
+  CHECK(upload_random(ctx, &v_pool, chunk_cap * kv_row));
+  if (o.prefill_attention) {
+    CHECK(upload_random(ctx, &prompt_q, chunk_cap * q_row));
+    CHECK(m40llm_malloc((void **)&prompt_out, ctx, chunk_cap * q_row * sizeof(float)));
   }
-
-  CHECK(m40llm_context_synchronize(ctx));
-  const double t0 = now_seconds();
-  for (int t = 0; t < steps; t++) {
-    for (int l = 0; l < N_LAYERS; l++) {
-      /* one token for each sequence (counts NULL), rows row .. row + N_SEQS - 1 */
-      const size_t row = (size_t)((t * N_SEQS + l) % POOL);
-      CHECK(m40llm_kvcache_append_batch_f32(cache, l, seq_ids, NULL, N_SEQS,
-                                            k_pool + row * kv_row, v_pool + row * kv_row));
-      const size_t qr = (size_t)((t + l) % POOL);
-      CHECK(m40llm_kvcache_attn_batch_f32q(out, cache, l, seq_ids, N_SEQS, q_pool + qr * q_row,
-                                           0.0f));
+  const double t_prefill = now_seconds();
+  int prompt_rows = 0;
+  for (;;) {
+    int n = 0;
+    for (int s = 0; s < o.seqs; s++) {
+      const int left = prompt[s] - done_rows[s];
+      if (left == 0) continue;
+      chunk_ids[n] = s;
+      chunk_rows[n] = left < CHUNK ? left : CHUNK;
+      done_rows[s] += chunk_rows[n];
+      prompt_rows += chunk_rows[n++];
+    }
+    if (n == 0) break;
+    for (int l = 0; l < o.layers; l++) {
+      CHECK(m40llm_kvcache_append_batch_f32(cache, l, chunk_ids, chunk_rows, n, k_pool, v_pool));
+      if (o.prefill_attention)
+        CHECK(m40llm_kvcache_attn_causal_f32q(prompt_out, cache, l, chunk_ids, chunk_rows, n,
+                                              prompt_q, NULL));
     }
   }
   CHECK(m40llm_context_synchronize(ctx));
-  const double seconds = now_seconds() - t0;
+  printf("prefill: %d prompt tokens in %.1f ms (batched appends%s, chunks of %d tokens a "
+         "sequence)\n",
+         prompt_rows, 1e3 * (now_seconds() - t_prefill),
+         o.prefill_attention ? " and causal attention" : "", CHUNK);
 
-  /* Sanity: every length advanced by steps, and the last outputs are finite. */
-  for (int l = 0; l < N_LAYERS; l++) {
-    for (int s = 0; s < N_SEQS; s++) {
-      int len = -1;
-      CHECK(m40llm_kvcache_seq_len(&len, cache, l, s));
-      if (len != (int)prompt[s] + steps) {
-        fprintf(stderr, "layer %d seq %d: length %d, expected %d\n", l, s, len,
-                (int)prompt[s] + steps);
+  CHECK(upload_random(ctx, &k_step, (size_t)o.seqs * kv_row));
+  CHECK(upload_random(ctx, &v_step, (size_t)o.seqs * kv_row));
+  CHECK(upload_random(ctx, &q_step, (size_t)o.seqs * q_row));
+  CHECK(m40llm_malloc((void **)&out, ctx, (size_t)o.seqs * q_row * sizeof(float)));
+  const decode_step d = {cache, o.layers, o.seqs, ids, k_step, v_step, q_step, out};
+  for (int s = 0; s < o.seqs; s++) len[s] = prompt[s];
+  /* K and V of every position the attention reads, F16: bytes of one position of all layers */
+  const double position_bytes = 2.0 * (double)kv_row * sizeof(uint16_t) * o.layers;
+  printf("decode: %d steps a mode, one m40llm_kvcache_append_attn_f32q a layer (contexts from "
+         "%d to %d tokens)\n",
+         o.steps, max_prompt, max_prompt + decode_steps);
+
+  /* A warm-up step, untimed: the first calls load the kernels (on a GPU that runs PTX, the
+   * driver compiles them) and set up what a capture cannot hold (m40llm.h, "Graphs"). */
+  CHECK(step_calls(&d));
+  positions_read(len, o.seqs, 1);
+  CHECK(m40llm_context_synchronize(ctx));
+
+  if (o.eager) {
+    const double bytes = position_bytes * positions_read(len, o.seqs, o.steps) / o.steps;
+    const double t0 = now_seconds();
+    for (int t = 0; t < o.steps; t++) CHECK(step_calls(&d));
+    CHECK(m40llm_context_synchronize(ctx));
+    report("eager", now_seconds() - t0, o.steps, bytes, copy_gbps, o.seqs);
+  }
+
+#ifdef DECODE_LOOP_CUDART
+  if (o.graph) {
+    cudaStream_t st = (cudaStream_t)m40llm_context_cuda_stream(ctx);
+    const double bytes = position_bytes * positions_read(len, o.seqs, o.steps) / o.steps;
+    const double t0 = now_seconds();
+    for (int t = 0; t < o.steps; t++) {
+      const double c0 = now_seconds();
+      cudaGraph_t graph = NULL;
+      if (cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal) != cudaSuccess) {
+        fprintf(stderr, "cudaStreamBeginCapture failed\n");
+        goto cleanup;
+      }
+      const int call_rc = step_calls(&d);
+      const cudaError_t end = cudaStreamEndCapture(st, &graph);
+      if (call_rc != M40LLM_OK && graph) (void)cudaGraphDestroy(graph);
+      CHECK(call_rc);
+      if (end != cudaSuccess) {
+        fprintf(stderr, "cudaStreamEndCapture failed: %s\n", cudaGetErrorString(end));
+        goto cleanup;
+      }
+      const double c1 = now_seconds();
+      const int applied = graph_apply(&sg, graph);
+      (void)cudaGraphDestroy(graph);
+      sg.capture_s += c1 - c0;
+      sg.apply_s += now_seconds() - c1;
+      if (!applied || cudaGraphLaunch(sg.exec, st) != cudaSuccess) {
+        fprintf(stderr, "launching the step's graph failed\n");
+        goto cleanup;
+      }
+    }
+    CHECK(m40llm_context_synchronize(ctx));
+    report("graph", now_seconds() - t0, o.steps, bytes, copy_gbps, o.seqs);
+    printf("       host a step: %.1f us capturing the calls, %.1f us applying the graph (%d "
+           "updated, %d instantiated)\n",
+           1e6 * sg.capture_s / o.steps, 1e6 * sg.apply_s / o.steps, sg.updated, sg.instantiated);
+    /* The last step's graph again: it writes the same rows at the same positions and reads the
+     * same lengths, so it can be replayed to time the device alone. */
+    enum { REPLAYS = 10 };
+    float ms = 0.0f;
+    if (cudaEventCreate(&e0) != cudaSuccess || cudaEventCreate(&e1) != cudaSuccess ||
+        cudaEventRecord(e0, st) != cudaSuccess) {
+      fprintf(stderr, "CUDA events failed\n");
+      goto cleanup;
+    }
+    for (int r = 0; r < REPLAYS; r++)
+      if (cudaGraphLaunch(sg.exec, st) != cudaSuccess) {
+        fprintf(stderr, "replaying the step's graph failed\n");
+        goto cleanup;
+      }
+    if (cudaEventRecord(e1, st) != cudaSuccess || cudaEventSynchronize(e1) != cudaSuccess ||
+        cudaEventElapsedTime(&ms, e0, e1) != cudaSuccess) {
+      fprintf(stderr, "CUDA events failed\n");
+      goto cleanup;
+    }
+    double last_positions = 0.0; /* the last step's: len[] includes its tokens */
+    for (int s = 0; s < o.seqs; s++) last_positions += len[s];
+    report("replay", 1e-3 * ms, REPLAYS, position_bytes * last_positions, copy_gbps, o.seqs);
+    printf("       (the last step's graph launched %d times more: the device's time alone)\n",
+           REPLAYS);
+  }
+#endif
+
+  /* Sanity: every length advanced by the decode steps, and the last outputs are finite. */
+  for (int l = 0; l < o.layers; l++) {
+    for (int s = 0; s < o.seqs; s++) {
+      int got = -1;
+      CHECK(m40llm_kvcache_seq_len(&got, cache, l, s));
+      if (got != (int)prompt[s] + decode_steps) {
+        fprintf(stderr, "layer %d seq %d: length %d, expected %d\n", l, s, got,
+                (int)prompt[s] + decode_steps);
         goto cleanup;
       }
     }
   }
-  /* The last layer's prompt outputs are finite too. */
-  CHECK(m40llm_memcpy_to_host(ctx, host_prompt, prompt_out,
-                              (size_t)prompt_rows * q_row * sizeof(float)));
-  for (size_t i = 0; i < (size_t)prompt_rows * q_row; i++) {
-    if (!isfinite(host_prompt[i])) {
-      fprintf(stderr, "prompt output %zu is not finite\n", i);
-      goto cleanup;
-    }
-  }
-  CHECK(m40llm_memcpy_to_host(ctx, host_out, out, (size_t)N_SEQS * q_row * sizeof(float)));
+  CHECK(m40llm_memcpy_to_host(ctx, host_out, out, (size_t)o.seqs * q_row * sizeof(float)));
   double checksum = 0.0;
-  for (size_t i = 0; i < (size_t)N_SEQS * q_row; i++) {
+  for (size_t i = 0; i < (size_t)o.seqs * q_row; i++) {
     if (!isfinite(host_out[i])) {
       fprintf(stderr, "output %zu is not finite\n", i);
       goto cleanup;
     }
     checksum += fabs((double)host_out[i]);
   }
-
-  printf("ran: %d layers, %d sequences (prompts %d, %d, %d, %d), %d query heads / %d KV heads, "
-         "head_dim %d, KV cache %.1f MiB\n",
-         N_LAYERS, N_SEQS, (int)prompt[0], (int)prompt[1], (int)prompt[2], (int)prompt[3],
-         N_HEADS, N_KV_HEADS, HEAD_DIM, (double)cache_bytes / 1048576.0);
-  printf("prefill: %d prompt rows, one batched append and one causal attention call a layer\n",
-         prompt_rows);
-  printf("%d decode steps x %d layers: %d batched appends + %d batched attention calls\n",
-         steps, N_LAYERS, steps * N_LAYERS, steps * N_LAYERS);
-  printf("%d tokens in %.4f s: %.1f tokens/s (%.3f ms per step, all sequences), checksum %.6g\n",
-         steps * N_SEQS, seconds, (double)(steps * N_SEQS) / seconds, 1e3 * seconds / steps,
-         checksum);
+  printf("lengths checked, outputs finite (checksum %.6g)\n", checksum);
   rc = 0;
 
 cleanup:
+#ifdef DECODE_LOOP_CUDART
+  if (e0) cudaEventDestroy(e0);
+  if (e1) cudaEventDestroy(e1);
+  if (sg.exec) cudaGraphExecDestroy(sg.exec);
+#endif
+  free(ids), free(prompt), free(done_rows), free(chunk_ids), free(chunk_rows), free(len);
   free(host_out);
-  free(host_prompt);
   if (ctx) {
-    m40llm_free(ctx, k_pool);
-    m40llm_free(ctx, v_pool);
-    m40llm_free(ctx, q_pool);
+    m40llm_free(ctx, k_pool), m40llm_free(ctx, v_pool);
+    m40llm_free(ctx, prompt_q), m40llm_free(ctx, prompt_out);
+    m40llm_free(ctx, k_step), m40llm_free(ctx, v_step), m40llm_free(ctx, q_step);
     m40llm_free(ctx, out);
-    m40llm_free(ctx, prompt_q);
-    m40llm_free(ctx, prompt_out);
   }
   m40llm_kvcache_destroy(cache);
   m40llm_context_destroy(ctx);

@@ -152,6 +152,18 @@ static void test_pointer_kinds(void) {
               M40LLM_ERR_INVALID_ARGUMENT, "k_out is host memory");
   T_FAIL_WITH(m40llm_kvcache_read_f16(dk16, hk16, kv.cache, 0, 0, 0, 1),
               M40LLM_ERR_INVALID_ARGUMENT, "v_out is host memory");
+  /* append_attn checks q and out before its append: refused, and no sequence grew */
+  {
+    const int32_t id = 1;
+    int before = -1, after = -2;
+    T_OK(m40llm_kvcache_seq_len(&before, kv.cache, 0, 1));
+    T_FAIL_WITH(m40llm_kvcache_append_attn_f32q(dout, kv.cache, 0, &id, 1, dk, dv, hq, 0.0f),
+                M40LLM_ERR_INVALID_ARGUMENT, "q is host memory");
+    T_FAIL_WITH(m40llm_kvcache_append_attn_f32q(hout, kv.cache, 0, &id, 1, dk, dv, dq, 0.0f),
+                M40LLM_ERR_INVALID_ARGUMENT, "out is host memory");
+    T_OK(m40llm_kvcache_seq_len(&after, kv.cache, 0, 1));
+    T_INT_EQ(after, before);
+  }
   /* a call that passes, then the same call with a host q: still refused */
   T_OK(m40llm_kvcache_attn_last_token_f32q(dout, kv.cache, 0, 0, dq, 0.0f));
   T_FAIL_WITH(m40llm_kvcache_attn_last_token_f32q(dout, kv.cache, 0, 0, hq, 0.0f),
@@ -836,6 +848,12 @@ int main(void) {
   t_cases_attention_masked(dev);
   t_cases_causal(dev, cpu, small);
   t_cases_dtype(dev, cpu, small);
+#ifdef T_HAVE_CUDART
+  if (on_cuda) t_cases_graph(dev, cpu, small);
+  else t_skip("graph capture: a CUDA graph needs the CUDA backend");
+#else
+  t_skip("graph capture: built without the CUDA runtime");
+#endif
   test_shape_sweep();
   test_head_dim_sweep();
   test_ragged_batch();

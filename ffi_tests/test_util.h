@@ -172,6 +172,9 @@ void t_cases_dtype(m40llm_context *ctx, m40llm_context *cpu, int small);
 
 /* Positions whose K holds -inf (weight 0), first, last, at tile starts, whole splits, all. */
 void t_cases_attention_masked(m40llm_context *ctx);
+/* A decode step captured into CUDA graphs and replayed through cudaGraphExecUpdate, against the
+ * eager calls and the CPU backend (cases_graph.c: CUDA builds only, linked into test_gpu). */
+void t_cases_graph(m40llm_context *ctx, m40llm_context *cpu, int small);
 
 /* Batch attention over seqs 0..2 of layer 0 of kv (n_heads * head_dim >= 9 floats a row) with
  * the 9 ids written into ids_in_out, which lies in out's first row (host-visible memory the

@@ -15,6 +15,10 @@
 #             builds, and PyTorch SDPA (fp16, fp32) on the same shapes: tables in causal.log,
 #             JSON in $OUT/causal_native.json, causal_ptx52.json and causal_sdpa.json (the
 #             sanitize step covers the causal cases too)
+#   step      issue 22's decode step: examples/decode_loop (32 layers, 32/8 heads, head_dim 128,
+#             8 and 64 sequences, contexts 1K and 8K), eager and as a CUDA graph a step, against
+#             the step's K/V bytes over the copy bandwidth; native and compute_52-PTX builds
+#             (step.log). test_gpu's graph cases (ffi_tests/cases_graph.c) run in native/ptx52
 #   ab        bench/ab.sh: the previous main (.ab/base, carried) against this tree, native, and
 #             the carried compute_52-PTX benchmarks (.ab/bins/base, .gpu-carry/bench52)
 #   m40       bench/m40_proxy.py: the M40 proxy grid (compute_52 PTX on this GPU against its copy
@@ -107,6 +111,22 @@ causal() {  # builds only its targets in build-native (the native step builds th
   return $rc
 }
 
+decode_step() {  # builds only decode_loop in build-native (the native step builds it too)
+  local rc=0 bin seqs ctx
+  cmake -S . -B build-native -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES="$arch" &&
+    cmake --build build-native --target decode_loop || return 1
+  for bin in build-native/examples/decode_loop .gpu-carry/ptx52/decode_loop; do
+    for seqs in 8 64; do
+      for ctx in 1024 8192; do
+        echo "--- $bin: $seqs sequences, context $ctx"
+        "$bin" "${STEP_STEPS:-32}" cuda --layers 32 --seqs "$seqs" --heads 32 --kv-heads 8 \
+          --head-dim 128 --context "$ctx" --no-prefill-attention || rc=1
+      done
+    done
+  done
+  return $rc
+}
+
 ab() {
   local rc=0
   bash bench/ab.sh .ab/base /tmp/ab_native 2 || rc=1
@@ -159,6 +179,7 @@ for s in $steps; do
     append) run_step append append_bench ;;
     formats) run_step formats formats ;;
     causal) run_step causal causal ;;
+    step) run_step step decode_step ;;
     ab) run_step ab ab ;;
     m40) run_step m40 m40_proxy ;;
     abcausal) run_step abcausal ab_causal ;;

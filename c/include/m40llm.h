@@ -52,6 +52,38 @@
  *   dependent must itself wait (cudaGridDependencySynchronize) before it touches the call's q,
  *   out or cache, as any programmatic dependent must.
  *
+ * Graphs (CUDA backend)
+ * - A decode step's calls can be captured into a CUDA graph on the context's stream
+ *   (m40llm_context_cuda_stream; the caller's, if it gave one): append, append_batch,
+ *   attn_batch, attn_last_token, append_attn and attn_causal, their _ex forms, every K/V
+ *   format. They allocate no device memory (after the warm-up below), never wait for the
+ *   GPU and read no device memory on the host; the capture records their kernel launches. Not capturable: host copies,
+ *   m40llm_malloc and m40llm_free, m40llm_context_synchronize, creating or destroying a cache.
+ * - A captured call bakes in what the host decided when it was made: the positions an append
+ *   writes and the lengths attention reads (its split plan is a kernel argument), the
+ *   pointers and the scale. The cache's lengths (host state) move when the call is made, as
+ *   for an eager call, not when the graph runs. So a graph holds one step: launch it once (a
+ *   second launch redoes that same step: same positions written, same lengths read). The
+ *   library's way to run step after step as graphs is graph-safe parameter updates by
+ *   re-capture: capture each step's calls again and apply the new graph to the instantiated
+ *   one with cudaGraphExecUpdate, which succeeds while the step launches the same kernels
+ *   (the same calls, and each attention's split structure unchanged) and costs much less
+ *   than instantiating; where it refuses (e.g. a sequence has grown into needing the combine
+ *   kernel), instantiate the new graph. Lengths do not
+ *   advance on the device. An update does not touch launches already queued, so the host can
+ *   capture and update the next step while the GPU runs the one before
+ *   (examples/decode_loop.c; ffi_tests/cases_graph.c tests it).
+ * - Warm-up rule: make a step's calls once outside a capture before capturing them. The first
+ *   call of a context with 16-bit rows (an _ex call with M40LLM_DTYPE_F16 or _BF16) allocates
+ *   its staging buffer, and a call with more rows than before grows it; during a capture such
+ *   a call fails with M40LLM_ERR_UNSUPPORTED before anything is written or captured (the
+ *   capture stays valid). The attention workspace is sized when a cache is created: decode
+ *   calls never grow it. The first calls also ask the runtime about their kernels (once per
+ *   context and cache shape) and, on a GPU that runs PTX, have the driver compile them.
+ * - A call that fails during a capture leaves the calls captured before it recorded and their
+ *   lengths moved, for a graph that is not launched: end the capture, discard the graph and
+ *   put the lengths back (m40llm_kvcache_seq_truncate).
+ *
  * Threading
  * - A context and every cache made from it form one unit: calls on them must not run concurrently
  *   (serialize them, e.g. one thread per context). Distinct contexts are independent and may be
@@ -457,7 +489,8 @@ int m40llm_kvcache_attn_batch_f32q(float *out, m40llm_kvcache *cache, int layer,
  *  attention runs on them, and a second small kernel rounds its output into out (on every GPU;
  *  the M40 converts with integer and FP32 operations), so the output is the FP32 call's,
  *  rounded once; the staging buffer (8 bytes per element of q) is allocated at the first such
- *  call and grown by a larger one. With an F32 dtype it is m40llm_kvcache_attn_batch_f32q.
+ *  call and grown by a larger one (not during a graph capture: see Graphs). With an F32 dtype
+ *  it is m40llm_kvcache_attn_batch_f32q.
  *  Overlap of q and out is checked over their bytes in that type. */
 int m40llm_kvcache_attn_batch_ex(void *out, m40llm_kvcache *cache, int layer,
                                  const int32_t *seq_ids, int n_seqs, const void *q, int dtype,
@@ -473,8 +506,9 @@ int m40llm_kvcache_attn_batch_ex(void *out, m40llm_kvcache *cache, int layer,
  *  read first); seq_ids may share memory with out (it is read once, first). No allocation. On
  *  the CUDA backend it is the append's launch followed by the attention's on the context's
  *  stream (with sm_90 code on an sm_90 GPU, the attention is launched as a programmatic
- *  dependent of the append, its launch overlapping the append's end). A failure of the backend's attention (a device
- *  fault) leaves the tokens appended. */
+ *  dependent of the append, its launch overlapping the append's end). q and out are checked,
+ *  and a 16-bit call's staging buffer readied, before the append: a failure of the backend's
+ *  attention after it (a device fault) is what leaves the tokens appended. */
 int m40llm_kvcache_append_attn_f32q(float *out, m40llm_kvcache *cache, int layer,
                                     const int32_t *seq_ids, int n_seqs, const float *k,
                                     const float *v, const float *q, float scale);

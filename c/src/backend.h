@@ -57,6 +57,12 @@ typedef struct m40llm_backend_ops {
                   int seq, int pos, int n_tokens);
   /* Copies src_seq's stored positions of every layer to dst_seq (lengths are the caller's). */
   int (*fork)(const m40llm_kvcache *c, int dst_seq, int src_seq);
+  /* Readies a decode attention call of n_rows query rows of element type dtype from q into
+   * out, so that what would fail it fails here, before the caller writes anything: append_attn
+   * calls it before its append. (CUDA: the pointer-kind check of q and out, and the 16-bit
+   * rows' staging buffer grown to the call's size.) */
+  int (*prepare_attention)(const m40llm_kvcache *c, int n_rows, const void *q, const void *out,
+                           int dtype);
   /* Decode attention of n_seqs query rows; each seq_ids[i] is valid, scale final; q and out
    * of element type dtype (m40llm_dtype, valid). */
   int (*attention)(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, int n_seqs,

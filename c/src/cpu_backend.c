@@ -76,6 +76,12 @@ static int cpu_cache_created(m40llm_kvcache *c) {
   return M40LLM_OK;
 }
 
+static int cpu_prepare_attention(const m40llm_kvcache *c, int n_rows, const void *q,
+                                 const void *out, int dtype) {
+  (void)c, (void)n_rows, (void)q, (void)out, (void)dtype;
+  return M40LLM_OK;
+}
+
 /* Encodes one row of a tensor from input of element type dtype: an F16 tensor stores FP16
  * input as it is (bits unchanged); otherwise the row is taken as FP32, rotated where the tensor
  * is, and a quantized tensor keeps its FP16 copy in protected row `protected_row` (SIZE_MAX:
@@ -291,6 +297,7 @@ const m40llm_backend_ops m40llm_cpu_backend = {
     .append = cpu_append,
     .read_f16 = cpu_read_f16,
     .fork = cpu_fork,
+    .prepare_attention = cpu_prepare_attention,
     .attention = cpu_attention,
     .attention_causal = cpu_attention_causal,
 };

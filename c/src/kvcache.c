@@ -541,6 +541,12 @@ int m40llm_kvcache_append_attn_ex(void *out, m40llm_kvcache *cache, int layer,
       M40LLM_OK)
     return rc;
   for (int i = 0; i < n_items; i++) cache->batch_ids[i] = cache->batch[i].seq;
+  /* What would fail the attention (q or out the backend cannot use, a buffer it cannot grow)
+   * fails before the append writes. */
+  if ((rc = m40llm_context_check(cache->ctx)) != M40LLM_OK ||
+      (rc = m40llm_context_result(cache->ctx, cache->ctx->ops->prepare_attention(
+                                                  cache, n_items, q, out, dtype))) != M40LLM_OK)
+    return rc;
   if ((rc = run_append(cache, layer, cache->batch, n_items, k, v, dtype)) != M40LLM_OK) return rc;
   return m40llm_context_result(cache->ctx, cache->ctx->ops->attention(cache, layer,
                                                                        cache->batch_ids, n_items,

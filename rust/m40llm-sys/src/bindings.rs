@@ -440,7 +440,8 @@ extern "C" {
   attention runs on them, and a second small kernel rounds its output into out (on every GPU;
   the M40 converts with integer and FP32 operations), so the output is the FP32 call's,
   rounded once; the staging buffer (8 bytes per element of q) is allocated at the first such
-  call and grown by a larger one. With an F32 dtype it is m40llm_kvcache_attn_batch_f32q.
+  call and grown by a larger one (not during a graph capture: see Graphs). With an F32 dtype
+  it is m40llm_kvcache_attn_batch_f32q.
   Overlap of q and out is checked over their bytes in that type.*/
     pub fn m40llm_kvcache_attn_batch_ex(
         out: *mut ::core::ffi::c_void,
@@ -462,8 +463,9 @@ extern "C" {
   read first); seq_ids may share memory with out (it is read once, first). No allocation. On
   the CUDA backend it is the append's launch followed by the attention's on the context's
   stream (with sm_90 code on an sm_90 GPU, the attention is launched as a programmatic
-  dependent of the append, its launch overlapping the append's end). A failure of the backend's attention (a device
-  fault) leaves the tokens appended.*/
+  dependent of the append, its launch overlapping the append's end). q and out are checked,
+  and a 16-bit call's staging buffer readied, before the append: a failure of the backend's
+  attention after it (a device fault) is what leaves the tokens appended.*/
     pub fn m40llm_kvcache_append_attn_f32q(
         out: *mut f32,
         cache: *mut m40llm_kvcache,

@@ -1,9 +1,16 @@
 //! A decode loop shaped like a small decoder: for every step, every layer appends one token of
-//! K/V to each sequence (one batched call) and runs batched attention over all sequences; the attention output of one
-//! layer becomes the query of the next (a stand-in for the layer's other work). Prints the
-//! device and the decode throughput. The prompt is appended (and its causal attention run) on
-//! the main thread and the decode loop runs on a worker thread that owns the context, the
-//! cache and the buffers (they are `Send` and carry no lifetimes).
+//! K/V to each sequence and attends over all of them in one call (`append_attention_batch`);
+//! the attention output of one layer becomes the query of the next (a stand-in for the layer's
+//! other work). Prints the device, the decode throughput and, on a GPU, the step's time
+//! against the K/V bytes it reads over the device's copy bandwidth (measured here: a device to
+//! device copy of a large buffer, bytes read + written). The prompt is appended (and its
+//! causal attention run) on the main thread and the decode loop runs on a worker thread that
+//! owns the context, the cache and the buffers (they are `Send` and carry no lifetimes).
+//!
+//! The C example (`examples/decode_loop.c`) also runs the step as one CUDA graph a step
+//! (re-captured and applied with `cudaGraphExecUpdate`: `m40llm.h`, "Graphs"); this crate has
+//! no graph API, since its sys crate links the CUDA runtime only where it was built with CUDA
+//! and the runtime's graph-update call differs between CUDA 11 and 12.
 //!
 //! ```text
 //! cargo run --release --example decode_loop -- [--backend auto|cuda|cpu] [--device N]
@@ -11,7 +18,7 @@
 //!     [--prompt N] [--steps N]
 //! ```
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use m40llm::{Backend, Context, DeviceBuffer, KvCache, KvCacheConfig, Result};
 
@@ -85,6 +92,23 @@ fn parse_args() -> Args {
     a
 }
 
+/// Device-to-device copy bandwidth in GB/s (bytes read + written), timed on the host around
+/// copies of 2 x 256 MiB queued back to back.
+fn copy_bandwidth(ctx: &Context) -> Result<f64> {
+    const N: usize = 64 << 20; // f32s: 256 MiB
+    const REPS: u32 = 10;
+    let src = DeviceBuffer::<f32>::zeros(ctx, N)?;
+    let mut dst = DeviceBuffer::<f32>::zeros(ctx, N)?;
+    dst.copy_from_device(&src)?; // warm
+    ctx.synchronize()?;
+    let t = Instant::now();
+    for _ in 0..REPS {
+        dst.copy_from_device(&src)?;
+    }
+    ctx.synchronize()?;
+    Ok(2.0 * (N * 4) as f64 * REPS as f64 / t.elapsed().as_secs_f64() / 1e9)
+}
+
 /// Deterministic filler data in [-1, 1).
 fn filler(n: usize, salt: u64) -> Vec<f32> {
     let mut x = salt.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
@@ -119,7 +143,7 @@ fn main() -> Result<()> {
     let cfg = KvCacheConfig::new(layers, args.heads, args.head_dim)
         .kv_heads(args.kv_heads)
         .max_seqs(seqs)
-        .max_seq_len(prompt + steps);
+        .max_seq_len(prompt + steps + 1); // the steps and a warm-up step
     println!(
         "{layers} layers x {seqs} sequences, {} heads / {} KV heads x {}, prompt {prompt}, {steps} steps; cache {:.1} MiB",
         cfg.n_heads,
@@ -131,6 +155,13 @@ fn main() -> Result<()> {
     let (kv_row, q_row) = (cfg.kv_row_len(), cfg.q_row_len());
 
     let ids: Vec<usize> = (0..seqs).collect();
+    let copy_gbps = if gpu {
+        let gbps = copy_bandwidth(&ctx)?;
+        println!("copy bandwidth: {gbps:.0} GB/s (device to device, bytes read + written)");
+        Some(gbps)
+    } else {
+        None
+    };
 
     // Prefill: the whole prompt of every sequence in one batched append per layer, then the
     // prompt rows' causal attention (each over the prompt up to itself) in one call.
@@ -161,14 +192,19 @@ fn main() -> Result<()> {
 
     // Decode on a worker thread that takes ownership of everything it uses.
     let worker = std::thread::spawn(move || -> Result<_> {
+        let step = |kv: &mut KvCache, q: &mut DeviceBuffer<f32>, out: &mut DeviceBuffer<f32>| {
+            for layer in 0..layers {
+                // One call stores every sequence's new token (row i for ids[i]) and attends.
+                kv.append_attention_batch(layer, &ids, &k_new, &v_new, &*q, out, None)?;
+                q.copy_from_device(&*out)?;
+            }
+            Ok::<(), m40llm::Error>(())
+        };
+        step(&mut kv, &mut q, &mut out)?; // warm-up: the first calls load the kernels
+        ctx.synchronize()?;
         let t1 = Instant::now();
         for _step in 0..steps {
-            for layer in 0..layers {
-                // One call stores every sequence's new token (row i for ids[i]).
-                kv.append_token_batch(layer, &ids, &k_new, &v_new)?;
-                kv.attention_batch(layer, &ids, &q, &mut out, None)?;
-                q.copy_from_device(&out)?;
-            }
+            step(&mut kv, &mut q, &mut out)?;
         }
         ctx.synchronize()?;
         Ok((t1.elapsed(), kv, out))
@@ -181,14 +217,28 @@ fn main() -> Result<()> {
         "non-finite attention output"
     );
     let tokens = (seqs * steps) as f64;
+    let step_time = decode / steps.max(1) as u32;
     println!(
-        "prefill {:.1} ms; decode {steps} steps in {:.1} ms: {:.2} ms/step, {:.0} tokens/s ({} sequences)",
+        "prefill {:.1} ms; decode {steps} steps in {:.1} ms: {:.3} ms/step, {:.0} tokens/s ({} sequences)",
         prefill.as_secs_f64() * 1e3,
         decode.as_secs_f64() * 1e3,
-        decode.as_secs_f64() * 1e3 / steps.max(1) as f64,
+        step_time.as_secs_f64() * 1e3,
         tokens / decode.as_secs_f64(),
         seqs
     );
+    if let Some(gbps) = copy_gbps {
+        // The K and V (FP16) every step reads: each sequence's positions after its append, in
+        // every layer, averaged over the timed steps (after the prompt and the warm-up step).
+        let mean_len = (prompt + 1) as f64 + (steps as f64 + 1.0) / 2.0;
+        let bytes = 2.0 * 2.0 * (kv_row * layers * seqs) as f64 * mean_len;
+        let at_copy = Duration::from_secs_f64(bytes / (gbps * 1e9));
+        println!(
+            "a step reads {:.3} GB of K/V: {:.3} ms at the copy bandwidth; the step takes {:.2}x that",
+            bytes / 1e9,
+            at_copy.as_secs_f64() * 1e3,
+            step_time.as_secs_f64() / at_copy.as_secs_f64()
+        );
+    }
     println!("final length per sequence: {}", kv.seq_len(0, 0)?);
     Ok(())
 }
