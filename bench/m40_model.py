@@ -191,16 +191,22 @@ def block_path(instrs, a, b):
     return n
 
 
-def analyse(instrs, gt, dmax, tight):
+def analyse(instrs, gt, dmax, tight, quantized=False):
     """Warp-instructions and issue slots a block spends on one full tile, by class and phase."""
     loops = backward_loops(instrs)
     with_bars = [(a, b, [j for j in range(a, b + 1) if instrs[j].op == "BAR"]) for a, b in loops]
     # The innermost loop around three barriers (sm_90 code also branches back from out-of-line
-    # blocks placed after the kernel: those loops are larger and hold more barriers).
+    # blocks placed after the kernel: those loops are larger and hold more barriers). A quantized
+    # kernel of up to 4 heads has a second such loop, over the FP16 slots of a protected cache's
+    # kept rows: the codes' loop is the one with the fewer FP16 conversions (F2F.F32.F16).
     cand = [l for l in with_bars if len(l[2]) == 3]
     if not cand:
         raise RuntimeError("no loop around three barriers")
-    a, b, bars = min(cand, key=lambda l: l[1] - l[0])
+
+    def f16_widens(l):
+        return sum(1 for j in range(l[0], l[1] + 1) if instrs[j].op == "F2F"
+                   and ".F32.F16" in instrs[j].opcode) if quantized else 0
+    a, b, bars = min(cand, key=lambda l: (f16_widens(l), l[1] - l[0]))
     b1, b2, b3 = bars
     # The softmax pass: after the score pass's barrier (and its MEMBAR), up to the output pass's.
     s_lo = b2 + 1 + (1 if instrs[b2 + 1].op == "MEMBAR" else 0)
@@ -267,7 +273,8 @@ def kernels_of(path, arch):
         exact = m.group(5) == "true"
         if not exact and (k, v, gt, dmax) in out:
             continue
-        r = analyse(instrs, gt, dmax, tight=not exact and (k, v) != ("KvF16", "KvF16"))
+        quantized = (k, v) != ("KvF16", "KvF16")
+        r = analyse(instrs, gt, dmax, tight=not exact and quantized, quantized=quantized)
         r.update(res.get(name, {}))
         r["exact"] = exact
         out[(k, v, gt, dmax)] = r

@@ -46,6 +46,7 @@ struct SplitBlock {
   int item, split, n_splits;
   int p_begin, p_end;  // positions (or, for a plan's kept rows, FP16 slot rows)
   bool skip;           // the split is another launch's (m40llm_attn_plan_protect)
+  bool kept;           // the split is of a kept part (FP16 slot rows) of a protected cache
   int h0, nh;          // first query head, heads in this tile (<= the tile size)
   typename P::K::Ptr k;  // this sequence's and K/V head's rows
   typename P::V::Ptr v;
@@ -67,7 +68,7 @@ __device__ __forceinline__ SplitBlock<P> split_block(const AttnArgs &a,
   b.n_splits = plan.split_begin[lo + 1] - plan.split_begin[lo];
   b.p_begin = (b.split - plan.split_begin[lo]) * plan.chunk;
   b.p_end = min(plan.len[lo], b.p_begin + plan.chunk);
-  b.skip = false;
+  b.skip = b.kept = false;
   if (kProtected && plan.role != M40LLM_PLAN_ALL) {  // protected tokens: the split's part
     const m40llm_attn_parts parts =
         m40llm_attn_item_parts(plan.len[lo], plan.window_begin[lo], plan.sinks, plan.window);
@@ -84,7 +85,9 @@ __device__ __forceinline__ SplitBlock<P> split_block(const AttnArgs &a,
       }
       j -= splits;
     }
-    b.skip = (part < 3 ? M40LLM_PLAN_KEPT : M40LLM_PLAN_CODES) != plan.role;
+    b.kept = part < 3;
+    b.skip = plan.role != M40LLM_PLAN_PARTS &&
+             (b.kept ? M40LLM_PLAN_KEPT : M40LLM_PLAN_CODES) != plan.role;
   }
   const int kvh = blockIdx.y / a.head_tiles;
   b.h0 = kvh * a.group + (blockIdx.y % a.head_tiles) * group_tile;
@@ -170,6 +173,7 @@ struct SplitPass {
   int stages;      // AttnArgs::stages
   bool dependent;  // launched as a programmatic dependent of the kernel before it
   bool mixed;      // reads a protected cache's kept rows itself (M40LLM_PLAN_MIXED): one launch
+  bool parts;      // FP32: runs the kept parts' splits too (M40LLM_PLAN_PARTS): one launch
 };
 
 // The tensor-core family's passes for a cache (attention_mma.cu):

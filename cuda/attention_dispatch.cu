@@ -65,18 +65,22 @@ int attend(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, const int
     build();
   }
   // Protected tokens: a pass that reads the kept rows itself takes them in the same splits
-  // (M40LLM_PLAN_MIXED). Otherwise they get splits of their own, which the FP32 kernel's F16
-  // instance reads from the FP16 slots in a second launch over the same plan.
+  // (M40LLM_PLAN_MIXED). Otherwise they get splits of their own: in the same launch where the
+  // FP32 kernel runs them (M40LLM_PLAN_PARTS), else read by the FP32 kernel's F16 instance from
+  // the FP16 slots in a second launch over the same plan.
   SplitPass kept_pass{};
   size_t slot_row = 0;
   if (c->slots > 0) {
     slot_row = m40llm_kv_protected_row(o, c->slots, layer, 0, 0, 0) * o->head_dim;
     int32_t window_begin[M40LLM_PLAN_MAX_ITEMS];
     for (int i = 0; i < n_seqs; i++) window_begin[i] = m40llm_window_begin(c, layer, seq_ids[i]);
+    plan.kept_k = c->k.fp16 + slot_row;
+    plan.kept_v = c->v.fp16 + slot_row;
     if (pass.mixed) {
       m40llm_attn_plan_mixed(&plan, window_begin, c->n_sinks, c->window);
-      plan.kept_k = c->k.fp16 + slot_row;
-      plan.kept_v = c->v.fp16 + slot_row;
+    } else if (pass.parts) {
+      m40llm_attn_plan_protect(&plan, window_begin, c->n_sinks, c->window, kept_chunk(pass.tile));
+      plan.role = M40LLM_PLAN_PARTS;
     } else {
       rc = fp32_split_pass<KvPair<KvF16, KvF16>>(st, o->head_dim, g, &kept_pass);
       if (rc != M40LLM_OK) return rc;
@@ -114,7 +118,7 @@ int attend(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, const int
   a.rot_scale = m40llm_rotation_scale(m40llm_rotation_block(o->head_dim));
 
   const dim3 grid((unsigned)plan.total_splits, (unsigned)g.units);
-  if (c->slots > 0 && !pass.mixed) {
+  if (c->slots > 0 && !pass.mixed && !pass.parts) {
     // The kept rows first: most of this grid's blocks return at once, and the codes' grid, its
     // dependent, launches as they do.
     AttnArgs kept = a;  // this layer's FP16 slots, [seq][kv_head][slot][dim]

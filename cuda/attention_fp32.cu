@@ -108,6 +108,11 @@ struct Walk<F, false> {
   }
 };
 
+// Kernels of up to 4 heads at a head_dim of its class: address walks, no per-row branch, and for
+// a quantized cache the kept parts of protected tokens in the same launch (8-head tiles and
+// runtime head_dims spill with any of these on sm_52).
+__host__ __device__ constexpr bool lean_kernel(int gt, bool exact) { return gt <= 4 && exact; }
+
 // P: the KvPair of K and V formats. GT: query heads per block (power of two <= kMaxGroupTile);
 // heads past the group get a zero q and are never written. DMAX: head_dim class (head_dim <=
 // DMAX, a multiple of 8).
@@ -137,11 +142,7 @@ __global__ void __launch_bounds__(kAttnThreads, kAttnMinBlocksPerSm)
   using VF = typename P::V;
   constexpr bool kFoldKMin = KF::kHasMin && fold_min(GT);
   constexpr bool kSumKMin = KF::kHasMin && !kFoldKMin;
-  // Up to 4 heads at a head_dim of its class: address walks, and no per-row branch (8-head
-  // tiles and runtime head_dims spill with either on sm_52).
-  constexpr bool kLean = GT <= 4 && kExact;
-  using KRaw = typename KF::template Raw<8>;
-  using VRaw = typename VF::template Raw<COLS>;
+  constexpr bool kLean = lean_kernel(GT, kExact);
   static_assert(LPR >= 2 && LPR <= 32 && KC >= 1 && T <= 32, "tile shape");
 
   extern __shared__ float smem[];
@@ -205,8 +206,8 @@ __global__ void __launch_bounds__(kAttnThreads, kAttnMinBlocksPerSm)
   const bool pv_active = rg < row_groups;
   // V folds its min also where a thread holds 16 accumulators (GT x COLS): the fold's COLS adds
   // a row cost no more than the sum's GT multiply-adds, and o_min's GT registers spill there.
-  constexpr bool kFoldMin = VF::kHasMin && (fold_min(GT) || GT * COLS >= 16);
-  constexpr bool kSumMin = VF::kHasMin && !kFoldMin;
+  constexpr bool kFoldVMin = fold_min(GT) || GT * COLS >= 16;
+  constexpr bool kSumMin = VF::kHasMin && !kFoldVMin;
   float o[GT][COLS];
   float o_min[kSumMin ? GT : 1];  // sum(w * min) over the rows, per head
 #pragma unroll
@@ -221,165 +222,197 @@ __global__ void __launch_bounds__(kAttnThreads, kAttnMinBlocksPerSm)
   if constexpr (KF::kScaled) static_assert(LPR * 8 % KF::kGroup == 0, "K chunks a group apart");
   const ptrdiff_t tile_step = (ptrdiff_t)T * D;
   const int v_step = row_groups * D;
-  Walk<KF, kLean> kw(a.k, KF::add(b.k, (size_t)(p_begin + k_row) * D + k_lane * 8));
-  Walk<VF, kLean> vw(a.v, VF::add(b.v, (size_t)(p_begin + rg) * D + col));
   const float *qp = sq + k_lane * 4;
 
-  for (int t0 = p_begin; t0 < p_end; t0 += T, kw.step(tile_step), vw.step(tile_step)) {
-    const int rows = min(T, p_end - t0);
-    // Every load of the tile goes out before anything waits on one: one memory latency per
-    // tile instead of one per row batch. kLean: rows past the tile's end read as zeros (every
-    // format decodes them to 0): their scores are replaced by -inf and their weights are 0, so
-    // the passes below need no per-row branch.
-    KRaw kraw[KC];
-#pragma unroll
-    for (int j = 0; j < KC; j++) {
-      const bool live = k_row < rows && k_lane + j * LPR < chunks;
-      if (live) kraw[j] = kw.template load<8>(a.k, j * LPR * 8);
-      else if (kLean) kraw[j] = KRaw{};
-    }
-    VRaw vraw[VR];
-    Walk<VF, kLean> vwi = vw;  // a step a row: no product per row and tile
-#pragma unroll
-    for (int i = 0; i < VR; i++, vwi.step(v_step)) {
-      const bool live = pv_active && rg + i * row_groups < rows;
-      if (live) vraw[i] = vwi.template load<COLS>(a.v, 0);
-      else if (kLean) vraw[i] = VRaw{};
-    }
-    __syncthreads();  // q is staged, and the previous tile's weights are consumed
-
-#pragma unroll
-    for (int g0 = 0; g0 < GT; g0 += GH) {
-      float acc[GH];
-#pragma unroll
-      for (int g = 0; g < GH; g++) acc[g] = 0.0f;
+  // The tile loop over one pair of tensors: the cache's K and V, or (a lean kernel's block of a
+  // kept part, M40LLM_PLAN_PARTS) the FP16 slots. Inside it KF, VF and the min flags are that
+  // pair's; kw and vw walk it from p_begin.
+  const auto tiles = [&](auto k_format, auto v_format, auto kw, auto vw) {
+    using KF = decltype(k_format);
+    using VF = decltype(v_format);
+    using KRaw = typename KF::template Raw<8>;
+    using VRaw = typename VF::template Raw<COLS>;
+    constexpr bool kFoldKMin = KF::kHasMin && fold_min(GT);
+    constexpr bool kSumKMin = KF::kHasMin && !kFoldKMin;
+    constexpr bool kFoldMin = VF::kHasMin && kFoldVMin;
+    constexpr bool kSumMin = VF::kHasMin && !kFoldMin;
+    for (int t0 = p_begin; t0 < p_end; t0 += T, kw.step(tile_step), vw.step(tile_step)) {
+      const int rows = min(T, p_end - t0);
+      // Every load of the tile goes out before anything waits on one: one memory latency per
+      // tile instead of one per row batch. kLean: rows past the tile's end read as zeros (every
+      // format decodes them to 0): their scores are replaced by -inf and their weights are 0, so
+      // the passes below need no per-row branch.
+      KRaw kraw[KC];
 #pragma unroll
       for (int j = 0; j < KC; j++) {
-        const int c = k_lane + j * LPR;
-        if ((kLean || k_row < rows) && c < chunks) {  // q past head_dim is not staged
-          float kf[8];
-          KF::template widen<8>(kraw[j], kf);
-          float k_scale = KF::template scale<8>(kraw[j]);
-          const float k_min = KF::template min<8>(kraw[j]);
-          if constexpr (kFoldKMin) {  // as for V below
-            const bool flat = k_scale == 0.0f;
-            const float off = flat ? 1.0f : __fdividef(k_min, k_scale);
-#pragma unroll
-            for (int i = 0; i < 8; i++) kf[i] += off;
-            k_scale = flat ? k_min : k_scale;
-          }
-#pragma unroll
-          for (int g = 0; g < GH; g++) {
-            const float *qg = qp + (g0 + g) * DMAX + j * LPR * 4;
-            const float4 qa = *reinterpret_cast<const float4 *>(qg);
-            const float4 qb = *reinterpret_cast<const float4 *>(qg + DMAX / 2);
-            float s = KF::kScaled ? 0.0f : acc[g];
-            s = fmaf(qa.x, kf[0], s);
-            s = fmaf(qa.y, kf[1], s);
-            s = fmaf(qa.z, kf[2], s);
-            s = fmaf(qa.w, kf[3], s);
-            s = fmaf(qb.x, kf[4], s);
-            s = fmaf(qb.y, kf[5], s);
-            s = fmaf(qb.z, kf[6], s);
-            s = fmaf(qb.w, kf[7], s);
-            if constexpr (KF::kScaled) s = fmaf(k_scale, s, acc[g]);
-            if constexpr (kSumKMin) s = fmaf(k_min, sqsum[(g0 + g) * (DMAX / 8) + c], s);
-            acc[g] = s;
-          }
-        }
+        const bool live = k_row < rows && k_lane + j * LPR < chunks;
+        if (live) kraw[j] = kw.template load<8>(a.k, j * LPR * 8);
+        else if (kLean) kraw[j] = KRaw{};
       }
-      // Each of a row's LPR / GH lane runs ends with one head's whole score.
-      const float score = lane_sums<GH, LPR>(acc, k_lane);
-      if (k_lane % (LPR / GH) == 0)
-        sp[k_row * GT + g0 + k_lane / (LPR / GH)] = k_row < rows ? score : -INFINITY;
-    }
-    __syncthreads();
+      VRaw vraw[VR];
+      auto vwi = vw;  // a step a row: no product per row and tile
+#pragma unroll
+      for (int i = 0; i < VR; i++, vwi.step(v_step)) {
+        const bool live = pv_active && rg + i * row_groups < rows;
+        if (live) vraw[i] = vwi.template load<COLS>(a.v, 0);
+        else if (kLean) vraw[i] = VRaw{};
+      }
+      __syncthreads();  // q is staged, and the previous tile's weights are consumed
 
-    // Online softmax over the tile: a thread a (head, position), T adjacent lanes a head, so
-    // that every lane of a busy warp has a weight to work out. Whether any head's max rose
-    // comes back from the barrier: the output is rescaled only then (alpha is exactly 1
-    // otherwise).
-    bool raised = false;
 #pragma unroll
-    for (int pass = 0; pass < kSoftPasses; pass++) {
-      const int i0 = (tid & ~31) + pass * kAttnThreads;
-      if (i0 >= GT * T) break;  // whole warps: every lane of a busy one takes part
-      const int i = i0 + (tid & 31);
-      const bool mine = i < GT * T;
-      const int g = mine ? i / T : 0, r = i % T;
-      const float x = mine ? sp[r * GT + g] : -INFINITY;
-      float tile_max = x;
+      for (int g0 = 0; g0 < GT; g0 += GH) {
+        float acc[GH];
 #pragma unroll
-      for (int off = T / 2; off > 0; off >>= 1)
-        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, off));
-      SoftmaxState st = s_state[g];
-      const float alpha = st.raise(tile_max);
-      const float w = st.weight(x);
-      float sum = w;
+        for (int g = 0; g < GH; g++) acc[g] = 0.0f;
 #pragma unroll
-      for (int off = T / 2; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-      st.l += sum;
-      raised |= mine && alpha != 1.0f;
-      __syncwarp();  // every lane has read s_state[g] before its head's first lane replaces it
-      if (mine) {
-        sp[r * GT + g] = w;
-        if (r == 0) {
-          s_state[g] = st;
-          s_alpha[g] = alpha;
-        }
-      }
-    }
-    raised = __syncthreads_or(raised);
-
-    if (pv_active) {
-      if (raised) {
-        float alpha[GT];
-        load_weights<GT>(s_alpha, alpha);
+        for (int j = 0; j < KC; j++) {
+          const int c = k_lane + j * LPR;
+          if ((kLean || k_row < rows) && c < chunks) {  // q past head_dim is not staged
+            float kf[8];
+            KF::template widen<8>(kraw[j], kf);
+            float k_scale = KF::template scale<8>(kraw[j]);
+            const float k_min = KF::template min<8>(kraw[j]);
+            if constexpr (kFoldKMin) {  // as for V below
+              const bool flat = k_scale == 0.0f;
+              const float off = flat ? 1.0f : __fdividef(k_min, k_scale);
 #pragma unroll
-        for (int g = 0; g < GT; g++) {
-#pragma unroll
-          for (int i = 0; i < COLS; i++) o[g][i] *= alpha[g];
-          if constexpr (kSumMin) o_min[g] *= alpha[g];
-        }
-      }
-#pragma unroll
-      for (int i = 0; i < VR; i++) {
-        const int r = rg + i * row_groups;  // past the tile only where head_dim < DMAX
-        if (kLean ? kExact || r < T : r < rows) {
-          float vf[COLS];
-          VF::template widen<COLS>(vraw[i], vf);
-          float v_scale = VF::template scale<COLS>(vraw[i]);
-          const float v_min = VF::template min<COLS>(vraw[i]);
-          if constexpr (kFoldMin) {
-            // A group of equal values has scale 0 and codes 0: then value = (0 + 1) x min.
-            // (8-head tiles: see fold_min.)
-            const bool flat = v_scale == 0.0f;
-            const float off = flat ? 1.0f : __fdividef(v_min, v_scale);
-#pragma unroll
-            for (int c = 0; c < COLS; c++) vf[c] += off;
-            v_scale = flat ? v_min : v_scale;
-          }
-          // The scale goes on whichever is fewer: this row's COLS codes, or its GT weights.
-          constexpr bool kScaleCodes = VF::kScaled && COLS < GT;
-          if constexpr (kScaleCodes) {
-#pragma unroll
-            for (int c = 0; c < COLS; c++) vf[c] *= v_scale;
-          }
-#pragma unroll
-          for (int g0 = 0; g0 < GT; g0 += GH) {
-            float w[GH];
-            load_weights<GH>(sp + r * GT + g0, w);
+              for (int i = 0; i < 8; i++) kf[i] += off;
+              k_scale = flat ? k_min : k_scale;
+            }
 #pragma unroll
             for (int g = 0; g < GH; g++) {
-              const float wv = VF::kScaled && !kScaleCodes ? w[g] * v_scale : w[g];
+              const float *qg = qp + (g0 + g) * DMAX + j * LPR * 4;
+              const float4 qa = *reinterpret_cast<const float4 *>(qg);
+              const float4 qb = *reinterpret_cast<const float4 *>(qg + DMAX / 2);
+              float s = KF::kScaled ? 0.0f : acc[g];
+              s = fmaf(qa.x, kf[0], s);
+              s = fmaf(qa.y, kf[1], s);
+              s = fmaf(qa.z, kf[2], s);
+              s = fmaf(qa.w, kf[3], s);
+              s = fmaf(qb.x, kf[4], s);
+              s = fmaf(qb.y, kf[5], s);
+              s = fmaf(qb.z, kf[6], s);
+              s = fmaf(qb.w, kf[7], s);
+              if constexpr (KF::kScaled) s = fmaf(k_scale, s, acc[g]);
+              if constexpr (kSumKMin) s = fmaf(k_min, sqsum[(g0 + g) * (DMAX / 8) + c], s);
+              acc[g] = s;
+            }
+          }
+        }
+        // Each of a row's LPR / GH lane runs ends with one head's whole score.
+        const float score = lane_sums<GH, LPR>(acc, k_lane);
+        if (k_lane % (LPR / GH) == 0)
+          sp[k_row * GT + g0 + k_lane / (LPR / GH)] = k_row < rows ? score : -INFINITY;
+      }
+      __syncthreads();
+
+      // Online softmax over the tile: a thread a (head, position), T adjacent lanes a head, so
+      // that every lane of a busy warp has a weight to work out. Whether any head's max rose
+      // comes back from the barrier: the output is rescaled only then (alpha is exactly 1
+      // otherwise).
+      bool raised = false;
 #pragma unroll
-              for (int c = 0; c < COLS; c++) o[g0 + g][c] = fmaf(wv, vf[c], o[g0 + g][c]);
-              if constexpr (kSumMin) o_min[g0 + g] = fmaf(w[g], v_min, o_min[g0 + g]);
+      for (int pass = 0; pass < kSoftPasses; pass++) {
+        const int i0 = (tid & ~31) + pass * kAttnThreads;
+        if (i0 >= GT * T) break;  // whole warps: every lane of a busy one takes part
+        const int i = i0 + (tid & 31);
+        const bool mine = i < GT * T;
+        const int g = mine ? i / T : 0, r = i % T;
+        const float x = mine ? sp[r * GT + g] : -INFINITY;
+        float tile_max = x;
+#pragma unroll
+        for (int off = T / 2; off > 0; off >>= 1)
+          tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, off));
+        SoftmaxState st = s_state[g];
+        const float alpha = st.raise(tile_max);
+        const float w = st.weight(x);
+        float sum = w;
+#pragma unroll
+        for (int off = T / 2; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+        st.l += sum;
+        raised |= mine && alpha != 1.0f;
+        __syncwarp();  // every lane has read s_state[g] before its head's first lane replaces it
+        if (mine) {
+          sp[r * GT + g] = w;
+          if (r == 0) {
+            s_state[g] = st;
+            s_alpha[g] = alpha;
+          }
+        }
+      }
+      raised = __syncthreads_or(raised);
+
+      if (pv_active) {
+        if (raised) {
+          float alpha[GT];
+          load_weights<GT>(s_alpha, alpha);
+#pragma unroll
+          for (int g = 0; g < GT; g++) {
+#pragma unroll
+            for (int i = 0; i < COLS; i++) o[g][i] *= alpha[g];
+            if constexpr (kSumMin) o_min[g] *= alpha[g];
+          }
+        }
+#pragma unroll
+        for (int i = 0; i < VR; i++) {
+          const int r = rg + i * row_groups;  // past the tile only where head_dim < DMAX
+          if (kLean ? kExact || r < T : r < rows) {
+            float vf[COLS];
+            VF::template widen<COLS>(vraw[i], vf);
+            float v_scale = VF::template scale<COLS>(vraw[i]);
+            const float v_min = VF::template min<COLS>(vraw[i]);
+            if constexpr (kFoldMin) {
+              // A group of equal values has scale 0 and codes 0: then value = (0 + 1) x min.
+              // (8-head tiles: see fold_min.)
+              const bool flat = v_scale == 0.0f;
+              const float off = flat ? 1.0f : __fdividef(v_min, v_scale);
+#pragma unroll
+              for (int c = 0; c < COLS; c++) vf[c] += off;
+              v_scale = flat ? v_min : v_scale;
+            }
+            // The scale goes on whichever is fewer: this row's COLS codes, or its GT weights.
+            constexpr bool kScaleCodes = VF::kScaled && COLS < GT;
+            if constexpr (kScaleCodes) {
+#pragma unroll
+              for (int c = 0; c < COLS; c++) vf[c] *= v_scale;
+            }
+#pragma unroll
+            for (int g0 = 0; g0 < GT; g0 += GH) {
+              float w[GH];
+              load_weights<GH>(sp + r * GT + g0, w);
+#pragma unroll
+              for (int g = 0; g < GH; g++) {
+                const float wv = VF::kScaled && !kScaleCodes ? w[g] * v_scale : w[g];
+#pragma unroll
+                for (int c = 0; c < COLS; c++) o[g0 + g][c] = fmaf(wv, vf[c], o[g0 + g][c]);
+                if constexpr (kSumMin) o_min[g0 + g] = fmaf(w[g], v_min, o_min[g0 + g]);
+              }
             }
           }
         }
       }
     }
+  };
+  const size_t k_first = (size_t)(p_begin + k_row) * D + k_lane * 8;
+  const size_t v_first = (size_t)(p_begin + rg) * D + col;
+  const auto cache_tiles = [&] {
+    tiles(KF{}, VF{}, Walk<KF, kLean>(a.k, KF::add(b.k, k_first)),
+          Walk<VF, kLean>(a.v, VF::add(b.v, v_first)));
+  };
+  if constexpr (kLean && kQuant) {
+    if (b.kept) {  // this layer's FP16 slots, [seq][kv_head][slot][dim]
+      const size_t slot0 =
+          ((size_t)plan.seq[b.item] * (a.n_heads / a.group) + blockIdx.y / a.head_tiles) *
+          (size_t)(plan.sinks + plan.window) * D;
+      const __half *kk = static_cast<const __half *>(plan.kept_k) + slot0;
+      const __half *vk = static_cast<const __half *>(plan.kept_v) + slot0;
+      tiles(KvF16{}, KvF16{}, Walk<KvF16, true>(a.k, kk + k_first),
+            Walk<KvF16, true>(a.v, vk + v_first));
+    } else {
+      cache_tiles();
+    }
+  } else {
+    cache_tiles();
   }
   // A one-pass plan's next kernel is most likely the next call's split kernel: let in any
   // earlier, its blocks would hold SM slots through this loop (B32 32/8 D64 L512 on an H100:
@@ -478,7 +511,8 @@ int fp32_split_pass(m40llm_cuda_state *st, int head_dim, const Grouping &g, Spli
   SplitPass pass{kernel_for<P>(g.gt, head_dim), kAttnThreads,
                  split_smem_floats(g.gt, dmax, head_dim, P::K::kHasMin,
                                    P::V::kScaled && head_dim == dmax) * sizeof(float),
-                 tile_rows(g.gt, dmax, false), 0, 0, false, false};
+                 tile_rows(g.gt, dmax, false), 0, 0, false, false,
+                 (P::K::kScaled || P::V::kScaled) && lean_kernel(g.gt, head_dim == dmax)};
   int rc = kernel_waits(st, reinterpret_cast<const void *>(pass.kernel), &st->fp32_dependent,
                         &pass.dependent);
   if (rc != M40LLM_OK) return rc;

@@ -902,7 +902,7 @@ int stages_for(const m40llm_cuda_state *st, int head_dim, int warps, size_t stat
 // kernel sizes its shared memory and asks its occupancy. No kernel: a null one.
 template <typename P>
 int pass_for(m40llm_cuda_state *st, int head_dim, bool staged, int warps, SplitPass *out) {
-  *out = SplitPass{nullptr, 32 * warps, 0, kMmaRows * warps, 0, 0, false, false};
+  *out = SplitPass{nullptr, 32 * warps, 0, kMmaRows * warps, 0, 0, false, false, false};
   const SplitKernel k = kernel_for<P>(head_dim, staged, warps);
   if (!k || st->cc_major < (staged ? 9 : 8) || (staged && !M40LLM_MMA_BULK_BUILT))
     return M40LLM_OK;

@@ -22,12 +22,12 @@ typedef struct m40llm_attn_plan {
   int32_t split_begin[M40LLM_PLAN_MAX_ITEMS + 1]; /* item i owns splits [begin[i], begin[i+1]) */
   /* Caches with protected tokens (m40llm_attn_plan_protect): which rows this launch takes, the
    * cache's sinks and window, and each item's first window position. */
-  int32_t role; /* M40LLM_PLAN_ALL, _KEPT, _CODES or _MIXED */
+  int32_t role; /* M40LLM_PLAN_ALL, _KEPT, _CODES, _MIXED or _PARTS */
   int32_t sinks, window;
   int32_t kept_chunk; /* rows per split of the kept parts */
   int32_t window_begin[M40LLM_PLAN_MAX_ITEMS];
-  /* M40LLM_PLAN_MIXED: this layer's FP16 slots of K and V, [seq][kv_head][slot][dim] (the
-   * backend's device memory; set by the caller) */
+  /* M40LLM_PLAN_MIXED and _PARTS: this layer's FP16 slots of K and V, [seq][kv_head][slot][dim]
+   * (the backend's device memory; set by the caller) */
   const void *kept_k, *kept_v;
 } m40llm_attn_plan;
 
@@ -38,7 +38,10 @@ enum {
   /* every row of each item in one launch, splits as for ALL: a split's rows are the item's parts
    * in order (parts 0-2 from the FP16 slots at kept_k/kept_v, then part 3), and the kernel cuts
    * its range into them */
-  M40LLM_PLAN_MIXED = 3
+  M40LLM_PLAN_MIXED = 3,
+  /* the splits of m40llm_attn_plan_protect, every part in one launch: a split of a kept part
+   * reads the FP16 slots at kept_k/kept_v, the others the codes */
+  M40LLM_PLAN_PARTS = 4
 };
 
 #ifdef __CUDACC__
