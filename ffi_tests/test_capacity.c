@@ -153,7 +153,8 @@ static void test_bad_arguments(void) {
   bad[n++].head_dim = 257;
   bad[n++].head_dim = 48; /* Q8 needs a multiple of 32 */
   bad[n++].max_seqs = 0;
-  bad[n++].format = 3;
+  bad[n++].format = 5;
+  bad[n++].format = M40LLM_KV_Q2; /* V only */
   bad[n++].v_format = -2;
   bad[n].n_layers = INT_MAX; /* past size_t with one position */
   bad[n].max_seqs = INT_MAX;
