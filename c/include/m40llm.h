@@ -422,7 +422,7 @@ int m40llm_kvcache_append_batch_ex(m40llm_kvcache *cache, int layer, const int32
                                    const int32_t *n_tokens, int n_seqs, const void *k,
                                    const void *v, int dtype);
 /** Copies positions [pos, pos + n_tokens) of (layer, seq) out as FP16 into k_out and v_out
- *  (Q8 and Q4: what attention reads: the dequantized values, or a protected position's FP16
+ *  (quantized formats: what attention reads: the dequantized values, or a protected position's FP16
  *  copy, rotated back where the tensor is rotated, rounded to FP16),
  *  [n_tokens][n_kv_heads][head_dim] in backend memory. Either output may be NULL to skip it; both
  *  NULL, or n_tokens < 1, fails with M40LLM_ERR_INVALID_ARGUMENT. A range outside

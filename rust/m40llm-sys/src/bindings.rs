@@ -348,7 +348,7 @@ extern "C" {
         dtype: ::core::ffi::c_int,
     ) -> ::core::ffi::c_int;
     /** Copies positions [pos, pos + n_tokens) of (layer, seq) out as FP16 into k_out and v_out
-  (Q8 and Q4: what attention reads: the dequantized values, or a protected position's FP16
+  (quantized formats: what attention reads: the dequantized values, or a protected position's FP16
   copy, rotated back where the tensor is rotated, rounded to FP16),
   [n_tokens][n_kv_heads][head_dim] in backend memory. Either output may be NULL to skip it; both
   NULL, or n_tokens < 1, fails with M40LLM_ERR_INVALID_ARGUMENT. A range outside
