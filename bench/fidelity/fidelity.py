@@ -549,12 +549,19 @@ def main():
             elif old.get("library") and old["library"].get("kv_options_version") == \
                     res["library"]["kv_options_version"]:
                 done = {r["spec"] for r in res["library"]["rows"] if "skipped" not in r}
-                res["library"]["rows"] += [r for r in old["library"]["rows"]
-                                           if r["spec"] not in done and "skipped" not in r]
+                kept = [r for r in old["library"]["rows"]
+                        if r["spec"] not in done and "skipped" not in r]
+                res["library"]["rows"] += kept
+                if kept and old["library"]["path"] != res["library"]["path"]:
+                    res["library"]["path"] += f"; earlier rows: {old['library']['path']}"
             for k in ("e2e", "e2e_f64", "attention"):
                 if k not in res and k in old:
                     res[k] = {}
                 for n, v in old.get(k, {}).items():
+                    # F16 runs every time as the reference: unless asked for, the earlier
+                    # numbers stay (the earlier library rows were compared with them)
+                    if n == "F16" and "F16" not in want:
+                        res[k][n] = v
                     res[k].setdefault(n, v)
             if old.get("synthetic"):
                 if res["synthetic"] is None:
