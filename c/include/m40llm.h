@@ -288,9 +288,10 @@ typedef enum m40llm_kv_format {
    *   Q2: codes c = round((x - m) / d) in 0..3, d = fp16((max - min) / 3), m = fp16(min):
    *       x ~ c d + m (3 bits a value)
    * A group whose scale d is 0 stores codes 0. Q3 and Q2 are V formats only: opts->format (K)
-   * naming one fails with M40LLM_ERR_INVALID_ARGUMENT, since 3- and 2-bit K make the scores,
-   * hence the softmax, unusably wrong (bench/fidelity/results/buckets.md: KL 0.15 at best on a
-   * real model, against 3.7e-3 for K Q4 with V Q3); set format to K's and v_format to Q3/Q2.
+   * naming one fails with M40LLM_ERR_INVALID_ARGUMENT: K is the sensitive half (on a real
+   * model, bench/fidelity/results/buckets.md: all-Q3 is twice K Q4 with V Q2's error at the
+   * same bytes, KL 1.7e-2 against 8.6e-3, and 2-bit K is unusable, KL 0.15 at best); set
+   * format to K's and v_format to Q3/Q2.
    * Storage of one row, per group of 32 dims (byte b, bit i; element e of the group):
    *   Q8: 32 bytes, byte e = c + 128; Q4: 16 bytes, e in bits 4(e % 2).. of byte e / 2;
    *   Q2: 8 bytes, e in bits 2(e % 4).. of byte e / 4;

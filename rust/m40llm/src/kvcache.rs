@@ -29,7 +29,8 @@ pub enum KvFormat {
     Q4,
     /// V only: 3-bit codes, one FP16 (scale, min) pair per 32 dims (4 bits a value), as
     /// [`KvFormat::Q4`] with codes in 0..=7 and `d = fp16((max − min) / 7)`. K may not use it
-    /// (3-bit K makes attention unusable): a config whose `format` is Q3 is refused with
+    /// (K is the sensitive half: 3-bit K costs more than it saves against V in 3 or 2 bits at
+    /// the same bytes, see the C header): a config whose `format` is Q3 is refused with
     /// [`Status::InvalidArgument`]; set it as [`KvCacheConfig::v_format`]. The CUDA backend has
     /// no kernels for it yet ([`Status::Unsupported`] at creation).
     Q3,
