@@ -272,7 +272,12 @@ int with_kv_format(int format, F &&f) {
     case M40LLM_KV_F16: return f(KvF16{});
     case M40LLM_KV_Q8: return f(KvQ8{});
     case M40LLM_KV_Q4: return f(KvQ4{});
-    default: return m40llm_fail(M40LLM_ERR_UNSUPPORTED, "KV format %d has no CUDA kernels", format);
+    default: {
+      const m40llm_kv_format_desc *d = m40llm_kv_format_find(format);
+      return d ? m40llm_fail(M40LLM_ERR_UNSUPPORTED,
+                             "KV format %s: no CUDA kernels yet (the CPU backend has it)", d->name)
+               : m40llm_fail(M40LLM_ERR_UNSUPPORTED, "KV format %d has no CUDA kernels", format);
+    }
   }
 }
 

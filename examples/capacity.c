@@ -38,7 +38,10 @@ static const struct {
 } formats[] = {{"F16", M40LLM_KV_F16, M40LLM_KV_SAME},
                {"Q8", M40LLM_KV_Q8, M40LLM_KV_SAME},
                {"Q4", M40LLM_KV_Q4, M40LLM_KV_SAME},
-               {"K8/V4", M40LLM_KV_Q8, M40LLM_KV_Q4}};
+               {"K8/V4", M40LLM_KV_Q8, M40LLM_KV_Q4},
+               {"K4/V3", M40LLM_KV_Q4, M40LLM_KV_Q3},
+               {"K4/V2", M40LLM_KV_Q4, M40LLM_KV_Q2}};
+#define N_FORMATS ((int)(sizeof formats / sizeof formats[0]))
 
 static const int seq_counts[] = {1, 8};
 
@@ -63,7 +66,8 @@ static int table(double gpu_gib) {
          gpu_gib, RESERVE / GIB);
   printf("%-12s %7s %7s |", "model", "weights", "KV");
   for (size_t s = 0; s < sizeof seq_counts / sizeof seq_counts[0]; s++)
-    printf(" %-31s |", seq_counts[s] == 1 ? "tokens, 1 sequence" : "tokens each, 8 sequences");
+    printf(" %-*s |", 8 * N_FORMATS - 1,
+           seq_counts[s] == 1 ? "tokens, 1 sequence" : "tokens each, 8 sequences");
   printf("\n%-12s %7s %7s |", "", "GiB", "GiB");
   for (size_t s = 0; s < sizeof seq_counts / sizeof seq_counts[0]; s++) {
     for (size_t f = 0; f < sizeof formats / sizeof formats[0]; f++)
@@ -126,7 +130,8 @@ static int this_machine(void) {
 int main(void) {
   printf("KV cache capacity (m40llm_kvcache_max_seq_len). Assumed: weights in 4 bits\n"
          "(parameters x 4.5 / 8 bytes), a %.0f GiB reserve (CUDA context, activations,\n"
-         "attention workspace). Tokens each sequence can hold; K8/V4 = K in Q8, V in Q4.\n",
+         "attention workspace). Tokens each sequence can hold; K8/V4 = K in Q8, V in Q4\n"
+         "(K4/V3, K4/V2: V in Q3, Q2; CPU backend only for now).\n",
          RESERVE / GIB);
   if (table(12.0) != 0 || table(24.0) != 0) return 1;
   return this_machine();

@@ -76,7 +76,8 @@ static void error_paths_options(m40llm_context *ctx) {
   BAD(max_seqs, -1, INVALID_ARGUMENT, "max_seqs");
   BAD(max_seq_len, 0, INVALID_ARGUMENT, "max_seq_len");
   BAD(max_seq_len, INT_MIN, INVALID_ARGUMENT, "max_seq_len");
-  BAD(format, 3, UNSUPPORTED, "format");
+  BAD(format, 5, UNSUPPORTED, "format");
+  BAD(format, M40LLM_KV_Q3, INVALID_ARGUMENT, "V format only");
   BAD(format, -1, UNSUPPORTED, "format");
   BAD(rotation, -1, INVALID_ARGUMENT, "rotation");
   BAD(rotation, 4, INVALID_ARGUMENT, "rotation");

@@ -256,6 +256,13 @@ static int trio_open(trio *t, m40llm_context *ctx, batch_shape s, int n_layers, 
   if (!T_OK(m40llm_context_create(&t->cpu, &co))) return 0;
   int rc = M40LLM_OK;
   t->a = create(ctx, s, n_layers, max_seqs, max_len, &rc);
+  if ((s.vf == M40LLM_KV_Q3 || s.vf == M40LLM_KV_Q2) && backend_is_cuda(ctx)) {
+    /* no CUDA kernels yet: refused at create */
+    T_CHECKF(rc == M40LLM_ERR_UNSUPPORTED &&
+                 strstr(m40llm_last_error_message(), "no CUDA kernels yet") != NULL,
+             "create returned %d (%s)", rc, m40llm_last_error_message());
+    return 0;
+  }
   if (rc == M40LLM_ERR_UNSUPPORTED && backend_is_cuda(ctx) && s.kf != s.vf) {
     /* the CUDA backend has kernels for some format pairs only, and says so at create */
     T_CHECK(strstr(m40llm_last_error_message(), "no kernels for K format") != NULL);
@@ -556,6 +563,7 @@ static void fused_case(m40llm_context *ctx, batch_shape s) {
 void t_cases_append_batch(m40llm_context *ctx, int small) {
   enum { AUTO = M40LLM_ROTATE_AUTO, NONE = M40LLM_ROTATE_NONE, KV = M40LLM_ROTATE_KV };
   enum { F16 = M40LLM_KV_F16, Q8 = M40LLM_KV_Q8, Q4 = M40LLM_KV_Q4, SAME = M40LLM_KV_SAME };
+  enum { Q3 = M40LLM_KV_Q3, Q2 = M40LLM_KV_Q2 };
   static const batch_shape shapes[] = {
       {F16, SAME, 32, 8, 128, AUTO, 4, 128}, /* GQA; all F16: nothing protected */
       {F16, SAME, 6, 2, 40, AUTO, 0, 0},     /* head_dim not a power of two */
@@ -564,6 +572,8 @@ void t_cases_append_batch(m40llm_context *ctx, int small) {
       {Q8, Q4, 8, 2, 128, AUTO, 4, 128},
       {Q8, SAME, 12, 4, 32, NONE, 0, 0},
       {F16, Q4, 4, 2, 64, AUTO, 3, 5},       /* the CPU backend only */
+      {Q4, Q3, 8, 2, 64, AUTO, 4, 16},       /* V in 3 and 2 bits: the CPU backend only */
+      {Q4, Q2, 4, 1, 128, KV, 2, 7},
   };
   for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++) shape_case(ctx, shapes[i], small);
   wide_case(ctx, shapes[1]);
@@ -572,5 +582,6 @@ void t_cases_append_batch(m40llm_context *ctx, int small) {
   fused_case(ctx, shapes[0]);
   fused_case(ctx, shapes[2]);
   fused_case(ctx, shapes[4]);
+  fused_case(ctx, shapes[7]);
   t_set_case("");
 }

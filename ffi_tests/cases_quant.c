@@ -1,8 +1,10 @@
 /*
- * Quantized KV formats (Q8, Q4, and K/V pairs of formats), rotated or not, with protected tokens
+ * Quantized KV formats (Q8, Q4, the V formats Q3 and Q2, and K/V pairs of formats), rotated or
+ * not, with protected tokens
  * (sinks and a window kept FP16) or without, against an independent quantizer and rotation
  * written from the header's definition: the stored values (read_f16, bit-exact), and attention
- * against a float64 reference over the stored values, on any context (CPU or CUDA).
+ * against a float64 reference over the stored values, on any context (CPU or CUDA). Q3 and Q2
+ * have no CUDA kernels yet: there, creating such a cache must fail with M40LLM_ERR_UNSUPPORTED.
  */
 #include <math.h>
 #include <stddef.h>
@@ -25,16 +27,17 @@ static void quantize_group(int fmt, const float *x, double *out) {
       const float c = d == 0.0f ? 0.0f : fmaxf(fminf(rintf(x[i] / d), 127.0f), -127.0f);
       out[i] = (double)(int)c * (double)d; /* an integer code: no -0 */
     }
-  } else {
+  } else { /* Q4, Q3, Q2: codes 0..qmax */
+    const float qmax = fmt == M40LLM_KV_Q4 ? 15.0f : fmt == M40LLM_KV_Q3 ? 7.0f : 3.0f;
     float lo = x[0], hi = x[0];
     for (int i = 1; i < GROUP; i++) {
       lo = fminf(lo, x[i]);
       hi = fmaxf(hi, x[i]);
     }
-    const float d = t_f16_to_f32(t_f32_to_f16((hi - lo) / 15.0f));
+    const float d = t_f16_to_f32(t_f32_to_f16((hi - lo) / qmax));
     const float m = t_f16_to_f32(t_f32_to_f16(lo));
     for (int i = 0; i < GROUP; i++) {
-      const float c = d == 0.0f ? 0.0f : fmaxf(fminf(rintf((x[i] - m) / d), 15.0f), 0.0f);
+      const float c = d == 0.0f ? 0.0f : fmaxf(fminf(rintf((x[i] - m) / d), qmax), 0.0f);
       out[i] = (double)(int)c * (double)d + (double)m;
     }
   }
@@ -127,6 +130,18 @@ static int backend_is_cuda(m40llm_context *ctx) {
   return m40llm_context_device_info(&info, ctx) == M40LLM_OK && info.backend == M40LLM_BACKEND_CUDA;
 }
 
+static int is_low_bit(int fmt) { return fmt == M40LLM_KV_Q3 || fmt == M40LLM_KV_Q2; }
+
+int t_low_bit_refused(m40llm_context *ctx, const m40llm_kvcache_options *o) {
+  const int vf = o->v_format == M40LLM_KV_SAME ? o->format : o->v_format;
+  if (!backend_is_cuda(ctx) || !(is_low_bit(o->format) || is_low_bit(vf))) return 0;
+  m40llm_kvcache *c = (m40llm_kvcache *)&c;
+  T_FAIL_WITH(m40llm_kvcache_create(&c, ctx, o), M40LLM_ERR_UNSUPPORTED, "no CUDA kernels yet");
+  T_CHECK(strstr(m40llm_last_error_message(), vf == M40LLM_KV_Q3 ? "Q3" : "Q2") != NULL);
+  T_CHECK(c == (m40llm_kvcache *)&c);
+  return 1;
+}
+
 typedef struct {
   int kf, vf, n_heads, n_kv, d;
   int rotation, sinks, window; /* the options' (rotation: m40llm_kv_rotation) */
@@ -157,6 +172,7 @@ static void run_case(m40llm_context *ctx, quant_case c, const int *lens, int n_s
   t_set_case("quantized K %d / V %d, %d/%d heads, head_dim %d, rotation %d, sinks %d, window "
              "%d%s: create", c.kf, c.vf, c.n_heads, c.n_kv, c.d, c.rotation, c.sinks, c.window,
              use_f16 ? ", FP16 input" : "");
+  if (t_low_bit_refused(ctx, &o)) return;
   m40llm_kvcache *cache = NULL;
   int rc = m40llm_kvcache_create(&cache, ctx, &o);
   if (rc == M40LLM_ERR_UNSUPPORTED && backend_is_cuda(ctx)) {
@@ -308,18 +324,20 @@ done:
   m40llm_kvcache_destroy(cache);
 }
 
-/* Fork and truncate copy and keep every plane. */
-static void fork_truncate(m40llm_context *ctx, int fmt) {
-  t_set_case("quantized %d: fork and truncate", fmt);
+/* Fork and truncate copy and keep every plane, of K and of V. */
+static void fork_truncate(m40llm_context *ctx, int kf, int vf) {
+  t_set_case("quantized K %d / V %d: fork and truncate", kf, vf);
   m40llm_kvcache_options o = M40LLM_KVCACHE_OPTIONS_INIT;
   o.n_layers = 2, o.n_heads = 4, o.n_kv_heads = 2, o.head_dim = 64, o.max_seqs = 3;
-  o.max_seq_len = 40, o.format = fmt;
+  o.max_seq_len = 40, o.format = kf, o.v_format = vf;
+  if (t_low_bit_refused(ctx, &o)) return;
   m40llm_kvcache *cache = NULL;
   if (!T_OK(m40llm_kvcache_create(&cache, ctx, &o))) return;
-  const size_t row = 2 * 64, n = 40 * row;
+  const size_t row = 2 * 64, n = 40 * row, part = 25 * row * 2;
   float *k = malloc(n * sizeof(float));
-  uint16_t *a = malloc(n * 2), *b = malloc(n * 2);
-  void *dk = NULL, *ra = t_dev_alloc(ctx, n * 2), *rb = t_dev_alloc(ctx, n * 2);
+  uint16_t *a = malloc(2 * n * 2), *b = malloc(2 * n * 2);
+  void *dk = NULL;
+  uint16_t *ra = t_dev_alloc(ctx, 2 * n * 2), *rb = t_dev_alloc(ctx, 2 * n * 2);
   if (!T_CHECK(k && a && b && ra && rb)) goto done;
   fill_values(k, 40 * 2, 64, 1);
   dk = t_dev_upload(ctx, k, n * sizeof(float));
@@ -329,10 +347,12 @@ static void fork_truncate(m40llm_context *ctx, int fmt) {
   int len = -1;
   T_OK(m40llm_kvcache_seq_len(&len, cache, 1, 2));
   T_INT_EQ(len, 25);
-  if (T_OK(m40llm_kvcache_read_f16(ra, rb, cache, 1, 0, 0, 25)) &&
-      T_OK(m40llm_kvcache_read_f16(rb, NULL, cache, 1, 2, 0, 25)) &&
-      t_dev_download(ctx, a, ra, 25 * row * 2) && t_dev_download(ctx, b, rb, 25 * row * 2))
-    T_CHECKF(memcmp(a, b, 25 * row * 2) == 0, "the fork's K differs from its source");
+  if (T_OK(m40llm_kvcache_read_f16(ra, ra + n, cache, 1, 0, 0, 25)) &&
+      T_OK(m40llm_kvcache_read_f16(rb, rb + n, cache, 1, 2, 0, 25)) &&
+      t_dev_download(ctx, a, ra, 2 * n * 2) && t_dev_download(ctx, b, rb, 2 * n * 2)) {
+    T_CHECKF(memcmp(a, b, part) == 0, "the fork's K differs from its source");
+    T_CHECKF(memcmp(a + n, b + n, part) == 0, "the fork's V differs from its source");
+  }
 done:
   m40llm_free(ctx, dk);
   m40llm_free(ctx, ra);
@@ -368,11 +388,41 @@ static void options(m40llm_context *ctx) {
     T_CHECK(bytes == 2 * (values + values / 16) + 2 * (kept / 24 * 100));
   o.window = 0;
   if (T_OK(m40llm_kvcache_bytes_needed(&bytes, &o))) T_CHECK(bytes == 2 * (values + values / 16));
+  /* V in Q3 (4 bits a value) and Q2 (3 bits), K in Q4 (5 bits) */
+  o.format = M40LLM_KV_Q4, o.v_format = M40LLM_KV_Q3, o.n_sinks = 4, o.window = 20;
+  if (T_OK(m40llm_kvcache_bytes_needed(&bytes, &o)))
+    T_CHECK(bytes == values * 5 / 8 + values * 4 / 8 + 2 * kept);
+  o.v_format = M40LLM_KV_Q2;
+  if (T_OK(m40llm_kvcache_bytes_needed(&bytes, &o)))
+    T_CHECK(bytes == values * 5 / 8 + values * 3 / 8 + 2 * kept);
+  o.format = M40LLM_KV_F16;
+  if (T_OK(m40llm_kvcache_bytes_needed(&bytes, &o)))
+    T_CHECK(bytes == 2 * values + values * 3 / 8 + kept);
+  /* K may not be Q3 or Q2, whatever V is, on every backend: nothing created */
+  for (int f = M40LLM_KV_Q3; f <= M40LLM_KV_Q2; f++) {
+    const int vfs[3] = {M40LLM_KV_SAME, M40LLM_KV_Q4, f};
+    for (int i = 0; i < 3; i++) {
+      o.format = f, o.v_format = vfs[i];
+      T_FAIL_WITH(m40llm_kvcache_bytes_needed(&bytes, &o), M40LLM_ERR_INVALID_ARGUMENT,
+                  "V format only");
+      m40llm_kvcache *none = (m40llm_kvcache *)&bytes;
+      T_FAIL_WITH(m40llm_kvcache_create(&none, ctx, &o), M40LLM_ERR_INVALID_ARGUMENT,
+                  "V format only");
+      T_CHECK(none == (m40llm_kvcache *)&bytes);
+    }
+  }
+  o.v_format = M40LLM_KV_Q3, o.format = M40LLM_KV_Q4, o.head_dim = 48;
+  T_FAIL_WITH(m40llm_kvcache_bytes_needed(&bytes, &o), M40LLM_ERR_UNSUPPORTED, "multiple of 32");
+  o.head_dim = 128;
+  /* On the CUDA backend: no kernels yet, said at create */
+  t_low_bit_refused(ctx, &o);
+  o.v_format = M40LLM_KV_Q2;
+  t_low_bit_refused(ctx, &o);
   o.format = M40LLM_KV_Q4, o.v_format = M40LLM_KV_SAME, o.head_dim = 48;
   m40llm_kvcache *c = (m40llm_kvcache *)&bytes;
   T_FAIL_WITH(m40llm_kvcache_create(&c, ctx, &o), M40LLM_ERR_UNSUPPORTED, "multiple of 32");
   T_CHECK(c == (m40llm_kvcache *)&bytes);
-  o.head_dim = 64, o.v_format = 3;
+  o.head_dim = 64, o.v_format = 5;
   T_FAIL_WITH(m40llm_kvcache_bytes_needed(&bytes, &o), M40LLM_ERR_UNSUPPORTED, "v_format");
   o.v_format = -2;
   T_FAIL_WITH(m40llm_kvcache_bytes_needed(&bytes, &o), M40LLM_ERR_UNSUPPORTED, "v_format");
@@ -441,13 +491,14 @@ static void options(m40llm_context *ctx) {
 /* The window after truncation and appends, and across a fork: position by position, read_f16
  * returns the FP16 copy (exactly the FP16 input: no rotation) where the position is protected,
  * else the dequantized value; attention reads the same values (the ring's live slots wrap). */
-static void window_history(m40llm_context *ctx, int fmt) {
-  t_set_case("quantized %d: the window through truncate, append and fork", fmt);
+static void window_history(m40llm_context *ctx, int kf, int vf) {
+  t_set_case("quantized K %d / V %d: the window through truncate, append and fork", kf, vf);
   enum { D = 32, SINKS = 2, WINDOW = 8, N = 40 };
   m40llm_kvcache_options o = M40LLM_KVCACHE_OPTIONS_INIT;
   o.n_layers = 1, o.n_heads = 2, o.n_kv_heads = 1, o.head_dim = D, o.max_seqs = 2;
-  o.max_seq_len = N, o.format = fmt, o.rotation = M40LLM_ROTATE_NONE;
+  o.max_seq_len = N, o.format = kf, o.v_format = vf, o.rotation = M40LLM_ROTATE_NONE;
   o.n_sinks = SINKS, o.window = WINDOW;
+  if (t_low_bit_refused(ctx, &o)) return;
   m40llm_kvcache *cache = NULL;
   if (!T_OK(m40llm_kvcache_create(&cache, ctx, &o))) return;
   uint16_t x[N * D], got[N * D];
@@ -455,10 +506,11 @@ static void window_history(m40llm_context *ctx, int fmt) {
   uint16_t *dx = t_dev_upload(ctx, x, sizeof x);
   uint16_t *dr = t_dev_alloc(ctx, sizeof got);
   float q[2 * D], out[2 * D];
-  double vals[N * D], ref[2 * D];
+  double kvals[N * D], vvals[N * D], ref[2 * D];
   t_fill_uniform(q, 2 * D, -2.0f, 2.0f);
   float *dq = t_dev_upload(ctx, q, sizeof q), *dout = t_dev_alloc(ctx, sizeof out);
-  const tensor_rule rule = {fmt, 0};
+  const tensor_rule rules[2] = {{kf, 0}, {vf, 0}};
+  double *vals[2] = {kvals, vvals};
   /* 30 positions; back to 27 (the window keeps 22..26); 5 more, 27..31 (window 24..31, and
    * 22, 23 left it); fork; back to 20 (the window is empty: 20..22 were never refilled); 3
    * more, 20..22 (window 20..22). */
@@ -476,24 +528,27 @@ static void window_history(m40llm_context *ctx, int fmt) {
       break;
     }
     for (int seq = 0; seq < (steps[i].op == 2 ? 2 : 1); seq++) {
-      if (!T_OK(m40llm_kvcache_read_f16(dr, NULL, cache, 0, seq, 0, len)) ||
-          !t_dev_download(ctx, got, dr, (size_t)len * D * 2))
-        break;
-      int bad = -1;
-      for (int p = 0; p < len && bad < 0; p++) {
-        float f[D];
-        uint16_t want[D];
-        for (int j = 0; j < D; j++) f[j] = t_f16_to_f32(x[p * D + j]);
-        stored_row(rule, p < SINKS || p >= steps[i].lo, f, D, vals + p * D, want);
-        if (memcmp(want, got + p * D, sizeof want) != 0) bad = p;
+      for (int kv = 0; kv < 2; kv++) { /* K, then V */
+        if (!T_OK(m40llm_kvcache_read_f16(kv ? NULL : dr, kv ? dr : NULL, cache, 0, seq, 0, len)) ||
+            !t_dev_download(ctx, got, dr, (size_t)len * D * 2))
+          break;
+        int bad = -1;
+        for (int p = 0; p < len; p++) {
+          float f[D];
+          uint16_t want[D];
+          for (int j = 0; j < D; j++) f[j] = t_f16_to_f32(x[p * D + j]);
+          stored_row(rules[kv], p < SINKS || p >= steps[i].lo, f, D, vals[kv] + p * D, want);
+          if (bad < 0 && memcmp(want, got + p * D, sizeof want) != 0) bad = p;
+        }
+        T_CHECKF(bad < 0, "step %zu, seq %d, %s: position %d is not what the window says", i,
+                 seq, kv ? "V" : "K", bad);
       }
-      T_CHECKF(bad < 0, "step %zu, seq %d: position %d is not what the window says", i, seq, bad);
       if (!T_OK(m40llm_memset(ctx, dout, 0xFF, sizeof out)) ||
           !T_OK(m40llm_kvcache_attn_last_token_f32q(dout, cache, 0, seq, dq, 0.0f)) ||
           !t_dev_download(ctx, out, dout, sizeof out))
         break;
       for (int h = 0; h < 2; h++)
-        ref_head(q + h * D, vals, vals, len, D, D, 1.0 / sqrt((double)D), ref + h * D);
+        ref_head(q + h * D, kvals, vvals, len, D, D, 1.0 / sqrt((double)D), ref + h * D);
       const double err = t_rel_l2(out, ref, 2 * D);
       T_CHECKF(err <= 1e-5, "step %zu, seq %d: attention relative L2 error %.3g (bound 1e-5)", i,
                seq, err);
@@ -508,10 +563,12 @@ static void window_history(m40llm_context *ctx, int fmt) {
 
 void t_cases_quantized(m40llm_context *ctx, int small) {
   options(ctx);
-  fork_truncate(ctx, M40LLM_KV_Q8);
-  fork_truncate(ctx, M40LLM_KV_Q4);
-  window_history(ctx, M40LLM_KV_Q8);
-  window_history(ctx, M40LLM_KV_Q4);
+  enum { Q8 = M40LLM_KV_Q8, Q4 = M40LLM_KV_Q4, Q3 = M40LLM_KV_Q3, Q2 = M40LLM_KV_Q2 };
+  const int pairs[][2] = {{Q8, Q8}, {Q4, Q4}, {Q4, Q3}, {Q4, Q2}, {Q8, Q3}};
+  for (size_t i = 0; i < sizeof pairs / sizeof pairs[0]; i++) {
+    fork_truncate(ctx, pairs[i][0], pairs[i][1]);
+    window_history(ctx, pairs[i][0], pairs[i][1]);
+  }
   enum { AUTO = M40LLM_ROTATE_AUTO, NONE = M40LLM_ROTATE_NONE, K = M40LLM_ROTATE_K,
          KV = M40LLM_ROTATE_KV };
   static const quant_case cases[] = {
@@ -536,6 +593,16 @@ void t_cases_quantized(m40llm_context *ctx, int small) {
       {M40LLM_KV_Q8, M40LLM_KV_SAME, 8, 1, 96, AUTO, 1, 5},
       {M40LLM_KV_F16, M40LLM_KV_Q4, 4, 2, 64, AUTO, 4, 128},
       {M40LLM_KV_Q4, M40LLM_KV_Q8, 4, 2, 64, KV, 4, 64},
+      /* the V formats Q3 and Q2 (no CUDA kernels yet: refused there) */
+      {M40LLM_KV_Q4, M40LLM_KV_Q3, 8, 2, 64, AUTO, 0, 0},
+      {M40LLM_KV_Q4, M40LLM_KV_Q2, 4, 4, 32, NONE, 0, 0},
+      {M40LLM_KV_Q8, M40LLM_KV_Q3, 12, 4, 128, K, 0, 0},
+      {M40LLM_KV_F16, M40LLM_KV_Q2, 16, 2, 256, KV, 0, 0},
+      {M40LLM_KV_Q4, M40LLM_KV_Q3, 8, 1, 96, KV, 0, 0},
+      {M40LLM_KV_Q4, M40LLM_KV_Q3, 8, 2, 128, AUTO, 4, 128},
+      {M40LLM_KV_Q4, M40LLM_KV_Q2, 6, 3, 64, AUTO, 4, 128},
+      {M40LLM_KV_Q8, M40LLM_KV_Q2, 4, 1, 32, K, 3, 17},
+      {M40LLM_KV_F16, M40LLM_KV_Q3, 4, 2, 256, NONE, 0, 40},
   };
   const int lens[6] = {1, 31, 33, 257, small ? 300 : 2100, 0};
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) run_case(ctx, cases[i], lens, 6, 0);
@@ -546,5 +613,7 @@ void t_cases_quantized(m40llm_context *ctx, int small) {
   run_case(ctx, cases[1], one, 1, 1);
   run_case(ctx, cases[12], one, 1, 0);
   run_case(ctx, cases[13], one, 1, 1);
+  run_case(ctx, cases[24], one, 1, 1);
+  run_case(ctx, cases[25], one, 1, 0);
   t_set_case("");
 }

@@ -16,7 +16,9 @@ static const struct {
 } formats[] = {{"F16", M40LLM_KV_F16, M40LLM_KV_SAME},
                {"Q8", M40LLM_KV_Q8, M40LLM_KV_SAME},
                {"Q4", M40LLM_KV_Q4, M40LLM_KV_SAME},
-               {"K Q8 / V Q4", M40LLM_KV_Q8, M40LLM_KV_Q4}};
+               {"K Q8 / V Q4", M40LLM_KV_Q8, M40LLM_KV_Q4},
+               {"K Q4 / V Q3", M40LLM_KV_Q4, M40LLM_KV_Q3},
+               {"K Q4 / V Q2", M40LLM_KV_Q4, M40LLM_KV_Q2}};
 enum { N_FORMATS = sizeof formats / sizeof formats[0] };
 
 static m40llm_kvcache_options shape(int n_layers, int n_kv_heads, int head_dim, int max_seqs,
@@ -153,7 +155,8 @@ static void test_bad_arguments(void) {
   bad[n++].head_dim = 257;
   bad[n++].head_dim = 48; /* Q8 needs a multiple of 32 */
   bad[n++].max_seqs = 0;
-  bad[n++].format = 3;
+  bad[n++].format = 5;
+  bad[n++].format = M40LLM_KV_Q2; /* V only */
   bad[n++].v_format = -2;
   bad[n].n_layers = INT_MAX; /* past size_t with one position */
   bad[n].max_seqs = INT_MAX;

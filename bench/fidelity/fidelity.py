@@ -55,6 +55,9 @@ SPECS = [
     Spec("Q4 +rot K,V +prot", "Q4", "Q4", rot_k=True, rot_v=True, **P4),
     Spec("Q8-K/Q4-V +rot +prot", "Q8", "Q4", rot_k=True, **P4),
     Spec("Q8-K/Q4-V +rot K,V +prot", "Q8", "Q4", rot_k=True, rot_v=True, **P4),
+    # V in 3 and 2 bits (V only in the library), with its defaults
+    Spec("Q4-K/Q3-V +rot K,V +prot", "Q4", "Q3", rot_k=True, rot_v=True, **P4),
+    Spec("Q4-K/Q2-V +rot K,V +prot", "Q4", "Q2", rot_k=True, rot_v=True, **P4),
 ]
 # "+rot": K rotated (ROTATE_K); "+rot K,V": K and V (ROTATE_KV, what the library's default
 # rotation AUTO does today for quantized tensors); "+prot": 4 sinks + a 128-token window.
@@ -81,7 +84,7 @@ ROT_NAMES = {0: "AUTO", 1: "none", 2: "K", 3: "K,V"}
 
 
 def describe_options(o):
-    fm = {0: "F16", 1: "Q8", 2: "Q4"}
+    fm = {i: n for n, i in kf.FORMAT_IDS.items()}
     v = o["v_format"] if o["v_format"] not in (-1, None) else o["k_format"]
     txt = f"K {fm[o['k_format']]} / V {fm[v]}, rotation {ROT_NAMES[o['rotation']]}"
     if o["n_sinks"] or o["window"]:
@@ -398,7 +401,8 @@ def report(outdir):
         lines += [f"N = {r['N']}, queries {r['N'] - r['attn_queries']}..{r['N'] - 1}, layers "
                   f"{r['layers']}: mean over layers (worst layer in brackets)", "",
                   "| format | rel L2 | cosine | attn KL |", "|---|---|---|---|"]
-        for n, per in r["attention"].items():
+        order = {s.name: i for i, s in enumerate(SPECS)}
+        for n, per in sorted(r["attention"].items(), key=lambda x: order.get(x[0], len(order))):
             v = list(per.values())
             rl = [x["rel_l2"] for x in v]
             co = [x["cos"] for x in v]
@@ -545,13 +549,30 @@ def main():
             elif old.get("library") and old["library"].get("kv_options_version") == \
                     res["library"]["kv_options_version"]:
                 done = {r["spec"] for r in res["library"]["rows"] if "skipped" not in r}
-                res["library"]["rows"] += [r for r in old["library"]["rows"]
-                                           if r["spec"] not in done and "skipped" not in r]
+                kept = [r for r in old["library"]["rows"]
+                        if r["spec"] not in done and "skipped" not in r]
+                res["library"]["rows"] += kept
+                if kept and old["library"]["path"] != res["library"]["path"]:
+                    res["library"]["path"] += f"; earlier rows: {old['library']['path']}"
             for k in ("e2e", "e2e_f64", "attention"):
                 if k not in res and k in old:
                     res[k] = {}
                 for n, v in old.get(k, {}).items():
+                    # F16 runs every time as the reference: unless asked for, the earlier
+                    # numbers stay (the earlier library rows were compared with them)
+                    if n == "F16" and "F16" not in want:
+                        res[k][n] = v
                     res[k].setdefault(n, v)
+            if old.get("synthetic"):
+                if res["synthetic"] is None:
+                    res["synthetic"] = old["synthetic"]
+                else:
+                    done = {r["spec"] for r in res["synthetic"]["rows"]}
+                    order = {sp.name: i for i, sp in enumerate(SPECS)}
+                    res["synthetic"]["rows"] = sorted(
+                        res["synthetic"]["rows"] + [r for r in old["synthetic"]["rows"]
+                                                    if r["spec"] not in done],
+                        key=lambda r: order.get(r["spec"], len(order)))
         with open(path, "w") as f:
             json.dump(res, f, indent=1)
         report(args.out)

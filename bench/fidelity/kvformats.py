@@ -8,6 +8,7 @@ the FP32 K/V (rounded once, straight from FP32 to the format):
   dequant c * d.
 - Q4 (asymmetric, 5.0 bits/value): lo, hi = min, max over the group; d = f16((hi - lo) / 15);
   m = f16(lo); c = clip(rint((x - f32(m)) / f32(d)), 0, 15), 0 where d == 0; dequant c * d + m.
+- Q3 (4.0 bits/value) and Q2 (3.0), V only in the library: Q4's rule with 7 and 3 for 15.
 
 Rotation and protected tokens (the library has both since kvcache options version 3; this is
 their float reference): a normalized Walsh-Hadamard rotation over head_dim (K and q rotated;
@@ -23,8 +24,9 @@ from dataclasses import dataclass
 import numpy as np
 
 GROUP = 32
-FORMAT_IDS = {"F16": 0, "Q8": 1, "Q4": 2}  # m40llm_kv_format
-BITS = {"FP32": 32.0, "F16": 16.0, "Q8": 8.5, "Q4": 5.0}
+FORMAT_IDS = {"F16": 0, "Q8": 1, "Q4": 2, "Q3": 3, "Q2": 4}  # m40llm_kv_format
+BITS = {"FP32": 32.0, "F16": 16.0, "Q8": 8.5, "Q4": 5.0, "Q3": 4.0, "Q2": 3.0}
+ASYM_BITS = {"Q4": 4, "Q3": 3, "Q2": 2}
 
 
 def _groups(x):
@@ -52,18 +54,24 @@ def q8_decode(c, d, shape):
     return (c.astype(np.float32) * d.astype(np.float32)[..., None]).reshape(shape)
 
 
-def q4_encode(x):
+def asym_encode(x, bits):
+    """Q4 (bits 4), Q3 (3), Q2 (2): codes, FP16 scales and minimums per group."""
+    qmax = np.float32(2 ** bits - 1)
     g = _groups(np.asarray(x, np.float32))
     lo = g.min(axis=-1)
     hi = g.max(axis=-1)
-    d = ((hi - lo) / np.float32(15)).astype(np.float16)
+    d = ((hi - lo) / qmax).astype(np.float16)
     m = lo.astype(np.float16)
     d32 = d.astype(np.float32)[..., None]
     m32 = m.astype(np.float32)[..., None]
     with np.errstate(divide="ignore", invalid="ignore"):
-        c = np.clip(np.rint((g - m32) / d32), 0, 15)
+        c = np.clip(np.rint((g - m32) / d32), 0, qmax)
     c = np.where(d32 == 0, 0, c).astype(np.uint8)
     return c, d, m
+
+
+def q4_encode(x):
+    return asym_encode(x, 4)
 
 
 def q4_decode(c, d, m, shape):
@@ -81,8 +89,8 @@ def roundtrip(fmt, x):
     if fmt == "Q8":
         c, d = q8_encode(x)
         return q8_decode(c, d, x.shape)
-    if fmt == "Q4":
-        c, d, m = q4_encode(x)
+    if fmt in ASYM_BITS:
+        c, d, m = asym_encode(x, ASYM_BITS[fmt])
         return q4_decode(c, d, m, x.shape)
     raise ValueError(fmt)
 

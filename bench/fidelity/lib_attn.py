@@ -7,10 +7,11 @@ Build the shared library (no CUDA needed):
     cmake -S . -B /tmp/m40so -DM40LLM_ENABLE_CUDA=OFF -DBUILD_SHARED_LIBS=ON && cmake --build /tmp/m40so
 
 Options struct: version 1 (format only, F16); version 2 adds v_format (-1: same as format) and
-M40LLM_KV_Q8 = 1, M40LLM_KV_Q4 = 2; version 3 adds rotation (m40llm_kv_rotation: AUTO = 0, which
-today rotates every quantized tensor, NONE = 1, K = 2, KV = 3), n_sinks and window (protected
-tokens kept FP16 where a tensor is quantized). The struct version is the highest the loaded
-library accepts (m40llm_kvcache_options_init); a v3 cache without rotation asks for NONE
+M40LLM_KV_Q8 = 1, M40LLM_KV_Q4 = 2 (M40LLM_KV_Q3 = 3 and M40LLM_KV_Q2 = 4 came later, V only:
+the format ids are kvformats.FORMAT_IDS); version 3 adds rotation (m40llm_kv_rotation: AUTO = 0,
+which today rotates every quantized tensor, NONE = 1, K = 2, KV = 3), n_sinks and window
+(protected tokens kept FP16 where a tensor is quantized). The struct version is the highest the
+loaded library accepts (m40llm_kvcache_options_init); a v3 cache without rotation asks for NONE
 explicitly (v3's default AUTO rotates), a v1/v2 cache has neither rotation nor protected tokens.
 """
 import ctypes as C

@@ -283,9 +283,27 @@ typedef enum m40llm_kv_format {
    *   Q8: codes c = round(x / d) in -127..127, d = fp16(max|x| / 127): x ~ c d (8.5 bits a value)
    *   Q4: codes c = round((x - m) / d) in 0..15, d = fp16((max - min) / 15), m = fp16(min):
    *       x ~ c d + m (5 bits a value)
-   * A group whose scale d is 0 stores codes 0. */
+   *   Q3: codes c = round((x - m) / d) in 0..7, d = fp16((max - min) / 7), m = fp16(min):
+   *       x ~ c d + m (4 bits a value)
+   *   Q2: codes c = round((x - m) / d) in 0..3, d = fp16((max - min) / 3), m = fp16(min):
+   *       x ~ c d + m (3 bits a value)
+   * A group whose scale d is 0 stores codes 0. Q3 and Q2 are V formats only: opts->format (K)
+   * naming one fails with M40LLM_ERR_INVALID_ARGUMENT: K is the sensitive half (on a real
+   * model, bench/fidelity/results/buckets.md: all-Q3 is twice K Q4 with V Q2's error at the
+   * same bytes, KL 1.7e-2 against 8.6e-3, and 2-bit K is unusable, KL 0.15 at best); set
+   * format to K's and v_format to Q3/Q2.
+   * Storage of one row, per group of 32 dims (byte b, bit i; element e of the group):
+   *   Q8: 32 bytes, byte e = c + 128; Q4: 16 bytes, e in bits 4(e % 2).. of byte e / 2;
+   *   Q2: 8 bytes, e in bits 2(e % 4).. of byte e / 4;
+   *   Q3: 12 bytes, the low 2 bits of c as Q2's 8 bytes, then c's bit 2 in bit e % 8 of byte
+   *       8 + e / 8 (8 consecutive codes: 2 bytes and 1 byte, each naturally aligned);
+   * the parameters in their own plane, (d) or (d, m) as FP16 per group.
+   * The CUDA backend has no Q3 or Q2 kernels yet: creating such a cache there fails with
+   * M40LLM_ERR_UNSUPPORTED. */
   M40LLM_KV_Q8 = 1,
-  M40LLM_KV_Q4 = 2
+  M40LLM_KV_Q4 = 2,
+  M40LLM_KV_Q3 = 3,
+  M40LLM_KV_Q2 = 4
 } m40llm_kv_format;
 
 /* How K and V are rotated before they are quantized (m40llm_kvcache_options.rotation). The
@@ -313,7 +331,7 @@ typedef struct m40llm_kvcache_options {
   int n_layers;     /* >= 1 */
   int n_heads;      /* query heads, >= 1, a multiple of n_kv_heads */
   int n_kv_heads;   /* >= 1; n_heads / n_kv_heads query heads share one K/V head (GQA/MQA) */
-  int head_dim;     /* 1..256; the CUDA backend needs a multiple of 8, Q8 and Q4 of 32 */
+  int head_dim;     /* 1..256; the CUDA backend needs a multiple of 8, Q8..Q2 of 32 */
   int max_seqs;     /* sequence slots, >= 1 */
   int max_seq_len;  /* positions per sequence, >= 1 */
   int format;       /* m40llm_kv_format of K, and of V unless v_format names another; any other
@@ -373,8 +391,8 @@ int m40llm_kvcache_seq_fork(m40llm_kvcache *cache, int dst_seq, int src_seq);
 int m40llm_kvcache_append_f32(m40llm_kvcache *cache, int layer, int seq, const float *k,
                               const float *v, int n_tokens);
 /** As m40llm_kvcache_append_f32 with k and v already FP16 (binary16 bit patterns); an F16 cache
- *  stores them unchanged: NaN payloads, infinities and subnormals included. Q8 and Q4 quantize
- *  their FP32 values. */
+ *  stores them unchanged: NaN payloads, infinities and subnormals included. The quantized
+ *  formats quantize their FP32 values. */
 int m40llm_kvcache_append_f16(m40llm_kvcache *cache, int layer, int seq, const uint16_t *k,
                               const uint16_t *v, int n_tokens);
 /** Appends to n_seqs (>= 1) sequences of one layer in one call: a decode step's new K/V for a
@@ -405,7 +423,7 @@ int m40llm_kvcache_append_batch_ex(m40llm_kvcache *cache, int layer, const int32
                                    const int32_t *n_tokens, int n_seqs, const void *k,
                                    const void *v, int dtype);
 /** Copies positions [pos, pos + n_tokens) of (layer, seq) out as FP16 into k_out and v_out
- *  (Q8 and Q4: what attention reads: the dequantized values, or a protected position's FP16
+ *  (quantized formats: what attention reads: the dequantized values, or a protected position's FP16
  *  copy, rotated back where the tensor is rotated, rounded to FP16),
  *  [n_tokens][n_kv_heads][head_dim] in backend memory. Either output may be NULL to skip it; both
  *  NULL, or n_tokens < 1, fails with M40LLM_ERR_INVALID_ARGUMENT. A range outside

@@ -29,8 +29,8 @@ static void f16_read(uint16_t *dst, const void *codes, const void *params, int n
   memcpy(dst, codes, (size_t)n * sizeof(uint16_t));
 }
 
-/* ---- Q8 and Q4: groups of 32; the CUDA append kernel (cuda/kv_format.cuh) rounds the same way,
- * with the same FP32 operations in the same order. ---- */
+/* ---- Q8, Q4, Q3, Q2: groups of 32; the CUDA append kernel (cuda/kv_format.cuh) rounds the
+ * same way, with the same FP32 operations in the same order. ---- */
 #define GROUP 32
 
 /* Q8 codes are stored offset by 128 (0..255), which the kernels widen with integer bit tricks. */
@@ -56,40 +56,63 @@ static void q8_decode(float *dst, const void *codes, const void *params, int n) 
   for (int i = 0; i < n; i++) dst[i] = (float)((int)c[i] - 128) * m40llm_f16_to_f32(d[i / GROUP]);
 }
 
-/* Q4: element 2j in the low nibble of byte j, 2j + 1 in the high one; (d, m) pairs. */
-static void q4_encode_f32(void *codes, void *params, const float *src, int n) {
-  uint8_t *c = codes;
-  uint16_t *p = params;
-  for (int g = 0; g < n / GROUP; g++) {
-    const float *x = src + g * GROUP;
-    float lo = x[0], hi = x[0];
-    for (int i = 1; i < GROUP; i++) {
-      lo = fminf(lo, x[i]);
-      hi = fmaxf(hi, x[i]);
-    }
-    p[2 * g] = m40llm_f32_to_f16((hi - lo) / 15.0f);
-    p[2 * g + 1] = m40llm_f32_to_f16(lo);
-    const float df = m40llm_f16_to_f32(p[2 * g]), mf = m40llm_f16_to_f32(p[2 * g + 1]);
-    for (int i = 0; i < GROUP; i += 2) {
-      uint8_t b = 0;
-      for (int j = 0; j < 2; j++) {
-        const float q = df == 0.0f ? 0.0f : fmaxf(fminf(rintf((x[i + j] - mf) / df), 15.0f), 0.0f);
-        b |= (uint8_t)((int)q << (4 * j));
-      }
-      c[(g * GROUP + i) / 2] = b;
-    }
+/* The asymmetric formats (Q4, Q3, Q2): one group's FP16 (scale, min) pair p and its codes q in
+ * 0..qmax, as the header says. */
+static void asym_group(uint8_t *q, uint16_t *p, const float *x, float qmax) {
+  float lo = x[0], hi = x[0];
+  for (int i = 1; i < GROUP; i++) {
+    lo = fminf(lo, x[i]);
+    hi = fmaxf(hi, x[i]);
   }
+  p[0] = m40llm_f32_to_f16((hi - lo) / qmax);
+  p[1] = m40llm_f32_to_f16(lo);
+  const float df = m40llm_f16_to_f32(p[0]), mf = m40llm_f16_to_f32(p[1]);
+  for (int i = 0; i < GROUP; i++)
+    q[i] = (uint8_t)(df == 0.0f ? 0.0f : fmaxf(fminf(rintf((x[i] - mf) / df), qmax), 0.0f));
 }
 
-static void q4_decode(float *dst, const void *codes, const void *params, int n) {
-  const uint8_t *c = codes;
-  const uint16_t *p = params;
-  for (int i = 0; i < n; i++) {
-    const int q = (c[i / 2] >> (4 * (i & 1))) & 15;
-    dst[i] = fmaf((float)q, m40llm_f16_to_f32(p[2 * (i / GROUP)]),
-                  m40llm_f16_to_f32(p[2 * (i / GROUP) + 1]));
-  }
+/* Code e of a group's codes g as each format packs them (the header's storage words). */
+static int q4_code(const uint8_t *g, int e) { return (g[e / 2] >> (4 * (e & 1))) & 15; }
+static int q2_code(const uint8_t *g, int e) { return (g[e / 4] >> (2 * (e & 3))) & 3; }
+static int q3_code(const uint8_t *g, int e) {
+  return q2_code(g, e) | ((g[8 + e / 8] >> (e & 7)) & 1) << 2;
 }
+
+/* Packs a group's codes q into g (zeroed first by the caller's memset of the row). */
+static void q4_pack(uint8_t *g, const uint8_t *q) {
+  for (int e = 0; e < GROUP; e++) g[e / 2] |= (uint8_t)(q[e] << (4 * (e & 1)));
+}
+static void q2_pack(uint8_t *g, const uint8_t *q) {
+  for (int e = 0; e < GROUP; e++) g[e / 4] |= (uint8_t)((q[e] & 3) << (2 * (e & 3)));
+}
+static void q3_pack(uint8_t *g, const uint8_t *q) {
+  q2_pack(g, q);
+  for (int e = 0; e < GROUP; e++) g[8 + e / 8] |= (uint8_t)((q[e] >> 2) << (e & 7));
+}
+
+/* A row of an asymmetric format of `bits` (group bytes 4 x bits): codes and (d, m) pairs. */
+#define ASYM_FORMAT(name, bits)                                                               \
+  static void name##_encode_f32(void *codes, void *params, const float *src, int n) {         \
+    uint8_t *c = codes, q[GROUP];                                                             \
+    uint16_t *p = params;                                                                     \
+    memset(c, 0, (size_t)n * (bits) / 8);                                                     \
+    for (int g = 0; g < n / GROUP; g++) {                                                     \
+      asym_group(q, p + 2 * g, src + g * GROUP, (float)((1 << (bits)) - 1));                  \
+      name##_pack(c + g * 4 * (bits), q);                                                     \
+    }                                                                                         \
+  }                                                                                           \
+  static void name##_decode(float *dst, const void *codes, const void *params, int n) {      \
+    const uint8_t *c = codes;                                                                 \
+    const uint16_t *p = params;                                                               \
+    for (int i = 0; i < n; i++) {                                                             \
+      const int g = i / GROUP;                                                                \
+      dst[i] = fmaf((float)name##_code(c + g * 4 * (bits), i % GROUP),                        \
+                    m40llm_f16_to_f32(p[2 * g]), m40llm_f16_to_f32(p[2 * g + 1]));            \
+    }                                                                                         \
+  }
+ASYM_FORMAT(q4, 4)
+ASYM_FORMAT(q3, 3)
+ASYM_FORMAT(q2, 2)
 
 /* From FP16 input and out to FP16, through FP32, for the quantized formats. */
 #define FROM_F16_VIA_F32(name, encode)                                            \
@@ -106,13 +129,19 @@ static void q4_decode(float *dst, const void *codes, const void *params, int n) 
   }
 FROM_F16_VIA_F32(q8_encode_f16, q8_encode_f32)
 FROM_F16_VIA_F32(q4_encode_f16, q4_encode_f32)
+FROM_F16_VIA_F32(q3_encode_f16, q3_encode_f32)
+FROM_F16_VIA_F32(q2_encode_f16, q2_encode_f32)
 READ_VIA_F32(q8_read, q8_decode)
 READ_VIA_F32(q4_read, q4_decode)
+READ_VIA_F32(q3_read, q3_decode)
+READ_VIA_F32(q2_read, q2_decode)
 
 static const m40llm_kv_format_desc formats[] = {
-    {M40LLM_KV_F16, "F16", 16, 0, 0, f16_encode_f32, f16_encode_f16, f16_decode, f16_read},
-    {M40LLM_KV_Q8, "Q8", 8, GROUP, 2, q8_encode_f32, q8_encode_f16, q8_decode, q8_read},
-    {M40LLM_KV_Q4, "Q4", 4, GROUP, 4, q4_encode_f32, q4_encode_f16, q4_decode, q4_read},
+    {M40LLM_KV_F16, "F16", 16, 0, 0, 0, f16_encode_f32, f16_encode_f16, f16_decode, f16_read},
+    {M40LLM_KV_Q8, "Q8", 8, GROUP, 2, 0, q8_encode_f32, q8_encode_f16, q8_decode, q8_read},
+    {M40LLM_KV_Q4, "Q4", 4, GROUP, 4, 0, q4_encode_f32, q4_encode_f16, q4_decode, q4_read},
+    {M40LLM_KV_Q3, "Q3", 3, GROUP, 4, 1, q3_encode_f32, q3_encode_f16, q3_decode, q3_read},
+    {M40LLM_KV_Q2, "Q2", 2, GROUP, 4, 1, q2_encode_f32, q2_encode_f16, q2_decode, q2_read},
 };
 
 const m40llm_kv_format_desc *m40llm_kv_format_find(int format) {

@@ -24,6 +24,7 @@ typedef struct m40llm_kv_format_desc {
   int bits;         /* per element in the codes plane */
   int group;        /* elements sharing one parameter set; 0: the format has none */
   int param_bytes;  /* parameter bytes per group */
+  int v_only;       /* V only: a cache's K may not use it (m40llm.h says why) */
   /* CPU reference for one row of n elements (n = head_dim): */
   void (*encode_f32)(void *codes, void *params, const float *src, int n);
   void (*encode_f16)(void *codes, void *params, const uint16_t *src, int n);

@@ -88,6 +88,11 @@ static int check_options(const m40llm_kvcache_options *o, m40llm_kv_layout *k_la
   if (o->v_format != M40LLM_KV_SAME && !m40llm_kv_format_find(o->v_format))
     return FAIL(UNSUPPORTED, "opts->v_format %d is not a KV format of this library",
                 o->v_format);
+  if (m40llm_kv_format_find(o->format)->v_only)
+    return FAIL(INVALID_ARGUMENT,
+                "opts->format %s is a V format only (3- and 2-bit K cost more accuracy than "
+                "they save); set format to K's (Q4, Q8, F16) and v_format to %s",
+                m40llm_kv_format_find(o->format)->name, m40llm_kv_format_find(o->format)->name);
   if (o->rotation < M40LLM_ROTATE_AUTO || o->rotation > M40LLM_ROTATE_KV)
     return FAIL(INVALID_ARGUMENT, "opts->rotation is %d, not an m40llm_kv_rotation", o->rotation);
   if (o->n_sinks < 0) return FAIL(INVALID_ARGUMENT, "opts->n_sinks is %d, must be >= 0", o->n_sinks);

@@ -106,6 +106,8 @@ pub const M40LLM_KV_SAME: m40llm_kv_format = -1;
 pub const M40LLM_KV_F16: m40llm_kv_format = 0;
 pub const M40LLM_KV_Q8: m40llm_kv_format = 1;
 pub const M40LLM_KV_Q4: m40llm_kv_format = 2;
+pub const M40LLM_KV_Q3: m40llm_kv_format = 3;
+pub const M40LLM_KV_Q2: m40llm_kv_format = 4;
 pub type m40llm_kv_format = ::core::ffi::c_int;
 pub const M40LLM_ROTATE_AUTO: m40llm_kv_rotation = 0;
 pub const M40LLM_ROTATE_NONE: m40llm_kv_rotation = 1;
@@ -289,8 +291,8 @@ extern "C" {
         n_tokens: ::core::ffi::c_int,
     ) -> ::core::ffi::c_int;
     /** As m40llm_kvcache_append_f32 with k and v already FP16 (binary16 bit patterns); an F16 cache
-  stores them unchanged: NaN payloads, infinities and subnormals included. Q8 and Q4 quantize
-  their FP32 values.*/
+  stores them unchanged: NaN payloads, infinities and subnormals included. The quantized
+  formats quantize their FP32 values.*/
     pub fn m40llm_kvcache_append_f16(
         cache: *mut m40llm_kvcache,
         layer: ::core::ffi::c_int,
@@ -346,7 +348,7 @@ extern "C" {
         dtype: ::core::ffi::c_int,
     ) -> ::core::ffi::c_int;
     /** Copies positions [pos, pos + n_tokens) of (layer, seq) out as FP16 into k_out and v_out
-  (Q8 and Q4: what attention reads: the dequantized values, or a protected position's FP16
+  (quantized formats: what attention reads: the dequantized values, or a protected position's FP16
   copy, rotated back where the tensor is rotated, rounded to FP16),
   [n_tokens][n_kv_heads][head_dim] in backend memory. Either output may be NULL to skip it; both
   NULL, or n_tokens < 1, fails with M40LLM_ERR_INVALID_ARGUMENT. A range outside

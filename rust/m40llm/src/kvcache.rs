@@ -27,6 +27,17 @@ pub enum KvFormat {
     /// `c = round((x − m) / d)` in 0..=15, `d = fp16((max − min) / 15)`, `m = fp16(min)`.
     /// Needs `head_dim % 32 == 0`.
     Q4,
+    /// V only: 3-bit codes, one FP16 (scale, min) pair per 32 dims (4 bits a value), as
+    /// [`KvFormat::Q4`] with codes in 0..=7 and `d = fp16((max − min) / 7)`. K may not use it
+    /// (K is the sensitive half: 3-bit K costs more than it saves against V in 3 or 2 bits at
+    /// the same bytes, see the C header): a config whose `format` is Q3 is refused with
+    /// [`Status::InvalidArgument`]; set it as [`KvCacheConfig::v_format`]. The CUDA backend has
+    /// no kernels for it yet ([`Status::Unsupported`] at creation).
+    Q3,
+    /// V only: 2-bit codes, one FP16 (scale, min) pair per 32 dims (3 bits a value), as
+    /// [`KvFormat::Q4`] with codes in 0..=3 and `d = fp16((max − min) / 3)`. K may not use it,
+    /// and the CUDA backend has no kernels for it yet, as [`KvFormat::Q3`].
+    Q2,
 }
 
 impl KvFormat {
@@ -35,13 +46,21 @@ impl KvFormat {
             KvFormat::F16 => sys::M40LLM_KV_F16,
             KvFormat::Q8 => sys::M40LLM_KV_Q8,
             KvFormat::Q4 => sys::M40LLM_KV_Q4,
+            KvFormat::Q3 => sys::M40LLM_KV_Q3,
+            KvFormat::Q2 => sys::M40LLM_KV_Q2,
         }) as c_int
     }
 
     fn from_c(raw: c_int) -> Option<KvFormat> {
-        [KvFormat::F16, KvFormat::Q8, KvFormat::Q4]
-            .into_iter()
-            .find(|f| f.to_c() == raw)
+        [
+            KvFormat::F16,
+            KvFormat::Q8,
+            KvFormat::Q4,
+            KvFormat::Q3,
+            KvFormat::Q2,
+        ]
+        .into_iter()
+        .find(|f| f.to_c() == raw)
     }
 }
 
@@ -141,8 +160,8 @@ pub struct KvCacheConfig {
     /// Storage format of K, and of V unless `v_format` is set.
     pub format: KvFormat,
     /// Storage format of V, where it differs from K's (e.g. K [`KvFormat::Q8`], V
-    /// [`KvFormat::Q4`]). The CPU backend takes any pair; the CUDA backend each format with
-    /// itself and Q8 K with Q4 V.
+    /// [`KvFormat::Q4`]). The CPU backend takes any pair with K in F16, Q8 or Q4; the CUDA
+    /// backend each of F16, Q8 and Q4 with itself, and Q8 K with Q4 V.
     pub v_format: Option<KvFormat>,
     /// How quantized K and V are rotated before they are quantized (see [`KvRotation`]).
     /// Defaults to the library's default, read at run time by [`KvCacheConfig::new`].

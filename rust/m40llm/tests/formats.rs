@@ -44,6 +44,29 @@ fn bytes_per_value() {
         bytes(KvFormat::Q8, Some(KvFormat::Q4)),
         values + values / 16 + values / 2 + values / 8
     );
+    // V in Q3 (4 bits a value) and Q2 (3 bits)
+    assert_eq!(
+        bytes(KvFormat::Q4, Some(KvFormat::Q3)),
+        values * 5 / 8 + values * 4 / 8
+    );
+    assert_eq!(
+        bytes(KvFormat::Q4, Some(KvFormat::Q2)),
+        values * 5 / 8 + values * 3 / 8
+    );
+    // K in Q3 or Q2 is refused, whatever V is, before anything is made
+    let ctx = Context::cpu().unwrap();
+    for k in [KvFormat::Q3, KvFormat::Q2] {
+        for v in [None, Some(KvFormat::Q4), Some(k)] {
+            let cfg = config(k, v);
+            for e in [
+                cfg.bytes_needed().unwrap_err(),
+                KvCache::new(&ctx, &cfg).unwrap_err(),
+            ] {
+                assert_eq!(e.status(), Status::InvalidArgument, "{k:?}/{v:?}: {e}");
+                assert!(e.message().contains("V format only"), "{e}");
+            }
+        }
+    }
     let e = KvCacheConfig::new(1, 4, 48)
         .format(KvFormat::Q8)
         .bytes_needed()
@@ -66,6 +89,8 @@ fn attention_over_quantized_values() {
         (KvFormat::Q4, None),
         (KvFormat::Q8, Some(KvFormat::Q4)),
         (KvFormat::F16, Some(KvFormat::Q8)),
+        (KvFormat::Q4, Some(KvFormat::Q3)),
+        (KvFormat::Q4, Some(KvFormat::Q2)),
     ] {
         let cfg = config(f, v);
         let mut kv = KvCache::new(&ctx, &cfg).unwrap();
@@ -128,16 +153,21 @@ fn quantize_group(format: KvFormat, x: &[f32], out: &mut [f64]) {
                 *o = c as f64 * d as f64;
             }
         }
-        KvFormat::Q4 => {
+        KvFormat::Q4 | KvFormat::Q3 | KvFormat::Q2 => {
+            let qmax = match format {
+                KvFormat::Q4 => 15.0,
+                KvFormat::Q3 => 7.0,
+                _ => 3.0,
+            };
             let lo = x.iter().copied().fold(f32::INFINITY, f32::min);
             let hi = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let d = fp16((hi - lo) / 15.0);
+            let d = fp16((hi - lo) / qmax);
             let m = fp16(lo);
             for (o, &v) in out.iter_mut().zip(x) {
                 let c = if d == 0.0 {
                     0
                 } else {
-                    ((v - m) / d).round_ties_even().clamp(0.0, 15.0) as i32
+                    ((v - m) / d).round_ties_even().clamp(0.0, qmax) as i32
                 };
                 *o = c as f64 * d as f64 + m as f64;
             }
@@ -403,7 +433,7 @@ fn check_case(
 fn rotation_and_protected_tokens_against_the_header() {
     let ctx = Context::cpu().unwrap();
     let mut rng = Rng::fresh("rotation_and_protected_tokens_against_the_header");
-    use KvFormat::{F16, Q4, Q8};
+    use KvFormat::{F16, Q2, Q3, Q4, Q8};
     use KvRotation::{Auto, K, KV};
     // (K format, V format, rotation, sinks, window, n_heads, n_kv_heads, head_dim)
     let cases = [
@@ -416,6 +446,10 @@ fn rotation_and_protected_tokens_against_the_header() {
         (Q8, None, KvRotation::None, 4, 16, 4, 4, 32),
         (Q4, None, KV, 1, 0, 6, 3, 256),
         (Q8, None, K, 0, 24, 8, 2, 160), // blocks of 32; window only
+        (Q4, Some(Q3), Auto, 4, 16, 8, 2, 64),
+        (Q4, Some(Q2), KV, 0, 0, 4, 1, 128),
+        (Q8, Some(Q3), K, 2, 5, 6, 3, 32), // V unrotated
+        (F16, Some(Q2), KvRotation::None, 0, 8, 4, 4, 256),
     ];
     let lens = [0, 1, 7, 40, 150];
     for (i, &(kf, vf, rotation, sinks, window, h, kvh, d)) in cases.iter().enumerate() {
@@ -443,11 +477,17 @@ fn protected_window_through_truncate_append_fork() {
     const N: usize = 40;
     let ctx = Context::cpu().unwrap();
     let mut rng = Rng::fresh("protected_window_through_truncate_append_fork");
-    for format in [KvFormat::Q8, KvFormat::Q4] {
+    for (format, v_format) in [
+        (KvFormat::Q8, KvFormat::Q8),
+        (KvFormat::Q4, KvFormat::Q4),
+        (KvFormat::Q4, KvFormat::Q3),
+        (KvFormat::Q4, KvFormat::Q2),
+    ] {
         let cfg = KvCacheConfig::new(1, 1, D)
             .max_seqs(2)
             .max_seq_len(N)
             .format(format)
+            .v_format(v_format)
             .rotation(KvRotation::None)
             .sinks(SINKS)
             .window(WINDOW);
@@ -455,10 +495,10 @@ fn protected_window_through_truncate_append_fork() {
         let x: Vec<f16> = (0..N * D)
             .map(|_| f16::from_f32(rng.uniform() as f32 * 2.0 - 1.0))
             .collect();
-        let rule = Rule {
+        let rules = [format, v_format].map(|format| Rule {
             format,
             rotated: false,
-        };
+        });
         enum Op {
             Append(usize),
             Truncate(usize),
@@ -498,12 +538,13 @@ fn protected_window_through_truncate_append_fork() {
                 let (k, v) = kv.read_to_host(0, seq, 0, len).unwrap();
                 for p in 0..len {
                     let row: Vec<f32> = x[p * D..(p + 1) * D].iter().map(|h| h.to_f32()).collect();
-                    let (_, want) = stored_row(rule, p < SINKS || p >= *lo, &row);
-                    for got in [&k, &v] {
+                    for (got, rule) in [&k, &v].into_iter().zip(rules) {
+                        let (_, want) = stored_row(rule, p < SINKS || p >= *lo, &row);
                         assert!(
                             got[p * D..(p + 1) * D] == want[..],
-                            "{format:?}, step {step}, seq {seq}: position {p} is not what the \
-                             window says (first window position {lo})"
+                            "{:?}, step {step}, seq {seq}: position {p} is not what the \
+                             window says (first window position {lo})",
+                            rule.format
                         );
                     }
                 }

@@ -330,6 +330,18 @@ fn errors_and_device_info() {
     // The CUDA backend needs head_dim % 8 == 0.
     let e = KvCache::new(&ctx, &KvCacheConfig::new(1, 2, 12)).unwrap_err();
     assert_eq!(e.status(), Status::Unsupported);
+    // V in Q3 or Q2: no CUDA kernels yet, said at creation.
+    for (v, name) in [(KvFormat::Q3, "Q3"), (KvFormat::Q2, "Q2")] {
+        let cfg = KvCacheConfig::new(1, 4, 64)
+            .format(KvFormat::Q4)
+            .v_format(v);
+        let e = KvCache::new(&ctx, &cfg).unwrap_err();
+        assert_eq!(e.status(), Status::Unsupported, "{e}");
+        assert!(
+            e.message().contains(name) && e.message().contains("no CUDA kernels yet"),
+            "{e}"
+        );
+    }
     // Wrong sizes are caught before any kernel runs; the context stays usable.
     let cfg = KvCacheConfig::new(1, 4, 64).max_seq_len(4);
     let mut kv = KvCache::new(&ctx, &cfg).unwrap();
