@@ -122,10 +122,11 @@ __host__ __device__ constexpr bool lean_kernel(int gt, bool exact) { return gt <
 // o += (w * scale) * codes with sum(w * min) kept apart and added to o at the end.
 //
 // Rotated K/V (a.rot_k, a.rot_v): q is rotated on its way into shared memory and the output
-// back before it is stored, a warp a head (rotation.cuh). Protected tokens: a quantized cache's
-// call is two launches over one plan (m40llm_attn_plan_protect), the F16 instance for the FP16
-// slots, then this kernel for the codes; each block of a split that is the other launch's
-// returns at once.
+// back before it is stored, a warp a head (rotation.cuh). Protected tokens: the plan gives the
+// kept parts splits of their own (m40llm_attn_plan_protect). A lean kernel runs them in the same
+// launch (M40LLM_PLAN_PARTS: a kept part's block walks the FP16 slots); otherwise a call is two
+// launches over the plan, the F16 instance for the FP16 slots, then this kernel for the codes,
+// and each block of a split that is the other launch's returns at once.
 template <typename P, int GT, int DMAX, bool kExact>
 __global__ void __launch_bounds__(kAttnThreads, kAttnMinBlocksPerSm)
     attn_fp32_kernel(const AttnArgs a, const m40llm_attn_plan plan) {
