@@ -164,11 +164,28 @@ struct KeptSteps : HalfSteps<NC, 0> {
 // 1024 and one FP16 operation that takes the 1024 (and Q8's offset) off. The group's scale (and
 // min) stay FP32 and apply around the MMAs: to the scores per group, and folded into the
 // weights for the output. (Scaled codes rounded to FP16 would cost 2^-11 relative per element.)
+//
+// Codes::Ptr, at(plane, e), add(p, n), load(p, n): a lane's codes' place (element e's) in the
+// codes plane, moved and loaded n elements on (n a multiple of the group).
 template <typename F>
 struct MmaCodes;
+
+// A lane's 8 codes as one word, element e's at byte e x bits / 8.
+template <typename Codes_, int kBits>
+struct MmaWord {
+  using Codes = Codes_;
+  using Ptr = const uint8_t *;
+  __device__ static Ptr at(const void *plane, size_t e) {
+    return static_cast<const uint8_t *>(plane) + e * kBits / 8;
+  }
+  __device__ static Ptr add(Ptr p, size_t n) { return p + n * kBits / 8; }
+  __device__ static Codes load(Ptr p, int n) {
+    return __ldg(reinterpret_cast<const Codes *>(p + n * kBits / 8));
+  }
+};
+
 template <>
-struct MmaCodes<KvQ8> {
-  using Codes = uint2;           // 8 offset-binary bytes (code + 128)
+struct MmaCodes<KvQ8> : MmaWord<uint2, 8> {  // 8 offset-binary bytes (code + 128)
   using Param = unsigned short;  // the FP16 scale
   // Bytes sel & 3, (sel >> 8) & 3 of w as (1024 + byte), less 1152: code - 128 = the value.
   __device__ static uint32_t pair(uint32_t w, uint32_t sel) {
@@ -183,8 +200,7 @@ struct MmaCodes<KvQ8> {
   __device__ static float min(Param) { return 0.0f; }
 };
 template <>
-struct MmaCodes<KvQ4> {
-  using Codes = uint32_t;  // 8 nibbles: element 2i low in byte i, 2i + 1 high
+struct MmaCodes<KvQ4> : MmaWord<uint32_t, 4> {  // 8 nibbles: element 2i low in byte i, 2i + 1 high
   using Param = uint32_t;  // FP16 (scale, min), scale low
   // Byte i of w in both halves: the low nibble under 1024, the high one as 1024 + 16 x nibble;
   // then x (1, 1/16) - (1024, 64).
@@ -197,6 +213,76 @@ struct MmaCodes<KvQ4> {
   }
   __device__ static float scale(Param p) { return __half2float(__ushort_as_half(p & 0xFFFFu)); }
   __device__ static float min(Param p) { return __half2float(__ushort_as_half(p >> 16)); }
+};
+
+// Q2 and Q3 (V only): a byte of 4 2-bit codes gives two pairs, as Q4's byte gives one: byte b
+// in both halves, each half's code masked at bits a.. of its mantissa under 1024, times 2^-a,
+// less 1024 x 2^-a. Q3 adds each code's bit 2 the same way from its bit-plane byte (4 x the bit,
+// its offset folded into the same FMA's addend), so a pair is two HFMA2s. Exact: every term is
+// an FP16 integer or a power of two, and each FMA's result an integer under 2048.
+struct MmaLowBits {
+  using Param = uint32_t;  // FP16 (scale, min), scale low
+  // Codes 2i, 2i + 1's 2-bit parts from w (byte i / 2), as (1024 + 2^a c) halves: a = 4(i % 2)
+  // and a + 2.
+  template <int I>
+  __device__ static __half2 low(uint32_t w) {
+    constexpr uint32_t kSel = I < 2 ? 0x4040u : 0x4141u, kMask = I % 2 ? 0x00C00030u : 0x000C0003u;
+    return as_half2((__byte_perm(w, 0u, kSel) & kMask) | 0x64006400u);
+  }
+  // x 2^-a, and the offset 1024 x 2^-a to take off.
+  template <int I>
+  __device__ static __half2 mul() { return as_half2(I % 2 ? 0x24002C00u : 0x34003C00u); }
+  template <int I>
+  __device__ static __half2 sub() { return as_half2(I % 2 ? 0xCC00D400u : 0xDC00E400u); }
+  __device__ static float scale(Param p) { return __half2float(__ushort_as_half(p & 0xFFFFu)); }
+  __device__ static float min(Param p) { return __half2float(__ushort_as_half(p >> 16)); }
+};
+
+template <>
+struct MmaCodes<KvQ2> : MmaWord<unsigned short, 2>, MmaLowBits {
+  template <int I>
+  __device__ static uint32_t pair(uint32_t w) { return bits(__hfma2(low<I>(w), mul<I>(), sub<I>())); }
+  __device__ static uint4 halves(Codes c) {
+    const uint32_t w = c;
+    return make_uint4(pair<0>(w), pair<1>(w), pair<2>(w), pair<3>(w));
+  }
+};
+
+template <>
+struct MmaCodes<KvQ3> : MmaLowBits {
+  struct Codes {
+    unsigned short low;  // the 2-bit parts, as Q2's
+    uint8_t high;        // bit 2 of element i in bit i
+  };
+  struct Ptr {
+    const uint8_t *low, *high;
+  };
+  __device__ static Ptr at(const void *plane, size_t e) {
+    const uint8_t *codes = static_cast<const uint8_t *>(plane);
+    return {codes + KvQ3::low_byte(e), codes + KvQ3::high_byte(e)};
+  }
+  __device__ static Ptr add(Ptr p, size_t n) {
+    return {p.low + n / KvQ3::kGroup * 12, p.high + n / KvQ3::kGroup * 12};
+  }
+  __device__ static Codes load(Ptr p, int n) {
+    const int g = n / KvQ3::kGroup * 12;
+    return {__ldg(reinterpret_cast<const unsigned short *>(p.low + g)), __ldg(p.high + g)};
+  }
+  // Element 2i's bit at bit 2i of the low half, 2i + 1's at bit 2i + 1 of the high half: x
+  // (2^(2-2i), 2^(1-2i)) is 4 x the bit plus an offset, which also takes the 2-bit part's off.
+  template <int I>
+  __device__ static uint32_t pair(uint32_t w, uint32_t hw) {
+    constexpr uint32_t kMask = (1u << (2 * I)) | (2u << (2 * I)) << 16;
+    constexpr uint32_t kMul[4] = {0x40004400u, 0x38003C00u, 0x30003400u, 0x28002C00u};
+    constexpr uint32_t kSub[4] = {0xE880ED00u, 0xE020E440u, 0xDE00E500u, 0xD200D800u};
+    const __half2 high = __hfma2(as_half2((hw & kMask) | 0x64006400u), as_half2(kMul[I]),
+                                 as_half2(kSub[I]));
+    return bits(__hfma2(low<I>(w), mul<I>(), high));
+  }
+  __device__ static uint4 halves(Codes c) {
+    const uint32_t w = c.low, hw = __byte_perm(c.high, 0u, 0x4040u);
+    return make_uint4(pair<0>(w, hw), pair<1>(w, hw), pair<2>(w, hw), pair<3>(w, hw));
+  }
 };
 
 // One row's parameters, a group each, in one load where their bytes are a power of two (zeros
@@ -238,12 +324,12 @@ struct QuantSteps {
   using VC = MmaCodes<typename P::V>;
   static constexpr int D = 32 * NC;
   static constexpr int kBlockRows = kMmaRows * W;
-  static constexpr int kKBits = P::K::kCodeBits, kVBits = P::V::kCodeBits;
   typename KC::Codes kc[2][NC];
   typename VC::Codes vc[2][NC];
   ParamRow<typename KC::Param, NC> kpar[4];
   ParamRow<typename VC::Param, NC> vpar[4];
-  const uint8_t *kcode, *vcode;  // this lane's first codes of the step in flight
+  typename KC::Ptr kcode;  // this lane's first codes of the step in flight
+  typename VC::Ptr vcode;
   const typename KC::Param *kparam;  // its position 2t's parameters
   const typename VC::Param *vparam;
   int p_end, g, t;
@@ -253,23 +339,23 @@ struct QuantSteps {
       : p_end(b.p_end), g(lane >> 2), t(lane & 3) {
     const size_t ke = b.k + (size_t)(p0 + g) * D + 8 * t, ve = b.v + (size_t)(p0 + g) * D + 8 * t;
     const size_t krow = b.k / D + p0 + 2 * t, vrow = b.v / D + p0 + 2 * t;
-    kcode = static_cast<const uint8_t *>(a.k.plane[M40LLM_KV_CODES]) + ke * kKBits / 8;
-    vcode = static_cast<const uint8_t *>(a.v.plane[M40LLM_KV_CODES]) + ve * kVBits / 8;
+    kcode = KC::at(a.k.plane[M40LLM_KV_CODES], ke);
+    vcode = VC::at(a.v.plane[M40LLM_KV_CODES], ve);
     kparam = static_cast<const typename KC::Param *>(a.k.plane[M40LLM_KV_PARAMS]) + krow * NC;
     vparam = static_cast<const typename VC::Param *>(a.v.plane[M40LLM_KV_PARAMS]) + vrow * NC;
-    load(kc, kpar, kcode, kparam, kKBits, p_end - p0);
-    load(vc, vpar, vcode, vparam, kVBits, p_end - p0);
+    load<KC>(kc, kpar, kcode, kparam, p_end - p0);
+    load<VC>(vc, vpar, vcode, vparam, p_end - p0);
   }
-  template <typename Codes, typename Param>
-  __device__ void load(Codes (&c)[2][NC], ParamRow<Param, NC> (&par)[4], const uint8_t *code,
-                       const Param *param, int bits, int rows) {
+  template <typename C>
+  __device__ void load(typename C::Codes (&c)[2][NC], ParamRow<typename C::Param, NC> (&par)[4],
+                       typename C::Ptr code, const typename C::Param *param, int rows) {
+    using Codes = typename C::Codes;
+    using Param = typename C::Param;
 #pragma unroll
     for (int j = 0; j < 2; j++) {
       const bool ok = 8 * j + g < rows;
 #pragma unroll
-      for (int n = 0; n < NC; n++)
-        c[j][n] = ok ? __ldg(reinterpret_cast<const Codes *>(code + (8 * j * D + 32 * n) * bits / 8))
-                     : Codes{};
+      for (int n = 0; n < NC; n++) c[j][n] = ok ? C::load(code, 8 * j * D + 32 * n) : Codes{};
     }
 #pragma unroll
     for (int r = 0; r < 4; r++) {
@@ -279,14 +365,14 @@ struct QuantSteps {
   }
   __device__ void before_scores(int) {}
   __device__ void after_scores(int p0) {
-    kcode += (size_t)kBlockRows * D * kKBits / 8;
+    kcode = KC::add(kcode, (size_t)kBlockRows * D);
     kparam += (size_t)kBlockRows * NC;
-    load(kc, kpar, kcode, kparam, kKBits, p_end - (p0 + kBlockRows));
+    load<KC>(kc, kpar, kcode, kparam, p_end - (p0 + kBlockRows));
   }
   __device__ void after_output(int p0) {
-    vcode += (size_t)kBlockRows * D * kVBits / 8;
+    vcode = VC::add(vcode, (size_t)kBlockRows * D);
     vparam += (size_t)kBlockRows * NC;
-    load(vc, vpar, vcode, vparam, kVBits, p_end - (p0 + kBlockRows));
+    load<VC>(vc, vpar, vcode, vparam, p_end - (p0 + kBlockRows));
   }
   __device__ uint4 kb(int j, int c) const { return KC::halves(kc[j][c]); }
   __device__ uint4 vb(int j, int c) const { return VC::halves(vc[j][c]); }

@@ -209,10 +209,6 @@ int cuda_check_cache(const m40llm_kvcache_options *o) {
     return m40llm_fail(M40LLM_ERR_UNSUPPORTED,
                        "opts->head_dim %d: the CUDA backend needs a multiple of 8", o->head_dim);
   const int v_format = o->v_format == M40LLM_KV_SAME ? o->format : o->v_format;
-  for (int f : {o->format, v_format}) {  // a format with no device type, before its pairs
-    const int rc = with_kv_format(f, [](auto) -> int { return M40LLM_OK; });
-    if (rc != M40LLM_OK) return rc;
-  }
   return with_kv_pair(o->format, v_format, [](auto) -> int { return M40LLM_OK; });
 }
 

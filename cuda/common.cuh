@@ -6,6 +6,9 @@
 
 #include "internal.h"
 
+// KV format numbers (m40llm_kv_format) index the per-kernel tables below.
+constexpr int kKvFormats = M40LLM_KV_Q2 + 1;
+
 struct m40llm_cuda_state {
   cudaStream_t stream;
   bool owns_stream;
@@ -17,17 +20,17 @@ struct m40llm_cuda_state {
   void *io_stage;  // FP32 copies of a 16-bit caller's q and out rows (io_rows.cuh)
   size_t io_stage_bytes;
   // The FP32 split kernels' resident blocks per SM, by [K format][V format][log2 tile][dim / 8].
-  int fp32_occupancy[3][3][4][33];
+  int fp32_occupancy[kKvFormats][kKvFormats][4][33];
   // The FP32 causal kernels' resident blocks per SM, by [K format][V format][log2 tile]
   // [head-dim class 64, 128, 256].
-  int causal_occupancy[3][3][4][3];
+  int causal_occupancy[kKvFormats][kKvFormats][4][3];
   struct {
     signed char usable;  // whether this build runs it here: 0 = not asked yet, 1 yes, -1 no
     signed char stages;  // K/V steps per warp it stages in shared memory (0: in registers)
     int smem;            // its dynamic shared memory, in bytes
     int occupancy;       // resident blocks per SM
     bool dependent;      // whether its image waits for the grid before it (sm_90+)
-  } mma[3][3][2][2][9];  // the tensor-core kernels, by [K format][V format][staged]
+  } mma[kKvFormats][kKvFormats][2][2][9];  // the tensor-core kernels, by [K format][V format][staged]
                         // [half-width blocks][head_dim / 16]
   // Whether the FP32 split and the combine kernels' images wait for the grid before them:
   // 0 = not asked yet, 1 yes, -1 no.

@@ -9,6 +9,7 @@
 //   add(ptr, n)            n elements on
 //   Raw<N>, load<N>(t,p,n) N consecutive elements n past p, in registers as stored (N a power of
 //                          two from 2 to 8, p + n a multiple of N), through the read-only path
+//                          (codes under 4 bits: the bytes holding them, shifted down to bit 0)
 //   widen<N>(raw, f)       those elements as FP32 factors: the values (F16), or the codes
 //   kScaled, scale(raw)    quantized: value = factor x scale (+ min where kHasMin), the same
 //   kHasMin, min(raw)      for the N elements (they lie in one group)
@@ -221,6 +222,16 @@ struct KvQ8 : KvQuant<KvQ8, M40LLM_KV_Q8, 8, __half> {
   }
 };
 
+// The asymmetric formats' group encoding, a lane an element x: (scale, min) = ((max - min) /
+// qmax, min) in FP16 into p, and the lane's code round((x - min) / scale) in [0, qmax] (rint: to
+// nearest even), as the CPU reference (c/src/kv_format.c) does (a max is exact in any order).
+__device__ __forceinline__ unsigned asym_code(float x, float qmax, __half2 &p) {
+  const float lo = -warp_max(-x), hi = warp_max(x);
+  p = __halves2half2(__float2half_rn((hi - lo) / qmax), __float2half_rn(lo));
+  const float df = __low2float(p), mf = __high2float(p);
+  return (unsigned)(df == 0.0f ? 0.0f : fmaxf(fminf(rintf((x - mf) / df), qmax), 0.0f));
+}
+
 // Q4: nibbles (element 2j low, 2j + 1 high), one FP16 (scale, min) pair per group.
 struct KvQ4 : KvQuant<KvQ4, M40LLM_KV_Q4, 4, __half2> {
   static constexpr bool kHasMin = true;
@@ -236,17 +247,156 @@ struct KvQ4 : KvQuant<KvQ4, M40LLM_KV_Q4, 4, __half2> {
   template <int N>
   __device__ static float min(const Raw<N> &raw) { return __high2float(raw.param); }
 
-  // One group, a lane an element: (scale, min) = ((max - min) / 15, min) in FP16, codes
-  // round((x - min) / scale) in [0, 15], as the CPU reference does; even lanes store the bytes.
+  // One group, a lane an element (asym_code); even lanes store the bytes.
   __device__ static void encode_lane(const KvMutPlanes &t, size_t e, float x, int lane) {
-    const float lo = -warp_max(-x), hi = warp_max(x);
-    const __half2 p = __halves2half2(__float2half_rn((hi - lo) / 15.0f), __float2half_rn(lo));
-    const float df = __low2float(p), mf = __high2float(p);
-    const float q = df == 0.0f ? 0.0f : fmaxf(fminf(rintf((x - mf) / df), 15.0f), 0.0f);
-    const unsigned b = (unsigned)q, high = __shfl_down_sync(0xffffffffu, b, 1);
+    __half2 p;
+    const unsigned b = asym_code(x, 15.0f, p), high = __shfl_down_sync(0xffffffffu, b, 1);
     if (!(lane & 1))
       static_cast<uint8_t *>(t.plane[M40LLM_KV_CODES])[(e + lane) / 2] = (uint8_t)(b | high << 4);
     if (lane == 0) static_cast<__half2 *>(t.plane[M40LLM_KV_PARAMS])[e / kGroup] = p;
+  }
+};
+
+// Q2: 2-bit codes (element 4j + i in bits 2i.. of byte j), one FP16 (scale, min) pair per group.
+// V only (m40llm.h). A load of 2 elements is their byte shifted (from an index only: the FP32
+// kernel's cursors load 4 or more, a byte or two).
+struct KvQ2 : KvQuant<KvQ2, M40LLM_KV_Q2, 2, __half2> {
+  static constexpr bool kHasMin = true;
+  template <int N>
+  struct Raw {
+    typename CodeVec<(N < 4 ? 4 : N) / 4>::Raw codes;
+    __half2 param;
+  };
+
+  template <int N>
+  __device__ static Raw<N> load(const KvPlanes &t, Ptr p, int n) {
+    const size_t e = p + (size_t)n;
+    Raw<N> r;
+    r.codes = __ldg(reinterpret_cast<const typename CodeVec<(N < 4 ? 4 : N) / 4>::Raw *>(
+        static_cast<const uint8_t *>(t.plane[M40LLM_KV_CODES]) + e / 4));
+    if (N < 4) r.codes = (uint8_t)(r.codes >> (2 * (e & 3)));
+    r.param = __ldg(static_cast<const __half2 *>(t.plane[M40LLM_KV_PARAMS]) + e / kGroup);
+    return r;
+  }
+  template <int N>
+  __device__ static Raw<N> load_at(Cursor c, int n) {
+    static_assert(N >= 4, "a cursor loads whole bytes");
+    Raw<N> r;
+    r.codes = __ldg(reinterpret_cast<const typename CodeVec<N / 4>::Raw *>(c.codes + n / 4));
+    r.param = __ldg(c.param + n / kGroup);
+    return r;
+  }
+
+  template <int N>
+  __device__ static void widen(const Raw<N> &raw, float (&f)[N]) {
+    const unsigned word = (unsigned)raw.codes;
+#pragma unroll
+    for (int i = 0; i < N; i++) f[i] = __int_as_float(0x4B000000u | ((word >> (2 * i)) & 3u)) - 8388608.0f;
+  }
+  template <int N>
+  __device__ static float scale(const Raw<N> &raw) { return __low2float(raw.param); }
+  template <int N>
+  __device__ static float min(const Raw<N> &raw) { return __high2float(raw.param); }
+
+  // One group, a lane an element (asym_code): a byte's 4 codes OR-ed together over its lanes.
+  __device__ static void encode_lane(const KvMutPlanes &t, size_t e, float x, int lane) {
+    __half2 p;
+    unsigned b = asym_code(x, 3.0f, p) << (2 * (lane & 3));
+    b |= __shfl_xor_sync(0xffffffffu, b, 1);
+    b |= __shfl_xor_sync(0xffffffffu, b, 2);
+    if (!(lane & 3)) static_cast<uint8_t *>(t.plane[M40LLM_KV_CODES])[(e + lane) / 4] = (uint8_t)b;
+    if (lane == 0) static_cast<__half2 *>(t.plane[M40LLM_KV_PARAMS])[e / kGroup] = p;
+  }
+};
+
+// Q3: a group is 12 bytes, its codes' low 2 bits as Q2's 8 bytes, then their bit 2 (element i in
+// bit i % 8 of byte 8 + i / 8), one FP16 (scale, min) pair per group. V only (m40llm.h). A load is
+// the bytes of the 2-bit plane and the byte of the bit plane that hold its elements, shifted down
+// to bit 0 (no branch; 2 elements only from an index, as Q2).
+struct KvQ3 : KvQuant<KvQ3, M40LLM_KV_Q3, 3, __half2> {
+  static constexpr bool kHasMin = true;
+  template <int N>
+  struct Raw {
+    typename CodeVec<(N < 4 ? 4 : N) / 4>::Raw low;  // 2 bits an element
+    uint8_t high;                                     // bit 2 of element i in bit i
+    __half2 param;
+  };
+
+  // Where element e's 2-bit and 1-bit parts lie, in bytes from the codes plane.
+  __host__ __device__ static size_t low_byte(size_t e) { return e / kGroup * 12 + e % kGroup / 4; }
+  __host__ __device__ static size_t high_byte(size_t e) { return e / kGroup * 12 + 8 + e % kGroup / 8; }
+
+  // in_byte: e % 8 (2 elements: from the index; 4: the 2-bit byte's parity, as a group's 12
+  // bytes start 4-byte aligned; 8: 0).
+  template <int N>
+  __device__ static Raw<N> read(const uint8_t *low, const uint8_t *high, const __half2 *param,
+                                unsigned in_byte) {
+    using Low = typename CodeVec<(N < 4 ? 4 : N) / 4>::Raw;
+    Raw<N> r;
+    r.low = __ldg(reinterpret_cast<const Low *>(low));
+    if (N < 4) r.low = (Low)(r.low >> (2 * (in_byte & 3)));
+    r.high = (uint8_t)(__ldg(high) >> (N < 8 ? in_byte : 0u));
+    r.param = __ldg(param);
+    return r;
+  }
+  template <int N>
+  __device__ static Raw<N> load(const KvPlanes &t, Ptr p, int n) {
+    const size_t e = p + (size_t)n;
+    const uint8_t *codes = static_cast<const uint8_t *>(t.plane[M40LLM_KV_CODES]);
+    return read<N>(codes + low_byte(e), codes + high_byte(e),
+                   static_cast<const __half2 *>(t.plane[M40LLM_KV_PARAMS]) + e / kGroup,
+                   (unsigned)e & 7u);
+  }
+
+  // The two parts' addresses move together by whole groups.
+  struct Cursor {
+    const uint8_t *low, *high;
+    const __half2 *param;
+  };
+  __device__ static Cursor cursor(const KvPlanes &t, Ptr e) {
+    const uint8_t *codes = static_cast<const uint8_t *>(t.plane[M40LLM_KV_CODES]);
+    return {codes + low_byte(e), codes + high_byte(e),
+            static_cast<const __half2 *>(t.plane[M40LLM_KV_PARAMS]) + e / kGroup};
+  }
+  __device__ static Cursor step(Cursor c, ptrdiff_t n) {
+    return {c.low + n / kGroup * 12, c.high + n / kGroup * 12, c.param + n / kGroup};
+  }
+  template <int N>
+  __device__ static Raw<N> load_at(Cursor c, int n) {
+    static_assert(N >= 4, "a cursor loads whole bytes of the 2-bit plane");
+    const uint8_t *low = c.low + n / kGroup * 12;
+    return read<N>(low, c.high + n / kGroup * 12, c.param + n / kGroup,
+                   4u * ((unsigned)(uintptr_t)low & 1u));
+  }
+
+  template <int N>
+  __device__ static void widen(const Raw<N> &raw, float (&f)[N]) {
+    const unsigned low = (unsigned)raw.low, high = (unsigned)raw.high << 2;
+#pragma unroll
+    for (int i = 0; i < N; i++)
+      f[i] = __int_as_float(0x4B000000u | ((low >> (2 * i)) & 3u) | ((high >> i) & 4u)) - 8388608.0f;
+  }
+  template <int N>
+  __device__ static float scale(const Raw<N> &raw) { return __low2float(raw.param); }
+  template <int N>
+  __device__ static float min(const Raw<N> &raw) { return __high2float(raw.param); }
+
+  // One group, a lane an element (asym_code): the 2-bit plane as Q2's, the bit plane's 4 bytes
+  // one ballot.
+  __device__ static void encode_lane(const KvMutPlanes &t, size_t e, float x, int lane) {
+    __half2 p;
+    const unsigned q = asym_code(x, 7.0f, p);
+    unsigned b = (q & 3u) << (2 * (lane & 3));
+    b |= __shfl_xor_sync(0xffffffffu, b, 1);
+    b |= __shfl_xor_sync(0xffffffffu, b, 2);
+    const unsigned high = __ballot_sync(0xffffffffu, q & 4u);
+    uint8_t *codes = static_cast<uint8_t *>(t.plane[M40LLM_KV_CODES]);
+    if (!(lane & 3)) codes[low_byte(e + lane)] = (uint8_t)b;
+    // A group's 12 bytes start 4-byte aligned (rows of 12 x head_dim / 32 bytes).
+    if (lane == 0) {
+      *reinterpret_cast<unsigned *>(codes + high_byte(e)) = high;
+      static_cast<__half2 *>(t.plane[M40LLM_KV_PARAMS])[e / kGroup] = p;
+    }
   }
 };
 
@@ -261,7 +411,8 @@ struct KvPair {
 // instantiations; with_kv_pair() below must list the same.
 #define M40LLM_KV_PAIRS(X)                                                            \
   X(KvPair<KvF16 M40LLM_COMMA KvF16>) X(KvPair<KvQ8 M40LLM_COMMA KvQ8>)              \
-  X(KvPair<KvQ4 M40LLM_COMMA KvQ4>) X(KvPair<KvQ8 M40LLM_COMMA KvQ4>)
+  X(KvPair<KvQ4 M40LLM_COMMA KvQ4>) X(KvPair<KvQ8 M40LLM_COMMA KvQ4>)                \
+  X(KvPair<KvQ4 M40LLM_COMMA KvQ3>) X(KvPair<KvQ4 M40LLM_COMMA KvQ2>)
 #define M40LLM_COMMA ,
 
 // Calls f(Format{}) with the format type of `format`: where a format number becomes a type. A
@@ -272,26 +423,29 @@ int with_kv_format(int format, F &&f) {
     case M40LLM_KV_F16: return f(KvF16{});
     case M40LLM_KV_Q8: return f(KvQ8{});
     case M40LLM_KV_Q4: return f(KvQ4{});
-    default: {
-      const m40llm_kv_format_desc *d = m40llm_kv_format_find(format);
-      return d ? m40llm_fail(M40LLM_ERR_UNSUPPORTED,
-                             "KV format %s: no CUDA kernels yet (the CPU backend has it)", d->name)
-               : m40llm_fail(M40LLM_ERR_UNSUPPORTED, "KV format %d has no CUDA kernels", format);
-    }
+    case M40LLM_KV_Q3: return f(KvQ3{});
+    case M40LLM_KV_Q2: return f(KvQ2{});
+    default: return m40llm_fail(M40LLM_ERR_UNSUPPORTED, "KV format %d has no CUDA kernels", format);
   }
 }
 
 // The same for a (K, V) pair of formats; pairs the kernels are not built for are unsupported.
+// Q3 and Q2 are V formats only (the front end refuses them for K), with their own instances.
 template <typename F>
 int with_kv_pair(int k_format, int v_format, F &&f) {
-  if (k_format == v_format) return with_kv_format(k_format, [&](auto kv) -> int {
+  if (k_format == v_format && k_format != M40LLM_KV_Q3 && k_format != M40LLM_KV_Q2)
+    return with_kv_format(k_format, [&](auto kv) -> int {
       return f(KvPair<decltype(kv), decltype(kv)>{});
     });
   if (k_format == M40LLM_KV_Q8 && v_format == M40LLM_KV_Q4) return f(KvPair<KvQ8, KvQ4>{});
+  if (k_format == M40LLM_KV_Q4 && v_format == M40LLM_KV_Q3) return f(KvPair<KvQ4, KvQ3>{});
+  if (k_format == M40LLM_KV_Q4 && v_format == M40LLM_KV_Q2) return f(KvPair<KvQ4, KvQ2>{});
+  const m40llm_kv_format_desc *k = m40llm_kv_format_find(k_format);
+  const m40llm_kv_format_desc *v = m40llm_kv_format_find(v_format);
   return m40llm_fail(M40LLM_ERR_UNSUPPORTED,
-                     "the CUDA backend has no kernels for K format %d with V format %d (it has "
-                     "every format with itself, and Q8 K with Q4 V)",
-                     k_format, v_format);
+                     "the CUDA backend has no kernels for K format %s with V format %s (it has "
+                     "F16, Q8 and Q4 each with itself, Q8 K with Q4 V, and Q4 K with Q3 or Q2 V)",
+                     k ? k->name : "?", v ? v->name : "?");
 }
 
 // The planes of tensor t from row `row` on (a layer's first row, for the attention kernels).
