@@ -336,7 +336,8 @@ static void usage() {
       "  --no-graph             no CUDA graph timing\n"
       "  --no-check             skip the output check\n"
       "  --device N             CUDA device (default 0)\n"
-      "  --format F             K/V format: F16 (default), Q8, Q4, Q8Q4 (K Q8, V Q4)\n"
+      "  --format F             K/V format: F16 (default), Q8, Q4, Q8Q4 (K Q8, V Q4), Q4Q3,\n"
+      "                         Q4Q2 (K Q4, V Q3 or Q2)\n"
       "  --kv-rotation R        quantized K/V rotated: auto (the library's default) or none\n"
       "  --kv-protect S,W       quantized K/V: S sinks and a window of W kept FP16 (4,128)\n"
       "  --io T                 q and out as f32 (default), f16 or bf16 (m40llm_kvcache_attn_batch_ex;\n"
@@ -394,8 +395,10 @@ static Options parse_args(int argc, char **argv) {
       else if (f == "Q8") o.k_format = M40LLM_KV_Q8, o.v_format = M40LLM_KV_SAME;
       else if (f == "Q4") o.k_format = M40LLM_KV_Q4, o.v_format = M40LLM_KV_SAME;
       else if (f == "Q8Q4") o.k_format = M40LLM_KV_Q8, o.v_format = M40LLM_KV_Q4;
+      else if (f == "Q4Q3") o.k_format = M40LLM_KV_Q4, o.v_format = M40LLM_KV_Q3;
+      else if (f == "Q4Q2") o.k_format = M40LLM_KV_Q4, o.v_format = M40LLM_KV_Q2;
       else {
-        std::fprintf(stderr, "bench: --format takes F16, Q8, Q4 or Q8Q4 (K Q8, V Q4)\n");
+        std::fprintf(stderr, "bench: --format takes F16, Q8, Q4, Q8Q4, Q4Q3 or Q4Q2\n");
         std::exit(2);
       }
     }

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# K/V formats side by side on the GPU machine: bench_attention with --format F16, Q8, Q4 and
-# Q8Q4 (and Q8, Q4 plain and unrotated) over the same shapes, in one run, and a table of each format's time against F16's.
+# K/V formats side by side on the GPU machine: bench_attention with --format F16, Q8, Q4, Q8Q4,
+# Q4Q3 and Q4Q2 (and Q8, Q4 plain and unrotated) over the same shapes, in one run, and a table of each format's time against F16's.
 #
 #   bench/formats.sh BENCH_BINARY OUTDIR [bench_attention args, default: the shapes below]
 #
@@ -15,7 +15,7 @@ if [ ${#args[@]} -eq 0 ]; then
   source "$(dirname "$0")/formats_shapes.sh"
   for s in "${FORMAT_SHAPES[@]}"; do args+=(--shape "$s"); done
 fi
-for f in F16 Q8 Q4 Q8Q4; do
+for f in F16 Q8 Q4 Q8Q4 Q4Q3 Q4Q2; do
   "$BIN" --format "$f" "${args[@]}" --json "$OUT/$f.json" >"$OUT/$f.txt" 2>&1 ||
     echo "formats: $f exited $?"
 done

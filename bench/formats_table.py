@@ -13,7 +13,7 @@ import grid  # noqa: E402
 
 # Quantized formats run with the library's defaults (rotated, 4 sinks + 128 window in FP16);
 # "-norot" without the rotation, "-plain" without either.
-FORMATS = ["F16", "Q8", "Q4", "Q8Q4", "Q8-norot", "Q4-norot", "Q8-plain", "Q4-plain"]
+FORMATS = ["F16", "Q8", "Q4", "Q8Q4", "Q4Q3", "Q4Q2", "Q8-norot", "Q4-norot", "Q8-plain", "Q4-plain"]
 
 
 def main():

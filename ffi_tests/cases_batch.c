@@ -256,16 +256,11 @@ static int trio_open(trio *t, m40llm_context *ctx, batch_shape s, int n_layers, 
   if (!T_OK(m40llm_context_create(&t->cpu, &co))) return 0;
   int rc = M40LLM_OK;
   t->a = create(ctx, s, n_layers, max_seqs, max_len, &rc);
-  if ((s.vf == M40LLM_KV_Q3 || s.vf == M40LLM_KV_Q2) && backend_is_cuda(ctx)) {
-    /* no CUDA kernels yet: refused at create */
-    T_CHECKF(rc == M40LLM_ERR_UNSUPPORTED &&
-                 strstr(m40llm_last_error_message(), "no CUDA kernels yet") != NULL,
-             "create returned %d (%s)", rc, m40llm_last_error_message());
-    return 0;
-  }
-  if (rc == M40LLM_ERR_UNSUPPORTED && backend_is_cuda(ctx) && s.kf != s.vf) {
+  if (backend_is_cuda(ctx) && !t_cuda_has_pair(s.kf, s.vf)) {
     /* the CUDA backend has kernels for some format pairs only, and says so at create */
-    T_CHECK(strstr(m40llm_last_error_message(), "no kernels for K format") != NULL);
+    T_CHECKF(rc == M40LLM_ERR_UNSUPPORTED &&
+                 strstr(m40llm_last_error_message(), "no kernels for K format") != NULL,
+             "create returned %d (%s)", rc, m40llm_last_error_message());
     return 0;
   }
   t->b = create(ctx, s, n_layers, max_seqs, max_len, NULL);
@@ -572,7 +567,7 @@ void t_cases_append_batch(m40llm_context *ctx, int small) {
       {Q8, Q4, 8, 2, 128, AUTO, 4, 128},
       {Q8, SAME, 12, 4, 32, NONE, 0, 0},
       {F16, Q4, 4, 2, 64, AUTO, 3, 5},       /* the CPU backend only */
-      {Q4, Q3, 8, 2, 64, AUTO, 4, 16},       /* V in 3 and 2 bits: the CPU backend only */
+      {Q4, Q3, 8, 2, 64, AUTO, 4, 16},       /* V in 3 and 2 bits */
       {Q4, Q2, 4, 1, 128, KV, 2, 7},
   };
   for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++) shape_case(ctx, shapes[i], small);
@@ -583,5 +578,6 @@ void t_cases_append_batch(m40llm_context *ctx, int small) {
   fused_case(ctx, shapes[2]);
   fused_case(ctx, shapes[4]);
   fused_case(ctx, shapes[7]);
+  fused_case(ctx, shapes[8]);
   t_set_case("");
 }

@@ -2,7 +2,7 @@
  * Causal attention over the cache (m40llm_kvcache_attn_causal_f32q) on any context: ragged
  * batches of (cached prefix P, new rows T) with T = 1, 2-16, 17-33, 512 (4096 outside small
  * mode), P = 0 and P > 0, GQA groups 1, 3, 4, 8, head_dim 64, 80, 128, 256, sliding windows,
- * every K/V format (rotated, with protected tokens; Q3 and Q2 V on the CPU backend). Output
+ * every K/V format (rotated, with protected tokens; Q3 and Q2 V with Q4 K). Output
  * poisoned first (NaN), every row checked:
  * - F16: against an independent float64 reference over the FP16 values appended (1e-5 relative
  *   L2 a row);
@@ -363,14 +363,14 @@ void t_cases_causal(m40llm_context *ctx, m40llm_context *cpu, int small) {
     run_case(ctx, cpu, quant[i], P3, T3, 5, 20);
     t1_equals_decode(ctx, cpu, quant[i]);
   }
-  /* V in Q3 and Q2 (CPU backend; CUDA: refused at create, no kernels yet) */
+  /* V in Q3 and Q2 */
   const causal_shape low[] = {{Q4, M40LLM_KV_Q3, 8, 2, 64}, {Q4, M40LLM_KV_Q2, 4, 1, 128}};
   for (int i = 0; i < (int)(sizeof low / sizeof low[0]); i++) {
     m40llm_kvcache_options o = M40LLM_KVCACHE_OPTIONS_INIT;
     o.n_layers = 1, o.n_heads = low[i].n_heads, o.n_kv_heads = low[i].n_kv;
     o.head_dim = low[i].d, o.max_seqs = 1, o.max_seq_len = 8;
     o.format = low[i].kf, o.v_format = low[i].vf;
-    if (t_low_bit_refused(ctx, &o)) continue;
+    if (t_pair_refused(ctx, &o)) continue;
     run_case(ctx, cpu, low[i], P3, T3, 5, 0);
     t1_equals_decode(ctx, cpu, low[i]);
   }

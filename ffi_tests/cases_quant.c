@@ -3,8 +3,9 @@
  * not, with protected tokens
  * (sinks and a window kept FP16) or without, against an independent quantizer and rotation
  * written from the header's definition: the stored values (read_f16, bit-exact), and attention
- * against a float64 reference over the stored values, on any context (CPU or CUDA). Q3 and Q2
- * have no CUDA kernels yet: there, creating such a cache must fail with M40LLM_ERR_UNSUPPORTED.
+ * against a float64 reference over the stored values, on any context (CPU or CUDA). The CUDA
+ * backend has kernels for some pairs (t_cuda_has_pair): there, creating a cache of another pair
+ * must fail with M40LLM_ERR_UNSUPPORTED.
  */
 #include <math.h>
 #include <stddef.h>
@@ -130,14 +131,26 @@ static int backend_is_cuda(m40llm_context *ctx) {
   return m40llm_context_device_info(&info, ctx) == M40LLM_OK && info.backend == M40LLM_BACKEND_CUDA;
 }
 
-static int is_low_bit(int fmt) { return fmt == M40LLM_KV_Q3 || fmt == M40LLM_KV_Q2; }
+int t_cuda_has_pair(int kf, int vf) {
+  if (vf == M40LLM_KV_SAME) vf = kf;
+  return (kf == vf && kf != M40LLM_KV_Q3 && kf != M40LLM_KV_Q2) ||
+         (kf == M40LLM_KV_Q8 && vf == M40LLM_KV_Q4) ||
+         (kf == M40LLM_KV_Q4 && (vf == M40LLM_KV_Q3 || vf == M40LLM_KV_Q2));
+}
 
-int t_low_bit_refused(m40llm_context *ctx, const m40llm_kvcache_options *o) {
+static const char *format_name(int fmt) {
+  static const char *const names[] = {"F16", "Q8", "Q4", "Q3", "Q2"};
+  return fmt >= 0 && fmt < 5 ? names[fmt] : "?";
+}
+
+int t_pair_refused(m40llm_context *ctx, const m40llm_kvcache_options *o) {
   const int vf = o->v_format == M40LLM_KV_SAME ? o->format : o->v_format;
-  if (!backend_is_cuda(ctx) || !(is_low_bit(o->format) || is_low_bit(vf))) return 0;
+  if (!backend_is_cuda(ctx) || t_cuda_has_pair(o->format, vf)) return 0;
   m40llm_kvcache *c = (m40llm_kvcache *)&c;
-  T_FAIL_WITH(m40llm_kvcache_create(&c, ctx, o), M40LLM_ERR_UNSUPPORTED, "no CUDA kernels yet");
-  T_CHECK(strstr(m40llm_last_error_message(), vf == M40LLM_KV_Q3 ? "Q3" : "Q2") != NULL);
+  char want[64];
+  snprintf(want, sizeof want, "no kernels for K format %s with V format %s",
+           format_name(o->format), format_name(vf));
+  T_FAIL_WITH(m40llm_kvcache_create(&c, ctx, o), M40LLM_ERR_UNSUPPORTED, want);
   T_CHECK(c == (m40llm_kvcache *)&c);
   return 1;
 }
@@ -172,7 +185,7 @@ static void run_case(m40llm_context *ctx, quant_case c, const int *lens, int n_s
   t_set_case("quantized K %d / V %d, %d/%d heads, head_dim %d, rotation %d, sinks %d, window "
              "%d%s: create", c.kf, c.vf, c.n_heads, c.n_kv, c.d, c.rotation, c.sinks, c.window,
              use_f16 ? ", FP16 input" : "");
-  if (t_low_bit_refused(ctx, &o)) return;
+  if (t_pair_refused(ctx, &o)) return;
   m40llm_kvcache *cache = NULL;
   int rc = m40llm_kvcache_create(&cache, ctx, &o);
   if (rc == M40LLM_ERR_UNSUPPORTED && backend_is_cuda(ctx)) {
@@ -330,7 +343,7 @@ static void fork_truncate(m40llm_context *ctx, int kf, int vf) {
   m40llm_kvcache_options o = M40LLM_KVCACHE_OPTIONS_INIT;
   o.n_layers = 2, o.n_heads = 4, o.n_kv_heads = 2, o.head_dim = 64, o.max_seqs = 3;
   o.max_seq_len = 40, o.format = kf, o.v_format = vf;
-  if (t_low_bit_refused(ctx, &o)) return;
+  if (t_pair_refused(ctx, &o)) return;
   m40llm_kvcache *cache = NULL;
   if (!T_OK(m40llm_kvcache_create(&cache, ctx, &o))) return;
   const size_t row = 2 * 64, n = 40 * row, part = 25 * row * 2;
@@ -414,10 +427,11 @@ static void options(m40llm_context *ctx) {
   o.v_format = M40LLM_KV_Q3, o.format = M40LLM_KV_Q4, o.head_dim = 48;
   T_FAIL_WITH(m40llm_kvcache_bytes_needed(&bytes, &o), M40LLM_ERR_UNSUPPORTED, "multiple of 32");
   o.head_dim = 128;
-  /* On the CUDA backend: no kernels yet, said at create */
-  t_low_bit_refused(ctx, &o);
-  o.v_format = M40LLM_KV_Q2;
-  t_low_bit_refused(ctx, &o);
+  /* On the CUDA backend: pairs it has no kernels for, said at create */
+  o.format = M40LLM_KV_Q8;
+  T_CHECK(!backend_is_cuda(ctx) || t_pair_refused(ctx, &o));
+  o.format = M40LLM_KV_F16, o.v_format = M40LLM_KV_Q2;
+  T_CHECK(!backend_is_cuda(ctx) || t_pair_refused(ctx, &o));
   o.format = M40LLM_KV_Q4, o.v_format = M40LLM_KV_SAME, o.head_dim = 48;
   m40llm_kvcache *c = (m40llm_kvcache *)&bytes;
   T_FAIL_WITH(m40llm_kvcache_create(&c, ctx, &o), M40LLM_ERR_UNSUPPORTED, "multiple of 32");
@@ -498,7 +512,7 @@ static void window_history(m40llm_context *ctx, int kf, int vf) {
   o.n_layers = 1, o.n_heads = 2, o.n_kv_heads = 1, o.head_dim = D, o.max_seqs = 2;
   o.max_seq_len = N, o.format = kf, o.v_format = vf, o.rotation = M40LLM_ROTATE_NONE;
   o.n_sinks = SINKS, o.window = WINDOW;
-  if (t_low_bit_refused(ctx, &o)) return;
+  if (t_pair_refused(ctx, &o)) return;
   m40llm_kvcache *cache = NULL;
   if (!T_OK(m40llm_kvcache_create(&cache, ctx, &o))) return;
   uint16_t x[N * D], got[N * D];
@@ -563,8 +577,9 @@ static void window_history(m40llm_context *ctx, int kf, int vf) {
 
 void t_cases_quantized(m40llm_context *ctx, int small) {
   options(ctx);
-  enum { Q8 = M40LLM_KV_Q8, Q4 = M40LLM_KV_Q4, Q3 = M40LLM_KV_Q3, Q2 = M40LLM_KV_Q2 };
-  const int pairs[][2] = {{Q8, Q8}, {Q4, Q4}, {Q4, Q3}, {Q4, Q2}, {Q8, Q3}};
+  enum { F16 = M40LLM_KV_F16, Q8 = M40LLM_KV_Q8, Q4 = M40LLM_KV_Q4, Q3 = M40LLM_KV_Q3,
+         Q2 = M40LLM_KV_Q2 };
+  const int pairs[][2] = {{Q8, Q8}, {Q4, Q4}, {Q4, Q3}, {Q4, Q2}, {Q8, Q3}, {F16, Q2}};
   for (size_t i = 0; i < sizeof pairs / sizeof pairs[0]; i++) {
     fork_truncate(ctx, pairs[i][0], pairs[i][1]);
     window_history(ctx, pairs[i][0], pairs[i][1]);
@@ -593,7 +608,7 @@ void t_cases_quantized(m40llm_context *ctx, int small) {
       {M40LLM_KV_Q8, M40LLM_KV_SAME, 8, 1, 96, AUTO, 1, 5},
       {M40LLM_KV_F16, M40LLM_KV_Q4, 4, 2, 64, AUTO, 4, 128},
       {M40LLM_KV_Q4, M40LLM_KV_Q8, 4, 2, 64, KV, 4, 64},
-      /* the V formats Q3 and Q2 (no CUDA kernels yet: refused there) */
+      /* the V formats Q3 and Q2 (CUDA: with Q4 K; the other pairs are refused there) */
       {M40LLM_KV_Q4, M40LLM_KV_Q3, 8, 2, 64, AUTO, 0, 0},
       {M40LLM_KV_Q4, M40LLM_KV_Q2, 4, 4, 32, NONE, 0, 0},
       {M40LLM_KV_Q8, M40LLM_KV_Q3, 12, 4, 128, K, 0, 0},
@@ -603,6 +618,20 @@ void t_cases_quantized(m40llm_context *ctx, int small) {
       {M40LLM_KV_Q4, M40LLM_KV_Q2, 6, 3, 64, AUTO, 4, 128},
       {M40LLM_KV_Q8, M40LLM_KV_Q2, 4, 1, 32, K, 3, 17},
       {M40LLM_KV_F16, M40LLM_KV_Q3, 4, 2, 256, NONE, 0, 40},
+      /* Q4 K with Q3 / Q2 V over the FP32 kernel's tiles (1, 2, 4, 8 heads; head_dim its
+       * class's or not) and the tensor-core kernel's head_dims */
+      {M40LLM_KV_Q4, M40LLM_KV_Q2, 16, 2, 256, KV, 0, 0},
+      {M40LLM_KV_Q4, M40LLM_KV_Q3, 16, 2, 256, KV, 4, 128},
+      {M40LLM_KV_Q4, M40LLM_KV_Q2, 8, 1, 96, K, 3, 17},
+      {M40LLM_KV_Q4, M40LLM_KV_Q3, 4, 2, 256, NONE, 0, 40},
+      {M40LLM_KV_Q4, M40LLM_KV_Q2, 4, 2, 256, AUTO, 4, 128},
+      {M40LLM_KV_Q4, M40LLM_KV_Q2, 12, 4, 128, KV, 0, 0},
+      {M40LLM_KV_Q4, M40LLM_KV_Q3, 12, 4, 96, AUTO, 2, 9},
+      {M40LLM_KV_Q4, M40LLM_KV_Q2, 12, 4, 96, NONE, 0, 0},
+      {M40LLM_KV_Q4, M40LLM_KV_Q3, 4, 4, 64, KV, 0, 0},
+      {M40LLM_KV_Q4, M40LLM_KV_Q2, 4, 4, 128, KV, 4, 128},
+      {M40LLM_KV_Q4, M40LLM_KV_Q3, 10, 2, 160, KV, 2, 9},
+      {M40LLM_KV_Q4, M40LLM_KV_Q2, 6, 2, 32, AUTO, 1, 5},
   };
   const int lens[6] = {1, 31, 33, 257, small ? 300 : 2100, 0};
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) run_case(ctx, cases[i], lens, 6, 0);
@@ -615,5 +644,8 @@ void t_cases_quantized(m40llm_context *ctx, int small) {
   run_case(ctx, cases[13], one, 1, 1);
   run_case(ctx, cases[24], one, 1, 1);
   run_case(ctx, cases[25], one, 1, 0);
+  run_case(ctx, cases[28], one, 1, 0);
+  run_case(ctx, cases[33], one, 1, 1);
+  run_case(ctx, cases[37], one, 1, 0);
   t_set_case("");
 }

@@ -157,10 +157,13 @@ void t_cases_attention_basic(m40llm_context *ctx);
 void t_cases_fp16_rounding(m40llm_context *ctx);
 /* Q8/Q4/Q3/Q2 and K/V format pairs (cases_quant.c); small: shorter sequences. */
 void t_cases_quantized(m40llm_context *ctx, int small);
-/* Where options o name Q3 or Q2 and ctx is on the CUDA backend (no kernels yet): checks that
- * create fails there with M40LLM_ERR_UNSUPPORTED, naming the format, *out untouched, and
+/* Whether the CUDA backend has kernels for K format kf with V format vf (m40llm.h: F16, Q8, Q4
+ * each with itself, Q8 K with Q4 V, Q4 K with Q3 or Q2 V). */
+int t_cuda_has_pair(int kf, int vf);
+/* Where options o name a K/V pair the CUDA backend has no kernels for and ctx is on it: checks
+ * that create fails there with M40LLM_ERR_UNSUPPORTED, naming both formats, *out untouched, and
  * returns 1 (the caller's case ends); else 0. */
-int t_low_bit_refused(m40llm_context *ctx, const m40llm_kvcache_options *o);
+int t_pair_refused(m40llm_context *ctx, const m40llm_kvcache_options *o);
 
 /* Batched append against single appends and the CPU backend, and its errors (cases_batch.c);
  * small: fewer rounds. */

@@ -298,8 +298,9 @@ typedef enum m40llm_kv_format {
    *   Q3: 12 bytes, the low 2 bits of c as Q2's 8 bytes, then c's bit 2 in bit e % 8 of byte
    *       8 + e / 8 (8 consecutive codes: 2 bytes and 1 byte, each naturally aligned);
    * the parameters in their own plane, (d) or (d, m) as FP16 per group.
-   * The CUDA backend has no Q3 or Q2 kernels yet: creating such a cache there fails with
-   * M40LLM_ERR_UNSUPPORTED. */
+   * The CUDA backend has kernels for F16, Q8 and Q4 each with itself, Q8 K with Q4 V, and Q4 K
+   * with Q3 or Q2 V; creating a cache of another pair there fails with M40LLM_ERR_UNSUPPORTED
+   * (the CPU backend takes any pair). */
   M40LLM_KV_Q8 = 1,
   M40LLM_KV_Q4 = 2,
   M40LLM_KV_Q3 = 3,

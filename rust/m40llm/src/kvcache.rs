@@ -31,12 +31,13 @@ pub enum KvFormat {
     /// [`KvFormat::Q4`] with codes in 0..=7 and `d = fp16((max − min) / 7)`. K may not use it
     /// (K is the sensitive half: 3-bit K costs more than it saves against V in 3 or 2 bits at
     /// the same bytes, see the C header): a config whose `format` is Q3 is refused with
-    /// [`Status::InvalidArgument`]; set it as [`KvCacheConfig::v_format`]. The CUDA backend has
-    /// no kernels for it yet ([`Status::Unsupported`] at creation).
+    /// [`Status::InvalidArgument`]; set it as [`KvCacheConfig::v_format`]. The CUDA backend
+    /// has kernels for it with K in [`KvFormat::Q4`] (other K formats: [`Status::Unsupported`]
+    /// at creation).
     Q3,
     /// V only: 2-bit codes, one FP16 (scale, min) pair per 32 dims (3 bits a value), as
-    /// [`KvFormat::Q4`] with codes in 0..=3 and `d = fp16((max − min) / 3)`. K may not use it,
-    /// and the CUDA backend has no kernels for it yet, as [`KvFormat::Q3`].
+    /// [`KvFormat::Q4`] with codes in 0..=3 and `d = fp16((max − min) / 3)`. K may not use it;
+    /// the CUDA backend has it with K in Q4, as [`KvFormat::Q3`].
     Q2,
 }
 
@@ -161,7 +162,7 @@ pub struct KvCacheConfig {
     pub format: KvFormat,
     /// Storage format of V, where it differs from K's (e.g. K [`KvFormat::Q8`], V
     /// [`KvFormat::Q4`]). The CPU backend takes any pair with K in F16, Q8 or Q4; the CUDA
-    /// backend each of F16, Q8 and Q4 with itself, and Q8 K with Q4 V.
+    /// backend each of F16, Q8 and Q4 with itself, Q8 K with Q4 V, and Q4 K with Q3 or Q2 V.
     pub v_format: Option<KvFormat>,
     /// How quantized K and V are rotated before they are quantized (see [`KvRotation`]).
     /// Defaults to the library's default, read at run time by [`KvCacheConfig::new`].

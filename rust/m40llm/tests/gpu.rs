@@ -155,10 +155,12 @@ fn rotated_and_protected_match_cpu() {
     let Some(gpu) = gpu_context(test) else { return };
     let cpu = Context::cpu().unwrap();
     let mut rng = Rng::fresh(test);
-    use KvFormat::{Q4, Q8};
+    use KvFormat::{Q2, Q3, Q4, Q8};
     // (K format, V format, rotation, n_heads, n_kv_heads, head_dim)
     let cases = [
         (Q8, None, KvRotation::KV, 8, 2, 64),
+        (Q4, Some(Q3), KvRotation::KV, 8, 2, 64),
+        (Q4, Some(Q2), KvRotation::Auto, 16, 2, 128),
         (Q4, None, KvRotation::K, 32, 8, 128),
         (Q8, Some(Q4), KvRotation::Auto, 8, 2, 128),
         (Q4, None, KvRotation::KV, 8, 1, 96), // blocks of 32
@@ -330,17 +332,15 @@ fn errors_and_device_info() {
     // The CUDA backend needs head_dim % 8 == 0.
     let e = KvCache::new(&ctx, &KvCacheConfig::new(1, 2, 12)).unwrap_err();
     assert_eq!(e.status(), Status::Unsupported);
-    // V in Q3 or Q2: no CUDA kernels yet, said at creation.
-    for (v, name) in [(KvFormat::Q3, "Q3"), (KvFormat::Q2, "Q2")] {
-        let cfg = KvCacheConfig::new(1, 4, 64)
-            .format(KvFormat::Q4)
-            .v_format(v);
+    // V in Q3 or Q2 with K other than Q4: no kernels for the pair, said at creation.
+    for (k, v, want) in [
+        (KvFormat::Q8, KvFormat::Q3, "K format Q8 with V format Q3"),
+        (KvFormat::F16, KvFormat::Q2, "K format F16 with V format Q2"),
+    ] {
+        let cfg = KvCacheConfig::new(1, 4, 64).format(k).v_format(v);
         let e = KvCache::new(&ctx, &cfg).unwrap_err();
         assert_eq!(e.status(), Status::Unsupported, "{e}");
-        assert!(
-            e.message().contains(name) && e.message().contains("no CUDA kernels yet"),
-            "{e}"
-        );
+        assert!(e.message().contains(want), "{e}");
     }
     // Wrong sizes are caught before any kernel runs; the context stays usable.
     let cfg = KvCacheConfig::new(1, 4, 64).max_seq_len(4);
