@@ -274,7 +274,7 @@ struct KvQ2 : KvQuant<KvQ2, M40LLM_KV_Q2, 2, __half2> {
     Raw<N> r;
     r.codes = __ldg(reinterpret_cast<const typename CodeVec<(N < 4 ? 4 : N) / 4>::Raw *>(
         static_cast<const uint8_t *>(t.plane[M40LLM_KV_CODES]) + e / 4));
-    if (N < 4) r.codes = (uint8_t)(r.codes >> (2 * (e & 3)));
+    if constexpr (N < 4) r.codes = (uint8_t)(r.codes >> (2 * (e & 3)));
     r.param = __ldg(static_cast<const __half2 *>(t.plane[M40LLM_KV_PARAMS]) + e / kGroup);
     return r;
   }
@@ -334,7 +334,7 @@ struct KvQ3 : KvQuant<KvQ3, M40LLM_KV_Q3, 3, __half2> {
     using Low = typename CodeVec<(N < 4 ? 4 : N) / 4>::Raw;
     Raw<N> r;
     r.low = __ldg(reinterpret_cast<const Low *>(low));
-    if (N < 4) r.low = (Low)(r.low >> (2 * (in_byte & 3)));
+    if constexpr (N < 4) r.low = (Low)(r.low >> (2 * (in_byte & 3)));
     r.high = (uint8_t)(__ldg(high) >> (N < 8 ? in_byte : 0u));
     r.param = __ldg(param);
     return r;
@@ -429,14 +429,13 @@ int with_kv_format(int format, F &&f) {
   }
 }
 
-// The same for a (K, V) pair of formats; pairs the kernels are not built for are unsupported.
-// Q3 and Q2 are V formats only (the front end refuses them for K), with their own instances.
+// The same for a (K, V) pair of formats: exactly the pairs of M40LLM_KV_PAIRS (each is
+// instantiated here); others are unsupported.
 template <typename F>
 int with_kv_pair(int k_format, int v_format, F &&f) {
-  if (k_format == v_format && k_format != M40LLM_KV_Q3 && k_format != M40LLM_KV_Q2)
-    return with_kv_format(k_format, [&](auto kv) -> int {
-      return f(KvPair<decltype(kv), decltype(kv)>{});
-    });
+  if (k_format == v_format && k_format == M40LLM_KV_F16) return f(KvPair<KvF16, KvF16>{});
+  if (k_format == v_format && k_format == M40LLM_KV_Q8) return f(KvPair<KvQ8, KvQ8>{});
+  if (k_format == v_format && k_format == M40LLM_KV_Q4) return f(KvPair<KvQ4, KvQ4>{});
   if (k_format == M40LLM_KV_Q8 && v_format == M40LLM_KV_Q4) return f(KvPair<KvQ8, KvQ4>{});
   if (k_format == M40LLM_KV_Q4 && v_format == M40LLM_KV_Q3) return f(KvPair<KvQ4, KvQ3>{});
   if (k_format == M40LLM_KV_Q4 && v_format == M40LLM_KV_Q2) return f(KvPair<KvQ4, KvQ2>{});

@@ -9,7 +9,8 @@
 #   bench     bench/run_gpu.sh: m40llm vs PyTorch SDPA vs the copy roofline
 #   append    bench_append (a decode step's append, batched vs one call per sequence), native
 #             and compute_52-PTX builds: tables in append.log, JSON in $OUT/append_*.json
-#   formats   bench/formats.sh: F16, Q8, Q4, Q8Q4 side by side, native and compute_52-PTX builds
+#   formats   bench/formats.sh: F16, Q8, Q4, Q8Q4, Q4Q3, Q4Q2 side by side, native and
+#             compute_52-PTX builds
 #   causal    causal attention (issue 17): test_gpu (all its cases; the causal ones in
 #             ffi_tests/cases_causal.c) native and compute_52-PTX, then bench_causal on both
 #             builds, and PyTorch SDPA (fp16, fp32) on the same shapes: tables in causal.log,
