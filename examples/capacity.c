@@ -131,7 +131,7 @@ int main(void) {
   printf("KV cache capacity (m40llm_kvcache_max_seq_len). Assumed: weights in 4 bits\n"
          "(parameters x 4.5 / 8 bytes), a %.0f GiB reserve (CUDA context, activations,\n"
          "attention workspace). Tokens each sequence can hold; K8/V4 = K in Q8, V in Q4\n"
-         "(K4/V3, K4/V2: V in Q3, Q2; CPU backend only for now).\n",
+         "(K4/V3, K4/V2: V in Q3, Q2).\n",
          RESERVE / GIB);
   if (table(12.0) != 0 || table(24.0) != 0) return 1;
   return this_machine();

@@ -46,8 +46,8 @@
 //! # K/V formats, rotation and protected tokens
 //! [`KvCacheConfig::format`] (and [`v_format`](KvCacheConfig::v_format) for V apart) picks
 //! how K and V are stored: [`KvFormat::F16`] (16 bits a value), [`KvFormat::Q8`] (8.5),
-//! [`KvFormat::Q4`] (5), and for V only [`KvFormat::Q3`] (4) and [`KvFormat::Q2`] (3; these two
-//! on the CPU backend only for now), the quantized ones per 32 dims of a token's head. Two
+//! [`KvFormat::Q4`] (5), and for V only [`KvFormat::Q3`] (4) and [`KvFormat::Q2`] (3; on the
+//! CUDA backend with K in Q4), the quantized ones per 32 dims of a token's head. Two
 //! options make a quantized cache more accurate:
 //!
 //! * [`KvRotation`] ([`KvCacheConfig::rotation`]): quantized rows are rotated by a normalized
