@@ -109,6 +109,14 @@ struct Walk<F, false> {
   }
 };
 
+// Whether a Cursor of format F loads N elements: codes under 4 bits take 4 or more (a wide
+// tile's 2 V columns of a 2- or 3-bit V walk V by index instead).
+template <typename F, int N>
+__host__ __device__ constexpr bool cursor_loads() {
+  if constexpr (F::kScaled) return F::kCodeBits >= 4 || N >= 4;
+  else return true;
+}
+
 // Kernels of up to 4 heads, or a wide tile (tuning.cuh), at a head_dim of its class: address
 // walks, no per-row branch, and for a quantized cache the kept parts of protected tokens in the
 // same launch (8-head tiles in 64 registers and runtime head_dims spill with any of these on
@@ -402,7 +410,7 @@ __global__ void __launch_bounds__(kAttnThreads, attn_min_blocks(GT, DMAX))
   const size_t v_first = (size_t)(p_begin + rg) * D + col;
   const auto cache_tiles = [&] {
     tiles(KF{}, VF{}, Walk<KF, kLean>(a.k, KF::add(b.k, k_first)),
-          Walk<VF, kLean>(a.v, VF::add(b.v, v_first)));
+          Walk<VF, kLean && cursor_loads<VF, COLS>()>(a.v, VF::add(b.v, v_first)));
   };
   if constexpr (kLean && kQuant) {
     if (b.kept) {  // this layer's FP16 slots, [seq][kv_head][slot][dim]
