@@ -51,10 +51,17 @@ SINKS, WINDOW = 4, 128    # the defaults of a quantized cache (m40llm_kvcache_op
 LATENCY_BLOCKS_PER_SM = 2  # below this (8 warps an SM, 2 a scheduler), latency, not issue, binds
 
 
+def wide_tile(gt, dmax):
+    """8-head tiles at head_dim 128 and 256: 128 registers, 4 blocks an SM (cuda/tuning.cuh)."""
+    return gt >= 8 and dmax >= 128
+
+
 def tile_rows(gt, dmax, device=True, tight=False):
     """Positions per tile: sm_5x/6x code (also the compute_52 PTX); the host value sizes smem.
     tight: a quantized kernel of a head_dim known only at run time (cuda/tuning.cuh)."""
-    return ((1024 if gt >= 8 or (gt >= 4 and tight) else 2048) if device else 2048) // dmax
+    if not device or wide_tile(gt, dmax):
+        return 2048 // dmax
+    return (1024 if gt >= 8 or (gt >= 4 and tight) else 2048) // dmax
 
 
 def pv_columns(gt, wide=False):
@@ -93,7 +100,8 @@ H100_MEASURED = {
     (8, 32, 32, 128, 8192): dict(F16=359.06, Q8=228.90, Q4=221.47, Q8Q4=213.87, Q8_plain=212.51, Q4_plain=206.16),
     (8, 32, 8, 128, 8192): dict(F16=110.51, Q8=101.60, Q4=119.41, Q8Q4=110.45, Q8_plain=89.27, Q4_plain=111.68),
     (1, 32, 8, 128, 32768): dict(F16=59.01, Q8=52.30, Q4=61.81, Q8Q4=57.06, Q8_plain=49.11, Q4_plain=58.68),
-    (8, 64, 8, 128, 8192): dict(F16=154.54, Q8=193.33, Q4=242.98, Q8Q4=213.94, Q8_plain=175.39, Q4_plain=225.84),
+    # wide 8-head tiles (issue 20, group 8): gpu_check.sh-style A/B, bench/results_m40q/wide8
+    (8, 64, 8, 128, 8192): dict(F16=151.70, Q8=183.01, Q4=183.55, Q8Q4=176.21, Q8_plain=170.08, Q4_plain=170.45),
     (8, 32, 8, 64, 8192): dict(F16=60.79, Q8=57.79, Q4=65.16, Q8Q4=61.67, Q8_plain=52.26, Q4_plain=58.98),
     (32, 32, 8, 128, 2048): dict(F16=111.44, Q8=113.87, Q4=131.38, Q8Q4=123.34, Q8_plain=90.16, Q4_plain=112.64),
     (1, 32, 8, 128, 1024): dict(F16=9.26, Q8=10.86, Q4=12.62, Q8Q4=11.91, Q8_plain=10.11, Q4_plain=11.89),
@@ -201,14 +209,16 @@ def analyse(instrs, gt, dmax, tight, quantized=False):
     # The innermost loop around three barriers (sm_90 code also branches back from out-of-line
     # blocks placed after the kernel: those loops are larger and hold more barriers). A quantized
     # kernel of up to 4 heads has a second such loop, over the FP16 slots of a protected cache's
-    # kept rows: the codes' loop is the one with the fewer FP16 conversions (F2F.F32.F16).
+    # kept rows: the codes' loop is the one with the fewer FP16 conversions (F2F.F32.F16 on sm_52,
+    # HADD2.F32 on sm_90).
     cand = [l for l in with_bars if len(l[2]) == 3]
     if not cand:
         raise RuntimeError("no loop around three barriers")
 
     def f16_widens(l):
-        return sum(1 for j in range(l[0], l[1] + 1) if instrs[j].op == "F2F"
-                   and ".F32.F16" in instrs[j].opcode) if quantized else 0
+        return sum(1 for j in range(l[0], l[1] + 1)
+                   if instrs[j].op == "F2F" and ".F32.F16" in instrs[j].opcode
+                   or instrs[j].op == "HADD2" and ".F32" in instrs[j].opcode) if quantized else 0
     a, b, bars = min(cand, key=lambda l: (f16_widens(l), l[1] - l[0]))
     b1, b2, b3 = bars
     # The softmax pass: after the score pass's barrier (and its MEMBAR), up to the output pass's.

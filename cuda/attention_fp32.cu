@@ -61,7 +61,8 @@ __host__ __device__ constexpr int pv_row_groups(int head_dim, int cols) {
 }
 
 // Formats with a min fold it into the codes (value = (code + min / scale) x scale) in 8-head
-// tiles: the sums that keep it apart (per head, or q's per chunk) would spill on sm_52.
+// tiles: the sums that keep it apart (per head, or q's per chunk) would spill on sm_52 in 64
+// registers, and cost a wide tile more slots than the fold.
 __host__ __device__ constexpr bool fold_min(int gt) { return gt > 4; }
 
 // wide_v: the kernel's pv_columns are its `wide` ones (more columns a thread, more row groups).
@@ -84,7 +85,7 @@ struct QIndex {
 // A thread's walk over K or V, advanced by whole quantization groups. kAddresses: the format's
 // Cursor (addresses: loads at constant offsets, no index arithmetic; on sm_52 a quantized load
 // from an index costs about 10 integer instructions), else its Ptr (an index: 2 registers where
-// a quantized cursor takes 4; 8-head tiles spill with cursors).
+// a quantized cursor takes 4; 8-head tiles of 64 registers spill with cursors).
 template <typename F, bool kAddresses>
 struct Walk;
 template <typename F>
@@ -108,10 +109,21 @@ struct Walk<F, false> {
   }
 };
 
-// Kernels of up to 4 heads at a head_dim of its class: address walks, no per-row branch, and for
-// a quantized cache the kept parts of protected tokens in the same launch (8-head tiles and
-// runtime head_dims spill with any of these on sm_52).
-__host__ __device__ constexpr bool lean_kernel(int gt, bool exact) { return gt <= 4 && exact; }
+// Whether a Cursor of format F loads N elements: codes under 4 bits take 4 or more (a wide
+// tile's 2 V columns of a 2- or 3-bit V walk V by index instead).
+template <typename F, int N>
+__host__ __device__ constexpr bool cursor_loads() {
+  if constexpr (F::kScaled) return F::kCodeBits >= 4 || N >= 4;
+  else return true;
+}
+
+// Kernels of up to 4 heads, or a wide tile (tuning.cuh), at a head_dim of its class: address
+// walks, no per-row branch, and for a quantized cache the kept parts of protected tokens in the
+// same launch (8-head tiles in 64 registers and runtime head_dims spill with any of these on
+// sm_52).
+__host__ __device__ constexpr bool lean_kernel(int gt, int dmax, bool exact) {
+  return (gt <= 4 || wide_tile(gt, dmax)) && exact;
+}
 
 // P: the KvPair of K and V formats. GT: query heads per block (power of two <= kMaxGroupTile);
 // heads past the group get a zero q and are never written. DMAX: head_dim class (head_dim <=
@@ -128,7 +140,7 @@ __host__ __device__ constexpr bool lean_kernel(int gt, bool exact) { return gt <
 // launches over the plan, the F16 instance for the FP16 slots, then this kernel for the codes,
 // and each block of a split that is the other launch's returns at once.
 template <typename P, int GT, int DMAX, bool kExact>
-__global__ void __launch_bounds__(kAttnThreads, kAttnMinBlocksPerSm)
+__global__ void __launch_bounds__(kAttnThreads, attn_min_blocks(GT, DMAX))
     attn_fp32_kernel(const AttnArgs a, const m40llm_attn_plan plan) {
   constexpr bool kQuant = P::K::kScaled || P::V::kScaled;
   constexpr int T = tile_rows(GT, DMAX, kQuant && !kExact);  // positions per tile
@@ -137,13 +149,13 @@ __global__ void __launch_bounds__(kAttnThreads, kAttnMinBlocksPerSm)
   // V columns per thread in the output pass (split_smem_floats sizes for them: wide_v)
   constexpr int COLS = pv_columns(GT, P::V::kScaled && kExact);
   constexpr int VR = T * DMAX / (kAttnThreads * COLS);  // V rows per thread, at most
-  constexpr int GH = heads_per_pass(GT);      // heads a score or output pass takes at once
+  constexpr int GH = heads_per_pass(GT, DMAX);  // heads a score or output pass takes at once
   constexpr int kSoftPasses = (GT * T + kAttnThreads - 1) / kAttnThreads;  // softmax, per thread
   using KF = typename P::K;
   using VF = typename P::V;
   constexpr bool kFoldKMin = KF::kHasMin && fold_min(GT);
   constexpr bool kSumKMin = KF::kHasMin && !kFoldKMin;
-  constexpr bool kLean = lean_kernel(GT, kExact);
+  constexpr bool kLean = lean_kernel(GT, DMAX, kExact);
   static_assert(LPR >= 2 && LPR <= 32 && KC >= 1 && T <= 32, "tile shape");
 
   extern __shared__ float smem[];
@@ -398,7 +410,7 @@ __global__ void __launch_bounds__(kAttnThreads, kAttnMinBlocksPerSm)
   const size_t v_first = (size_t)(p_begin + rg) * D + col;
   const auto cache_tiles = [&] {
     tiles(KF{}, VF{}, Walk<KF, kLean>(a.k, KF::add(b.k, k_first)),
-          Walk<VF, kLean>(a.v, VF::add(b.v, v_first)));
+          Walk<VF, kLean && cursor_loads<VF, COLS>()>(a.v, VF::add(b.v, v_first)));
   };
   if constexpr (kLean && kQuant) {
     if (b.kept) {  // this layer's FP16 slots, [seq][kv_head][slot][dim]
@@ -476,11 +488,11 @@ int dmax_for(int head_dim) {
 int log2_small(int x) { return x >= 8 ? 3 : x >= 4 ? 2 : x >= 2 ? 1 : 0; }
 
 // A head_dim equal to its class's gets a kernel of its own (every offset a constant: fewer
-// instructions and registers), except where K and V both fold a min into 8-head tiles: there it
-// spills on sm_52.
+// instructions and registers), except where K and V both fold a min into 8-head tiles of 64
+// registers: there it spills on sm_52.
 template <typename P, int GT, int DMAX>
 SplitKernel kernel_for_d(int head_dim) {
-  if constexpr (!(P::K::kHasMin && P::V::kHasMin && fold_min(GT))) {
+  if constexpr (wide_tile(GT, DMAX) || !(P::K::kHasMin && P::V::kHasMin && fold_min(GT))) {
     if (head_dim == DMAX) return attn_fp32_kernel<P, GT, DMAX, true>;
   }
   return attn_fp32_kernel<P, GT, DMAX, false>;
@@ -513,7 +525,7 @@ int fp32_split_pass(m40llm_cuda_state *st, int head_dim, const Grouping &g, Spli
                  split_smem_floats(g.gt, dmax, head_dim, P::K::kHasMin,
                                    P::V::kScaled && head_dim == dmax) * sizeof(float),
                  tile_rows(g.gt, dmax, false), 0, 0, false, false,
-                 (P::K::kScaled || P::V::kScaled) && lean_kernel(g.gt, head_dim == dmax)};
+                 (P::K::kScaled || P::V::kScaled) && lean_kernel(g.gt, dmax, head_dim == dmax)};
   int rc = kernel_waits(st, reinterpret_cast<const void *>(pass.kernel), &st->fp32_dependent,
                         &pass.dependent);
   if (rc != M40LLM_OK) return rc;

@@ -29,6 +29,7 @@
 #   abformats the M40 path's K/V formats: the previous main's compute_52 bench_attention
 #             (.ab/bins/base) against this tree's, bench/ab.sh over bench/formats_shapes.sh for
 #             F16, Q8, Q4, Q8Q4 (library defaults) and Q8, Q4 plain: $OUT/abformats/*/ab.md
+#             (AB_EXTRA_SHAPES="B,H,Hkv,D,L ..." adds shapes)
 # Logs and results go to $OUT (or ./gpu-out). Every GPU test must run: a skip is a failure here.
 set -uo pipefail
 out=${OUT:-$PWD/gpu-out}
@@ -154,6 +155,8 @@ ab_causal() {
 ab_formats() {
   local rc=0 spec shapes=() FORMAT_SHAPES
   source bench/formats_shapes.sh
+  # shellcheck disable=SC2206  # AB_EXTRA_SHAPES: more B,H,Hkv,D,L shapes, space-separated
+  FORMAT_SHAPES+=(${AB_EXTRA_SHAPES:-})
   for spec in "${FORMAT_SHAPES[@]}"; do shapes+=(--shape "$spec"); done
   mkdir -p /tmp/abf_bins/base /tmp/abf_bins/new
   cp .ab/bins/base/bench_attention /tmp/abf_bins/base/ &&
