@@ -51,15 +51,16 @@ SINKS, WINDOW = 4, 128    # the defaults of a quantized cache (m40llm_kvcache_op
 LATENCY_BLOCKS_PER_SM = 2  # below this (8 warps an SM, 2 a scheduler), latency, not issue, binds
 
 
-def wide_tile(gt, dmax):
-    """8-head tiles at head_dim 128 and 256: 128 registers, 4 blocks an SM (cuda/tuning.cuh)."""
-    return gt >= 8 and dmax >= 128
+def wide_tile(gt, dmax, exact=True):
+    """8-head tiles at head_dim 128 and 256, head_dim equal to its class: 128 registers, 4 blocks
+    an SM (cuda/tuning.cuh)."""
+    return gt >= 8 and dmax >= 128 and exact
 
 
-def tile_rows(gt, dmax, device=True, tight=False):
+def tile_rows(gt, dmax, device=True, tight=False, exact=True):
     """Positions per tile: sm_5x/6x code (also the compute_52 PTX); the host value sizes smem.
     tight: a quantized kernel of a head_dim known only at run time (cuda/tuning.cuh)."""
-    if not device or wide_tile(gt, dmax):
+    if not device or wide_tile(gt, dmax, exact):
         return 2048 // dmax
     return (1024 if gt >= 8 or (gt >= 4 and tight) else 2048) // dmax
 
@@ -78,10 +79,12 @@ def smem_bytes(gt, dmax, head_dim, k_min, wide_v=False):
 
 
 # ---- formats: bytes a value, as read (codes + group parameters) ----
-FMT = {"KvF16": ("F16", 2.0), "KvQ8": ("Q8", 1.0 + 2 / 32), "KvQ4": ("Q4", 0.5 + 4 / 32)}
-PAIRS = [("KvF16", "KvF16"), ("KvQ8", "KvQ8"), ("KvQ4", "KvQ4"), ("KvQ8", "KvQ4")]
+FMT = {"KvF16": ("F16", 2.0), "KvQ8": ("Q8", 1.0 + 2 / 32), "KvQ4": ("Q4", 0.5 + 4 / 32),
+       "KvQ3": ("Q3", 0.375 + 4 / 32), "KvQ2": ("Q2", 0.25 + 4 / 32)}
+PAIRS = [("KvF16", "KvF16"), ("KvQ8", "KvQ8"), ("KvQ4", "KvQ4"), ("KvQ8", "KvQ4"), ("KvQ4", "KvQ3"),
+         ("KvQ4", "KvQ2")]
 PAIR_NAME = {("KvF16", "KvF16"): "F16", ("KvQ8", "KvQ8"): "Q8", ("KvQ4", "KvQ4"): "Q4",
-             ("KvQ8", "KvQ4"): "Q8Q4"}
+             ("KvQ8", "KvQ4"): "Q8Q4", ("KvQ4", "KvQ3"): "Q4Q3", ("KvQ4", "KvQ2"): "Q4Q2"}
 K_HAS_MIN = {"KvF16": False, "KvQ8": False, "KvQ4": True}
 
 # bench/formats.sh's shapes (B, H, Hkv, D, L)
@@ -202,15 +205,15 @@ def block_path(instrs, a, b):
     return n
 
 
-def analyse(instrs, gt, dmax, tight, quantized=False):
+def analyse(instrs, gt, dmax, tight, quantized=False, exact=True):
     """Warp-instructions and issue slots a block spends on one full tile, by class and phase."""
     loops = backward_loops(instrs)
     with_bars = [(a, b, [j for j in range(a, b + 1) if instrs[j].op == "BAR"]) for a, b in loops]
     # The innermost loop around three barriers (sm_90 code also branches back from out-of-line
-    # blocks placed after the kernel: those loops are larger and hold more barriers). A quantized
-    # kernel of up to 4 heads has a second such loop, over the FP16 slots of a protected cache's
-    # kept rows: the codes' loop is the one with the fewer FP16 conversions (F2F.F32.F16 on sm_52,
-    # HADD2.F32 on sm_90).
+    # blocks placed after the kernel: those loops are larger and hold more barriers). A lean
+    # quantized kernel (up to 4 heads, or a wide 8-head tile) has a second such loop, over the FP16
+    # slots of a protected cache's kept rows: the codes' loop is the one with the fewer FP16
+    # conversions (F2F.F32.F16 on sm_52, HADD2.F32 on sm_90).
     cand = [l for l in with_bars if len(l[2]) == 3]
     if not cand:
         raise RuntimeError("no loop around three barriers")
@@ -224,7 +227,7 @@ def analyse(instrs, gt, dmax, tight, quantized=False):
     # The softmax pass: after the score pass's barrier (and its MEMBAR), up to the output pass's.
     s_lo = b2 + 1 + (1 if instrs[b2 + 1].op == "MEMBAR" else 0)
     s_hi = b3
-    t = tile_rows(gt, dmax, tight=tight)
+    t = tile_rows(gt, dmax, tight=tight, exact=exact)
     # A thread a (head, position): ceil(GT x LH / 32) warps run the pass, each once (more often
     # where GT x T exceeds the block's threads: the pass's loop body again); the others skip it
     # at their first predicated branch.
@@ -287,7 +290,7 @@ def kernels_of(path, arch):
         if not exact and (k, v, gt, dmax) in out:
             continue
         quantized = (k, v) != ("KvF16", "KvF16")
-        r = analyse(instrs, gt, dmax, tight=not exact and quantized, quantized=quantized)
+        r = analyse(instrs, gt, dmax, tight=not exact and quantized, quantized=quantized, exact=exact)
         r.update(res.get(name, {}))
         r["exact"] = exact
         out[(k, v, gt, dmax)] = r
@@ -396,7 +399,8 @@ def model_all(kerns, dev, shapes, eff=1.0):
                 f16 = dict(kerns[("KvF16", "KvF16", gt, dmax)], gt=gt)
                 codes = model_call(s, kern, dev, bpv, True, occ, eff)
                 kept = model_kept(s, f16, dev, eff)
-                fixed = PROTECT_FIXED_US["one_launch" if gt <= 4 and d == dmax else "two_launches"]
+                fixed = PROTECT_FIXED_US["one_launch" if (gt <= 4 or wide_tile(gt, dmax)) and d == dmax
+                                         else "two_launches"]
                 r["protected"] = dict(codes=codes, kept=kept, time=codes["time"] + kept["time"] + fixed)
             row["formats"][PAIR_NAME[pair]] = r
         f16t = row["formats"]["F16"]["plain"]["time"]
@@ -485,7 +489,7 @@ def report(args, m40k, m40rows, variants, h100k, h100rows, eff, effs):
              f"the rotation costs nothing measurable): the codes of L - 132 positions, plus the F16 launch over "
              f"132 positions a sequence (32-row splits, F16 slots a tile at the same GT), plus a fixed "
              f"{PROTECT_FIXED_US['one_launch']:.0f} us for the combine where the kernel takes them in one launch "
-             f"(up to 4 heads at head_dim 64, 128, 256), {PROTECT_FIXED_US['two_launches']:.0f} us for a second "
+             f"(up to 4 heads at head_dim 64, 128, 256; 8 at 128, 256), {PROTECT_FIXED_US['two_launches']:.0f} us for a second "
              f"launch and the combine elsewhere (the H100 PTX run's steps at B1 32/8 D128 L1K, where those rows' "
              f"work is negligible).\n")
 

@@ -65,13 +65,24 @@ __host__ __device__ constexpr int pv_row_groups(int head_dim, int cols) {
 // registers, and cost a wide tile more slots than the fold.
 __host__ __device__ constexpr bool fold_min(int gt) { return gt > 4; }
 
-// wide_v: the kernel's pv_columns are its `wide` ones (more columns a thread, more row groups).
-constexpr int split_smem_floats(int gt, int dmax, int head_dim, bool k_min, bool wide_v) {
+// V columns a thread of a kernel over V format VF takes (tuning.cuh's pv_columns; a wide tile
+// over a V of fewer than 4 bits takes 4, whole bytes of each plane: a cursor loads them).
+template <typename VF>
+__host__ __device__ constexpr int v_columns(int gt, int dmax, bool exact) {
+  if constexpr (VF::kScaled) {
+    return wide_tile(gt, dmax, exact) && VF::kCodeBits < 4 ? 4 : pv_columns(gt, exact);
+  } else {
+    return pv_columns(gt, false);
+  }
+}
+
+// cols: the kernel's V columns a thread (v_columns).
+constexpr int split_smem_floats(int gt, int dmax, int head_dim, bool k_min, int cols) {
   k_min = k_min && !fold_min(gt);
-  return gt * (dmax + tile_rows(gt, dmax, false) + (k_min ? dmax / 8 : 0)) >
-                 pv_row_groups(head_dim, pv_columns(gt, wide_v)) * gt * head_dim
-             ? gt * (dmax + tile_rows(gt, dmax, false) + (k_min ? dmax / 8 : 0))
-             : pv_row_groups(head_dim, pv_columns(gt, wide_v)) * gt * head_dim;
+  return gt * (dmax + tile_rows(gt, dmax, false, false) + (k_min ? dmax / 8 : 0)) >
+                 pv_row_groups(head_dim, cols) * gt * head_dim
+             ? gt * (dmax + tile_rows(gt, dmax, false, false) + (k_min ? dmax / 8 : 0))
+             : pv_row_groups(head_dim, cols) * gt * head_dim;
 }
 
 // Where the q of head g keeps dim d in shared memory: [GT][2][DMAX / 8][4], dims 0-3 of every
@@ -109,20 +120,12 @@ struct Walk<F, false> {
   }
 };
 
-// Whether a Cursor of format F loads N elements: codes under 4 bits take 4 or more (a wide
-// tile's 2 V columns of a 2- or 3-bit V walk V by index instead).
-template <typename F, int N>
-__host__ __device__ constexpr bool cursor_loads() {
-  if constexpr (F::kScaled) return F::kCodeBits >= 4 || N >= 4;
-  else return true;
-}
-
 // Kernels of up to 4 heads, or a wide tile (tuning.cuh), at a head_dim of its class: address
 // walks, no per-row branch, and for a quantized cache the kept parts of protected tokens in the
 // same launch (8-head tiles in 64 registers and runtime head_dims spill with any of these on
 // sm_52).
 __host__ __device__ constexpr bool lean_kernel(int gt, int dmax, bool exact) {
-  return (gt <= 4 || wide_tile(gt, dmax)) && exact;
+  return (gt <= 4 || wide_tile(gt, dmax, exact)) && exact;
 }
 
 // P: the KvPair of K and V formats. GT: query heads per block (power of two <= kMaxGroupTile);
@@ -140,16 +143,17 @@ __host__ __device__ constexpr bool lean_kernel(int gt, int dmax, bool exact) {
 // launches over the plan, the F16 instance for the FP16 slots, then this kernel for the codes,
 // and each block of a split that is the other launch's returns at once.
 template <typename P, int GT, int DMAX, bool kExact>
-__global__ void __launch_bounds__(kAttnThreads, attn_min_blocks(GT, DMAX))
+__global__ void __launch_bounds__(kAttnThreads, attn_min_blocks(wide_tile(GT, DMAX, kExact)))
     attn_fp32_kernel(const AttnArgs a, const m40llm_attn_plan plan) {
   constexpr bool kQuant = P::K::kScaled || P::V::kScaled;
-  constexpr int T = tile_rows(GT, DMAX, kQuant && !kExact);  // positions per tile
+  constexpr bool kWide = wide_tile(GT, DMAX, kExact);
+  constexpr int T = tile_rows(GT, DMAX, kQuant && !kExact, kWide);  // positions per tile
   constexpr int LPR = kAttnThreads / T;       // lanes per K row in the score pass (2..16)
   constexpr int KC = DMAX / 8 / LPR;          // 16-byte K chunks per lane, at most
   // V columns per thread in the output pass (split_smem_floats sizes for them: wide_v)
-  constexpr int COLS = pv_columns(GT, P::V::kScaled && kExact);
+  constexpr int COLS = v_columns<typename P::V>(GT, DMAX, kExact);
   constexpr int VR = T * DMAX / (kAttnThreads * COLS);  // V rows per thread, at most
-  constexpr int GH = heads_per_pass(GT, DMAX);  // heads a score or output pass takes at once
+  constexpr int GH = heads_per_pass(GT, kWide);  // heads a score or output pass takes at once
   constexpr int kSoftPasses = (GT * T + kAttnThreads - 1) / kAttnThreads;  // softmax, per thread
   using KF = typename P::K;
   using VF = typename P::V;
@@ -410,7 +414,7 @@ __global__ void __launch_bounds__(kAttnThreads, attn_min_blocks(GT, DMAX))
   const size_t v_first = (size_t)(p_begin + rg) * D + col;
   const auto cache_tiles = [&] {
     tiles(KF{}, VF{}, Walk<KF, kLean>(a.k, KF::add(b.k, k_first)),
-          Walk<VF, kLean && cursor_loads<VF, COLS>()>(a.v, VF::add(b.v, v_first)));
+          Walk<VF, kLean>(a.v, VF::add(b.v, v_first)));
   };
   if constexpr (kLean && kQuant) {
     if (b.kept) {  // this layer's FP16 slots, [seq][kv_head][slot][dim]
@@ -492,7 +496,7 @@ int log2_small(int x) { return x >= 8 ? 3 : x >= 4 ? 2 : x >= 2 ? 1 : 0; }
 // registers: there it spills on sm_52.
 template <typename P, int GT, int DMAX>
 SplitKernel kernel_for_d(int head_dim) {
-  if constexpr (wide_tile(GT, DMAX) || !(P::K::kHasMin && P::V::kHasMin && fold_min(GT))) {
+  if constexpr (wide_tile(GT, DMAX, true) || !(P::K::kHasMin && P::V::kHasMin && fold_min(GT))) {
     if (head_dim == DMAX) return attn_fp32_kernel<P, GT, DMAX, true>;
   }
   return attn_fp32_kernel<P, GT, DMAX, false>;
@@ -523,8 +527,9 @@ int fp32_split_pass(m40llm_cuda_state *st, int head_dim, const Grouping &g, Spli
   const int dmax = dmax_for(head_dim);
   SplitPass pass{kernel_for<P>(g.gt, head_dim), kAttnThreads,
                  split_smem_floats(g.gt, dmax, head_dim, P::K::kHasMin,
-                                   P::V::kScaled && head_dim == dmax) * sizeof(float),
-                 tile_rows(g.gt, dmax, false), 0, 0, false, false,
+                                   v_columns<typename P::V>(g.gt, dmax, head_dim == dmax)) *
+                     sizeof(float),
+                 tile_rows(g.gt, dmax, false, false), 0, 0, false, false,
                  (P::K::kScaled || P::V::kScaled) && lean_kernel(g.gt, dmax, head_dim == dmax)};
   int rc = kernel_waits(st, reinterpret_cast<const void *>(pass.kernel), &st->fp32_dependent,
                         &pass.dependent);

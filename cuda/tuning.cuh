@@ -15,47 +15,44 @@ constexpr int kMaxGroupTile = 8;
 // Head-dim classes the kernel is compiled for; a cache uses the smallest that fits.
 constexpr int kHeadDimClasses[] = {64, 128, 256};
 
-// 8-head tiles at head_dim 128 and 256 are "wide": 128 registers a thread (4 blocks an SM, 25%
+// 8-head tiles at head_dim 128 and 256, in the kernels of a head_dim equal to its class, are
+// "wide": 128 registers a thread (4 blocks an SM, 25%
 // occupancy on sm_52), tiles of 32 + 32 bytes a thread, all 8 heads in one pass. In 64 registers
 // they took 16 + 16 bytes and two passes of 4 heads (K widened twice, a reduction per pass): 18.1
 // issue slots per F16 element at head_dim 128 on sm_52 against 12.8 (bench/RESULTS.md, "Wide
 // 8-head tiles").
 // At head_dim 64 a wide kernel (16-position tiles) was faster at batch 1 and slower where blocks
 // fill the GPU (compute_52 on an H100: B1 64/8 D64 L32K 60.4 -> 52.4 us, B8 L8K 86.5 -> 103.3,
-// B32 L2K 86.3 -> 104.3), so those keep 64 registers.
-__host__ __device__ constexpr bool wide_tile(int group_tile, int dmax) {
-  return group_tile >= 8 && dmax >= 128;
+// B32 L2K 86.3 -> 104.3), so those keep 64 registers, as do runtime head_dims (index walks: a wide
+// one was 15% slower, B8 64/8 D112 L8K 162.1 -> 186.9 us).
+__host__ __device__ constexpr bool wide_tile(int group_tile, int dmax, bool exact) {
+  return group_tile >= 8 && dmax >= 128 && exact;
 }
 // The split kernel's resident blocks an SM, its launch bounds: 64 registers a thread, or 128 for
 // a wide tile.
-__host__ __device__ constexpr int attn_min_blocks(int group_tile, int dmax) {
-  return wide_tile(group_tile, dmax) ? 4 : kAttnMinBlocksPerSm;
-}
+__host__ __device__ constexpr int attn_min_blocks(bool wide) { return wide ? 4 : kAttnMinBlocksPerSm; }
 
 // Positions per tile: one register batch of K and V per thread, all loads of a tile in flight
 // at once (32 + 32 bytes of F16 a thread; sm_5x/6x 16 + 16 for tiles of 8 heads in 64 registers,
 // and for `tight` ones: 4 heads with a quantized K or V and head_dim known only at run time,
 // where 32 + 32 spill and the M40's bandwidth x latency needs less). The host pass (no
 // __CUDA_ARCH__) takes the largest value, which sizes shared memory for every device pass.
-__host__ __device__ constexpr int tile_rows(int group_tile, int dmax, bool tight) {
+__host__ __device__ constexpr int tile_rows(int group_tile, int dmax, bool tight, bool wide) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 700
-  return (wide_tile(group_tile, dmax)                          ? 2048
-          : group_tile >= 8 || (group_tile >= 4 && tight) ? 1024
-                                                           : 2048) /
-         dmax;
+  return (wide ? 2048 : group_tile >= 8 || (group_tile >= 4 && tight) ? 1024 : 2048) / dmax;
 #else
-  return (void)group_tile, (void)tight, 2048 / dmax;
+  return (void)group_tile, (void)tight, (void)wide, 2048 / dmax;
 #endif
 }
 
 // Query heads a thread takes at once over the same K or V registers: all 8 of an 8-head tile
 // spill in 64 registers, so those take passes (sm_5x/6x: 4; sm_70+, larger tiles: 2); a wide
 // tile takes all 8.
-__host__ __device__ constexpr int heads_per_pass(int group_tile, int dmax) {
+__host__ __device__ constexpr int heads_per_pass(int group_tile, bool wide) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 700
-  return wide_tile(group_tile, dmax) ? group_tile : group_tile > 4 ? 4 : group_tile;
+  return wide ? group_tile : group_tile > 4 ? 4 : group_tile;
 #else
-  return wide_tile(group_tile, dmax) ? group_tile : group_tile > 4 ? 2 : group_tile;
+  return wide ? group_tile : group_tile > 4 ? 2 : group_tile;
 #endif
 }
 
