@@ -232,20 +232,28 @@ __device__ __forceinline__ unsigned asym_code(float x, float qmax, __half2 &p) {
   return (unsigned)(df == 0.0f ? 0.0f : fmaxf(fminf(rintf((x - mf) / df), qmax), 0.0f));
 }
 
-// Q4: nibbles (element 2j low, 2j + 1 high), one FP16 (scale, min) pair per group.
-struct KvQ4 : KvQuant<KvQ4, M40LLM_KV_Q4, 4, __half2> {
+// What the asymmetric formats (Q4, Q3, Q2) share: one FP16 (scale, min) pair per group, and (Q4,
+// Q2) kBits-bit codes packed from bit 0 of `codes`, element i at bit kBits x i. R: the format's
+// Raw<N> (Q3 and Q2 have their own).
+template <typename Format, int kFormat_, int kBits>
+struct KvAsym : KvQuant<Format, kFormat_, kBits, __half2> {
   static constexpr bool kHasMin = true;
 
-  template <int N>
-  __device__ static void widen(const Raw<N> &raw, float (&f)[N]) {
+  template <int N, typename R>
+  __device__ static void widen(const R &raw, float (&f)[N]) {
     const unsigned word = (unsigned)raw.codes;
 #pragma unroll
-    for (int i = 0; i < N; i++) f[i] = __int_as_float(0x4B000000u | ((word >> (4 * i)) & 0xFu)) - 8388608.0f;
+    for (int i = 0; i < N; i++)
+      f[i] = __int_as_float(0x4B000000u | ((word >> (kBits * i)) & ((1u << kBits) - 1))) - 8388608.0f;
   }
-  template <int N>
-  __device__ static float scale(const Raw<N> &raw) { return __low2float(raw.param); }
-  template <int N>
-  __device__ static float min(const Raw<N> &raw) { return __high2float(raw.param); }
+  template <int N, typename R>
+  __device__ static float scale(const R &raw) { return __low2float(raw.param); }
+  template <int N, typename R>
+  __device__ static float min(const R &raw) { return __high2float(raw.param); }
+};
+
+// Q4: nibbles (element 2j low, 2j + 1 high), one FP16 (scale, min) pair per group.
+struct KvQ4 : KvAsym<KvQ4, M40LLM_KV_Q4, 4> {
 
   // One group, a lane an element (asym_code); even lanes store the bytes.
   __device__ static void encode_lane(const KvMutPlanes &t, size_t e, float x, int lane) {
@@ -260,8 +268,7 @@ struct KvQ4 : KvQuant<KvQ4, M40LLM_KV_Q4, 4, __half2> {
 // Q2: 2-bit codes (element 4j + i in bits 2i.. of byte j), one FP16 (scale, min) pair per group.
 // V only (m40llm.h). A load of 2 elements is their byte shifted (from an index only: the FP32
 // kernel's cursors load 4 or more, a byte or two).
-struct KvQ2 : KvQuant<KvQ2, M40LLM_KV_Q2, 2, __half2> {
-  static constexpr bool kHasMin = true;
+struct KvQ2 : KvAsym<KvQ2, M40LLM_KV_Q2, 2> {
   template <int N>
   struct Raw {
     typename CodeVec<(N < 4 ? 4 : N) / 4>::Raw codes;
@@ -287,17 +294,6 @@ struct KvQ2 : KvQuant<KvQ2, M40LLM_KV_Q2, 2, __half2> {
     return r;
   }
 
-  template <int N>
-  __device__ static void widen(const Raw<N> &raw, float (&f)[N]) {
-    const unsigned word = (unsigned)raw.codes;
-#pragma unroll
-    for (int i = 0; i < N; i++) f[i] = __int_as_float(0x4B000000u | ((word >> (2 * i)) & 3u)) - 8388608.0f;
-  }
-  template <int N>
-  __device__ static float scale(const Raw<N> &raw) { return __low2float(raw.param); }
-  template <int N>
-  __device__ static float min(const Raw<N> &raw) { return __high2float(raw.param); }
-
   // One group, a lane an element (asym_code): a byte's 4 codes OR-ed together over its lanes.
   __device__ static void encode_lane(const KvMutPlanes &t, size_t e, float x, int lane) {
     __half2 p;
@@ -313,8 +309,7 @@ struct KvQ2 : KvQuant<KvQ2, M40LLM_KV_Q2, 2, __half2> {
 // bit i % 8 of byte 8 + i / 8), one FP16 (scale, min) pair per group. V only (m40llm.h). A load is
 // the bytes of the 2-bit plane and the byte of the bit plane that hold its elements, shifted down
 // to bit 0 (no branch; 2 elements only from an index, as Q2).
-struct KvQ3 : KvQuant<KvQ3, M40LLM_KV_Q3, 3, __half2> {
-  static constexpr bool kHasMin = true;
+struct KvQ3 : KvAsym<KvQ3, M40LLM_KV_Q3, 3> {
   template <int N>
   struct Raw {
     typename CodeVec<(N < 4 ? 4 : N) / 4>::Raw low;  // 2 bits an element
@@ -376,11 +371,6 @@ struct KvQ3 : KvQuant<KvQ3, M40LLM_KV_Q3, 3, __half2> {
     for (int i = 0; i < N; i++)
       f[i] = __int_as_float(0x4B000000u | ((low >> (2 * i)) & 3u) | ((high >> i) & 4u)) - 8388608.0f;
   }
-  template <int N>
-  __device__ static float scale(const Raw<N> &raw) { return __low2float(raw.param); }
-  template <int N>
-  __device__ static float min(const Raw<N> &raw) { return __high2float(raw.param); }
-
   // One group, a lane an element (asym_code): the 2-bit plane as Q2's, the bit plane's 4 bytes
   // one ballot.
   __device__ static void encode_lane(const KvMutPlanes &t, size_t e, float x, int lane) {
