@@ -57,9 +57,20 @@ def wide_tile(gt, dmax, exact=True):
     return gt >= 8 and dmax >= 128 and exact
 
 
-def tile_rows(gt, dmax, device=True, tight=False, exact=True):
+def dense_tiles(gt, kfmt, vfmt, exact=True):
+    """Quantized tiles of up to 4 heads at a head_dim of its class, V under 8 bits beside 4 heads
+    (cuda/attention_fp32.cu)."""
+    if (kfmt, vfmt) == ("KvF16", "KvF16") or not exact:
+        return False
+    return gt <= 2 or (gt <= 4 and vfmt not in ("KvQ8", "KvF16"))
+
+
+def tile_rows(gt, dmax, device=True, tight=False, exact=True, dense=False):
     """Positions per tile: sm_5x/6x code (also the compute_52 PTX); the host value sizes smem.
-    tight: a quantized kernel of a head_dim known only at run time (cuda/tuning.cuh)."""
+    tight: a quantized kernel of a head_dim known only at run time; dense: dense_tiles
+    (cuda/tuning.cuh)."""
+    if dense:
+        return 4096 // dmax if dmax >= 128 else 32
     if not device or wide_tile(gt, dmax, exact):
         return 2048 // dmax
     return (1024 if gt >= 8 or (gt >= 4 and tight) else 2048) // dmax
@@ -70,9 +81,9 @@ def pv_columns(gt, wide=False):
     return 8 if gt == 1 else 4 if gt == 2 or (gt == 4 and wide) else 2
 
 
-def smem_bytes(gt, dmax, head_dim, k_min, wide_v=False):
+def smem_bytes(gt, dmax, head_dim, k_min, wide_v=False, dense=False):
     k_min = k_min and not gt > 4  # fold_min
-    t = tile_rows(gt, dmax, device=False)
+    t = tile_rows(gt, dmax, device=False, dense=dense)
     a = gt * (dmax + t + (dmax // 8 if k_min else 0))
     rg = THREADS // (head_dim // pv_columns(gt, wide_v))
     return 4 * max(a, rg * gt * head_dim)
@@ -93,21 +104,20 @@ SHAPES = [(1, 32, 32, 128, 8192), (1, 32, 32, 128, 32768), (8, 32, 32, 128, 8192
           (1, 32, 8, 128, 1024)]
 
 # H100, compute_52 PTX build (the M40's code through the JIT), µs a call: bench/RESULTS.md,
-# "Quantized K/V on the M40's FP32 kernel (issue 14, fourth part)", gpu_check.sh abformats
-# (bench/results_m40q/abformats/*/ab.md, the new side). "_plain":
+# "Dense tiles for quantized formats", gpu_check.sh abformats
+# (bench/results_m40q/dense/abformats/*/ab.md, the new side). "_plain":
 # no rotation, no protected tokens (what the codes kernel alone does); Q8, Q4, Q8Q4: the defaults
 # (rotated, protected).
 H100_MEASURED = {
-    (1, 32, 32, 128, 8192): dict(F16=52.84, Q8=38.37, Q4=37.10, Q8Q4=36.50, Q8_plain=34.75, Q4_plain=32.89),
-    (1, 32, 32, 128, 32768): dict(F16=187.02, Q8=119.25, Q4=115.87, Q8Q4=111.78, Q8_plain=114.26, Q4_plain=110.61),
-    (8, 32, 32, 128, 8192): dict(F16=359.06, Q8=228.90, Q4=221.47, Q8Q4=213.87, Q8_plain=212.51, Q4_plain=206.16),
-    (8, 32, 8, 128, 8192): dict(F16=110.51, Q8=101.60, Q4=119.41, Q8Q4=110.45, Q8_plain=89.27, Q4_plain=111.68),
-    (1, 32, 8, 128, 32768): dict(F16=59.01, Q8=52.30, Q4=61.81, Q8Q4=57.06, Q8_plain=49.11, Q4_plain=58.68),
-    # wide 8-head tiles (issue 20, group 8): gpu_check.sh-style A/B, bench/results_m40q/wide8
-    (8, 64, 8, 128, 8192): dict(F16=151.70, Q8=183.01, Q4=183.55, Q8Q4=176.21, Q8_plain=170.08, Q4_plain=170.45),
-    (8, 32, 8, 64, 8192): dict(F16=60.79, Q8=57.79, Q4=65.16, Q8Q4=61.67, Q8_plain=52.26, Q4_plain=58.98),
-    (32, 32, 8, 128, 2048): dict(F16=111.44, Q8=113.87, Q4=131.38, Q8Q4=123.34, Q8_plain=90.16, Q4_plain=112.64),
-    (1, 32, 8, 128, 1024): dict(F16=9.26, Q8=10.86, Q4=12.62, Q8Q4=11.91, Q8_plain=10.11, Q4_plain=11.89),
+    (1, 32, 32, 128, 8192): dict(F16=52.85, Q8=35.72, Q4=32.66, Q8Q4=34.70, Q8_plain=33.36, Q4_plain=28.82),
+    (1, 32, 32, 128, 32768): dict(F16=186.93, Q8=113.71, Q4=94.97, Q8Q4=105.34, Q8_plain=110.16, Q4_plain=90.54),
+    (8, 32, 32, 128, 8192): dict(F16=359.73, Q8=214.58, Q4=188.96, Q8Q4=199.94, Q8_plain=203.20, Q4_plain=173.49),
+    (8, 32, 8, 128, 8192): dict(F16=110.74, Q8=101.81, Q4=106.32, Q8Q4=103.73, Q8_plain=89.65, Q4_plain=93.74),
+    (1, 32, 8, 128, 32768): dict(F16=59.02, Q8=52.12, Q4=55.55, Q8Q4=54.28, Q8_plain=49.21, Q4_plain=52.31),
+    (8, 64, 8, 128, 8192): dict(F16=150.64, Q8=181.90, Q4=182.35, Q8Q4=179.22, Q8_plain=170.11, Q4_plain=170.27),
+    (8, 32, 8, 64, 8192): dict(F16=60.58, Q8=57.66, Q4=65.08, Q8Q4=61.79, Q8_plain=52.43, Q4_plain=59.20),
+    (32, 32, 8, 128, 2048): dict(F16=111.49, Q8=114.80, Q4=118.00, Q8Q4=116.30, Q8_plain=90.14, Q4_plain=94.63),
+    (1, 32, 8, 128, 1024): dict(F16=9.25, Q8=10.85, Q4=9.61, Q8Q4=9.98, Q8_plain=10.11, Q4_plain=8.65),
 }
 # The protected tokens' fixed cost: the combine every protected call has, and where the kernel is
 # not a lean one (8-head tiles, runtime head_dims), their second launch. The H100 PTX run's step
@@ -205,7 +215,7 @@ def block_path(instrs, a, b):
     return n
 
 
-def analyse(instrs, gt, dmax, tight, quantized=False, exact=True):
+def analyse(instrs, gt, dmax, tight, quantized=False, exact=True, dense=False):
     """Warp-instructions and issue slots a block spends on one full tile, by class and phase."""
     loops = backward_loops(instrs)
     with_bars = [(a, b, [j for j in range(a, b + 1) if instrs[j].op == "BAR"]) for a, b in loops]
@@ -227,7 +237,7 @@ def analyse(instrs, gt, dmax, tight, quantized=False, exact=True):
     # The softmax pass: after the score pass's barrier (and its MEMBAR), up to the output pass's.
     s_lo = b2 + 1 + (1 if instrs[b2 + 1].op == "MEMBAR" else 0)
     s_hi = b3
-    t = tile_rows(gt, dmax, tight=tight, exact=exact)
+    t = tile_rows(gt, dmax, tight=tight, exact=exact, dense=dense)
     # A thread a (head, position): ceil(GT x LH / 32) warps run the pass, each once (more often
     # where GT x T exceeds the block's threads: the pass's loop body again); the others skip it
     # at their first predicated branch.
@@ -290,7 +300,8 @@ def kernels_of(path, arch):
         if not exact and (k, v, gt, dmax) in out:
             continue
         quantized = (k, v) != ("KvF16", "KvF16")
-        r = analyse(instrs, gt, dmax, tight=not exact and quantized, quantized=quantized, exact=exact)
+        r = analyse(instrs, gt, dmax, tight=not exact and quantized, quantized=quantized, exact=exact,
+                    dense=dense_tiles(gt, k, v, exact))
         r.update(res.get(name, {}))
         r["exact"] = exact
         out[(k, v, gt, dmax)] = r
@@ -331,7 +342,8 @@ def plan_chunks(lens, units, target, min_blocks, min_chunk, tile):
 
 
 def occupancy(kern, gt, dmax, head_dim, kfmt, dev, vfmt="KvF16"):
-    sm = smem_bytes(gt, dmax, head_dim, K_HAS_MIN[kfmt], vfmt != "KvF16" and head_dim == dmax) + kern.get("smem", 0)
+    sm = smem_bytes(gt, dmax, head_dim, K_HAS_MIN[kfmt], vfmt != "KvF16" and head_dim == dmax,
+                    dense_tiles(gt, kfmt, vfmt, head_dim == dmax)) + kern.get("smem", 0)
     return m40_resources.occupancy(kern.get("regs", 64), sm, THREADS, dev)["blocks_per_sm"], sm
 
 

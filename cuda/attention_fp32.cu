@@ -76,12 +76,25 @@ __host__ __device__ constexpr int v_columns(int gt, int dmax, bool exact) {
   }
 }
 
-// cols: the kernel's V columns a thread (v_columns).
-constexpr int split_smem_floats(int gt, int dmax, int head_dim, bool k_min, int cols) {
+// Quantized tiles of up to 4 heads at a compile-time head_dim take twice the rows on sm_5x/6x
+// (tuning.cuh's tile_rows), except where V is Q8 beside 4 heads: there its 32 + 8 bytes of codes
+// and scales a thread spilled, and was 3-6% slower (compute_52 on an H100, B8 32/8 D128 L8K).
+template <typename P>
+__host__ __device__ constexpr bool dense_tiles(int gt, bool exact) {
+  if constexpr (P::K::kScaled || P::V::kScaled) {
+    return exact && (gt <= 2 || (gt <= 4 && P::V::kCodeBits < 8));
+  } else {
+    return false;
+  }
+}
+
+// cols: the kernel's V columns a thread (v_columns); dense: dense_tiles.
+constexpr int split_smem_floats(int gt, int dmax, int head_dim, bool k_min, int cols,
+                                bool dense) {
   k_min = k_min && !fold_min(gt);
-  return gt * (dmax + tile_rows(gt, dmax, false, false) + (k_min ? dmax / 8 : 0)) >
+  return gt * (dmax + tile_rows(gt, dmax, false, false, dense) + (k_min ? dmax / 8 : 0)) >
                  pv_row_groups(head_dim, cols) * gt * head_dim
-             ? gt * (dmax + tile_rows(gt, dmax, false, false) + (k_min ? dmax / 8 : 0))
+             ? gt * (dmax + tile_rows(gt, dmax, false, false, dense) + (k_min ? dmax / 8 : 0))
              : pv_row_groups(head_dim, cols) * gt * head_dim;
 }
 
@@ -147,7 +160,7 @@ __global__ void __launch_bounds__(kAttnThreads, attn_min_blocks(wide_tile(GT, DM
     attn_fp32_kernel(const AttnArgs a, const m40llm_attn_plan plan) {
   constexpr bool kQuant = P::K::kScaled || P::V::kScaled;
   constexpr bool kWide = wide_tile(GT, DMAX, kExact);
-  constexpr int T = tile_rows(GT, DMAX, kQuant && !kExact, kWide);  // positions per tile
+  constexpr int T = tile_rows(GT, DMAX, kQuant && !kExact, kWide, dense_tiles<P>(GT, kExact));
   constexpr int LPR = kAttnThreads / T;       // lanes per K row in the score pass (2..16)
   constexpr int KC = DMAX / 8 / LPR;          // 16-byte K chunks per lane, at most
   // V columns per thread in the output pass (split_smem_floats sizes for them: wide_v)
@@ -525,11 +538,13 @@ SplitKernel kernel_for(int gt, int head_dim) {
 template <typename P>
 int fp32_split_pass(m40llm_cuda_state *st, int head_dim, const Grouping &g, SplitPass *out) {
   const int dmax = dmax_for(head_dim);
+  const bool dense = dense_tiles<P>(g.gt, head_dim == dmax);
   SplitPass pass{kernel_for<P>(g.gt, head_dim), kAttnThreads,
                  split_smem_floats(g.gt, dmax, head_dim, P::K::kHasMin,
-                                   v_columns<typename P::V>(g.gt, dmax, head_dim == dmax)) *
+                                   v_columns<typename P::V>(g.gt, dmax, head_dim == dmax),
+                                   dense) *
                      sizeof(float),
-                 tile_rows(g.gt, dmax, false, false), 0, 0, false, false,
+                 tile_rows(g.gt, dmax, false, false, dense), 0, 0, false, false,
                  (P::K::kScaled || P::V::kScaled) && lean_kernel(g.gt, dmax, head_dim == dmax)};
   int rc = kernel_waits(st, reinterpret_cast<const void *>(pass.kernel), &st->fp32_dependent,
                         &pass.dependent);
