@@ -57,12 +57,13 @@ def wide_tile(gt, dmax, exact=True):
     return gt >= 8 and dmax >= 128 and exact
 
 
-def dense_tiles(gt, kfmt, vfmt, exact=True):
-    """Quantized tiles of up to 4 heads at a head_dim of its class, V under 8 bits beside 4 heads
-    (cuda/attention_fp32.cu)."""
+def dense_tiles(gt, dmax, kfmt, vfmt, exact=True):
+    """Quantized tiles at a head_dim of its class: up to 4 heads (V under 8 bits beside 4), and
+    wide 8-head tiles (cuda/attention_fp32.cu)."""
     if (kfmt, vfmt) == ("KvF16", "KvF16") or not exact:
         return False
-    return gt <= 2 or (gt <= 4 and vfmt not in ("KvQ8", "KvF16"))
+    return (gt <= 2 or (gt <= 4 and vfmt not in ("KvQ8", "KvF16"))
+            or wide_tile(gt, dmax, exact) and not (vfmt == "KvQ4" and dmax == 128))
 
 
 def tile_rows(gt, dmax, device=True, tight=False, exact=True, dense=False):
@@ -105,19 +106,19 @@ SHAPES = [(1, 32, 32, 128, 8192), (1, 32, 32, 128, 32768), (8, 32, 32, 128, 8192
 
 # H100, compute_52 PTX build (the M40's code through the JIT), µs a call: bench/RESULTS.md,
 # "Dense tiles for quantized formats", gpu_check.sh abformats
-# (bench/results_m40q/dense/abformats/*/ab.md, the new side). "_plain":
+# (bench/results_m40q/dense/final/abformats/*/ab.md, the new side). "_plain":
 # no rotation, no protected tokens (what the codes kernel alone does); Q8, Q4, Q8Q4: the defaults
 # (rotated, protected).
 H100_MEASURED = {
-    (1, 32, 32, 128, 8192): dict(F16=52.85, Q8=35.72, Q4=32.66, Q8Q4=34.70, Q8_plain=33.36, Q4_plain=28.82),
-    (1, 32, 32, 128, 32768): dict(F16=186.93, Q8=113.71, Q4=94.97, Q8Q4=105.34, Q8_plain=110.16, Q4_plain=90.54),
-    (8, 32, 32, 128, 8192): dict(F16=359.73, Q8=214.58, Q4=188.96, Q8Q4=199.94, Q8_plain=203.20, Q4_plain=173.49),
-    (8, 32, 8, 128, 8192): dict(F16=110.74, Q8=101.81, Q4=106.32, Q8Q4=103.73, Q8_plain=89.65, Q4_plain=93.74),
-    (1, 32, 8, 128, 32768): dict(F16=59.02, Q8=52.12, Q4=55.55, Q8Q4=54.28, Q8_plain=49.21, Q4_plain=52.31),
-    (8, 64, 8, 128, 8192): dict(F16=150.64, Q8=181.90, Q4=182.35, Q8Q4=179.22, Q8_plain=170.11, Q4_plain=170.27),
-    (8, 32, 8, 64, 8192): dict(F16=60.58, Q8=57.66, Q4=65.08, Q8Q4=61.79, Q8_plain=52.43, Q4_plain=59.20),
-    (32, 32, 8, 128, 2048): dict(F16=111.49, Q8=114.80, Q4=118.00, Q8Q4=116.30, Q8_plain=90.14, Q4_plain=94.63),
-    (1, 32, 8, 128, 1024): dict(F16=9.25, Q8=10.85, Q4=9.61, Q8Q4=9.98, Q8_plain=10.11, Q4_plain=8.65),
+    (1, 32, 32, 128, 8192): dict(F16=52.85, Q8=35.77, Q4=32.85, Q8Q4=34.59, Q8_plain=33.26, Q4_plain=28.70),
+    (1, 32, 32, 128, 32768): dict(F16=186.29, Q8=113.76, Q4=95.50, Q8Q4=105.02, Q8_plain=109.98, Q4_plain=90.20),
+    (8, 32, 32, 128, 8192): dict(F16=359.47, Q8=214.78, Q4=188.56, Q8Q4=199.38, Q8_plain=203.14, Q4_plain=172.58),
+    (8, 32, 8, 128, 8192): dict(F16=110.51, Q8=101.54, Q4=106.21, Q8Q4=102.93, Q8_plain=89.08, Q4_plain=93.14),
+    (1, 32, 8, 128, 32768): dict(F16=58.98, Q8=52.38, Q4=55.20, Q8Q4=53.82, Q8_plain=48.90, Q4_plain=51.90),
+    (8, 64, 8, 128, 8192): dict(F16=151.44, Q8=175.60, Q4=182.96, Q8Q4=178.06, Q8_plain=163.01, Q4_plain=169.36),
+    (8, 32, 8, 64, 8192): dict(F16=60.62, Q8=58.06, Q4=65.29, Q8Q4=61.39, Q8_plain=52.14, Q4_plain=58.83),
+    (32, 32, 8, 128, 2048): dict(F16=111.28, Q8=115.30, Q4=117.98, Q8Q4=115.50, Q8_plain=89.59, Q4_plain=94.12),
+    (1, 32, 8, 128, 1024): dict(F16=9.28, Q8=10.91, Q4=9.60, Q8Q4=9.92, Q8_plain=10.06, Q4_plain=8.60),
 }
 # The protected tokens' fixed cost: the combine every protected call has, and where the kernel is
 # not a lean one (8-head tiles, runtime head_dims), their second launch. The H100 PTX run's step
@@ -301,7 +302,7 @@ def kernels_of(path, arch):
             continue
         quantized = (k, v) != ("KvF16", "KvF16")
         r = analyse(instrs, gt, dmax, tight=not exact and quantized, quantized=quantized, exact=exact,
-                    dense=dense_tiles(gt, k, v, exact))
+                    dense=dense_tiles(gt, dmax, k, v, exact))
         r.update(res.get(name, {}))
         r["exact"] = exact
         out[(k, v, gt, dmax)] = r
@@ -343,7 +344,7 @@ def plan_chunks(lens, units, target, min_blocks, min_chunk, tile):
 
 def occupancy(kern, gt, dmax, head_dim, kfmt, dev, vfmt="KvF16"):
     sm = smem_bytes(gt, dmax, head_dim, K_HAS_MIN[kfmt], vfmt != "KvF16" and head_dim == dmax,
-                    dense_tiles(gt, kfmt, vfmt, head_dim == dmax)) + kern.get("smem", 0)
+                    dense_tiles(gt, dmax, kfmt, vfmt, head_dim == dmax)) + kern.get("smem", 0)
     return m40_resources.occupancy(kern.get("regs", 64), sm, THREADS, dev)["blocks_per_sm"], sm
 
 

@@ -31,14 +31,14 @@ __device__ __forceinline__ void load_weights(const float *p, float (&w)[GT]) {
   }
 }
 
-// Sums each of the N values of acc over LPR adjacent lanes (N <= LPR, both powers of two) and
-// returns value k_lane / (LPR / N): each halving sends half the values a lane holds and keeps
-// the other half, so N heads take N - 1 + log2(LPR / N) shuffles, not N log2(LPR).
+// Sums each of the N values of acc over LPR adjacent lanes (both powers of two): each halving
+// sends half the values a lane holds and keeps the other half, so N heads take N - 1 +
+// log2(LPR / N) shuffles, not N log2(LPR). N <= LPR: returns value k_lane / (LPR / N). N > LPR:
+// leaves values k_lane x (N / LPR) + i in acc[i], i < N / LPR (and returns acc[0]).
 template <int N, int LPR>
 __device__ __forceinline__ float lane_sums(float (&acc)[N], int k_lane) {
-  static_assert(N <= LPR, "a lane run per value");
 #pragma unroll
-  for (int n = N, off = LPR / 2; n > 1; n >>= 1, off >>= 1) {
+  for (int n = N, off = LPR / 2; n > 1 && off > 0; n >>= 1, off >>= 1) {
     const bool upper = k_lane & off;  // keeps the upper half of its n values
 #pragma unroll
     for (int i = 0; i < n / 2; i++) {
@@ -76,13 +76,16 @@ __host__ __device__ constexpr int v_columns(int gt, int dmax, bool exact) {
   }
 }
 
-// Quantized tiles of up to 4 heads at a compile-time head_dim take twice the rows on sm_5x/6x
-// (tuning.cuh's tile_rows), except where V is Q8 beside 4 heads: there its 32 + 8 bytes of codes
-// and scales a thread spilled, and was 3-6% slower (compute_52 on an H100, B8 32/8 D128 L8K).
+// Quantized tiles at a compile-time head_dim take twice the rows on sm_5x/6x (tuning.cuh's
+// tile_rows): up to 4 heads, except where V is Q8 beside 4 heads (its 32 + 8 bytes of codes and
+// scales a thread spilled, 3-6% slower: compute_52 on an H100, B8 32/8 D128 L8K); wide 8-head
+// tiles (2 heads' scores a lane), except over a Q4 V at head_dim 128, where they were 0.99-1.02x
+// the time (Q8, Q4Q2 and head_dim 256: 0.85-0.98x).
 template <typename P>
-__host__ __device__ constexpr bool dense_tiles(int gt, bool exact) {
+__host__ __device__ constexpr bool dense_tiles(int gt, int dmax, bool exact) {
   if constexpr (P::K::kScaled || P::V::kScaled) {
-    return exact && (gt <= 2 || (gt <= 4 && P::V::kCodeBits < 8));
+    return exact && (gt <= 2 || (gt <= 4 && P::V::kCodeBits < 8) ||
+                     (wide_tile(gt, dmax, exact) && !(P::V::kCodeBits == 4 && dmax == 128)));
   } else {
     return false;
   }
@@ -160,7 +163,7 @@ __global__ void __launch_bounds__(kAttnThreads, attn_min_blocks(wide_tile(GT, DM
     attn_fp32_kernel(const AttnArgs a, const m40llm_attn_plan plan) {
   constexpr bool kQuant = P::K::kScaled || P::V::kScaled;
   constexpr bool kWide = wide_tile(GT, DMAX, kExact);
-  constexpr int T = tile_rows(GT, DMAX, kQuant && !kExact, kWide, dense_tiles<P>(GT, kExact));
+  constexpr int T = tile_rows(GT, DMAX, kQuant && !kExact, kWide, dense_tiles<P>(GT, DMAX, kExact));
   constexpr int LPR = kAttnThreads / T;       // lanes per K row in the score pass (2..16)
   constexpr int KC = DMAX / 8 / LPR;          // 16-byte K chunks per lane, at most
   // V columns per thread in the output pass (split_smem_floats sizes for them: wide_v)
@@ -329,10 +332,16 @@ __global__ void __launch_bounds__(kAttnThreads, attn_min_blocks(wide_tile(GT, DM
             }
           }
         }
-        // Each of a row's LPR / GH lane runs ends with one head's whole score.
+        // Each of a row's LPR / GH lane runs ends with one head's whole score (8 heads over 4
+        // lanes: each lane with 2).
         const float score = lane_sums<GH, LPR>(acc, k_lane);
-        if (k_lane % (LPR / GH) == 0)
-          sp[k_row * GT + g0 + k_lane / (LPR / GH)] = k_row < rows ? score : -INFINITY;
+        constexpr int kRun = GH < LPR ? LPR / GH : 1, kPer = GH > LPR ? GH / LPR : 1;
+        if (k_lane % kRun == 0) {
+#pragma unroll
+          for (int i = 0; i < kPer; i++)
+            sp[k_row * GT + g0 + k_lane / kRun * kPer + i] =
+                k_row < rows ? (kPer == 1 ? score : acc[i]) : -INFINITY;
+        }
       }
       __syncthreads();
 
@@ -538,7 +547,7 @@ SplitKernel kernel_for(int gt, int head_dim) {
 template <typename P>
 int fp32_split_pass(m40llm_cuda_state *st, int head_dim, const Grouping &g, SplitPass *out) {
   const int dmax = dmax_for(head_dim);
-  const bool dense = dense_tiles<P>(g.gt, head_dim == dmax);
+  const bool dense = dense_tiles<P>(g.gt, dmax, head_dim == dmax);
   SplitPass pass{kernel_for<P>(g.gt, head_dim), kAttnThreads,
                  split_smem_floats(g.gt, dmax, head_dim, P::K::kHasMin,
                                    v_columns<typename P::V>(g.gt, dmax, head_dim == dmax),
