@@ -16,6 +16,13 @@ int m40llm_cuda_append(const m40llm_kvcache *c, int layer, const m40llm_append_i
 int m40llm_cuda_read_decoded(const m40llm_kvcache *c, const m40llm_kv_tensor &t, uint16_t *out,
                              int layer, int seq, int pos, int n_tokens);
 
+// Graphs (graph.cu): the capture of the context's stream begun, ended into *exec (a
+// cudaGraphExec_t; NULL: a new one; exec NULL: the capture discarded), launched, released.
+int m40llm_cuda_graph_begin(m40llm_context *ctx);
+int m40llm_cuda_graph_end(m40llm_context *ctx, void **exec, int *updated);
+int m40llm_cuda_graph_launch(m40llm_context *ctx, void *exec);
+void m40llm_cuda_graph_destroy(void *exec);
+
 struct m40llm_cuda_state;
 // M40LLM_OK if the context's kernels can address p (device, managed, or mapped pinned memory),
 // else M40LLM_ERR_INVALID_ARGUMENT naming it; remembers the last few that passed.

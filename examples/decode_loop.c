@@ -16,9 +16,9 @@
  *
  * The decode steps run twice (on the GPU; --eager or --graph runs one way only):
  *   eager  each step's calls as they are, 1 + (attention's) launches a layer from the host;
- *   graph  each step's calls captured into a CUDA graph on the context's stream, applied to one
- *          executable graph with cudaGraphExecUpdate (a new one instantiated where the update is
- *          refused), and launched: one launch a step. A captured call bakes in the lengths it
+ *   graph  each step's calls captured into a CUDA graph on the context's stream
+ *          (m40llm_graph_capture_begin / _end: the graph updated in place, or instantiated anew
+ *          where the kernels launched change), and launched: one launch a step. A captured call bakes in the lengths it
  *          saw (m40llm.h, "Graphs"), so every step is captured anew; the host captures and
  *          updates the next step while the GPU runs the one before.
  * Each prints its time a step against the K/V bytes the step reads over the GPU's copy
@@ -174,43 +174,12 @@ static double copy_bandwidth(m40llm_context *ctx) {
   return gbps;
 }
 
-/* The graph mode's executable graph, and what the steps' captures cost the host. */
+/* The graph mode's graph, and what the steps' captures cost the host. */
 typedef struct {
-  cudaGraphExec_t exec;
+  m40llm_graph *graph;
   int instantiated, updated;
-  double capture_s, apply_s; /* host seconds in the steps' captures and in applying them */
+  double capture_s, apply_s; /* host seconds in the steps' calls and in applying the capture */
 } step_graph;
-
-/* Puts a step's captured graph into g->exec: cudaGraphExecUpdate where the topology is the one
- * instantiated (the cheap path: same launches, new parameters), else a new instantiation (a
- * launch more or less, e.g. a combine that a longer sequence now needs). */
-static int graph_apply(step_graph *g, cudaGraph_t graph) {
-  if (g->exec) {
-#if CUDART_VERSION >= 12000
-    cudaGraphExecUpdateResultInfo info;
-    const cudaError_t e = cudaGraphExecUpdate(g->exec, graph, &info);
-#else
-    cudaGraphNode_t node;
-    enum cudaGraphExecUpdateResult result;
-    const cudaError_t e = cudaGraphExecUpdate(g->exec, graph, &node, &result);
-#endif
-    if (e == cudaSuccess) {
-      g->updated++;
-      return 1;
-    }
-    (void)cudaGetLastError(); /* refused: not an error for the calls that follow */
-    (void)cudaGraphExecDestroy(g->exec); /* released once its launches in flight are done */
-    g->exec = NULL;
-  }
-  if (cudaGraphInstantiateWithFlags(&g->exec, graph, 0) != cudaSuccess) {
-    (void)cudaGetLastError();
-    g->exec = NULL;
-    fprintf(stderr, "cudaGraphInstantiateWithFlags failed\n");
-    return 0;
-  }
-  g->instantiated++;
-  return 1;
-}
 #endif
 
 /* The decode step: one call a layer. The K/V, q and out buffers are the same every step, as a
@@ -410,28 +379,18 @@ int main(int argc, char **argv) {
     const double t0 = now_seconds();
     for (int t = 0; t < o.steps; t++) {
       const double c0 = now_seconds();
-      cudaGraph_t graph = NULL;
-      if (cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal) != cudaSuccess) {
-        fprintf(stderr, "cudaStreamBeginCapture failed\n");
-        goto cleanup;
-      }
+      CHECK(m40llm_graph_capture_begin(ctx));
       const int call_rc = step_calls(&d);
-      const cudaError_t end = cudaStreamEndCapture(st, &graph);
-      if (call_rc != M40LLM_OK && graph) (void)cudaGraphDestroy(graph);
+      if (call_rc != M40LLM_OK) (void)m40llm_graph_capture_end(NULL, ctx, NULL); /* discard */
       CHECK(call_rc);
-      if (end != cudaSuccess) {
-        fprintf(stderr, "cudaStreamEndCapture failed: %s\n", cudaGetErrorString(end));
-        goto cleanup;
-      }
       const double c1 = now_seconds();
-      const int applied = graph_apply(&sg, graph);
-      (void)cudaGraphDestroy(graph);
+      int updated = 0;
+      CHECK(m40llm_graph_capture_end(&sg.graph, ctx, &updated));
+      if (updated) sg.updated++;
+      else sg.instantiated++;
       sg.capture_s += c1 - c0;
       sg.apply_s += now_seconds() - c1;
-      if (!applied || cudaGraphLaunch(sg.exec, st) != cudaSuccess) {
-        fprintf(stderr, "launching the step's graph failed\n");
-        goto cleanup;
-      }
+      CHECK(m40llm_graph_launch(sg.graph));
     }
     CHECK(m40llm_context_synchronize(ctx));
     report("graph", now_seconds() - t0, o.steps, bytes, copy_gbps, o.seqs);
@@ -448,10 +407,7 @@ int main(int argc, char **argv) {
       goto cleanup;
     }
     for (int r = 0; r < REPLAYS; r++)
-      if (cudaGraphLaunch(sg.exec, st) != cudaSuccess) {
-        fprintf(stderr, "replaying the step's graph failed\n");
-        goto cleanup;
-      }
+      CHECK(m40llm_graph_launch(sg.graph));
     if (cudaEventRecord(e1, st) != cudaSuccess || cudaEventSynchronize(e1) != cudaSuccess ||
         cudaEventElapsedTime(&ms, e0, e1) != cudaSuccess) {
       fprintf(stderr, "CUDA events failed\n");
@@ -493,7 +449,7 @@ cleanup:
 #ifdef DECODE_LOOP_CUDART
   if (e0) cudaEventDestroy(e0);
   if (e1) cudaEventDestroy(e1);
-  if (sg.exec) cudaGraphExecDestroy(sg.exec);
+  m40llm_graph_destroy(sg.graph);
 #endif
   free(ids), free(prompt), free(done_rows), free(chunk_ids), free(chunk_rows), free(len);
   free(host_out);

@@ -2,7 +2,8 @@
  * A decode step in a CUDA graph (m40llm.h, "Graphs"). Each step's calls, one
  * m40llm_kvcache_append_attn_f32q per layer of two, are captured on the context's stream,
  * applied to one executable graph with cudaGraphExecUpdate (instantiated anew where the update
- * is refused) and launched; a twin cache makes the same calls eagerly (outputs and stored K/V
+ * is refused) and launched, by the runtime's graph calls or by the library's (m40llm_graph_*,
+ * every other shape); a twin cache makes the same calls eagerly (outputs and stored K/V
  * bit for bit: the same kernels) and a third the same on the CPU backend (outputs within 1e-5
  * of its float64). Lengths change every step (one token each, a step naming fewer sequences),
  * so every step's graph differs in its plan. Then the rule for buffers that grow: a 16-bit call
@@ -33,10 +34,13 @@ static m40llm_kvcache *create(m40llm_context *ctx, graph_shape s, int max_seq_le
   return T_OK(m40llm_kvcache_create(&c, ctx, &o)) ? c : NULL;
 }
 
-/* The steps' executable graph and what became of each capture applied to it. */
+/* The steps' executable graph and what became of each capture applied to it: the runtime's
+ * (exec), or the library's (lib, where use_lib). */
 typedef struct {
   cudaGraphExec_t exec;
   int instantiated, updated;
+  int use_lib;
+  m40llm_graph *lib;
 } step_graph;
 
 /* Puts a step's captured graph into g->exec: updated in place where the topology is the same
@@ -105,6 +109,23 @@ static int step_calls(m40llm_kvcache *c, const step_bufs *b, float *const *out,
 /* Captures a step's calls on g's stream and launches them as the graph of sg. */
 static int step_as_graph(step_graph *sg, m40llm_context *ctx, m40llm_kvcache *c,
                          const step_bufs *b, const int32_t *ids, int n) {
+  if (sg->use_lib) {
+    if (!T_OK(m40llm_graph_capture_begin(ctx))) return 0;
+    const int rc = step_calls(c, b, b->out, ids, n);
+    m40llm_graph *const before = sg->lib;
+    int updated = -1;
+    if (!T_OK(rc)) {
+      T_OK(m40llm_graph_capture_end(NULL, ctx, NULL)); /* discarded */
+      return 0;
+    }
+    if (!T_OK(m40llm_graph_capture_end(&sg->lib, ctx, &updated))) return 0;
+    T_CHECKF(before == NULL || sg->lib == before, "the graph handle changed on re-capture");
+    T_CHECKF(updated == 0 || (updated == 1 && before != NULL), "out_updated %d (first: %d)",
+             updated, before == NULL);
+    if (updated == 1) sg->updated++;
+    else sg->instantiated++;
+    return T_OK(m40llm_graph_launch(sg->lib));
+  }
   cudaStream_t st = (cudaStream_t)m40llm_context_cuda_stream(ctx);
   if (!T_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal) == cudaSuccess))
     return 0;
@@ -146,7 +167,8 @@ static void same_contents(m40llm_context *ctx, m40llm_kvcache *a, m40llm_kvcache
   for (int i = 0; i < 4; i++) m40llm_free(ctx, d[i]), free(h[i]);
 }
 
-static void graph_case(m40llm_context *ctx, m40llm_context *cpu, graph_shape s, int steps) {
+static void graph_case(m40llm_context *ctx, m40llm_context *cpu, graph_shape s, int steps,
+                       int use_lib) {
   t_set_case("graph step K %d / V %d, %d/%d heads, head_dim %d, window %d: setup", s.kf, s.vf,
              s.n_heads, s.n_kv, s.d, s.window);
   const size_t row = (size_t)s.n_kv * (size_t)s.d, qrow = (size_t)s.n_heads * (size_t)s.d;
@@ -167,7 +189,7 @@ static void graph_case(m40llm_context *ctx, m40llm_context *cpu, graph_shape s, 
   float *q = malloc(q_bytes), *og = malloc(q_bytes), *oe = malloc(q_bytes), *oc = malloc(q_bytes);
   double *ref = malloc(SEQS * qrow * sizeof(double));
   float *pk = NULL, *pv = NULL, *ck = NULL, *cv = NULL;
-  step_graph sg = {NULL, 0, 0};
+  step_graph sg = {NULL, 0, 0, use_lib, NULL};
   if (!g || !e || !c || !have || !T_CHECK(k && v && q && og && oe && oc && ref)) goto done;
 
   /* The prompts: the same rows into all three caches, one ragged batch a layer. */
@@ -237,6 +259,7 @@ static void graph_case(m40llm_context *ctx, m40llm_context *cpu, graph_shape s, 
            sg.instantiated);
 done:
   if (sg.exec) (void)cudaGraphExecDestroy(sg.exec);
+  m40llm_graph_destroy(sg.lib);
   bufs_free(&dev, ctx);
   bufs_free(&host, cpu);
   free(k), free(v), free(q), free(og), free(oe), free(oc), free(ref);
@@ -327,7 +350,59 @@ done:
   m40llm_context_destroy(ctx);
 }
 
+/* The library's graph calls out of order and with wrong arguments: a clear status, and the
+ * capture left as the header says. */
+static void api_case(m40llm_context *ctx) {
+  t_set_case("graph API: order and arguments");
+  m40llm_graph *g = NULL;
+  T_FAIL_WITH(m40llm_graph_capture_end(&g, ctx, NULL), M40LLM_ERR_INVALID_ARGUMENT,
+              "not being captured");
+  T_CHECK(g == NULL);
+  unsigned char *buf = t_dev_alloc(ctx, 256), host[256];
+  if (!buf || !T_OK(m40llm_memset(ctx, buf, 0, 256)) || !T_OK(m40llm_graph_capture_begin(ctx))) {
+    m40llm_free(ctx, buf);
+    return;
+  }
+  T_FAIL_WITH(m40llm_graph_capture_begin(ctx), M40LLM_ERR_INVALID_ARGUMENT, "already");
+  /* A captured memset runs when the graph is launched, not when it is captured. */
+  T_OK(m40llm_memset(ctx, buf, 0x5A, 256));
+  int updated = -1;
+  if (T_OK(m40llm_graph_capture_end(&g, ctx, &updated)) && T_CHECK(g != NULL)) {
+    T_INT_EQ(updated, 0);
+    if (t_dev_download(ctx, host, buf, 256)) T_CHECK(t_all_bytes((const char *)host, 256, 0));
+    T_OK(m40llm_graph_launch(g));
+    if (t_dev_download(ctx, host, buf, 256)) T_CHECK(t_all_bytes((const char *)host, 256, 0x5A));
+  }
+  /* A graph of another context leaves the capture running; graph NULL then discards it. */
+  m40llm_context_options o = M40LLM_CONTEXT_OPTIONS_INIT;
+  o.backend = M40LLM_BACKEND_CUDA;
+  m40llm_context *other = NULL;
+  if (g && T_OK(m40llm_context_create(&other, &o)) && T_OK(m40llm_graph_capture_begin(other))) {
+    m40llm_graph *mine = g;
+    T_FAIL_WITH(m40llm_graph_capture_end(&mine, other, NULL), M40LLM_ERR_INVALID_ARGUMENT,
+                "another context");
+    T_CHECK(mine == g);
+    T_OK(m40llm_graph_capture_end(NULL, other, NULL));
+    T_FAIL_WITH(m40llm_graph_capture_end(NULL, other, NULL), M40LLM_ERR_INVALID_ARGUMENT,
+                "not being captured");
+  }
+  /* A capture invalidated by an uncapturable call (a synchronize) fails at its end with the
+   * CUDA error; the handle and the stream stay usable. */
+  if (g && T_OK(m40llm_graph_capture_begin(ctx))) {
+    T_CHECK(m40llm_context_synchronize(ctx) != M40LLM_OK);
+    m40llm_graph *const before = g;
+    T_FAIL_WITH(m40llm_graph_capture_end(&g, ctx, NULL), M40LLM_ERR_CUDA, "invalidated");
+    T_CHECK(g == before);
+    T_OK(m40llm_graph_launch(g));
+    T_OK(m40llm_context_synchronize(ctx));
+  }
+  m40llm_graph_destroy(g);
+  m40llm_context_destroy(other);
+  m40llm_free(ctx, buf);
+}
+
 void t_cases_graph(m40llm_context *ctx, m40llm_context *cpu, int small) {
+  api_case(ctx);
   const int steps = small ? 5 : 9;
   /* GQA with groups of 4 (head_dim 64 and a model's 128) and of 3 (quantized, K Q8 / V Q4,
    * with protected tokens: the window moves every step); prompts of 1, 31, 33, 257 tokens. */
@@ -337,7 +412,7 @@ void t_cases_graph(m40llm_context *ctx, m40llm_context *cpu, int small) {
       {M40LLM_KV_Q8, M40LLM_KV_Q4, 12, 4, 64, 4, 16, {257, 5, 40}},
   };
   for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++)
-    graph_case(ctx, cpu, shapes[i], steps);
+    graph_case(ctx, cpu, shapes[i], steps, i > 0);
   growth_case();
   t_set_case("");
 }

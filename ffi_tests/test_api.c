@@ -360,6 +360,17 @@ static void test_cpu_context_info(m40llm_context *ctx) {
   }
   T_CHECK(m40llm_context_cuda_stream(ctx) == NULL);
   T_OK(m40llm_context_synchronize(ctx));
+
+  /* Graphs are the CUDA backend's: a CPU context says so; bad arguments come first. */
+  t_set_case("graphs on the CPU backend");
+  m40llm_graph *g = NULL;
+  T_FAIL_WITH(m40llm_graph_capture_begin(ctx), M40LLM_ERR_UNSUPPORTED, "CUDA backend");
+  T_FAIL_WITH(m40llm_graph_capture_end(&g, ctx, NULL), M40LLM_ERR_UNSUPPORTED, "CUDA backend");
+  T_CHECK(g == NULL);
+  T_FAIL_WITH(m40llm_graph_capture_begin(NULL), M40LLM_ERR_INVALID_ARGUMENT, "ctx");
+  T_FAIL_WITH(m40llm_graph_capture_end(&g, NULL, NULL), M40LLM_ERR_INVALID_ARGUMENT, "ctx");
+  T_FAIL_WITH(m40llm_graph_launch(NULL), M40LLM_ERR_INVALID_ARGUMENT, "graph");
+  m40llm_graph_destroy(NULL);
 }
 
 /* ---- Sizes ----------------------------------------------------------------------------------- */

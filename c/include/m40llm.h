@@ -69,10 +69,12 @@
  *   one with cudaGraphExecUpdate, which succeeds while the step launches the same kernels
  *   (the same calls, and each attention's split structure unchanged) and costs much less
  *   than instantiating; where it refuses (e.g. a sequence has grown into needing the combine
- *   kernel), instantiate the new graph. Lengths do not
+ *   kernel), instantiate the new graph. m40llm_graph_capture_begin / _end do both for you
+ *   (the CUDA runtime's own graph calls work as well). Lengths do not
  *   advance on the device. An update does not touch launches already queued, so the host can
  *   capture and update the next step while the GPU runs the one before
- *   (examples/decode_loop.c; ffi_tests/cases_graph.c tests it).
+ *   (examples/decode_loop.c, rust/m40llm/examples/decode_loop.rs; ffi_tests/cases_graph.c
+ *   tests it).
  * - Warm-up rule: make a step's calls once outside a capture before capturing them. The first
  *   call of a context with 16-bit rows (an _ex call with M40LLM_DTYPE_F16 or _BF16) allocates
  *   its staging buffer, and a call with more rows than before grows it; during a capture such
@@ -239,6 +241,40 @@ typedef struct m40llm_device_info {
  *  Version 2's fields make the CUDA backend load its kernels for the device (the JIT compile,
  *  where it runs PTX), which a version-1 call does not. */
 int m40llm_context_device_info(m40llm_device_info *out, const m40llm_context *ctx);
+
+/* ---- Graphs (CUDA backend): a decode step captured once, launched as one ---------------- */
+
+/** An executable CUDA graph of calls made on one context (see Graphs above for which calls can
+ *  be captured and what a captured call bakes in). It borrows the context: destroy it before
+ *  the context. Calls on it follow the context's threading rule. */
+typedef struct m40llm_graph m40llm_graph;
+
+/** Starts capturing the work the calling thread queues on ctx's stream into a graph (a
+ *  thread-local capture: an uncapturable CUDA call made by this thread during it invalidates
+ *  it, e.g. m40llm_context_synchronize, m40llm_malloc). Make each call once before capturing it
+ *  (the warm-up rule above). The CPU backend fails with M40LLM_ERR_UNSUPPORTED; a stream that is
+ *  already being captured with M40LLM_ERR_INVALID_ARGUMENT. */
+int m40llm_graph_capture_begin(m40llm_context *ctx);
+
+/** Ends the capture begun on ctx and puts the captured calls into *graph: a new graph where
+ *  *graph is NULL, else *graph itself, updated in place (cudaGraphExecUpdate: the same kernel
+ *  launches with new parameters, e.g. the next decode step's lengths and positions; far cheaper
+ *  than instantiating) or, where the launches differ (a sequence grew into needing the combine
+ *  kernel, a call more or less), instantiated anew; the handle stays the same. out_updated may
+ *  be NULL; else it gets 1 for an update in place, 0 for an instantiation. Graphs already
+ *  queued by m40llm_graph_launch run as they were launched. graph NULL ends the capture and
+ *  discards it (after a library call failed during it: see Graphs above). On failure *graph is
+ *  unchanged and the capture is over (discarded), except where *graph is from another context,
+ *  which leaves it running; a capture that an uncapturable CUDA call invalidated fails with
+ *  M40LLM_ERR_CUDA. No capture in progress: M40LLM_ERR_INVALID_ARGUMENT. */
+int m40llm_graph_capture_end(m40llm_graph **graph, m40llm_context *ctx, int *out_updated);
+
+/** Queues the graph on its context's stream (stream-ordered like any call; returns at once).
+ *  It repeats the captured calls exactly: the same positions written, the same lengths read. */
+int m40llm_graph_launch(m40llm_graph *graph);
+
+/** Releases the graph (launches already queued still run). NULL is a no-op. */
+void m40llm_graph_destroy(m40llm_graph *graph);
 
 /* ---- Backend memory ------------------------------------------------------------------------ */
 

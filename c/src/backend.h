@@ -74,6 +74,16 @@ typedef struct m40llm_backend_ops {
   int (*attention_causal)(const m40llm_kvcache *c, int layer, const m40llm_append_item *items,
                           int n_items, const void *q, void *out, int dtype, float scale,
                           int window);
+  /* Graphs of the context's calls (NULL where the backend has none). graph_begin starts a
+   * capture of the context's stream; graph_end ends it and puts the captured graph into *exec
+   * (an executable graph; NULL for a new one): updated in place where the runtime can
+   * (*updated = 1), else a new one instantiated and the old released (*updated = 0); on
+   * failure *exec is unchanged, and the capture is over unless there was none. exec NULL
+   * discards the capture. */
+  int (*graph_begin)(m40llm_context *ctx);
+  int (*graph_end)(m40llm_context *ctx, void **exec, int *updated);
+  int (*graph_launch)(m40llm_context *ctx, void *exec);
+  void (*graph_destroy)(void *exec);
 } m40llm_backend_ops;
 
 extern const m40llm_backend_ops m40llm_cpu_backend;

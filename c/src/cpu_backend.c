@@ -300,4 +300,8 @@ const m40llm_backend_ops m40llm_cpu_backend = {
     .prepare_attention = cpu_prepare_attention,
     .attention = cpu_attention,
     .attention_causal = cpu_attention_causal,
+    .graph_begin = NULL, /* calls complete before they return: nothing to capture */
+    .graph_end = NULL,
+    .graph_launch = NULL,
+    .graph_destroy = NULL,
 };

@@ -93,6 +93,11 @@ impl Default for m40llm_device_info {
         }
     }
 }
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct m40llm_graph {
+    _unused: [u8; 0],
+}
 pub const M40LLM_DTYPE_F32: m40llm_dtype = 0;
 pub const M40LLM_DTYPE_F16: m40llm_dtype = 1;
 pub const M40LLM_DTYPE_BF16: m40llm_dtype = 2;
@@ -185,6 +190,33 @@ extern "C" {
         out: *mut m40llm_device_info,
         ctx: *const m40llm_context,
     ) -> ::core::ffi::c_int;
+    /** Starts capturing the work the calling thread queues on ctx's stream into a graph (a
+  thread-local capture: an uncapturable CUDA call made by this thread during it invalidates
+  it, e.g. m40llm_context_synchronize, m40llm_malloc). Make each call once before capturing it
+  (the warm-up rule above). The CPU backend fails with M40LLM_ERR_UNSUPPORTED; a stream that is
+  already being captured with M40LLM_ERR_INVALID_ARGUMENT.*/
+    pub fn m40llm_graph_capture_begin(ctx: *mut m40llm_context) -> ::core::ffi::c_int;
+    /** Ends the capture begun on ctx and puts the captured calls into *graph: a new graph where
+  *graph is NULL, else *graph itself, updated in place (cudaGraphExecUpdate: the same kernel
+  launches with new parameters, e.g. the next decode step's lengths and positions; far cheaper
+  than instantiating) or, where the launches differ (a sequence grew into needing the combine
+  kernel, a call more or less), instantiated anew; the handle stays the same. out_updated may
+  be NULL; else it gets 1 for an update in place, 0 for an instantiation. Graphs already
+  queued by m40llm_graph_launch run as they were launched. graph NULL ends the capture and
+  discards it (after a library call failed during it: see Graphs above). On failure *graph is
+  unchanged and the capture is over (discarded), except where *graph is from another context,
+  which leaves it running; a capture that an uncapturable CUDA call invalidated fails with
+  M40LLM_ERR_CUDA. No capture in progress: M40LLM_ERR_INVALID_ARGUMENT.*/
+    pub fn m40llm_graph_capture_end(
+        graph: *mut *mut m40llm_graph,
+        ctx: *mut m40llm_context,
+        out_updated: *mut ::core::ffi::c_int,
+    ) -> ::core::ffi::c_int;
+    /** Queues the graph on its context's stream (stream-ordered like any call; returns at once).
+  It repeats the captured calls exactly: the same positions written, the same lengths read.*/
+    pub fn m40llm_graph_launch(graph: *mut m40llm_graph) -> ::core::ffi::c_int;
+    /// Releases the graph (launches already queued still run). NULL is a no-op.
+    pub fn m40llm_graph_destroy(graph: *mut m40llm_graph);
     /// Allocates bytes (> 0) of backend memory, aligned to at least 256 bytes.
     pub fn m40llm_malloc(
         out_ptr: *mut *mut ::core::ffi::c_void,

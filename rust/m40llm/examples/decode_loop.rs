@@ -7,10 +7,9 @@
 //! causal attention run) on the main thread and the decode loop runs on a worker thread that
 //! owns the context, the cache and the buffers (they are `Send` and carry no lifetimes).
 //!
-//! The C example (`examples/decode_loop.c`) also runs the step as one CUDA graph a step
-//! (re-captured and applied with `cudaGraphExecUpdate`: `m40llm.h`, "Graphs"); this crate has
-//! no graph API, since its sys crate links the CUDA runtime only where it was built with CUDA
-//! and the runtime's graph-update call differs between CUDA 11 and 12.
+//! On a GPU it then runs the same number of steps as one CUDA graph a step ([`Graph`]: each
+//! step's calls captured again and applied to the graph, updated in place where the kernels
+//! launched are the same, then launched), as the C example (`examples/decode_loop.c`) does.
 //!
 //! ```text
 //! cargo run --release --example decode_loop -- [--backend auto|cuda|cpu] [--device N]
@@ -20,7 +19,7 @@
 
 use std::time::{Duration, Instant};
 
-use m40llm::{Backend, Context, DeviceBuffer, KvCache, KvCacheConfig, Result};
+use m40llm::{Backend, Context, DeviceBuffer, Graph, KvCache, KvCacheConfig, Result};
 
 struct Args {
     backend: Backend,
@@ -143,7 +142,8 @@ fn main() -> Result<()> {
     let cfg = KvCacheConfig::new(layers, args.heads, args.head_dim)
         .kv_heads(args.kv_heads)
         .max_seqs(seqs)
-        .max_seq_len(prompt + steps + 1); // the steps and a warm-up step
+        .max_seq_len(prompt + steps * if gpu { 2 } else { 1 } + 1); // a warm-up step, the
+                                                                    // steps (eager, graph)
     println!(
         "{layers} layers x {seqs} sequences, {} heads / {} KV heads x {}, prompt {prompt}, {steps} steps; cache {:.1} MiB",
         cfg.n_heads,
@@ -207,9 +207,27 @@ fn main() -> Result<()> {
             step(&mut kv, &mut q, &mut out)?;
         }
         ctx.synchronize()?;
-        Ok((t1.elapsed(), kv, out))
+        let eager = t1.elapsed();
+        // The same steps as graphs: captured (the calls move the lengths as they are made, and
+        // the graph bakes them in), applied to the one graph, launched.
+        let mut graphed = None;
+        if gpu {
+            let (mut graph, mut updated) = (None::<Graph>, 0);
+            let t2 = Instant::now();
+            for _step in 0..steps {
+                let calls = || step(&mut kv, &mut q, &mut out);
+                match graph.as_mut() {
+                    None => graph = Some(Graph::capture(&ctx, calls)?),
+                    Some(g) => updated += g.recapture(calls)? as usize,
+                }
+                graph.as_ref().expect("captured above").launch()?;
+            }
+            ctx.synchronize()?;
+            graphed = Some((t2.elapsed(), updated));
+        }
+        Ok((eager, graphed, kv, out))
     });
-    let (decode, kv, out) = worker.join().expect("the decode thread panicked")?;
+    let (decode, graphed, kv, out) = worker.join().expect("the decode thread panicked")?;
 
     let last = out.to_vec()?;
     assert!(
@@ -229,8 +247,8 @@ fn main() -> Result<()> {
     if let Some(gbps) = copy_gbps {
         // The K and V (FP16) every step reads: each sequence's positions after its append, in
         // every layer, averaged over the timed steps (after the prompt and the warm-up step).
-        let mean_len = (prompt + 1) as f64 + (steps as f64 + 1.0) / 2.0;
-        let bytes = 2.0 * 2.0 * (kv_row * layers * seqs) as f64 * mean_len;
+        let kv_bytes = |mean_len: f64| 2.0 * 2.0 * (kv_row * layers * seqs) as f64 * mean_len;
+        let bytes = kv_bytes((prompt + 1) as f64 + (steps as f64 + 1.0) / 2.0);
         let at_copy = Duration::from_secs_f64(bytes / (gbps * 1e9));
         println!(
             "a step reads {:.3} GB of K/V: {:.3} ms at the copy bandwidth; the step takes {:.2}x that",
@@ -238,6 +256,15 @@ fn main() -> Result<()> {
             at_copy.as_secs_f64() * 1e3,
             step_time.as_secs_f64() / at_copy.as_secs_f64()
         );
+        if let Some((graph, updated)) = graphed {
+            let bytes = kv_bytes((prompt + 1 + steps) as f64 + (steps as f64 + 1.0) / 2.0);
+            let per_step = graph.as_secs_f64() / steps.max(1) as f64;
+            println!(
+                "as graphs: {:.3} ms/step ({updated} of {steps} re-captures updated in place), {:.2}x the step's K/V bytes over the copy bandwidth",
+                per_step * 1e3,
+                per_step / (bytes / (gbps * 1e9))
+            );
+        }
     }
     println!("final length per sequence: {}", kv.seq_len(0, 0)?);
     Ok(())

@@ -14,6 +14,8 @@
 //!   (a decode step's append and attention in one call:
 //!   [`append_attention_batch`](KvCache::append_attention_batch)), and sequence operations
 //!   (length, reset, truncate, fork, read back).
+//! * [`Graph`] (CUDA backend): a decode step's calls captured into a CUDA graph, launched as one,
+//!   and re-captured for the next step (updated in place where the kernels are the same).
 //! * With the `cudarc` feature, `cudarc_interop`: a context on a cudarc stream and cudarc
 //!   memory as K, V, q and out.
 //! * With the `candle` feature, `candle_interop`: a context for a candle `Device` and cache
@@ -230,6 +232,7 @@ mod context;
 #[cfg(feature = "cudarc")]
 pub mod cudarc_interop;
 mod error;
+mod graph;
 mod kvcache;
 
 pub use buffer::{
@@ -244,6 +247,7 @@ pub use context::{
 #[cfg(feature = "cudarc")]
 pub use cudarc_interop::{CudarcView, CudarcViewMut};
 pub use error::{Error, Result, Status};
+pub use graph::Graph;
 pub use half::{bf16, f16};
 pub use kvcache::{KvCache, KvCacheConfig, KvFormat, KvInput, KvRotation};
 /// The raw FFI bindings this crate wraps.

@@ -12,7 +12,8 @@ use common::{
 };
 use m40llm::{
     build_info, built_with_cuda, cuda_device_count, f16, library_version, Backend, Context,
-    DeviceBuffer, DeviceSlice, DeviceSliceMut, Error, KvCache, KvCacheConfig, KvFormat, Status,
+    DeviceBuffer, DeviceSlice, DeviceSliceMut, Error, Graph, KvCache, KvCacheConfig, KvFormat,
+    Status,
 };
 
 fn cpu() -> Context {
@@ -83,7 +84,23 @@ fn thread_safety_markers() {
     send_sync::<Error>();
     send_sync::<KvCacheConfig>();
     send_sync::<Status>();
+    send_sync::<Graph>();
     // What must not compile is checked by compile_fail doctests in the crate docs.
+}
+
+#[test]
+fn graphs_need_the_cuda_backend() {
+    let ctx = cpu();
+    let mut ran = false;
+    let e = assert_status(
+        Graph::capture(&ctx, || {
+            ran = true;
+            Ok(())
+        }),
+        Status::Unsupported,
+    );
+    assert!(e.message().contains("CUDA backend"), "{e}");
+    assert!(!ran, "the closure ran although no capture began");
 }
 
 #[test]

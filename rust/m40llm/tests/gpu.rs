@@ -12,8 +12,8 @@ use common::{
     reference_attention, rel_l2, to_f16, Rng, Shape, TOL,
 };
 use m40llm::{
-    build_info, f16, Backend, Context, DeviceBuffer, KvCache, KvCacheConfig, KvFormat, KvRotation,
-    Status,
+    build_info, f16, Backend, Context, DeviceBuffer, Graph, KvCache, KvCacheConfig, KvFormat,
+    KvRotation, Status,
 };
 
 const LENS: [usize; 5] = [1, 31, 33, 257, 4099];
@@ -609,6 +609,106 @@ fn append_attention_batch_matches_the_two_calls() {
     ctx.synchronize().unwrap();
 }
 
+/// A decode step (append + attention in two layers, then a copy) captured as a graph and
+/// re-captured every step, against the same calls made eagerly on a twin cache (bit for bit)
+/// and the CPU backend; a failing call inside a capture discards it.
+fn graph_steps_match_eager_calls() {
+    let test = "graph_steps_match_eager_calls";
+    let Some(ctx) = gpu_context(test) else { return };
+    let cpu = Context::cpu().unwrap();
+    let mut rng = Rng::fresh(test);
+    let cfg = KvCacheConfig::new(2, 12, 64)
+        .kv_heads(4)
+        .max_seqs(3)
+        .max_seq_len(400)
+        .format(KvFormat::Q8)
+        .window(16);
+    let (row, qrow) = (cfg.kv_row_len(), cfg.q_row_len());
+    let ids = [0usize, 1, 2];
+    let prompt = [1, 33, 257];
+    let k = rng.normal_vec(prompt.iter().sum::<usize>() * row, 1.0);
+    let mut caches = Vec::new();
+    for c in [&ctx, &ctx, &cpu] {
+        let mut kv = KvCache::new(c, &cfg).unwrap();
+        let dk = DeviceBuffer::from_slice(c, &k).unwrap();
+        for layer in 0..2 {
+            kv.append_batch(layer, &ids, &prompt, &dk, &dk).unwrap();
+        }
+        caches.push(kv);
+    }
+    let (mut g, mut e, mut c) = (caches.remove(0), caches.remove(0), caches.remove(0));
+    let up = |ctx: &Context, x: &[f32]| DeviceBuffer::from_slice(ctx, x).unwrap();
+    let mut graph: Option<Graph> = None;
+    let mut updates = 0;
+    for step in 0..6 {
+        let (k, v, q) = (
+            rng.normal_vec(3 * row, 1.0),
+            rng.normal_vec(3 * row, 1.0),
+            rng.normal_vec(3 * qrow, 1.0),
+        );
+        let (dk, dv) = (up(&ctx, &k), up(&ctx, &v));
+        let (mut qg, mut qe, mut qc) = (up(&ctx, &q), up(&ctx, &q), up(&cpu, &q));
+        let (ck, cv) = (up(&cpu, &k), up(&cpu, &v));
+        let mut og = DeviceBuffer::<f32>::zeros(&ctx, 3 * qrow).unwrap();
+        let mut oe = DeviceBuffer::<f32>::zeros(&ctx, 3 * qrow).unwrap();
+        let mut oc = DeviceBuffer::<f32>::zeros(&cpu, 3 * qrow).unwrap();
+        let layers = |kv: &mut KvCache,
+                      k: &DeviceBuffer<f32>,
+                      v: &DeviceBuffer<f32>,
+                      q: &mut DeviceBuffer<f32>,
+                      out: &mut DeviceBuffer<f32>| {
+            for layer in 0..2 {
+                kv.append_attention_batch(layer, &ids, k, v, &*q, out, None)?;
+                q.copy_from_device(&*out)?;
+            }
+            Ok(())
+        };
+        if step == 0 {
+            layers(&mut g, &dk, &dv, &mut qg, &mut og).unwrap(); // the warm-up, eager
+        } else {
+            let capture = || layers(&mut g, &dk, &dv, &mut qg, &mut og);
+            match graph.as_mut() {
+                None => graph = Some(Graph::capture(&ctx, capture).unwrap()),
+                Some(gr) => updates += gr.recapture(capture).unwrap() as usize,
+            }
+            graph.as_ref().unwrap().launch().unwrap();
+        }
+        layers(&mut e, &dk, &dv, &mut qe, &mut oe).unwrap();
+        layers(&mut c, &ck, &cv, &mut qc, &mut oc).unwrap();
+        let got = og.to_vec().unwrap();
+        assert!(
+            got == oe.to_vec().unwrap(),
+            "step {step}: the graph's output differs"
+        );
+        let want: Vec<f64> = oc.to_vec().unwrap().iter().map(|&x| x as f64).collect();
+        let err = rel_l2(&got, &want);
+        assert!(
+            err <= TOL,
+            "step {step}: rel L2 {err:e} against the CPU backend"
+        );
+    }
+    assert!(updates >= 1, "no re-capture was an update in place");
+    for layer in 0..2 {
+        assert_eq!(g.seq_len(layer, 2).unwrap(), e.seq_len(layer, 2).unwrap());
+    }
+    // A call that fails inside a capture: its error comes back and the capture is discarded
+    // (the stream is not left capturing: eager calls work after it).
+    let bad = DeviceBuffer::<f32>::zeros(&ctx, 1).unwrap();
+    let mut out = DeviceBuffer::<f32>::zeros(&ctx, 3 * qrow).unwrap();
+    let q = DeviceBuffer::<f32>::zeros(&ctx, 3 * qrow).unwrap();
+    let err = graph
+        .as_mut()
+        .unwrap()
+        .recapture(|| g.attention_batch(0, &ids, &bad, &mut out, None))
+        .unwrap_err();
+    assert_eq!(err.status(), Status::InvalidArgument, "{err}");
+    g.attention_batch(0, &ids, &q, &mut out, None).unwrap();
+    drop(graph);
+    ctx.synchronize().unwrap();
+    let cpu_err = Graph::capture(&cpu, || Ok(())).unwrap_err();
+    assert_eq!(cpu_err.status(), Status::Unsupported, "{cpu_err}");
+}
+
 /// FP16 and BF16 q/out/K/V against the f32 calls rounded (bit for bit) and the CPU backend,
 /// on the FP32 and tensor-core paths (MHA, GQA 4 and 8, head_dim 64, 128, 256, quantized).
 fn half_and_bf16_q_out() {
@@ -923,6 +1023,10 @@ fn main() {
         (
             "append_attention_batch_matches_the_two_calls",
             append_attention_batch_matches_the_two_calls,
+        ),
+        (
+            "graph_steps_match_eager_calls",
+            graph_steps_match_eager_calls,
         ),
         #[cfg(feature = "cudarc")]
         ("cudarc_interop", cudarc_interop),
