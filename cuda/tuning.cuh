@@ -39,8 +39,9 @@ __host__ __device__ constexpr int attn_min_blocks(bool wide) { return wide ? 4 :
 // quantized tile at a compile-time head_dim (dense_tiles in attention_fp32.cu: up to 4 heads,
 // and most wide ones) takes twice the rows, up to 32: its codes are a quarter to half F16's
 // bytes, so F16's rows left few bytes in flight and paid a tile's barriers and softmax per 16
-// (compute_52 on an H100, Q4 at 4 heads: 0.65-0.90x the time). The host pass (no __CUDA_ARCH__) takes the largest value, which sizes
-// shared memory and the splits' granularity for every device pass.
+// (compute_52 on an H100, Q4 at 4 heads: 0.65-0.90x the time). The host pass (no
+// __CUDA_ARCH__) takes the largest value, which sizes shared memory and the splits' granularity
+// for every device pass.
 __host__ __device__ constexpr int tile_rows(int group_tile, int dmax, bool tight, bool wide,
                                             bool dense = false) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 700

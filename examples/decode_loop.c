@@ -18,9 +18,9 @@
  *   eager  each step's calls as they are, 1 + (attention's) launches a layer from the host;
  *   graph  each step's calls captured into a CUDA graph on the context's stream
  *          (m40llm_graph_capture_begin / _end: the graph updated in place, or instantiated anew
- *          where the kernels launched change), and launched: one launch a step. A captured call bakes in the lengths it
- *          saw (m40llm.h, "Graphs"), so every step is captured anew; the host captures and
- *          updates the next step while the GPU runs the one before.
+ *          where the kernels launched change), and launched: one launch a step. A captured call
+ *          bakes in the lengths it saw (m40llm.h, "Graphs"), so every step is captured anew;
+ *          the host captures and updates the next step while the GPU runs the one before.
  * Each prints its time a step against the K/V bytes the step reads over the GPU's copy
  * bandwidth (cudaMemcpy device to device of a large buffer, bytes read + written, measured
  * here): 1.0x would be a step at the speed of its bytes. Needs a CUDA build for the graph and
