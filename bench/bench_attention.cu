@@ -250,6 +250,7 @@ struct Options {
   int kv_sinks = 4, kv_window = 128;      // --kv-protect
   int io = M40LLM_DTYPE_F32;              // --io: q and out element type
   std::string io_name = "f32";
+  bool weights = false;  // --weights: m40llm_kvcache_attn_weights_ex, weights of every head
 };
 
 static std::vector<Shape> full_grid(bool quick) {
@@ -342,6 +343,8 @@ static void usage() {
       "  --kv-protect S,W       quantized K/V: S sinks and a window of W kept FP16 (4,128)\n"
       "  --io T                 q and out as f32 (default), f16 or bf16 (m40llm_kvcache_attn_batch_ex;\n"
       "                         16-bit runs skip the output check, which reads FP32)\n"
+      "  --weights              time m40llm_kvcache_attn_weights_ex (the attention weights too,\n"
+      "                         one buffer of B x H x L floats for every layer)\n"
       "  --list                 print the selected shapes and exit (no GPU needed)\n");
 }
 
@@ -361,6 +364,7 @@ static Options parse_args(int argc, char **argv) {
     else if (a == "--list") o.list = true;
     else if (a == "--no-graph") o.graph = false;
     else if (a == "--no-check") o.check = false;
+    else if (a == "--weights") o.weights = true;
     else if (a == "--batch") for (auto &t : split(next(), ',')) o.batches.push_back(parse_int_k(t.c_str()));
     else if (a == "--ctx") for (auto &t : split(next(), ',')) o.ctxs.push_back(parse_int_k(t.c_str()));
     else if (a == "--dim") for (auto &t : split(next(), ',')) o.dims.push_back(parse_int_k(t.c_str()));
@@ -777,8 +781,10 @@ static Result run_shape(Bench &B, const Shape &s) {
     r.note = "kvcache_create: " + m40_err(rc);
     return r;
   }
-  float *d_q = nullptr, *d_out = nullptr;
+  float *d_q = nullptr, *d_out = nullptr, *d_w = nullptr;
   uint16_t *d_k = nullptr, *d_v = nullptr;
+  const size_t w_floats = (size_t)s.batch * s.n_heads * (size_t)s.ctx;
+  if (o.weights) M40_FATAL(m40llm_malloc((void **)&d_w, B.ctx, w_floats * 4));
   M40_FATAL(m40llm_malloc((void **)&d_q, B.ctx, (size_t)R * q_layer * 4));
   M40_FATAL(m40llm_malloc((void **)&d_out, B.ctx, (size_t)R * q_layer * 4));
   M40_FATAL(m40llm_malloc((void **)&d_k, B.ctx, chunk_bytes / 2));
@@ -832,10 +838,12 @@ static Result run_shape(Bench &B, const Shape &s) {
   long long counter = 0;
   int call_rc = M40LLM_OK;
   auto call = [&](int layer) {
-    int rc2 = m40llm_kvcache_attn_batch_ex((char *)d_out + (size_t)layer * q_layer * io_bytes, cache,
-                                           layer, seq_ids.data(), s.batch,
-                                           (const char *)d_q + (size_t)layer * q_layer * io_bytes,
-                                           o.io, 0.0f);
+    void *out_l = (char *)d_out + (size_t)layer * q_layer * io_bytes;
+    const void *q_l = (const char *)d_q + (size_t)layer * q_layer * io_bytes;
+    int rc2 = o.weights ? m40llm_kvcache_attn_weights_ex(out_l, d_w, (size_t)s.ctx, cache, layer,
+                                                         seq_ids.data(), s.batch, q_l, o.io, 0.0f)
+                        : m40llm_kvcache_attn_batch_ex(out_l, cache, layer, seq_ids.data(),
+                                                       s.batch, q_l, o.io, 0.0f);
     if (rc2 != M40LLM_OK && call_rc == M40LLM_OK) call_rc = rc2;
   };
   auto next_call = [&]() { call((int)(counter++ % R)); };
@@ -962,6 +970,7 @@ static Result run_shape(Bench &B, const Shape &s) {
   m40llm_kvcache_destroy(cache);
   m40llm_free(B.ctx, d_q);
   m40llm_free(B.ctx, d_out);
+  if (d_w) m40llm_free(B.ctx, d_w);
   m40llm_free(B.ctx, d_k);
   m40llm_free(B.ctx, d_v);
   rc = m40llm_context_synchronize(B.ctx);
@@ -1044,6 +1053,7 @@ static void write_json(const Bench &B, const std::vector<Result> &rs, bool compl
                json_str(m40llm_version_string()).c_str());
   std::fprintf(f, "  \"format\": %s,\n", json_str(B.opt.format_name).c_str());
   std::fprintf(f, "  \"io\": %s,\n", json_str(B.opt.io_name).c_str());
+  std::fprintf(f, "  \"weights\": %s,\n", B.opt.weights ? "true" : "false");
   std::fprintf(f, "  \"kv_rotation\": %s,\n  \"kv_protect\": [%d, %d],\n",
                B.opt.kv_rotation == M40LLM_ROTATE_NONE ? "\"none\"" : "\"auto\"",
                B.opt.kv_sinks, B.opt.kv_window);
@@ -1137,10 +1147,11 @@ int main(int argc, char **argv) {
   B.ceil0 = measure_ceilings(B.st);
   B.copy_gbps = B.ceil0.copy_gbps;
   B.read_gbps = B.ceil0.read_gbps;
-  std::printf("K/V format: %s%s, protected %d sinks + window %d (quantized only), q/out %s\n",
+  std::printf("K/V format: %s%s, protected %d sinks + window %d (quantized only), q/out %s%s\n",
               B.opt.format_name.c_str(),
               B.opt.kv_rotation == M40LLM_ROTATE_NONE ? ", not rotated" : "", B.opt.kv_sinks,
-              B.opt.kv_window, B.opt.io_name.c_str());
+              B.opt.kv_window, B.opt.io_name.c_str(),
+              B.opt.weights ? ", with the attention weights (m40llm_kvcache_attn_weights_ex)" : "");
   std::printf("ceilings: copy %.0f GB/s (read+write, %zu MiB buffer), read sweep %.0f GB/s\n", B.copy_gbps,
               B.ceil0.buffer_bytes >> 20, B.read_gbps);
   B.floor = measure_launch_floor(B.st);

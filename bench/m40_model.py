@@ -127,7 +127,8 @@ H100_MEASURED = {
 # launch gaps are no shorter.
 PROTECT_FIXED_US = dict(one_launch=1.0, two_launches=10.0)
 
-KRE = re.compile(r"attn_fp32_kernel<KvPair<(\w+), (\w+)>, (\d+), (\d+), (true|false)>")
+KRE = re.compile(r"attn_fp32_kernel<KvPair<(\w+), (\w+)>, (\d+), (\d+), (true|false)"
+                 r"(?:, (true|false))?>")
 
 
 # ---- SASS analysis ----
@@ -298,6 +299,8 @@ def kernels_of(path, arch):
         k, v, gt, dmax = m.group(1), m.group(2), int(m.group(3)), int(m.group(4))
         # The kernel of a head_dim equal to its class's (true) where it is built, else the general one.
         exact = m.group(5) == "true"
+        if m.group(6) == "true":  # the instance of calls with weights (kScores)
+            continue
         if not exact and (k, v, gt, dmax) in out:
             continue
         quantized = (k, v) != ("KvF16", "KvF16")

@@ -98,6 +98,22 @@ __device__ __forceinline__ SplitBlock<P> split_block(const AttnArgs &a,
   return b;
 }
 
+// A split's first row's position less the row: 0 but for a kept part's FP16 slots, whose two
+// ring runs hold the window's positions, in order, from window_begin on.
+__device__ __forceinline__ int split_pos_shift(const m40llm_attn_plan &plan, int item, int split) {
+  if (plan.role == M40LLM_PLAN_ALL) return 0;
+  const m40llm_attn_parts parts =
+      m40llm_attn_item_parts(plan.len[item], plan.window_begin[item], plan.sinks, plan.window);
+  int j = split - plan.split_begin[item];
+  for (int k = 0; k < 3; k++) {
+    const int splits = (parts.count[k] + plan.kept_chunk - 1) / plan.kept_chunk;
+    if (j < splits)
+      return k == 0 ? 0 : plan.window_begin[item] + (k == 2 ? parts.count[1] : 0) - parts.first[k];
+    j -= splits;
+  }
+  return 0;
+}
+
 // A head's (max, sum) partial of a block whose sequence has several splits.
 __device__ __forceinline__ void store_split_stats(const AttnArgs &a, int split, int h,
                                                   const SoftmaxState &s) {
@@ -188,8 +204,10 @@ struct SplitPasses {
 };
 
 // The FP32 family's pass for the cache (never fails to have one). P: the KvPair of formats.
+// scores: a call with weights (m40llm_attn_plan), whose kernel exports the scores.
 template <typename P>
-int fp32_split_pass(m40llm_cuda_state *st, int head_dim, const Grouping &g, SplitPass *out);
+int fp32_split_pass(m40llm_cuda_state *st, int head_dim, const Grouping &g, bool scores,
+                    SplitPass *out);
 
 // The tensor-core family's passes where this build and GPU have its kernels for head_dim and
 // the formats (every pair; quantized ones at head_dims that are multiples of 32, up to 128);
@@ -202,6 +220,10 @@ int combine_prepare(m40llm_cuda_state *st, bool *dependent);
 // Merges the partials of a plan with several splits for some item.
 int combine_launch(m40llm_cuda_state *st, const AttnArgs &a, const m40llm_attn_plan &plan,
                    bool dependent);
+
+// Turns the scores a plan with weights had its split kernel export into softmax weights, from
+// every split's (max, sum) partial (attention_weights.cu).
+int weights_launch(m40llm_cuda_state *st, const AttnArgs &a, const m40llm_attn_plan &plan);
 
 // Launches a kernel of any family, as a programmatic dependent of the kernel before it where
 // `dependent`.

@@ -17,14 +17,15 @@ int tensor_core_passes(m40llm_cuda_state *st, int head_dim, SplitPasses *p) {
 }
 
 // The split passes for a cache: the tensor-core family where this build and GPU have it (MHA
-// too: it issues fewer instructions per K/V byte even with one query head), else the FP32 one
-// for all three.
+// too: it issues fewer instructions per K/V byte even with one query head) and the call needs
+// no scores (fp32_only: only the FP32 kernel exports them), else the FP32 one for all three.
 template <typename P>
 int split_passes_for(m40llm_cuda_state *st, const m40llm_kvcache_options *o, const Grouping &g,
-                     SplitPasses *p) {
-  int rc = tensor_core_passes<P>(st, o->head_dim, p);
+                     bool fp32_only, SplitPasses *p) {
+  *p = SplitPasses{};
+  int rc = fp32_only ? M40LLM_OK : tensor_core_passes<P>(st, o->head_dim, p);
   if (rc != M40LLM_OK || p->pass.kernel) return rc;
-  rc = fp32_split_pass<P>(st, o->head_dim, g, &p->pass);
+  rc = fp32_split_pass<P>(st, o->head_dim, g, fp32_only, &p->pass);
   p->direct = p->fine = p->pass;
   return rc;
 }
@@ -34,9 +35,11 @@ int split_passes_for(m40llm_cuda_state *st, const m40llm_kvcache_options *o, con
 int kept_chunk(int tile) { return tile >= kKeptSplitRows ? tile : kKeptSplitRows / tile * tile; }
 
 // One launch's worth of sequences (at most M40LLM_PLAN_MAX_ITEMS: the plan is a kernel argument).
+// weights: NULL, or the first item's rows of exported weights (m40llm_attn_plan).
 template <typename P>
 int attend(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, const int32_t *lens,
-           int n_seqs, const float *q, float *out, float scale) {
+           int n_seqs, const float *q, float *out, float scale, float *weights,
+           size_t weights_stride) {
   m40llm_cuda_state *st = cuda_state(c->ctx);
   const m40llm_kvcache_options *o = &c->opts;
   const Grouping g = grouping_for(o);
@@ -45,7 +48,7 @@ int attend(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, const int
   // follows a queued kernel.
   SplitPasses passes;
   bool combine_dependent = false;
-  int rc = split_passes_for<P>(st, o, g, &passes);
+  int rc = split_passes_for<P>(st, o, g, weights != nullptr, &passes);
   if (rc != M40LLM_OK || (rc = combine_prepare(st, &combine_dependent)) != M40LLM_OK) return rc;
   SplitPass pass = passes.pass;
   m40llm_attn_plan plan;
@@ -82,7 +85,8 @@ int attend(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, const int
       m40llm_attn_plan_protect(&plan, window_begin, c->n_sinks, c->window, kept_chunk(pass.tile));
       plan.role = M40LLM_PLAN_PARTS;
     } else {
-      rc = fp32_split_pass<KvPair<KvF16, KvF16>>(st, o->head_dim, g, &kept_pass);
+      rc = fp32_split_pass<KvPair<KvF16, KvF16>>(st, o->head_dim, g, weights != nullptr,
+                                                 &kept_pass);
       if (rc != M40LLM_OK) return rc;
       m40llm_attn_plan_protect(&plan, window_begin, c->n_sinks, c->window,
                                kept_chunk(kept_pass.tile));
@@ -96,7 +100,9 @@ int attend(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, const int
   a.q = q;
   a.out = out;
   a.part_o = a.part_m = a.part_l = nullptr;
-  if (plan.max_splits > 1) {
+  plan.weights = weights;
+  plan.weights_stride = (int64_t)weights_stride;
+  if (plan.max_splits > 1 || weights) {
     void *ws = nullptr;
     rc = m40llm_cuda_workspace(st, attn_partial_bytes(plan.total_splits, o->n_heads, o->head_dim), &ws);
     if (rc != M40LLM_OK) return rc;
@@ -136,8 +142,9 @@ int attend(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, const int
   rc = launch_attention_kernel(st, "launching the attention split kernel", pass.kernel, grid,
                                pass.threads, pass.smem, pass.dependent, a, plan);
   if (rc != M40LLM_OK) return rc;
-  if (plan.max_splits > 1) return combine_launch(st, a, plan, combine_dependent);
-  return M40LLM_OK;
+  if (plan.max_splits > 1 && (rc = combine_launch(st, a, plan, combine_dependent)) != M40LLM_OK)
+    return rc;
+  return weights ? weights_launch(st, a, plan) : M40LLM_OK;
 }
 
 }  // namespace
@@ -148,13 +155,19 @@ int m40llm_cuda_reserve_for(m40llm_kvcache *c) {
   const Grouping g = grouping_for(o);
   return with_kv_pair(c->k.layout.fmt->format, c->v.layout.fmt->format, [&](auto pair) -> int {
     using P = decltype(pair);
-    SplitPasses p;
-    const int rc = split_passes_for<P>(cuda_state(c->ctx), o, g, &p);
-    if (rc != M40LLM_OK) return rc;
-    // The bound attention_plan.h promises, for any pass's plans.
+    SplitPasses p, fp32;
+    int rc = split_passes_for<P>(cuda_state(c->ctx), o, g, false, &p);
+    if (rc != M40LLM_OK ||
+        (rc = split_passes_for<P>(cuda_state(c->ctx), o, g, true, &fp32)) != M40LLM_OK)
+      return rc;
+    // The bound attention_plan.h promises, for any pass's plans (a call with weights: the FP32
+    // pass's).
     int target = p.pass.target > p.direct.target ? p.pass.target : p.direct.target;
     if (p.fine.target > target) target = p.fine.target;
+    if (fp32.pass.target > target) target = fp32.pass.target;
     int max_splits = 3 * ((target + g.units - 1) / g.units) + 1;
+    // A call with weights keeps every split's partial, a lone split's too: a launch's items.
+    if (max_splits < M40LLM_PLAN_MAX_ITEMS) max_splits = M40LLM_PLAN_MAX_ITEMS;
     if (c->slots > 0)  // m40llm_attn_plan_protect's, for the smallest tile any pass has
       max_splits += M40LLM_PLAN_MAX_ITEMS *
                     m40llm_attn_protect_extra(c->n_sinks, c->window, kept_chunk(1));
@@ -173,7 +186,8 @@ int m40llm_cuda_tensor_cores(m40llm_cuda_state *st, int *out) {
 }
 
 int m40llm_cuda_attention(const m40llm_kvcache *c, int layer, const int32_t *seq_ids,
-                          int n_seqs, const void *q, void *out, int dtype, float scale) {
+                          int n_seqs, const void *q, void *out, int dtype, float scale,
+                          float *weights, size_t weights_stride) {
   M40LLM_CUDA_ENTER(c->ctx);
   const size_t row = (size_t)c->opts.n_heads * (size_t)c->opts.head_dim;
   return with_f32_rows(cuda_state(c->ctx), q, out, (size_t)n_seqs * row, dtype,
@@ -185,8 +199,9 @@ int m40llm_cuda_attention(const m40llm_kvcache *c, int layer, const int32_t *seq
             n_seqs - first < M40LLM_PLAN_MAX_ITEMS ? n_seqs - first : M40LLM_PLAN_MAX_ITEMS;
         int32_t lens[M40LLM_PLAN_MAX_ITEMS];
         for (int i = 0; i < n; i++) lens[i] = *m40llm_len_slot(c, layer, seq_ids[first + i]);
+        float *w = weights ? weights + (size_t)first * c->opts.n_heads * weights_stride : nullptr;
         const int rc = attend<P>(c, layer, seq_ids + first, lens, n, q32 + (size_t)first * row,
-                                 out32 + (size_t)first * row, scale);
+                                 out32 + (size_t)first * row, scale, w, weights_stride);
         if (rc != M40LLM_OK) return rc;
       }
       return M40LLM_OK;

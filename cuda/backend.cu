@@ -298,10 +298,14 @@ int cuda_prepare_attention(const m40llm_kvcache *c, int n_rows, const void *q, c
 }
 
 int cuda_attention(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, int n_seqs,
-                   const void *q, void *out, int dtype, float scale) {
-  const int rc = enter_with(c, q, "q", out, "out");
+                   const void *q, void *out, int dtype, float scale, float *weights,
+                   size_t weights_stride) {
+  int rc = enter_with(c, q, "q", out, "out");
+  if (rc == M40LLM_OK && weights)
+    rc = m40llm_cuda_check_pointer(cuda_state(c->ctx), weights, "weights");
   return rc != M40LLM_OK ? rc
-                         : m40llm_cuda_attention(c, layer, seq_ids, n_seqs, q, out, dtype, scale);
+                         : m40llm_cuda_attention(c, layer, seq_ids, n_seqs, q, out, dtype, scale,
+                                                 weights, weights_stride);
 }
 
 int cuda_attention_causal(const m40llm_kvcache *c, int layer, const m40llm_append_item *items,

@@ -20,7 +20,7 @@ struct m40llm_cuda_state {
   void *io_stage;  // FP32 copies of a 16-bit caller's q and out rows (io_rows.cuh)
   size_t io_stage_bytes;
   // The FP32 split kernels' resident blocks per SM, by [K format][V format][log2 tile][dim / 8].
-  int fp32_occupancy[kKvFormats][kKvFormats][4][33];
+  int fp32_occupancy[kKvFormats][kKvFormats][4][33][2];  // [..][with exported scores]
   // The FP32 causal kernels' resident blocks per SM, by [K format][V format][log2 tile]
   // [head-dim class 64, 128, 256].
   int causal_occupancy[kKvFormats][kKvFormats][4][3];

@@ -111,6 +111,10 @@ constexpr int kCombineFewMaxDim = 128;
 constexpr int kCombineThreads = 256;
 constexpr int kCombineMinBlocksPerSm = 4;
 constexpr int kCombineBatch = 4;
+// attn_weights_kernel (exported scores into weights): a block per (item, query head, about
+// kWeightsChunk positions of the longest item).
+constexpr int kWeightsThreads = 256;
+constexpr int kWeightsChunk = 2048;
 
 // ---- Tensor-core split kernel (attention_mma.cu, sm_80+ builds) ----
 #ifdef M40LLM_NO_TENSOR_CORES

@@ -13,6 +13,7 @@
  * CUDA builds only (the runtime's graph API): linked into test_gpu where it has cudart.
  */
 #include <cuda_runtime_api.h>
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -401,8 +402,64 @@ static void api_case(m40llm_context *ctx) {
   m40llm_free(ctx, buf);
 }
 
+/* A call with weights captured on a fresh context without a call before it (its workspace is
+ * reserved at create, for 130 rows of one sequence pair: two launches of items, each split's
+ * partial kept), against the same call made eagerly after the graph ran. */
+static void weights_case(void) {
+  t_set_case("graph of a call with weights, no call before the capture");
+  m40llm_context_options o = M40LLM_CONTEXT_OPTIONS_INIT;
+  o.backend = M40LLM_BACKEND_CUDA;
+  m40llm_context *ctx = NULL;
+  if (!T_OK(m40llm_context_create(&ctx, &o))) return;
+  t_kv kv;
+  enum { ROWS = 130, H = 16, D = 128, LEN = 300 };
+  if (t_kv_create(&kv, ctx, 1, H, 2, D, 2, LEN) != M40LLM_OK) {
+    m40llm_context_destroy(ctx);
+    return;
+  }
+  int32_t ids[ROWS];
+  for (int i = 0; i < ROWS; i++) ids[i] = i % 3 == 0;
+  const size_t qn = (size_t)ROWS * H * D, wn = (size_t)ROWS * H * LEN;
+  float *q = malloc(qn * sizeof(float));
+  float *host = malloc(2 * (qn + wn) * sizeof(float));
+  float *dq = NULL, *dev = NULL;
+  m40llm_graph *g = NULL;
+  if (!T_CHECK(q && host) || !T_OK(t_kv_append_random(&kv, 0, 0, 50, 1.0f)) ||
+      !T_OK(t_kv_append_random(&kv, 0, 1, LEN, 1.0f)))
+    goto done;
+  t_fill_uniform(q, qn, -1.0f, 1.0f);
+  dq = t_dev_upload(ctx, q, qn * sizeof(float));
+  dev = t_dev_alloc(ctx, 2 * (qn + wn) * sizeof(float)); /* graph's out, weights; eager's */
+  if (!dq || !dev || !T_OK(m40llm_memset(ctx, dev, 0, 2 * (qn + wn) * sizeof(float))) ||
+      !T_OK(m40llm_graph_capture_begin(ctx)))
+    goto done;
+  const int rc = m40llm_kvcache_attn_weights_ex(dev, dev + qn, LEN, kv.cache, 0, ids, ROWS, dq,
+                                                M40LLM_DTYPE_F32, 0.0f);
+  T_OK(rc);
+  if (!T_OK(m40llm_graph_capture_end(rc == M40LLM_OK ? &g : NULL, ctx, NULL)) || !g ||
+      !T_OK(m40llm_graph_launch(g)) ||
+      !T_OK(m40llm_kvcache_attn_weights_ex(dev + qn + wn, dev + 2 * qn + wn, LEN, kv.cache, 0,
+                                           ids, ROWS, dq, M40LLM_DTYPE_F32, 0.0f)) ||
+      !t_dev_download(ctx, host, dev, 2 * (qn + wn) * sizeof(float)))
+    goto done;
+  T_CHECKF(memcmp(host, host + qn + wn, (qn + wn) * sizeof(float)) == 0,
+           "the graph's output and weights differ from the eager call's");
+  double sum = 0.0; /* row 1 is sequence 0 (50 positions): its first head's weights */
+  for (int p = 0; p < 50; p++) sum += host[qn + (size_t)H * LEN + p];
+  T_CHECKF(fabs(sum - 1.0) < 1e-5, "weights of row 1, head 0 sum to %.9g", sum);
+done:
+  m40llm_graph_destroy(g);
+  m40llm_free(ctx, dq);
+  m40llm_free(ctx, dev);
+  free(q);
+  free(host);
+  t_kv_destroy(&kv);
+  m40llm_context_destroy(ctx);
+}
+
 void t_cases_graph(m40llm_context *ctx, m40llm_context *cpu, int small) {
   api_case(ctx);
+  weights_case();
   const int steps = small ? 5 : 9;
   /* GQA with groups of 4 (head_dim 64 and a model's 128) and of 3 (quantized, K Q8 / V Q4,
    * with protected tokens: the window moves every step); prompts of 1, 31, 33, 257 tokens. */

@@ -177,6 +177,10 @@ void t_cases_causal(m40llm_context *ctx, m40llm_context *cpu, int small);
  * rounded, bit for bit, and the FP32 ones against the CPU backend; their errors. */
 void t_cases_dtype(m40llm_context *ctx, m40llm_context *cpu, int small);
 
+/* Attention weights (cases_weights.c): F16 against float64 references, quantized caches with
+ * protected tokens against the CPU backend cpu, entries past each length untouched; errors. */
+void t_cases_weights(m40llm_context *ctx, m40llm_context *cpu, int small);
+
 /* Positions whose K holds -inf (weight 0), first, last, at tile starts, whole splits, all. */
 void t_cases_attention_masked(m40llm_context *ctx);
 /* A decode step captured into CUDA graphs and replayed through cudaGraphExecUpdate, against the

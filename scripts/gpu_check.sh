@@ -26,6 +26,9 @@
 #             bandwidth, issue 20's targets), A/B against .ab/bins/base where carried: $OUT/m40
 #   abcausal  bench/ab_causal.py: the causal kernel's A/B, the previous main's compute_52
 #             bench_causal (.ab/bins/base) against this tree's (.gpu-carry/bench52): $OUT/abcausal
+#   weights   what m40llm_kvcache_attn_weights_ex costs over the plain call (bench/weights_cost.py:
+#             F16 and Q4, both with and without weights, alternating rounds), native and
+#             compute_52-PTX builds: $OUT/weights_native, $OUT/weights_ptx52
 #   abformats the M40 path's K/V formats: the previous main's compute_52 bench_attention
 #             (.ab/bins/base) against this tree's, bench/ab.sh over bench/formats_shapes.sh for
 #             F16, Q8, Q4, Q8Q4 (library defaults) and Q8, Q4 plain: $OUT/abformats/*/ab.md
@@ -172,6 +175,12 @@ ab_formats() {
   return $rc
 }
 
+weights_cost() {  # needs build-native (the native step)
+  [ -x build-native/bench/bench_attention ] || native || return 1
+  python3 bench/weights_cost.py "$out/weights_native" --bin build-native/bench/bench_attention &&
+    python3 bench/weights_cost.py "$out/weights_ptx52" --bin .gpu-carry/bench52/bench_attention
+}
+
 nvidia-smi --query-gpu=name,memory.total,driver_version,compute_cap --format=csv
 for s in $steps; do
   case $s in
@@ -188,6 +197,7 @@ for s in $steps; do
     m40) run_step m40 m40_proxy ;;
     abcausal) run_step abcausal ab_causal ;;
     abformats) run_step abformats ab_formats ;;
+    weights) run_step weights weights_cost ;;
     *) echo "unknown step $s"; exit 2 ;;
   esac
 done

@@ -551,6 +551,30 @@ int m40llm_kvcache_attn_batch_ex(void *out, m40llm_kvcache *cache, int layer,
                                  const int32_t *seq_ids, int n_seqs, const void *q, int dtype,
                                  float scale);
 
+/** As m40llm_kvcache_attn_batch_ex, and also the attention weights the output is made of:
+ *  weights[(i * n_heads + h) * weights_stride + p] = the softmax weight that query head h of
+ *  row i gives position p of sequence seq_ids[i] (this layer's), for p below that sequence's
+ *  length; the entries from its length to weights_stride are not written. weights is FP32 in
+ *  backend memory: n_seqs x n_heads rows of weights_stride floats, weights_stride at least
+ *  the longest length of the batch (else M40LLM_ERR_INVALID_ARGUMENT); it must not overlap q
+ *  or out. A head's weights sum to 1 (to FP32 rounding), and its output is the sum of its
+ *  weights times V; a head whose every score is -inf (or an empty sequence) has weights 0 and
+ *  output zeros. All checks come first: on any error nothing is written.
+ *  For policies that keep, evict or re-quantize tokens by the attention they draw (H2O,
+ *  SnapKV; ZipCache's normalized score: each position's weights accumulated over the steps
+ *  and divided by the number of queries that saw it; the largest over a K/V head's query
+ *  heads for that K/V row). Cost on top of the call: 4 bytes a position and query head
+ *  written by the attention kernel (its scores), then read and written once more by a small
+ *  kernel that turns them into weights when the call's softmax sums are known. The CUDA
+ *  backend runs the FP32 kernels for it on every GPU, in instances of their own (the plain
+ *  calls' kernels are unchanged); the tensor-core kernels, which a plain call runs on sm_80+,
+ *  export nothing. Measured on an H100 (bench/RESULTS.md, "Attention weights"): the M40's code
+ *  path 1.1-1.4x the plain call's time at head_dim 128 and 256, 1.7x on calls of a few us;
+ *  the sm_90 build 1.1-1.8x for F16, 1.4-4x for Q4 (against the tensor-core kernels). */
+int m40llm_kvcache_attn_weights_ex(void *out, float *weights, size_t weights_stride,
+                                   m40llm_kvcache *cache, int layer, const int32_t *seq_ids,
+                                   int n_seqs, const void *q, int dtype, float scale);
+
 /** A decode step of one layer in one call: appends one token to each of n_seqs (>= 1)
  *  sequences, then attends each sequence's q row over all its positions, the new one included.
  *  The same as m40llm_kvcache_append_batch_f32(cache, layer, seq_ids, NULL, n_seqs, k, v)

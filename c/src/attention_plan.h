@@ -29,6 +29,11 @@ typedef struct m40llm_attn_plan {
   /* M40LLM_PLAN_MIXED and _PARTS: this layer's FP16 slots of K and V, [seq][kv_head][slot][dim]
    * (the backend's device memory; set by the caller) */
   const void *kept_k, *kept_v;
+  /* m40llm_kvcache_attn_weights_ex: where item i's query head h writes its scores of
+   * position p, weights[(i * n_heads + h) * weights_stride + p] (NULL: none); every split then
+   * stores its (max, sum) partial, one split or several. */
+  float *weights;
+  int64_t weights_stride;
 } m40llm_attn_plan;
 
 enum {

@@ -64,9 +64,11 @@ typedef struct m40llm_backend_ops {
   int (*prepare_attention)(const m40llm_kvcache *c, int n_rows, const void *q, const void *out,
                            int dtype);
   /* Decode attention of n_seqs query rows; each seq_ids[i] is valid, scale final; q and out
-   * of element type dtype (m40llm_dtype, valid). */
+   * of element type dtype (m40llm_dtype, valid). weights: NULL, or rows of weights_stride
+   * floats (at least each row's length) for m40llm_kvcache_attn_weights_ex's weights. */
   int (*attention)(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, int n_seqs,
-                   const void *q, void *out, int dtype, float scale);
+                   const void *q, void *out, int dtype, float scale, float *weights,
+                   size_t weights_stride);
   /* Causal attention (m40llm_kvcache_attn_causal_f32q) of checked items: each names a distinct
    * sequence, n_tokens >= 1 query rows and pos = its length - n_tokens (the first row's
    * position; row i sees positions [max(0, pos + i - window + 1) if window > 0 else 0,

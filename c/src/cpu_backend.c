@@ -213,7 +213,8 @@ static int cpu_fork(const m40llm_kvcache *c, int dst_seq, int src_seq) {
  * tensors' rotated frames (the caller rotates). A -inf score has weight 0; a row whose every
  * score is -inf yields zeros. */
 static void attend_head(const m40llm_kvcache *c, int layer, int seq, int h, int begin, int end,
-                        const double *q, double *out, double scale, float *row) {
+                        const double *q, double *out, double scale, float *row,
+                        float *weights) {
   const int d = c->opts.head_dim;
   for (int i = 0; i < d; i++) out[i] = 0.0;
   double max = -INFINITY, sum = 0.0;
@@ -236,11 +237,20 @@ static void attend_head(const m40llm_kvcache *c, int layer, int seq, int h, int 
   }
   /* Every score -inf (or no position): nothing had weight, the output is zeros. */
   for (int i = 0; i < d; i++) out[i] = sum > 0.0 ? out[i] / sum : 0.0;
+  if (!weights) return;
+  for (int p = begin; p < end; p++) { /* the scores again, now that max and sum are known */
+    row_values(c, &c->k, layer, seq, h, p, row);
+    double s = 0.0;
+    for (int i = 0; i < d; i++) s += q[i] * (double)row[i];
+    s *= scale;
+    weights[p - begin] = (float)(s == -INFINITY || !(sum > 0.0) ? 0.0 : exp(s - max) / sum);
+  }
 }
 
 /* Query row `row` (every head) of q against positions [begin, end) of (layer, seq). */
 static void attend_row(const m40llm_kvcache *c, int layer, int seq, int begin, int end,
-                       size_t row, const void *q, void *out, int dtype, float scale) {
+                       size_t row, const void *q, void *out, int dtype, float scale,
+                       float *weights, size_t weights_stride) {
   const m40llm_kvcache_options *o = &c->opts;
   const int group = o->n_heads / o->n_kv_heads;
   const int d = o->head_dim;
@@ -250,17 +260,20 @@ static void attend_row(const m40llm_kvcache *c, int layer, int seq, int begin, i
     const size_t r = (row * (size_t)o->n_heads + (size_t)h) * (size_t)d;
     for (int j = 0; j < d; j++) qd[j] = m40llm_dtype_load(q, dtype, r + (size_t)j);
     if (c->k.rotated) m40llm_rotate_f64(qd, d);
-    attend_head(c, layer, seq, h / group, begin, end, qd, acc, (double)scale, kv);
+    attend_head(c, layer, seq, h / group, begin, end, qd, acc, (double)scale, kv,
+                weights ? weights + (row * (size_t)o->n_heads + (size_t)h) * weights_stride
+                        : NULL);
     if (c->v.rotated) m40llm_rotate_f64(acc, d);
     for (int j = 0; j < d; j++) m40llm_dtype_store(out, dtype, r + (size_t)j, (float)acc[j]);
   }
 }
 
 static int cpu_attention(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, int n_seqs,
-                         const void *q, void *out, int dtype, float scale) {
+                         const void *q, void *out, int dtype, float scale, float *weights,
+                         size_t weights_stride) {
   for (int i = 0; i < n_seqs; i++)
     attend_row(c, layer, seq_ids[i], 0, *m40llm_len_slot(c, layer, seq_ids[i]), (size_t)i, q,
-               out, dtype, scale);
+               out, dtype, scale, weights, weights_stride);
   return M40LLM_OK;
 }
 
@@ -274,7 +287,7 @@ static int cpu_attention_causal(const m40llm_kvcache *c, int layer,
     for (int t = 0; t < items[i].n_tokens; t++, row++) {
       const int end = items[i].pos + t + 1;
       const int begin = window > 0 && end > window ? end - window : 0;
-      attend_row(c, layer, items[i].seq, begin, end, row, q, out, dtype, scale);
+      attend_row(c, layer, items[i].seq, begin, end, row, q, out, dtype, scale, NULL, 0);
     }
   return M40LLM_OK;
 }

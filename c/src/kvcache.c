@@ -482,17 +482,45 @@ static int check_attention(const m40llm_kvcache *c, int layer, const void *q, co
   return M40LLM_OK;
 }
 
+/* The weights' rows (n_rows x n_heads of stride floats) fit the address space and overlap
+ * neither q nor out (row_bytes each, of the call's dtype). */
+static int check_weights(const m40llm_kvcache *c, const float *weights, size_t stride,
+                         int n_rows, const void *q, const void *out, uintptr_t row_bytes) {
+  if (!weights) return FAIL(INVALID_ARGUMENT, "weights is NULL");
+  const uintptr_t rows = (uintptr_t)n_rows * (uintptr_t)c->opts.n_heads;
+  const uintptr_t wa = (uintptr_t)weights;
+  if (stride > 0 && (rows > UINTPTR_MAX / sizeof(float) / stride ||
+                     rows * stride * sizeof(float) > UINTPTR_MAX - wa))
+    return FAIL(INVALID_ARGUMENT,
+                "%ju weight rows of %zu floats from weights pass the end of the address space",
+                (uintmax_t)rows, stride);
+  const uintptr_t n = rows * stride * sizeof(float), io = (uintptr_t)n_rows * row_bytes;
+  const uintptr_t qa = (uintptr_t)q, oa = (uintptr_t)out;
+  if (n > 0 && ((wa < qa + io && qa < wa + n) || (wa < oa + io && oa < wa + n)))
+    return FAIL(INVALID_ARGUMENT,
+                "weights (%ju bytes: n_seqs x n_heads rows of weights_stride floats) overlap "
+                "%s",
+                (uintmax_t)n, wa < qa + io && qa < wa + n ? "q" : "out");
+  return M40LLM_OK;
+}
+
 /* Ids copied on the stack up to this many; more come from the heap. */
 #define M40LLM_IDS_ON_STACK 64
 
-int m40llm_kvcache_attn_batch_ex(void *out, m40llm_kvcache *cache, int layer,
-                                 const int32_t *seq_ids, int n_seqs, const void *q, int dtype,
-                                 float scale) {
+/* The batch call, with weights (stride floats a row) or without (NULL). */
+static int attn_batch(void *out, float *weights, size_t weights_stride, m40llm_kvcache *cache,
+                      int layer, const int32_t *seq_ids, int n_seqs, const void *q, int dtype,
+                      float scale, int with_weights) {
   if (!cache) return FAIL(INVALID_ARGUMENT, "cache is NULL");
   if (!seq_ids) return FAIL(INVALID_ARGUMENT, "seq_ids is NULL");
   if (n_seqs < 1) return FAIL(INVALID_ARGUMENT, "n_seqs is %d, must be >= 1", n_seqs);
   int rc = check_attention(cache, layer, q, out, dtype, n_seqs, &scale);
   if (rc != M40LLM_OK) return rc;
+  if (with_weights &&
+      (rc = check_weights(cache, weights, weights_stride, n_seqs, q, out,
+                          (uintptr_t)cache->opts.n_heads * (uintptr_t)cache->opts.head_dim *
+                              m40llm_dtype_size(dtype))) != M40LLM_OK)
+    return rc;
   /* The ids are read once, here, into the library's own copy, which is checked and then the
    * only one the backend sees: the caller's array may share memory with out (which the backend
    * writes) and is not read again. */
@@ -504,17 +532,38 @@ int m40llm_kvcache_attn_batch_ex(void *out, m40llm_kvcache *cache, int layer,
       return FAIL(OUT_OF_MEMORY, "allocating the copy of %d sequence ids", n_seqs);
   }
   memcpy(ids, seq_ids, (size_t)n_seqs * sizeof *ids);
-  for (int i = 0; i < n_seqs && rc == M40LLM_OK; i++)
+  for (int i = 0; i < n_seqs && rc == M40LLM_OK; i++) {
     if (ids[i] < 0 || ids[i] >= cache->opts.max_seqs)
       rc = FAIL(OUT_OF_RANGE, "seq_ids[%d] = %d is outside 0..%d", i, (int)ids[i],
                 cache->opts.max_seqs - 1);
+    else if (with_weights && (size_t)*m40llm_len_slot(cache, layer, ids[i]) > weights_stride)
+      rc = FAIL(INVALID_ARGUMENT,
+                "weights_stride is %zu, but seq_ids[%d] = %d has %d positions in layer %d: a "
+                "row of weights holds every position of its sequence",
+                weights_stride, i, (int)ids[i], *m40llm_len_slot(cache, layer, ids[i]), layer);
+  }
   if (rc == M40LLM_OK) rc = m40llm_context_check(cache->ctx);
   if (rc == M40LLM_OK)
     rc = m40llm_context_result(cache->ctx,
                                cache->ctx->ops->attention(cache, layer, ids, n_seqs, q, out,
-                                                          dtype, scale));
+                                                          dtype, scale,
+                                                          with_weights ? weights : NULL,
+                                                          weights_stride));
   if (ids != on_stack) free(ids);
   return rc;
+}
+
+int m40llm_kvcache_attn_batch_ex(void *out, m40llm_kvcache *cache, int layer,
+                                 const int32_t *seq_ids, int n_seqs, const void *q, int dtype,
+                                 float scale) {
+  return attn_batch(out, NULL, 0, cache, layer, seq_ids, n_seqs, q, dtype, scale, 0);
+}
+
+int m40llm_kvcache_attn_weights_ex(void *out, float *weights, size_t weights_stride,
+                                   m40llm_kvcache *cache, int layer, const int32_t *seq_ids,
+                                   int n_seqs, const void *q, int dtype, float scale) {
+  return attn_batch(out, weights, weights_stride, cache, layer, seq_ids, n_seqs, q, dtype,
+                    scale, 1);
 }
 
 int m40llm_kvcache_attn_batch_f32q(float *out, m40llm_kvcache *cache, int layer,
@@ -555,7 +604,8 @@ int m40llm_kvcache_append_attn_ex(void *out, m40llm_kvcache *cache, int layer,
   if ((rc = run_append(cache, layer, cache->batch, n_items, k, v, dtype)) != M40LLM_OK) return rc;
   return m40llm_context_result(cache->ctx, cache->ctx->ops->attention(cache, layer,
                                                                        cache->batch_ids, n_items,
-                                                                       q, out, dtype, scale));
+                                                                       q, out, dtype, scale,
+                                                                       NULL, 0));
 }
 
 int m40llm_kvcache_append_attn_f32q(float *out, m40llm_kvcache *cache, int layer,

@@ -1068,6 +1068,87 @@ impl KvCache {
         })
     }
 
+    /// [`attention_batch`](Self::attention_batch), and also the attention weights the output is
+    /// made of: `weights[(i * n_heads + h) * stride + p]` is the softmax weight that query head
+    /// `h` of row `i` gives position `p` of `seq_ids[i]`, for `p` below that sequence's length
+    /// (the rest of each row of `stride` is not written). `weights` holds `seq_ids.len() x
+    /// n_heads` rows of `stride` floats, `stride` at least the longest length. A head's weights
+    /// sum to 1. For policies that keep, evict or re-quantize tokens by the attention they
+    /// draw (H2O, SnapKV, ZipCache). On the CUDA backend it runs the FP32 kernels on every GPU.
+    /// See `m40llm_kvcache_attn_weights_ex` in `m40llm.h`.
+    ///
+    /// ```
+    /// use m40llm::{Context, DeviceBuffer, KvCache, KvCacheConfig};
+    /// let ctx = Context::cpu()?;
+    /// let cfg = KvCacheConfig::new(1, 1, 4).max_seqs(1).max_seq_len(8);
+    /// let mut kv = KvCache::new(&ctx, &cfg)?;
+    /// // K rows 0 and 2 along dim 0; q = (1, 0, 0, 0) with scale 1/2: scores 0 and 1.
+    /// let k = DeviceBuffer::from_slice(&ctx, &[0.0f32, 0., 0., 0., 2., 0., 0., 0.])?;
+    /// let v = DeviceBuffer::from_slice(&ctx, &[1.0f32, 1., 1., 1., 5., 5., 5., 5.])?;
+    /// kv.append(0, 0, &k, &v)?;
+    /// let q = DeviceBuffer::from_slice(&ctx, &[1.0f32, 0., 0., 0.])?;
+    /// let mut out = DeviceBuffer::<f32>::zeros(&ctx, 4)?;
+    /// let mut w = DeviceBuffer::<f32>::zeros(&ctx, 3)?; // a row of 3 for 2 positions
+    /// kv.attention_weights(0, &[0], &q, &mut out, &mut w, 3, None)?;
+    /// let (w, e) = (w.to_vec()?, 1f32.exp());
+    /// assert!((w[0] - 1.0 / (1.0 + e)).abs() < 1e-6 && (w[1] - e / (1.0 + e)).abs() < 1e-6);
+    /// assert_eq!(w[2], 0.0); // past the sequence: not written
+    /// let want = w[0] * 1.0 + w[1] * 5.0; // the output is the weights times V
+    /// assert!(out.to_vec()?.iter().all(|&o| (o - want).abs() < 1e-5));
+    /// # Ok::<(), m40llm::Error>(())
+    /// ```
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention_weights<T: IoElement>(
+        &self,
+        layer: usize,
+        seq_ids: &[usize],
+        q: &impl DeviceRead<T>,
+        out: &mut impl DeviceWrite<T>,
+        weights: &mut impl DeviceWrite<f32>,
+        stride: usize,
+        scale: Option<f32>,
+    ) -> Result<()> {
+        let l = self.layer(layer)?;
+        let (ids, n) = self.seq_ids(seq_ids)?;
+        let scale = self.check_attention(ids.len(), q, out, scale)?;
+        self.same_context("weights", weights)?;
+        let want = ids
+            .len()
+            .checked_mul(self.config.n_heads)
+            .and_then(|r| r.checked_mul(stride))
+            .ok_or_else(|| Error::invalid("too many weights"))?;
+        if weights.len() != want {
+            return Err(Error::invalid(format!(
+                "weights has {} elements, expected {want} ({} row(s) of n_heads {} x stride {stride})",
+                weights.len(),
+                ids.len(),
+                self.config.n_heads
+            )));
+        }
+        if overlaps(q, weights) || overlaps(out, weights) {
+            return Err(Error::invalid("weights overlap q or out"));
+        }
+        // SAFETY: q and out cover ids.len() query rows each, weights ids.len() x n_heads rows of
+        // stride floats, all in this context's memory and not overlapping; ids is a host array
+        // of n valid sequence indices; the library checks stride against the lengths.
+        let (qp, op) = (q.device_ptr().cast(), out.device_ptr_mut().cast());
+        let wp = weights.device_ptr_mut();
+        self.call(|c| unsafe {
+            sys::m40llm_kvcache_attn_weights_ex(
+                op,
+                wp,
+                stride,
+                c,
+                l,
+                ids.as_ptr(),
+                n,
+                qp,
+                T::DTYPE,
+                scale,
+            )
+        })
+    }
+
     /// Causal attention of several new query rows per sequence (a prompt's prefill, ragged
     /// prompt batches, speculative verification), one call for the layer: sequence
     /// `seq_ids[s]`, whose last `q_counts[s]` positions (`T`) are the rows' own tokens, already

@@ -1129,3 +1129,54 @@ fn append_attention_batch_matches_the_two_calls() {
         assert!(out.to_vec().unwrap().iter().all(|&x| x == 7.0));
     }
 }
+
+#[test]
+fn attention_weights_and_their_errors() {
+    let ctx = cpu();
+    let cfg = KvCacheConfig::new(1, 4, 32)
+        .kv_heads(2)
+        .max_seqs(2)
+        .max_seq_len(16);
+    let mut kv = KvCache::new(&ctx, &cfg).unwrap();
+    let mut rng = Rng::fresh("attention_weights_and_their_errors");
+    for (seq, len) in [(0, 5), (1, 9)] {
+        let k =
+            DeviceBuffer::from_slice(&ctx, &rng.normal_vec(len * cfg.kv_row_len(), 1.0)).unwrap();
+        let v =
+            DeviceBuffer::from_slice(&ctx, &rng.normal_vec(len * cfg.kv_row_len(), 1.0)).unwrap();
+        kv.append_tokens(0, seq, len, &k, &v).unwrap();
+    }
+    let q = DeviceBuffer::from_slice(&ctx, &rng.normal_vec(2 * cfg.q_row_len(), 1.0)).unwrap();
+    let mut out = DeviceBuffer::<f32>::zeros(&ctx, 2 * cfg.q_row_len()).unwrap();
+    let mut w = DeviceBuffer::from_slice(&ctx, &[-1.0f32; 2 * 4 * 9]).unwrap();
+    kv.attention_weights(0, &[1, 0], &q, &mut out, &mut w, 9, None)
+        .unwrap();
+    let got = w.to_vec().unwrap();
+    for (row, len) in [(0, 9), (1, 5)] {
+        for h in 0..4 {
+            let r = &got[(row * 4 + h) * 9..(row * 4 + h + 1) * 9];
+            let sum: f32 = r[..len].iter().sum();
+            assert!(
+                (sum - 1.0).abs() < 1e-5 && r[..len].iter().all(|&x| x > 0.0),
+                "{r:?}"
+            );
+            assert!(r[len..].iter().all(|&x| x == -1.0), "{r:?}");
+        }
+    }
+    // The output is the plain call's, bit for bit on the CPU backend.
+    let mut plain = DeviceBuffer::<f32>::zeros(&ctx, 2 * cfg.q_row_len()).unwrap();
+    kv.attention_batch(0, &[1, 0], &q, &mut plain, None)
+        .unwrap();
+    assert_eq!(plain.to_vec().unwrap(), out.to_vec().unwrap());
+    // A stride shorter than the longest sequence, and a buffer of the wrong length.
+    let e = assert_status(
+        kv.attention_weights(0, &[1, 0], &q, &mut out, &mut w.slice_mut(0..64), 8, None),
+        Status::InvalidArgument,
+    );
+    assert!(e.message().contains("weights_stride is 8"), "{e}");
+    let e = assert_status(
+        kv.attention_weights(0, &[1, 0], &q, &mut out, &mut w, 8, None),
+        Status::InvalidArgument,
+    );
+    assert!(e.message().contains("weights has 72 elements"), "{e}");
+}

@@ -989,6 +989,89 @@ fn causal_attention() {
     }
 }
 
+/// The attention weights (`attention_weights`) on the GPU against the CPU backend's over the
+/// same appends: F16 and Q4 K / Q2 V with protected tokens (a wrapped window), GQA 4, ragged
+/// lengths; every head's weights sum to 1 and the padding of each row is left as it was.
+fn attention_weights_match_cpu() {
+    let test = "attention_weights_match_cpu";
+    let Some(gpu) = gpu_context(test) else { return };
+    let cpu = Context::cpu().unwrap();
+    let mut rng = Rng::fresh(test);
+    let lens = [1usize, 33, 90, 2049];
+    let stride = 2049 + 5;
+    for (kf, vf) in [(KvFormat::F16, KvFormat::F16), (KvFormat::Q4, KvFormat::Q2)] {
+        let cfg = KvCacheConfig::new(1, 8, 128)
+            .kv_heads(2)
+            .max_seqs(lens.len())
+            .max_seq_len(stride)
+            .format(kf)
+            .v_format(vf)
+            .sinks(4)
+            .window(16);
+        let (mut g, mut c) = (
+            KvCache::new(&gpu, &cfg).unwrap(),
+            KvCache::new(&cpu, &cfg).unwrap(),
+        );
+        let row = cfg.kv_row_len();
+        for (seq, &len) in lens.iter().enumerate() {
+            let (k, v) = (
+                rng.normal_vec(len * row, 1.0),
+                rng.normal_vec(len * row, 1.0),
+            );
+            for (kv, ctx) in [(&mut g, &gpu), (&mut c, &cpu)] {
+                let kb = DeviceBuffer::from_slice(ctx, &k).unwrap();
+                let vb = DeviceBuffer::from_slice(ctx, &v).unwrap();
+                kv.append_tokens(0, seq, len, &kb, &vb).unwrap();
+            }
+        }
+        let ids = [3usize, 0, 2, 1, 3];
+        let q = rng.normal_vec(ids.len() * cfg.q_row_len(), 1.0);
+        let n_w = ids.len() * cfg.n_heads * stride;
+        let mut got = Vec::new();
+        for (kv, ctx) in [(&g, &gpu), (&c, &cpu)] {
+            let qb = DeviceBuffer::from_slice(ctx, &q).unwrap();
+            let mut out = DeviceBuffer::<f32>::zeros(ctx, q.len()).unwrap();
+            let mut w = DeviceBuffer::from_slice(ctx, &vec![-7.0f32; n_w]).unwrap();
+            kv.attention_weights(0, &ids, &qb, &mut out, &mut w, stride, None)
+                .unwrap();
+            got.push((out.to_vec().unwrap(), w.to_vec().unwrap()));
+        }
+        let what = format!("{kf:?}/{vf:?}");
+        let e = rel_l2(
+            &got[0].0,
+            &got[1].0.iter().map(|&x| x as f64).collect::<Vec<_>>(),
+        );
+        assert!(
+            e <= TOL,
+            "{what}: output rel L2 {e:e} against the CPU backend"
+        );
+        for (i, &seq) in ids.iter().enumerate() {
+            for h in 0..cfg.n_heads {
+                let r = (i * cfg.n_heads + h) * stride;
+                let (gw, cw) = (&got[0].1[r..r + stride], &got[1].1[r..r + stride]);
+                for p in 0..lens[seq] {
+                    assert!(
+                        (gw[p] - cw[p]).abs() as f64 <= 1e-7 + 1e-4 * cw[p].abs() as f64,
+                        "{what}: row {i} head {h} position {p}: {} against {}",
+                        gw[p],
+                        cw[p]
+                    );
+                }
+                let sum: f64 = gw[..lens[seq]].iter().map(|&x| x as f64).sum();
+                assert!(
+                    (sum - 1.0).abs() <= 1e-5,
+                    "{what}: row {i} head {h}: sum {sum}"
+                );
+                assert!(
+                    gw[lens[seq]..].iter().all(|&x| x == -7.0),
+                    "{what}: padding written"
+                );
+            }
+        }
+        println!("{test}: {what}: output rel L2 {e:e}, weights within 1e-4 relative");
+    }
+}
+
 fn main() {
     let tests: &[(&str, fn())] = &[
         ("causal_attention", causal_attention),
@@ -1016,6 +1099,7 @@ fn main() {
         ("cache_moves_between_threads", cache_moves_between_threads),
         ("append_row_length_checks", append_row_length_checks),
         ("half_and_bf16_q_out", half_and_bf16_q_out),
+        ("attention_weights_match_cpu", attention_weights_match_cpu),
         (
             "append_batch_matches_single_appends",
             append_batch_matches_single_appends,

@@ -1,0 +1,568 @@
+// The FP32 split kernel: one FP32 query row per sequence against that sequence's K/V, FP32
+// arithmetic throughout (sm_52 has no fast half math), on every GPU; the M40's kernel.
+//
+// One block per (sequence, split of its positions, K/V head, tile of that head's query heads).
+// It walks its positions in tiles with an online softmax, so shared memory does not grow with
+// the context. Every K/V row is read once per block and serves all the block's query heads
+// (GQA). A sequence with one split writes its output directly; otherwise the block writes
+// (max, sum, unnormalised output) partials for the combine (attention_combine.cu).
+//
+// Scores live in the log2 domain (q is pre-multiplied by scale * log2(e)) so exp is exp2f.
+//
+// The template and its helpers; attention_fp32.cu instantiates it for the plain calls,
+// attention_fp32_scores.cu for the calls with weights (each half of the instances in a
+// translation unit of its own, so that builds compile them in parallel).
+#pragma once
+
+#include <math.h>
+
+#include "attention.cuh"
+
+namespace {
+
+// A row's softmax weights for all GT heads, in as few shared loads as alignment allows.
+template <int GT>
+__device__ __forceinline__ void load_weights(const float *p, float (&w)[GT]) {
+  if constexpr (GT % 4 == 0) {
+#pragma unroll
+    for (int g = 0; g < GT; g += 4) {
+      const float4 t = *reinterpret_cast<const float4 *>(p + g);
+      w[g] = t.x, w[g + 1] = t.y, w[g + 2] = t.z, w[g + 3] = t.w;
+    }
+  } else if constexpr (GT == 2) {
+    const float2 t = *reinterpret_cast<const float2 *>(p);
+    w[0] = t.x, w[1] = t.y;
+  } else {
+    w[0] = p[0];
+  }
+}
+
+// Sums each of the N values of acc over LPR adjacent lanes (both powers of two): each halving
+// sends half the values a lane holds and keeps the other half, so N heads take N - 1 +
+// log2(LPR / N) shuffles, not N log2(LPR). N <= LPR: returns value k_lane / (LPR / N). N > LPR:
+// leaves values k_lane x (N / LPR) + i in acc[i], i < N / LPR (and returns acc[0]).
+template <int N, int LPR>
+__device__ __forceinline__ float lane_sums(float (&acc)[N], int k_lane) {
+#pragma unroll
+  for (int n = N, off = LPR / 2; n > 1 && off > 0; n >>= 1, off >>= 1) {
+    const bool upper = k_lane & off;  // keeps the upper half of its n values
+#pragma unroll
+    for (int i = 0; i < n / 2; i++) {
+      const float send = upper ? acc[i] : acc[i + n / 2];
+      const float keep = upper ? acc[i + n / 2] : acc[i];
+      acc[i] = keep + __shfl_xor_sync(0xffffffffu, send, off);
+    }
+  }
+  float x = acc[0];
+#pragma unroll
+  for (int off = LPR / N / 2; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
+  return x;
+}
+
+// Scores for m40llm_kvcache_attn_weights_ex come from instances of their own (kScores): a
+// branch on plan.weights in the tile loop cost the sm_52 kernels 3-5% more issue slots and made
+// some spill, a tax on every call for what a few ask for.
+
+// Shared memory of the split kernel, in floats: q [GT][D], the weight tile [T][GT] and, for a K
+// format with a min, q's sums over each 8-dim chunk [GT][D / 8] while looping; then the
+// per-row-group output partials [row_groups][GT][D] for the final reduction.
+__host__ __device__ constexpr int pv_row_groups(int head_dim, int cols) {
+  return kAttnThreads / (head_dim / cols);
+}
+
+// Formats with a min fold it into the codes (value = (code + min / scale) x scale) in 8-head
+// tiles: the sums that keep it apart (per head, or q's per chunk) would spill on sm_52 in 64
+// registers, and cost a wide tile more slots than the fold.
+__host__ __device__ constexpr bool fold_min(int gt) { return gt > 4; }
+
+// V columns a thread of a kernel over V format VF takes (tuning.cuh's pv_columns; a wide tile
+// over a V of fewer than 4 bits takes 4, whole bytes of each plane: a cursor loads them).
+template <typename VF>
+__host__ __device__ constexpr int v_columns(int gt, int dmax, bool exact) {
+  if constexpr (VF::kScaled) {
+    return wide_tile(gt, dmax, exact) && VF::kCodeBits < 4 ? 4 : pv_columns(gt, exact);
+  } else {
+    return pv_columns(gt, false);
+  }
+}
+
+// Quantized tiles at a compile-time head_dim take twice the rows on sm_5x/6x (tuning.cuh's
+// tile_rows): up to 4 heads, except where V is Q8 beside 4 heads (its 32 + 8 bytes of codes and
+// scales a thread spilled, 3-6% slower: compute_52 on an H100, B8 32/8 D128 L8K); wide 8-head
+// tiles (2 heads' scores a lane), except over a Q4 V at head_dim 128, where they were 0.99-1.02x
+// the time (Q8, Q4Q2 and head_dim 256: 0.85-0.98x).
+template <typename P>
+__host__ __device__ constexpr bool dense_tiles(int gt, int dmax, bool exact) {
+  if constexpr (P::K::kScaled || P::V::kScaled) {
+    return exact && (gt <= 2 || (gt <= 4 && P::V::kCodeBits < 8) ||
+                     (wide_tile(gt, dmax, exact) && !(P::V::kCodeBits == 4 && dmax == 128)));
+  } else {
+    return false;
+  }
+}
+
+// cols: the kernel's V columns a thread (v_columns); dense: dense_tiles.
+constexpr int split_smem_floats(int gt, int dmax, int head_dim, bool k_min, int cols,
+                                bool dense) {
+  k_min = k_min && !fold_min(gt);
+  return gt * (dmax + tile_rows(gt, dmax, false, false, dense) + (k_min ? dmax / 8 : 0)) >
+                 pv_row_groups(head_dim, cols) * gt * head_dim
+             ? gt * (dmax + tile_rows(gt, dmax, false, false, dense) + (k_min ? dmax / 8 : 0))
+             : pv_row_groups(head_dim, cols) * gt * head_dim;
+}
+
+// Where the q of head g keeps dim d in shared memory: [GT][2][DMAX / 8][4], dims 0-3 of every
+// 8-dim chunk, then dims 4-7, so the lanes of a K row read consecutive 16-byte words (no bank
+// conflicts), at compile-time offsets.
+template <int DMAX>
+struct QIndex {
+  __device__ int operator()(int d) const { return (d & 4 ? DMAX / 2 : 0) + (d >> 3) * 4 + (d & 3); }
+};
+
+// A thread's walk over K or V, advanced by whole quantization groups. kAddresses: the format's
+// Cursor (addresses: loads at constant offsets, no index arithmetic; on sm_52 a quantized load
+// from an index costs about 10 integer instructions), else its Ptr (an index: 2 registers where
+// a quantized cursor takes 4; 8-head tiles of 64 registers spill with cursors).
+template <typename F, bool kAddresses>
+struct Walk;
+template <typename F>
+struct Walk<F, true> {
+  typename F::Cursor c;
+  __device__ Walk(const KvPlanes &t, typename F::Ptr p) : c(F::cursor(t, p)) {}
+  __device__ void step(ptrdiff_t n) { c = F::step(c, n); }
+  template <int N>
+  __device__ typename F::template Raw<N> load(const KvPlanes &, int n) const {
+    return F::template load_at<N>(c, n);
+  }
+};
+template <typename F>
+struct Walk<F, false> {
+  typename F::Ptr p;
+  __device__ Walk(const KvPlanes &, typename F::Ptr p_) : p(p_) {}
+  __device__ void step(ptrdiff_t n) { p = F::add(p, n); }
+  template <int N>
+  __device__ typename F::template Raw<N> load(const KvPlanes &t, int n) const {
+    return F::template load<N>(t, p, n);
+  }
+};
+
+// Kernels of up to 4 heads, or a wide tile (tuning.cuh), at a head_dim of its class: address
+// walks, no per-row branch, and for a quantized cache the kept parts of protected tokens in the
+// same launch (8-head tiles in 64 registers and runtime head_dims spill with any of these on
+// sm_52).
+__host__ __device__ constexpr bool lean_kernel(int gt, int dmax, bool exact) {
+  return (gt <= 4 || wide_tile(gt, dmax, exact)) && exact;
+}
+
+// P: the KvPair of K and V formats. GT: query heads per block (power of two <= kMaxGroupTile);
+// heads past the group get a zero q and are never written. DMAX: head_dim class (head_dim <=
+// DMAX, a multiple of 8).
+//
+// Quantized formats: a lane's 8-dim K chunk and a thread's COLS V columns lie in one group, so
+// the scale (and min) apply once per chunk: score += scale * (q . codes) + min * sum(q), and
+// o += (w * scale) * codes with sum(w * min) kept apart and added to o at the end.
+//
+// Rotated K/V (a.rot_k, a.rot_v): q is rotated on its way into shared memory and the output
+// back before it is stored, a warp a head (rotation.cuh). Protected tokens: the plan gives the
+// kept parts splits of their own (m40llm_attn_plan_protect). A lean kernel runs them in the same
+// launch (M40LLM_PLAN_PARTS: a kept part's block walks the FP16 slots); otherwise a call is two
+// launches over the plan, the F16 instance for the FP16 slots, then this kernel for the codes,
+// and each block of a split that is the other launch's returns at once.
+template <typename P, int GT, int DMAX, bool kExact, bool kScores>
+__global__ void __launch_bounds__(kAttnThreads, attn_min_blocks(wide_tile(GT, DMAX, kExact)))
+    attn_fp32_kernel(const AttnArgs a, const m40llm_attn_plan plan) {
+  constexpr bool kQuant = P::K::kScaled || P::V::kScaled;
+  constexpr bool kWide = wide_tile(GT, DMAX, kExact);
+  constexpr int T = tile_rows(GT, DMAX, kQuant && !kExact, kWide, dense_tiles<P>(GT, DMAX, kExact));
+  constexpr int LPR = kAttnThreads / T;       // lanes per K row in the score pass (2..16)
+  constexpr int KC = DMAX / 8 / LPR;          // 16-byte K chunks per lane, at most
+  // V columns per thread in the output pass (split_smem_floats sizes for them: wide_v)
+  constexpr int COLS = v_columns<typename P::V>(GT, DMAX, kExact);
+  constexpr int VR = T * DMAX / (kAttnThreads * COLS);  // V rows per thread, at most
+  constexpr int GH = heads_per_pass(GT, kWide);  // heads a score or output pass takes at once
+  constexpr int kSoftPasses = (GT * T + kAttnThreads - 1) / kAttnThreads;  // softmax, per thread
+  using KF = typename P::K;
+  using VF = typename P::V;
+  constexpr bool kFoldKMin = KF::kHasMin && fold_min(GT);
+  constexpr bool kSumKMin = KF::kHasMin && !kFoldKMin;
+  constexpr bool kLean = lean_kernel(GT, DMAX, kExact);
+  static_assert(LPR >= 2 && LPR <= 32 && KC >= 1 && T <= 32, "tile shape");
+
+  extern __shared__ float smem[];
+  __shared__ SoftmaxState s_state[GT];
+  __shared__ __align__(16) float s_alpha[GT];
+  __shared__ long long s_scores;  // plan.weights: where row p_begin of the block's first head goes
+  const int D = kExact ? DMAX : a.head_dim;  // compile-time offsets where head_dim is its class's
+  float *sq = smem;              // q, pre-scaled into the log2 domain, at QIndex<DMAX>
+  float *sp = smem + GT * DMAX;  // [T][GT]: a position's weights for every head together
+  const int tid = threadIdx.x;
+
+  const SplitBlock<P> b = split_block<P, true>(a, plan, GT);
+  wait_for_prerequisite_grid();
+  // The other launch's rows. (After the wait: a grid all of whose blocks return must still end
+  // after the grid before it, which a programmatic dependent of it relies on.)
+  if (b.skip) return;
+  if (plan.max_splits > 1) allow_dependent_launch();  // the combine kernel: see below
+  const int p_begin = b.p_begin, p_end = b.p_end, nh = b.nh;
+
+  const float *q = a.q + ((size_t)b.item * a.n_heads + b.h0) * D;
+  if (a.rot_k) {  // a warp a head, rotated in registers on the way in
+    for (int g = tid >> 5; g < GT; g += kAttnThreads / 32) {
+      float v[DMAX / 32];
+#pragma unroll
+      for (int e = 0; e < DMAX / 32; e++) {
+        const int d = (tid & 31) + 32 * e;
+        v[e] = g < nh && d < D ? q[g * D + d] * a.q_scale : 0.0f;
+      }
+      warp_rotate(v, D, a.rot_scale);
+#pragma unroll
+      for (int e = 0; e < DMAX / 32; e++) {
+        const int d = (tid & 31) + 32 * e;
+        if (d < D) sq[g * DMAX + QIndex<DMAX>()(d)] = v[e];
+      }
+    }
+  } else {
+    for (int i = tid; i < GT * D; i += kAttnThreads) {
+      const int g = i / D, d = i % D;
+      sq[g * DMAX + QIndex<DMAX>()(d)] = g < nh ? q[i] * a.q_scale : 0.0f;
+    }
+  }
+  float *sqsum = smem + GT * (DMAX + T);  // [GT][DMAX / 8], K formats with a min only
+  if constexpr (kSumKMin) {
+    __syncthreads();
+    for (int i = tid; i < GT * (D / 8); i += kAttnThreads) {
+      const int g = i / (D / 8), c = i % (D / 8);
+      float sum = 0.0f;
+      for (int j = 0; j < 8; j++) sum += sq[g * DMAX + QIndex<DMAX>()(8 * c + j)];
+      sqsum[g * (DMAX / 8) + c] = sum;
+    }
+  }
+  if (tid < GT) s_state[tid] = SoftmaxState::empty();
+  // Exported scores (m40llm_kvcache_attn_weights_ex): the block's place in the caller's rows
+  // from shared memory, so that no register holds it through the loop when there are none.
+  if (kScores && tid == 0)
+    s_scores = ((long long)b.item * a.n_heads + b.h0) * plan.weights_stride +
+               split_pos_shift(plan, b.item, b.split);
+
+  // Score pass: LPR lanes per K row, each with up to KC 16-byte chunks of it.
+  const int k_row = tid / LPR, k_lane = tid % LPR;
+  const int chunks = D / 8;
+  // Output pass: COLS columns per thread; row groups stride over the tile's positions.
+  const int pv_tpr = D / COLS;
+  const int row_groups = kAttnThreads / pv_tpr;
+  const int rg = tid / pv_tpr;
+  const int col = (tid % pv_tpr) * COLS;
+  const bool pv_active = rg < row_groups;
+  // V folds its min also where a thread holds 16 accumulators (GT x COLS): the fold's COLS adds
+  // a row cost no more than the sum's GT multiply-adds, and o_min's GT registers spill there.
+  constexpr bool kFoldVMin = fold_min(GT) || GT * COLS >= 16;
+  constexpr bool kSumMin = VF::kHasMin && !kFoldVMin;
+  float o[GT][COLS];
+  float o_min[kSumMin ? GT : 1];  // sum(w * min) over the rows, per head
+#pragma unroll
+  for (int g = 0; g < GT; g++) {
+#pragma unroll
+    for (int i = 0; i < COLS; i++) o[g][i] = 0.0f;
+    if constexpr (kSumMin) o_min[g] = 0.0f;
+  }
+
+  // Per-thread walks, advanced a tile at a time: the loop body computes no 64-bit products,
+  // and every step (a tile, a row group, a K chunk) is whole quantization groups.
+  if constexpr (KF::kScaled) static_assert(LPR * 8 % KF::kGroup == 0, "K chunks a group apart");
+  const ptrdiff_t tile_step = (ptrdiff_t)T * D;
+  const int v_step = row_groups * D;
+  const float *qp = sq + k_lane * 4;
+
+  // The tile loop over one pair of tensors: the cache's K and V, or (a lean kernel's block of a
+  // kept part, M40LLM_PLAN_PARTS) the FP16 slots. Inside it KF, VF and the min flags are that
+  // pair's; kw and vw walk it from p_begin.
+  const auto tiles = [&](auto k_format, auto v_format, auto kw, auto vw) {
+    using KF = decltype(k_format);
+    using VF = decltype(v_format);
+    using KRaw = typename KF::template Raw<8>;
+    using VRaw = typename VF::template Raw<COLS>;
+    constexpr bool kFoldKMin = KF::kHasMin && fold_min(GT);
+    constexpr bool kSumKMin = KF::kHasMin && !kFoldKMin;
+    constexpr bool kFoldMin = VF::kHasMin && kFoldVMin;
+    constexpr bool kSumMin = VF::kHasMin && !kFoldMin;
+    for (int t0 = p_begin; t0 < p_end; t0 += T, kw.step(tile_step), vw.step(tile_step)) {
+      const int rows = min(T, p_end - t0);
+      // Every load of the tile goes out before anything waits on one: one memory latency per
+      // tile instead of one per row batch. kLean: rows past the tile's end read as zeros (every
+      // format decodes them to 0): their scores are replaced by -inf and their weights are 0, so
+      // the passes below need no per-row branch.
+      KRaw kraw[KC];
+#pragma unroll
+      for (int j = 0; j < KC; j++) {
+        const bool live = k_row < rows && k_lane + j * LPR < chunks;
+        if (live) kraw[j] = kw.template load<8>(a.k, j * LPR * 8);
+        else if (kLean) kraw[j] = KRaw{};
+      }
+      VRaw vraw[VR];
+      auto vwi = vw;  // a step a row: no product per row and tile
+#pragma unroll
+      for (int i = 0; i < VR; i++, vwi.step(v_step)) {
+        const bool live = pv_active && rg + i * row_groups < rows;
+        if (live) vraw[i] = vwi.template load<COLS>(a.v, 0);
+        else if (kLean) vraw[i] = VRaw{};
+      }
+      __syncthreads();  // q is staged, and the previous tile's weights are consumed
+
+#pragma unroll
+      for (int g0 = 0; g0 < GT; g0 += GH) {
+        float acc[GH];
+#pragma unroll
+        for (int g = 0; g < GH; g++) acc[g] = 0.0f;
+#pragma unroll
+        for (int j = 0; j < KC; j++) {
+          const int c = k_lane + j * LPR;
+          if ((kLean || k_row < rows) && c < chunks) {  // q past head_dim is not staged
+            float kf[8];
+            KF::template widen<8>(kraw[j], kf);
+            float k_scale = KF::template scale<8>(kraw[j]);
+            const float k_min = KF::template min<8>(kraw[j]);
+            if constexpr (kFoldKMin) {  // as for V below
+              const bool flat = k_scale == 0.0f;
+              const float off = flat ? 1.0f : __fdividef(k_min, k_scale);
+#pragma unroll
+              for (int i = 0; i < 8; i++) kf[i] += off;
+              k_scale = flat ? k_min : k_scale;
+            }
+#pragma unroll
+            for (int g = 0; g < GH; g++) {
+              const float *qg = qp + (g0 + g) * DMAX + j * LPR * 4;
+              const float4 qa = *reinterpret_cast<const float4 *>(qg);
+              const float4 qb = *reinterpret_cast<const float4 *>(qg + DMAX / 2);
+              float s = KF::kScaled ? 0.0f : acc[g];
+              s = fmaf(qa.x, kf[0], s);
+              s = fmaf(qa.y, kf[1], s);
+              s = fmaf(qa.z, kf[2], s);
+              s = fmaf(qa.w, kf[3], s);
+              s = fmaf(qb.x, kf[4], s);
+              s = fmaf(qb.y, kf[5], s);
+              s = fmaf(qb.z, kf[6], s);
+              s = fmaf(qb.w, kf[7], s);
+              if constexpr (KF::kScaled) s = fmaf(k_scale, s, acc[g]);
+              if constexpr (kSumKMin) s = fmaf(k_min, sqsum[(g0 + g) * (DMAX / 8) + c], s);
+              acc[g] = s;
+            }
+          }
+        }
+        // Each of a row's LPR / GH lane runs ends with one head's whole score (8 heads over 4
+        // lanes: each lane with 2).
+        const float score = lane_sums<GH, LPR>(acc, k_lane);
+        constexpr int kRun = GH < LPR ? LPR / GH : 1, kPer = GH > LPR ? GH / LPR : 1;
+        if (k_lane % kRun == 0) {
+#pragma unroll
+          for (int i = 0; i < kPer; i++)
+            sp[k_row * GT + g0 + k_lane / kRun * kPer + i] =
+                k_row < rows ? (kPer == 1 ? score : acc[i]) : -INFINITY;
+        }
+      }
+      __syncthreads();
+
+      // Online softmax over the tile: a thread a (head, position), T adjacent lanes a head, so
+      // that every lane of a busy warp has a weight to work out. Whether any head's max rose
+      // comes back from the barrier: the output is rescaled only then (alpha is exactly 1
+      // otherwise).
+      bool raised = false;
+#pragma unroll
+      for (int pass = 0; pass < kSoftPasses; pass++) {
+        const int i0 = (tid & ~31) + pass * kAttnThreads;
+        if (i0 >= GT * T) break;  // whole warps: every lane of a busy one takes part
+        const int i = i0 + (tid & 31);
+        const bool mine = i < GT * T;
+        const int g = mine ? i / T : 0, r = i % T;
+        const float x = mine ? sp[r * GT + g] : -INFINITY;
+        if (kScores && mine && r < rows && g < nh)
+          plan.weights[s_scores + g * plan.weights_stride + t0 + r] = x;
+        float tile_max = x;
+#pragma unroll
+        for (int off = T / 2; off > 0; off >>= 1)
+          tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, off));
+        SoftmaxState st = s_state[g];
+        const float alpha = st.raise(tile_max);
+        const float w = st.weight(x);
+        float sum = w;
+#pragma unroll
+        for (int off = T / 2; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+        st.l += sum;
+        raised |= mine && alpha != 1.0f;
+        __syncwarp();  // every lane has read s_state[g] before its head's first lane replaces it
+        if (mine) {
+          sp[r * GT + g] = w;
+          if (r == 0) {
+            s_state[g] = st;
+            s_alpha[g] = alpha;
+          }
+        }
+      }
+      raised = __syncthreads_or(raised);
+
+      if (pv_active) {
+        if (raised) {
+          float alpha[GT];
+          load_weights<GT>(s_alpha, alpha);
+#pragma unroll
+          for (int g = 0; g < GT; g++) {
+#pragma unroll
+            for (int i = 0; i < COLS; i++) o[g][i] *= alpha[g];
+            if constexpr (kSumMin) o_min[g] *= alpha[g];
+          }
+        }
+#pragma unroll
+        for (int i = 0; i < VR; i++) {
+          const int r = rg + i * row_groups;  // past the tile only where head_dim < DMAX
+          if (kLean ? kExact || r < T : r < rows) {
+            float vf[COLS];
+            VF::template widen<COLS>(vraw[i], vf);
+            float v_scale = VF::template scale<COLS>(vraw[i]);
+            const float v_min = VF::template min<COLS>(vraw[i]);
+            if constexpr (kFoldMin) {
+              // A group of equal values has scale 0 and codes 0: then value = (0 + 1) x min.
+              // (8-head tiles: see fold_min.)
+              const bool flat = v_scale == 0.0f;
+              const float off = flat ? 1.0f : __fdividef(v_min, v_scale);
+#pragma unroll
+              for (int c = 0; c < COLS; c++) vf[c] += off;
+              v_scale = flat ? v_min : v_scale;
+            }
+            // The scale goes on whichever is fewer: this row's COLS codes, or its GT weights.
+            constexpr bool kScaleCodes = VF::kScaled && COLS < GT;
+            if constexpr (kScaleCodes) {
+#pragma unroll
+              for (int c = 0; c < COLS; c++) vf[c] *= v_scale;
+            }
+#pragma unroll
+            for (int g0 = 0; g0 < GT; g0 += GH) {
+              float w[GH];
+              load_weights<GH>(sp + r * GT + g0, w);
+#pragma unroll
+              for (int g = 0; g < GH; g++) {
+                const float wv = VF::kScaled && !kScaleCodes ? w[g] * v_scale : w[g];
+#pragma unroll
+                for (int c = 0; c < COLS; c++) o[g0 + g][c] = fmaf(wv, vf[c], o[g0 + g][c]);
+                if constexpr (kSumMin) o_min[g0 + g] = fmaf(w[g], v_min, o_min[g0 + g]);
+              }
+            }
+          }
+        }
+      }
+    }
+  };
+  const size_t k_first = (size_t)(p_begin + k_row) * D + k_lane * 8;
+  const size_t v_first = (size_t)(p_begin + rg) * D + col;
+  const auto cache_tiles = [&] {
+    tiles(KF{}, VF{}, Walk<KF, kLean>(a.k, KF::add(b.k, k_first)),
+          Walk<VF, kLean>(a.v, VF::add(b.v, v_first)));
+  };
+  if constexpr (kLean && kQuant) {
+    if (b.kept) {  // this layer's FP16 slots, [seq][kv_head][slot][dim]
+      const size_t slot0 =
+          ((size_t)plan.seq[b.item] * (a.n_heads / a.group) + blockIdx.y / a.head_tiles) *
+          (size_t)(plan.sinks + plan.window) * D;
+      const __half *kk = static_cast<const __half *>(plan.kept_k) + slot0;
+      const __half *vk = static_cast<const __half *>(plan.kept_v) + slot0;
+      tiles(KvF16{}, KvF16{}, Walk<KvF16, true>(a.k, kk + k_first),
+            Walk<KvF16, true>(a.v, vk + v_first));
+    } else {
+      cache_tiles();
+    }
+  } else {
+    cache_tiles();
+  }
+  // A one-pass plan's next kernel is most likely the next call's split kernel: let in any
+  // earlier, its blocks would hold SM slots through this loop (B32 32/8 D64 L512 on an H100:
+  // 14.4 us a call, 14.8 let in after the wait). A combine kernel is small: let in at once.
+  if (plan.max_splits == 1) allow_dependent_launch();
+
+  __syncthreads();  // q and weights are dead: reuse their space for the row-group reduction
+  float *red = smem;  // [row_group][GT][D]
+  if (pv_active) {
+#pragma unroll
+    for (int g = 0; g < GT; g++)
+#pragma unroll
+      for (int i = 0; i < COLS; i++)
+        red[(rg * GT + g) * D + col + i] = kSumMin ? o[g][i] + o_min[g] : o[g][i];
+  }
+  __syncthreads();
+  // The block's coordinates again rather than kept in registers through the loop (on sm_52 they
+  // would be spilled).
+  const SplitBlock<P> fin = split_block<P, false>(a, plan, GT);  // its range is not needed
+  // With exported scores, attn_weights_kernel takes every split's (max, sum), a lone one too.
+  if (kScores && fin.n_splits == 1 && tid < fin.nh)
+    store_split_stats(a, fin.split, fin.h0 + tid, s_state[tid]);
+  if (a.rot_v) {
+    // The output rotated back from V's frame (the transform is linear: partials may be rotated
+    // before the combine): the rows summed into row group 0's place, then a warp a head.
+    for (int idx = tid; idx < fin.nh * D; idx += kAttnThreads) {
+      float acc = 0.0f;
+      for (int r = 0; r < row_groups; r++) acc += red[r * GT * D + idx];
+      red[idx] = acc;
+    }
+    __syncthreads();
+    for (int g = tid >> 5; g < fin.nh; g += kAttnThreads / 32) {
+      float v[DMAX / 32];
+#pragma unroll
+      for (int e = 0; e < DMAX / 32; e++) {
+        const int d = (tid & 31) + 32 * e;
+        v[e] = d < D ? red[g * D + d] : 0.0f;
+      }
+      warp_rotate(v, D, a.rot_scale);
+#pragma unroll
+      for (int e = 0; e < DMAX / 32; e++) {
+        const int d = (tid & 31) + 32 * e;
+        if (d < D) store_split_result(a, fin, fin.h0 + g, d, v[e], s_state[g]);
+      }
+    }
+    return;
+  }
+  for (int idx = tid; idx < fin.nh * D; idx += kAttnThreads) {
+    const int g = idx / D, d = idx % D;
+    float acc = 0.0f;
+    for (int r = 0; r < row_groups; r++) acc += red[(r * GT + g) * D + d];
+    store_split_result(a, fin, fin.h0 + g, d, acc, s_state[g]);
+  }
+}
+
+
+int dmax_for(int head_dim) {
+  for (int dmax : kHeadDimClasses)
+    if (head_dim <= dmax) return dmax;
+  return 256;
+}
+
+// A head_dim equal to its class's gets a kernel of its own (every offset a constant: fewer
+// instructions and registers), except where K and V both fold a min into 8-head tiles of 64
+// registers: there it spills on sm_52. kScores: the instances that export scores.
+template <typename P, int GT, int DMAX, bool kScores>
+SplitKernel kernel_for_d(int head_dim) {
+  if constexpr (wide_tile(GT, DMAX, true) || !(P::K::kHasMin && P::V::kHasMin && fold_min(GT))) {
+    if (head_dim == DMAX) return attn_fp32_kernel<P, GT, DMAX, true, kScores>;
+  }
+  return attn_fp32_kernel<P, GT, DMAX, false, kScores>;
+}
+
+template <typename P, int GT, bool kScores>
+SplitKernel kernel_for_dmax(int dmax, int head_dim) {
+  return dmax == 64    ? kernel_for_d<P, GT, 64, kScores>(head_dim)
+         : dmax == 128 ? kernel_for_d<P, GT, 128, kScores>(head_dim)
+                       : kernel_for_d<P, GT, 256, kScores>(head_dim);
+}
+
+template <typename P, bool kScores>
+SplitKernel kernel_for(int gt, int head_dim) {
+  const int dmax = dmax_for(head_dim);
+  switch (gt) {
+    case 1: return kernel_for_dmax<P, 1, kScores>(dmax, head_dim);
+    case 2: return kernel_for_dmax<P, 2, kScores>(dmax, head_dim);
+    case 4: return kernel_for_dmax<P, 4, kScores>(dmax, head_dim);
+    default: return kernel_for_dmax<P, 8, kScores>(dmax, head_dim);
+  }
+}
+
+}  // namespace
+
+// The kernel of a call with weights (attention_fp32_scores.cu).
+template <typename P>
+SplitKernel fp32_scores_kernel(int gt, int head_dim);
