@@ -208,6 +208,52 @@ done:
   if (ok_a) t_kv_destroy(&a);
 }
 
+/* An FP16 or BF16 q gives the weights of the FP32 call on q's values, bit for bit (the 16-bit
+ * rows are widened exactly before the same kernels run). */
+static void dtype_case(m40llm_context *ctx) {
+  t_set_case("weights: FP16 and BF16 q against the FP32 call");
+  enum { H = 8, D = 64, LEN = 77 };
+  t_kv kv;
+  if (t_kv_create(&kv, ctx, 1, H, 2, D, 2, LEN) != M40LLM_OK) return;
+  const int32_t ids[2] = {1, 0};
+  const size_t qn = 2 * H * D, wn = 2 * H * LEN;
+  float q[2 * H * D], q16f[2 * H * D];
+  uint16_t q16[2 * H * D];
+  float *w = malloc(3 * wn * sizeof(float));
+  float *dev = t_dev_alloc(ctx, (3 * wn + 3 * qn) * sizeof(float));
+  if (!T_CHECK(w && dev) || !T_OK(t_kv_append_random(&kv, 0, 0, LEN, 1.0f)) ||
+      !T_OK(t_kv_append_random(&kv, 0, 1, 40, 1.0f)))
+    goto done;
+  t_fill_uniform(q, qn, -1.5f, 1.5f);
+  for (int dt = M40LLM_DTYPE_F16; dt <= M40LLM_DTYPE_BF16; dt++) {
+    for (size_t i = 0; i < qn; i++) { /* BF16: the high half of the FP32 bits, truncated */
+      q16[i] = dt == M40LLM_DTYPE_F16 ? t_f32_to_f16(q[i]) : (uint16_t)(t_f32_bits(q[i]) >> 16);
+      q16f[i] = dt == M40LLM_DTYPE_F16 ? t_f16_to_f32(q16[i])
+                                       : t_f32_from_bits((uint32_t)q16[i] << 16);
+    }
+    float *dw = dev, *dq32 = dev + 2 * wn, *dout = dev + 2 * wn + qn;
+    uint16_t *dq16 = (uint16_t *)(dev + 2 * wn + 2 * qn);
+    if (!T_OK(m40llm_memcpy_to_device(ctx, dq32, q16f, sizeof q16f)) ||
+        !T_OK(m40llm_memcpy_to_device(ctx, dq16, q16, sizeof q16)) ||
+        !T_OK(m40llm_memset(ctx, dw, 0xFF, 2 * wn * sizeof(float))) ||
+        !T_OK(m40llm_kvcache_attn_weights_ex(dout, dw, LEN, kv.cache, 0, ids, 2, dq32,
+                                             M40LLM_DTYPE_F32, 0.0f)) ||
+        !T_OK(m40llm_kvcache_attn_weights_ex(dout, dw + wn, LEN, kv.cache, 0, ids, 2, dq16, dt,
+                                             0.0f)) ||
+        !t_dev_download(ctx, w, dw, 2 * wn * sizeof(float)))
+      break;
+    T_CHECKF(memcmp(w, w + wn, wn * sizeof(float)) == 0, "dtype %d: the weights differ from "
+             "the FP32 call's on the same values", dt);
+    double sum = 0.0; /* row 0 is sequence 1, 40 positions: written, summing to 1 */
+    for (int p = 0; p < 40; p++) sum += w[wn + (size_t)p];
+    T_CHECKF(fabs(sum - 1.0) < 1e-5, "dtype %d: row 0 head 0's weights sum to %.9g", dt, sum);
+  }
+done:
+  free(w);
+  m40llm_free(ctx, dev);
+  t_kv_destroy(&kv);
+}
+
 /* Bad calls fail with their status and write neither out nor the weights. */
 static void error_case(m40llm_context *ctx) {
   t_set_case("weights: errors");
@@ -276,5 +322,6 @@ void t_cases_weights(m40llm_context *ctx, m40llm_context *cpu, int small) {
       if (!small || (p + h) % 2 == 0)
         quant_case(ctx, cpu, pairs[p][0], pairs[p][1], heads[h][0], heads[h][1], heads[h][2],
                    small);
+  dtype_case(ctx);
   error_case(ctx);
 }
