@@ -506,7 +506,8 @@ extern "C" {
   calls' kernels are unchanged); the tensor-core kernels, which a plain call runs on sm_80+,
   export nothing. Measured on an H100 (bench/RESULTS.md, "Attention weights"): the M40's code
   path 1.1-1.4x the plain call's time at head_dim 128 and 256, 1.7x on calls of a few us;
-  the sm_90 build 1.1-1.8x for F16, 1.4-4x for Q4 (against the tensor-core kernels).*/
+  the sm_90 build 1.1-1.8x for F16 (2.5x on a 5-us call), 1.4-4x for Q4 (against the
+  tensor-core kernels).*/
     pub fn m40llm_kvcache_attn_weights_ex(
         out: *mut ::core::ffi::c_void,
         weights: *mut f32,
