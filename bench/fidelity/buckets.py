@@ -118,6 +118,10 @@ def bucket_specs(N):
             Buckets(f"default, current budget @{t}", KV, t, interval=4, k_weight=20.0))
     for t in (4.5, 5.0, 6.0, 7.0):
         add("long-default", Buckets(f"default @{t}", KV, t, interval=4, budget="fixed", k_weight=20.0))
+    # seed 003's layout: a token's tier shared by its K/V heads (importance over all heads)
+    for t in (5.5, 6.0, 7.0):
+        add("scope", Buckets(f"default, tiers per token @{t}", KV, t, interval=4, budget="fixed",
+                             k_weight=20.0, scope="sequence"))
     # K fixed at 8 bits, V by importance
     K8 = ("Q8", "Q8/Q4", "Q8/Q3", "Q8/Q2")
     for t in (6.5, 7.0):

@@ -144,7 +144,9 @@ class Buckets:
     boundary by the margin for this many consecutive updates (the budget is hard: over it, rows
     nearest their boundary are demoted at once, 'forced'); budget: 'current' (the target held
     over the rows present at every step) or 'fixed' (the memory of the full context from the
-    start: rows stay high until it fills)."""
+    start: rows stay high until it fills); scope: 'kv_head' (each K/V head's rows get tiers of
+    their own) or 'sequence' (seed 003's layout: a token's K/V heads share its tier, importance
+    the largest over all query heads, the budget over all heads' rows)."""
     name: str
     tiers: tuple
     target: float
@@ -161,6 +163,7 @@ class Buckets:
     window: int = 128
     rot: bool = True
     seed: int = 0
+    scope: str = "kv_head"
 
 
 def tier_pair(name):
@@ -206,7 +209,9 @@ class BucketCache:
         N, G, D = Kr.shape
         names = list(p.tiers)
         tiers = [tier_pair(n) for n in names]
-        cost = [(k.bpv + v.bpv) / 2 + lb.MAP_BITS / (2 * D) for k, v in tiers]
+        # the slot map: one per row of a K/V head, or per token for scope 'sequence'
+        maps = G if p.scope == "sequence" else 1
+        cost = [(k.bpv + v.bpv) / 2 + lb.MAP_BITS / (2 * D * maps) for k, v in tiers]
         # tier error: relative MSE on this layer's first rows (a constant per tier and layer),
         # K's weighted by k_weight
         n0 = min(N, 512)
@@ -265,8 +270,11 @@ class BucketCache:
                 if s2.any():
                     X[rows[s2], g] = fmt.roundtrip(X[rows[s2], g])
 
-    def _allocate(self, g, w_all, new, st):
+    def _allocate(self, g, w_all, new, st, heads=None):
+        """Tiers of KV head g's rows (heads: the K/V heads whose values follow them, g unless
+        given: all of them for scope 'sequence')."""
         p = self.pol
+        heads = g if heads is None else heads
         tier, cnt = st["tier"][g], st["cnt"][g]
         old = np.nonzero(tier >= 0)[0]
         rows = np.concatenate([old, new])
@@ -282,7 +290,7 @@ class BucketCache:
         if new.size:
             tier[new] = ideal[no:]
             cnt[new] = 0
-            self._requant(st, new, g, ideal[no:])
+            self._requant(st, new, heads, ideal[no:])
         # voluntary demotions, one tier, with hysteresis
         if no:
             cur = tier[old]
@@ -293,7 +301,7 @@ class BucketCache:
             if dem.size:
                 tier[dem] += 1
                 cnt[dem] = 0
-                self._requant(st, dem, g, tier[dem], tier[dem] - 1)
+                self._requant(st, dem, heads, tier[dem], tier[dem] - 1)
                 st["demoted"] += dem.size
         # the budget is hard: demote the rows nearest their boundary
         while True:
@@ -311,7 +319,7 @@ class BucketCache:
             pick = rows[order[:k]]
             tier[pick] += 1
             cnt[pick] = 0
-            self._requant(st, pick, g, tier[pick], tier[pick] - 1)
+            self._requant(st, pick, heads, tier[pick], tier[pick] - 1)
             st["forced"] += pick.size
         st["last_ideal"][g] = (rows, ideal)
 
@@ -341,7 +349,10 @@ class BucketCache:
             b = min(N, a + p.interval)
             lo, hi = max(p.sinks, a - p.window), max(p.sinks, b - p.window)
             new = np.arange(lo, hi) if hi > lo else np.zeros(0, np.int64)
-            if new.size or a >= p.sinks + p.window:
+            if (new.size or a >= p.sinks + p.window) and p.scope == "sequence":
+                w = S.max(axis=0) if p.importance == "online" else fixed.max(axis=0)
+                self._allocate(0, w ** p.alpha, new, st, heads=slice(None))
+            elif new.size or a >= p.sinks + p.window:
                 for g in range(G):
                     if p.importance == "online":
                         w = S[g * r:(g + 1) * r].max(axis=0)
@@ -361,6 +372,9 @@ class BucketCache:
                 nsamp[:b] += nq
         # statistics at the end of the context
         tier = st["tier"]
+        if p.scope == "sequence":  # head 0's tiers are every head's
+            tier[1:] = tier[0]
+            st["last_ideal"] = {g: st["last_ideal"][0] for g in range(G)} if st["last_ideal"] else {}
         m = len(self.cost)
         counts = [int((tier == i).sum()) for i in range(m)]
         n16 = int((tier < 0).sum())
