@@ -22,6 +22,9 @@ use std::env;
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+use std::thread;
 
 const ENV_VARS: &[&str] = &[
     "NVCC",
@@ -125,9 +128,11 @@ fn main() {
             env::set_var("NVCC", &tk.nvcc);
 
             // Each .cu file is compiled on its own (whole-program, no relocatable device
-            // code), exactly like CMake's default. That keeps PTX-only builds JIT-loadable.
-            let mut cu_objects = Vec::new();
-            for (i, s) in sources.iter().filter(|s| s.group == "cuda").enumerate() {
+            // code), exactly like CMake's default: cc compiles several CUDA files of one Build
+            // with --device-c, and PTX-only builds of relocatable code do not JIT-load. So one
+            // Build a file, run on NUM_JOBS threads (cargo's -j): serially, the instance files
+            // alone took minutes with the default four architectures.
+            let compile_cu = |i: usize, s: &Source| {
                 let mut b = cc::Build::new();
                 b.cuda(true)
                     .cudart("none")
@@ -153,8 +158,10 @@ fn main() {
                     b.flag(a.gencode());
                 }
                 b.file(&s.path);
-                cu_objects.extend(b.compile_intermediates());
-            }
+                b.compile_intermediates()
+            };
+            let cu_sources: Vec<&Source> = sources.iter().filter(|s| s.group == "cuda").collect();
+            let cu_objects = in_parallel(&cu_sources, |i, s| compile_cu(i, s));
 
             c_build.define("M40LLM_HAVE_CUDA", "1");
             for s in sources.iter().filter(|s| s.group == "common") {
@@ -189,6 +196,32 @@ fn env_flag(name: &str) -> bool {
         env::var(name).as_deref(),
         Ok("1") | Ok("true") | Ok("yes") | Ok("on")
     )
+}
+
+/// `f(i, item)` for every item, on up to NUM_JOBS threads (cargo's -j) taking the items in
+/// order (c/sources.txt lists the slowest first); the results in item order. A panic in `f`
+/// (cc's way to fail a build) fails the build script.
+fn in_parallel<T: Sync, R: Send>(items: &[T], f: impl Fn(usize, &T) -> Vec<R> + Sync) -> Vec<R> {
+    let jobs = env::var("NUM_JOBS")
+        .ok()
+        .and_then(|j| j.parse::<usize>().ok())
+        .unwrap_or(1)
+        .clamp(1, items.len().max(1));
+    let next = AtomicUsize::new(0);
+    let done = Mutex::new(Vec::new());
+    thread::scope(|scope| {
+        for _ in 0..jobs {
+            scope.spawn(|| loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                let Some(item) = items.get(i) else { break };
+                let out = f(i, item);
+                done.lock().expect("no panic while locked").push((i, out));
+            });
+        }
+    });
+    let mut done = done.into_inner().expect("no panic while locked");
+    done.sort_by_key(|(i, _)| *i);
+    done.into_iter().flat_map(|(_, out)| out).collect()
 }
 
 struct Source {
