@@ -251,6 +251,7 @@ struct Options {
   int io = M40LLM_DTYPE_F32;              // --io: q and out element type
   std::string io_name = "f32";
   bool weights = false;  // --weights: m40llm_kvcache_attn_weights_ex, weights of every head
+  bool importance = false;  // --importance: m40llm_kvcache_attn_importance_ex
 };
 
 static std::vector<Shape> full_grid(bool quick) {
@@ -345,6 +346,8 @@ static void usage() {
       "                         16-bit runs skip the output check, which reads FP32)\n"
       "  --weights              time m40llm_kvcache_attn_weights_ex (the attention weights too,\n"
       "                         one buffer of B x H x L floats for every layer)\n"
+      "  --importance           time m40llm_kvcache_attn_importance_ex (decay 0.9, one buffer\n"
+      "                         of B x Hkv x L floats for every layer)\n"
       "  --list                 print the selected shapes and exit (no GPU needed)\n");
 }
 
@@ -365,6 +368,7 @@ static Options parse_args(int argc, char **argv) {
     else if (a == "--no-graph") o.graph = false;
     else if (a == "--no-check") o.check = false;
     else if (a == "--weights") o.weights = true;
+    else if (a == "--importance") o.importance = true;
     else if (a == "--batch") for (auto &t : split(next(), ',')) o.batches.push_back(parse_int_k(t.c_str()));
     else if (a == "--ctx") for (auto &t : split(next(), ',')) o.ctxs.push_back(parse_int_k(t.c_str()));
     else if (a == "--dim") for (auto &t : split(next(), ',')) o.dims.push_back(parse_int_k(t.c_str()));
@@ -784,7 +788,12 @@ static Result run_shape(Bench &B, const Shape &s) {
   float *d_q = nullptr, *d_out = nullptr, *d_w = nullptr;
   uint16_t *d_k = nullptr, *d_v = nullptr;
   const size_t w_floats = (size_t)s.batch * s.n_heads * (size_t)s.ctx;
+  const size_t imp_floats = (size_t)s.batch * s.n_kv_heads * (size_t)s.ctx;
   if (o.weights) M40_FATAL(m40llm_malloc((void **)&d_w, B.ctx, w_floats * 4));
+  if (o.importance) {
+    M40_FATAL(m40llm_malloc((void **)&d_w, B.ctx, imp_floats * 4));
+    M40_FATAL(m40llm_memset(B.ctx, d_w, 0, imp_floats * 4));
+  }
   M40_FATAL(m40llm_malloc((void **)&d_q, B.ctx, (size_t)R * q_layer * 4));
   M40_FATAL(m40llm_malloc((void **)&d_out, B.ctx, (size_t)R * q_layer * 4));
   M40_FATAL(m40llm_malloc((void **)&d_k, B.ctx, chunk_bytes / 2));
@@ -842,8 +851,12 @@ static Result run_shape(Bench &B, const Shape &s) {
     const void *q_l = (const char *)d_q + (size_t)layer * q_layer * io_bytes;
     int rc2 = o.weights ? m40llm_kvcache_attn_weights_ex(out_l, d_w, (size_t)s.ctx, cache, layer,
                                                          seq_ids.data(), s.batch, q_l, o.io, 0.0f)
-                        : m40llm_kvcache_attn_batch_ex(out_l, cache, layer, seq_ids.data(),
-                                                       s.batch, q_l, o.io, 0.0f);
+              : o.importance
+                  ? m40llm_kvcache_attn_importance_ex(out_l, d_w, (size_t)s.ctx, 0.9f, cache,
+                                                      layer, seq_ids.data(), s.batch, q_l, o.io,
+                                                      0.0f)
+                  : m40llm_kvcache_attn_batch_ex(out_l, cache, layer, seq_ids.data(), s.batch,
+                                                 q_l, o.io, 0.0f);
     if (rc2 != M40LLM_OK && call_rc == M40LLM_OK) call_rc = rc2;
   };
   auto next_call = [&]() { call((int)(counter++ % R)); };
@@ -1054,6 +1067,7 @@ static void write_json(const Bench &B, const std::vector<Result> &rs, bool compl
   std::fprintf(f, "  \"format\": %s,\n", json_str(B.opt.format_name).c_str());
   std::fprintf(f, "  \"io\": %s,\n", json_str(B.opt.io_name).c_str());
   std::fprintf(f, "  \"weights\": %s,\n", B.opt.weights ? "true" : "false");
+  std::fprintf(f, "  \"importance\": %s,\n", B.opt.importance ? "true" : "false");
   std::fprintf(f, "  \"kv_rotation\": %s,\n  \"kv_protect\": [%d, %d],\n",
                B.opt.kv_rotation == M40LLM_ROTATE_NONE ? "\"none\"" : "\"auto\"",
                B.opt.kv_sinks, B.opt.kv_window);
@@ -1151,7 +1165,9 @@ int main(int argc, char **argv) {
               B.opt.format_name.c_str(),
               B.opt.kv_rotation == M40LLM_ROTATE_NONE ? ", not rotated" : "", B.opt.kv_sinks,
               B.opt.kv_window, B.opt.io_name.c_str(),
-              B.opt.weights ? ", with the attention weights (m40llm_kvcache_attn_weights_ex)" : "");
+              B.opt.weights      ? ", with the attention weights (m40llm_kvcache_attn_weights_ex)"
+              : B.opt.importance ? ", with the importance (m40llm_kvcache_attn_importance_ex)"
+                                 : "");
   std::printf("ceilings: copy %.0f GB/s (read+write, %zu MiB buffer), read sweep %.0f GB/s\n", B.copy_gbps,
               B.ceil0.buffer_bytes >> 20, B.read_gbps);
   B.floor = measure_launch_floor(B.st);

@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
-"""What the attention weights cost (m40llm_kvcache_attn_weights_ex): bench_attention over the same
-shapes with and without --weights, alternating rounds in one run, per K/V format. Prints a table
-(and writes OUT/weights.md and OUT/weights.json): the plain call's time, the call with weights,
-their ratio, and the cost amortized over a step interval (weights every 4th step, the bucket
+"""What the attention weights cost (m40llm_kvcache_attn_weights_ex), or the importance
+(m40llm_kvcache_attn_importance_ex, --mode importance): bench_attention over the same shapes with
+and without --weights (--importance), alternating rounds in one run, per K/V format. Prints a
+table (and writes OUT/MODE.md and OUT/MODE.json): the plain call's time, the call with the
+export, their ratio, and the cost amortized over a step interval (every 4th step, the bucket
 policy's default: (with - plain) / (4 x plain)).
 
     python3 bench/weights_cost.py OUT --bin build/bench/bench_attention [--rounds 2]
-        [--formats F16,Q4] [--shape B,H,Hkv,D,L ...] [--interval 4]
+        [--formats F16,Q4] [--shape B,H,Hkv,D,L ...] [--interval 4] [--mode importance]
 """
 import argparse
 import json
@@ -20,12 +21,12 @@ SHAPES = ["1,32,8,128,8192", "1,32,8,128,32768", "8,32,8,128,8192", "32,32,8,128
           "1,16,8,256,8192"]
 
 
-def run(binary, fmt, shapes, weights, path):
+def run(binary, fmt, shapes, mode, path):
     cmd = [binary, "--json", path, "--format", fmt, "--budget-ms", "150", "--no-check"]
     for s in shapes:
         cmd += ["--shape", s]
-    if weights:
-        cmd.append("--weights")
+    if mode:
+        cmd.append("--" + mode)
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     with open(path) as f:
         d = json.load(f)
@@ -41,6 +42,7 @@ def main():
     ap.add_argument("--formats", default="F16,Q4")
     ap.add_argument("--shape", action="append")
     ap.add_argument("--interval", type=int, default=4)
+    ap.add_argument("--mode", choices=["weights", "importance"], default="weights")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     shapes = a.shape or SHAPES
@@ -49,7 +51,8 @@ def main():
         times = {False: {}, True: {}}
         for r in range(a.rounds):
             for w in (False, True):
-                res = run(a.bin, fmt, shapes, w, os.path.join(a.out, f"{fmt}_{int(w)}_{r}.json"))
+                res = run(a.bin, fmt, shapes, a.mode if w else None,
+                          os.path.join(a.out, f"{a.mode}_{fmt}_{int(w)}_{r}.json"))
                 for k, s in res.items():
                     times[w].setdefault(k, []).append(s["time_us"])
         for k in sorted(times[False], key=lambda k: shapes.index(",".join(map(str, k)))):
@@ -62,15 +65,15 @@ def main():
             b, h, hk, d, l = k
             table.append(f"| {fmt} | B{b} {h}/{hk} D{d} L{l} | {p:.1f} | {w:.1f} | {w / p:.3f} | "
                          f"{100 * row['amortized']:+.1f}% |")
-    head = ["| format | shape | plain us | with weights us | ratio | "
+    head = [f"| format | shape | plain us | with {a.mode} us | ratio | "
             f"amortized at 1 in {a.interval} |", "|---|---|---|---|---|---|"]
     text = "\n".join(head + table)
     print(text)
-    with open(os.path.join(a.out, "weights.md"), "w") as f:
+    with open(os.path.join(a.out, f"{a.mode}.md"), "w") as f:
         f.write(f"bench_attention {a.bin}, medians of {a.rounds} alternating rounds\n\n{text}\n")
-    with open(os.path.join(a.out, "weights.json"), "w") as f:
-        json.dump({"binary": a.bin, "rounds": a.rounds, "interval": a.interval, "rows": rows}, f,
-                  indent=1)
+    with open(os.path.join(a.out, f"{a.mode}.json"), "w") as f:
+        json.dump({"binary": a.bin, "mode": a.mode, "rounds": a.rounds, "interval": a.interval,
+                   "rows": rows}, f, indent=1)
     return 0
 
 

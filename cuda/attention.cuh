@@ -223,7 +223,19 @@ int combine_launch(m40llm_cuda_state *st, const AttnArgs &a, const m40llm_attn_p
 
 // Turns the scores a plan with weights had its split kernel export into softmax weights, from
 // every split's (max, sum) partial (attention_weights.cu).
-int weights_launch(m40llm_cuda_state *st, const AttnArgs &a, const m40llm_attn_plan &plan);
+// With imp.rows set, it also reduces them into importance (m40llm_kvcache_attn_importance_ex):
+// rows[(item * n_kv_heads + g) * stride + p] = decay * itself + the largest weight of p over
+// K/V head g's query heads.
+struct ImportanceArgs {
+  float *rows;
+  int64_t stride;
+  float decay;
+};
+int weights_launch(m40llm_cuda_state *st, const AttnArgs &a, const m40llm_attn_plan &plan,
+                   const ImportanceArgs &imp);
+// A scratch buffer of at least `floats` floats for the weights an importance call reduces
+// (grown, never shrunk; the context's own).
+int scores_stage(m40llm_cuda_state *st, size_t floats, float **out);
 
 // Launches a kernel of any family, as a programmatic dependent of the kernel before it where
 // `dependent`.

@@ -35,11 +35,12 @@ int split_passes_for(m40llm_cuda_state *st, const m40llm_kvcache_options *o, con
 int kept_chunk(int tile) { return tile >= kKeptSplitRows ? tile : kKeptSplitRows / tile * tile; }
 
 // One launch's worth of sequences (at most M40LLM_PLAN_MAX_ITEMS: the plan is a kernel argument).
-// weights: NULL, or the first item's rows of exported weights (m40llm_attn_plan).
+// weights: NULL, or the first item's rows of exported weights (m40llm_attn_plan); imp: with
+// weights, NULL or the first item's rows of importance the weights are reduced into.
 template <typename P>
 int attend(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, const int32_t *lens,
            int n_seqs, const float *q, float *out, float scale, float *weights,
-           size_t weights_stride) {
+           size_t weights_stride, const ImportanceArgs &imp) {
   m40llm_cuda_state *st = cuda_state(c->ctx);
   const m40llm_kvcache_options *o = &c->opts;
   const Grouping g = grouping_for(o);
@@ -144,7 +145,7 @@ int attend(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, const int
   if (rc != M40LLM_OK) return rc;
   if (plan.max_splits > 1 && (rc = combine_launch(st, a, plan, combine_dependent)) != M40LLM_OK)
     return rc;
-  return weights ? weights_launch(st, a, plan) : M40LLM_OK;
+  return weights ? weights_launch(st, a, plan, imp) : M40LLM_OK;
 }
 
 }  // namespace
@@ -187,9 +188,28 @@ int m40llm_cuda_tensor_cores(m40llm_cuda_state *st, int *out) {
 
 int m40llm_cuda_attention(const m40llm_kvcache *c, int layer, const int32_t *seq_ids,
                           int n_seqs, const void *q, void *out, int dtype, float scale,
-                          float *weights, size_t weights_stride) {
+                          const m40llm_attn_export *x) {
   M40LLM_CUDA_ENTER(c->ctx);
-  const size_t row = (size_t)c->opts.n_heads * (size_t)c->opts.head_dim;
+  const m40llm_kvcache_options *o = &c->opts;
+  const size_t row = (size_t)o->n_heads * (size_t)o->head_dim;
+  float *weights = x ? x->weights : nullptr;
+  size_t weights_stride = x ? x->weights_stride : 0;
+  ImportanceArgs imp{nullptr, 0, 0.0f};
+  if (x && x->importance) {
+    // The weights go to the scratch buffer, a launch's items at a time (launches on one stream
+    // run in order, so each reuses it), rows as long as the batch's longest.
+    size_t longest = 1;
+    for (int i = 0; i < n_seqs; i++) {
+      const size_t len = (size_t)*m40llm_len_slot(c, layer, seq_ids[i]);
+      longest = len > longest ? len : longest;
+    }
+    const int items = n_seqs < M40LLM_PLAN_MAX_ITEMS ? n_seqs : M40LLM_PLAN_MAX_ITEMS;
+    const int rc = scores_stage(cuda_state(c->ctx), (size_t)items * o->n_heads * longest,
+                                &weights);
+    if (rc != M40LLM_OK) return rc;
+    weights_stride = longest;
+    imp = ImportanceArgs{x->importance, (int64_t)x->importance_stride, x->decay};
+  }
   return with_f32_rows(cuda_state(c->ctx), q, out, (size_t)n_seqs * row, dtype,
                        [&](const float *q32, float *out32) {
     return with_kv_pair(c->k.layout.fmt->format, c->v.layout.fmt->format, [&](auto pair) -> int {
@@ -199,9 +219,13 @@ int m40llm_cuda_attention(const m40llm_kvcache *c, int layer, const int32_t *seq
             n_seqs - first < M40LLM_PLAN_MAX_ITEMS ? n_seqs - first : M40LLM_PLAN_MAX_ITEMS;
         int32_t lens[M40LLM_PLAN_MAX_ITEMS];
         for (int i = 0; i < n; i++) lens[i] = *m40llm_len_slot(c, layer, seq_ids[first + i]);
-        float *w = weights ? weights + (size_t)first * c->opts.n_heads * weights_stride : nullptr;
+        float *w = weights && !imp.rows
+                       ? weights + (size_t)first * o->n_heads * weights_stride
+                       : weights;
+        ImportanceArgs imp_n = imp;
+        if (imp.rows) imp_n.rows += (size_t)first * o->n_kv_heads * (size_t)imp.stride;
         const int rc = attend<P>(c, layer, seq_ids + first, lens, n, q32 + (size_t)first * row,
-                                 out32 + (size_t)first * row, scale, w, weights_stride);
+                                 out32 + (size_t)first * row, scale, w, weights_stride, imp_n);
         if (rc != M40LLM_OK) return rc;
       }
       return M40LLM_OK;

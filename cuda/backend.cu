@@ -126,6 +126,7 @@ void cuda_fini(m40llm_context *ctx) {
   (void)cudaStreamSynchronize(st->stream);
   (void)cudaFree(st->workspace);
   (void)cudaFree(st->io_stage);
+  (void)cudaFree(st->scores);
   if (st->owns_stream) (void)cudaStreamDestroy(st->stream);
   (void)cudaGetLastError();
   free(st);
@@ -298,14 +299,16 @@ int cuda_prepare_attention(const m40llm_kvcache *c, int n_rows, const void *q, c
 }
 
 int cuda_attention(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, int n_seqs,
-                   const void *q, void *out, int dtype, float scale, float *weights,
-                   size_t weights_stride) {
+                   const void *q, void *out, int dtype, float scale,
+                   const m40llm_attn_export *x) {
   int rc = enter_with(c, q, "q", out, "out");
-  if (rc == M40LLM_OK && weights)
-    rc = m40llm_cuda_check_pointer(cuda_state(c->ctx), weights, "weights");
-  return rc != M40LLM_OK ? rc
-                         : m40llm_cuda_attention(c, layer, seq_ids, n_seqs, q, out, dtype, scale,
-                                                 weights, weights_stride);
+  if (rc == M40LLM_OK && x && x->weights)
+    rc = m40llm_cuda_check_pointer(cuda_state(c->ctx), x->weights, "weights");
+  if (rc == M40LLM_OK && x && x->importance)
+    rc = m40llm_cuda_check_pointer(cuda_state(c->ctx), x->importance, "importance");
+  return rc != M40LLM_OK
+             ? rc
+             : m40llm_cuda_attention(c, layer, seq_ids, n_seqs, q, out, dtype, scale, x);
 }
 
 int cuda_attention_causal(const m40llm_kvcache *c, int layer, const m40llm_append_item *items,
@@ -330,21 +333,25 @@ int m40llm_cuda_may_grow(m40llm_cuda_state *st, const char *what) {
                      what);
 }
 
-int m40llm_cuda_workspace(m40llm_cuda_state *st, size_t bytes, void **out) {
-  if (bytes > st->workspace_bytes) {
-    const int rc = m40llm_cuda_may_grow(st, "attention workspace");
-    if (rc != M40LLM_OK) return rc;
-    M40LLM_CUDA_TRY(cudaStreamSynchronize(st->stream));
-    M40LLM_CUDA_TRY(cudaFree(st->workspace));
-    st->workspace = nullptr;
-    st->workspace_bytes = 0;
-    void *p = nullptr;
-    M40LLM_CUDA_TRY(cudaMalloc(&p, bytes));
-    st->workspace = p;
-    st->workspace_bytes = bytes;
-  }
-  *out = st->workspace;
+int m40llm_cuda_grow(m40llm_cuda_state *st, void **buf, size_t *buf_bytes, size_t bytes,
+                     const char *what) {
+  if (bytes <= *buf_bytes) return M40LLM_OK;
+  const int rc = m40llm_cuda_may_grow(st, what);
+  if (rc != M40LLM_OK) return rc;
+  M40LLM_CUDA_TRY(cudaStreamSynchronize(st->stream));  // the old buffer may still be in use
+  M40LLM_CUDA_TRY(cudaFree(*buf));
+  *buf = nullptr;
+  *buf_bytes = 0;
+  M40LLM_CUDA_TRY(cudaMalloc(buf, bytes));
+  *buf_bytes = bytes;
   return M40LLM_OK;
+}
+
+int m40llm_cuda_workspace(m40llm_cuda_state *st, size_t bytes, void **out) {
+  const int rc =
+      m40llm_cuda_grow(st, &st->workspace, &st->workspace_bytes, bytes, "attention workspace");
+  *out = st->workspace;
+  return rc;
 }
 
 // Positional: designated initialisers are C++20.

@@ -5,8 +5,8 @@
 
 int m40llm_cuda_reserve_for(m40llm_kvcache *c);  // attention_dispatch.cu
 int m40llm_cuda_attention(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, int n_seqs,
-                          const void *q, void *out, int dtype, float scale, float *weights,
-                          size_t weights_stride);
+                          const void *q, void *out, int dtype, float scale,
+                          const m40llm_attn_export *x);
 int m40llm_cuda_attention_causal(const m40llm_kvcache *c, int layer,
                                  const m40llm_append_item *items, int n_items, const void *q,
                                  void *out, int dtype, float scale,

@@ -19,6 +19,8 @@ struct m40llm_cuda_state {
   size_t workspace_bytes;
   void *io_stage;  // FP32 copies of a 16-bit caller's q and out rows (io_rows.cuh)
   size_t io_stage_bytes;
+  void *scores;  // m40llm_kvcache_attn_importance_ex's weights (attention_weights.cu)
+  size_t scores_bytes;
   // The FP32 split kernels' resident blocks per SM, by [K format][V format][log2 tile][dim / 8].
   int fp32_occupancy[kKvFormats][kKvFormats][4][33][2];  // [..][with exported scores]
   // The FP32 causal kernels' resident blocks per SM, by [K format][V format][log2 tile]
@@ -59,6 +61,10 @@ int m40llm_cuda_workspace(m40llm_cuda_state *st, size_t bytes, void **out);
 // users, cannot be captured. Refused then with M40LLM_ERR_UNSUPPORTED before anything is
 // queued, so that the capture stays valid.
 int m40llm_cuda_may_grow(m40llm_cuda_state *st, const char *what);
+// *buf (*buf_bytes long, the context's, never shrunk) made at least `bytes` long: the old one
+// freed once the stream is idle, refused during a capture (m40llm_cuda_may_grow, named `what`).
+int m40llm_cuda_grow(m40llm_cuda_state *st, void **buf, size_t *buf_bytes, size_t bytes,
+                     const char *what);
 
 #define M40LLM_CUDA_TRY(call)                                           \
   do {                                                                  \

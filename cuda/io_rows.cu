@@ -46,19 +46,10 @@ unsigned blocks_for(size_t n) {
 }  // namespace
 
 int m40llm_cuda_io_stage(m40llm_cuda_state *st, size_t floats, float **out) {
-  const size_t bytes = floats * sizeof(float);
-  if (bytes > st->io_stage_bytes) {
-    const int rc = m40llm_cuda_may_grow(st, "staging buffer of 16-bit rows");
-    if (rc != M40LLM_OK) return rc;
-    M40LLM_CUDA_TRY(cudaStreamSynchronize(st->stream));  // the old buffer may still be in use
-    M40LLM_CUDA_TRY(cudaFree(st->io_stage));
-    st->io_stage = nullptr;
-    st->io_stage_bytes = 0;
-    M40LLM_CUDA_TRY(cudaMalloc(&st->io_stage, bytes));
-    st->io_stage_bytes = bytes;
-  }
+  const int rc = m40llm_cuda_grow(st, &st->io_stage, &st->io_stage_bytes, floats * sizeof(float),
+                                  "staging buffer of 16-bit rows");
   *out = static_cast<float *>(st->io_stage);
-  return M40LLM_OK;
+  return rc;
 }
 
 int m40llm_cuda_widen(m40llm_cuda_state *st, float *dst, const void *src, size_t n, int dtype) {

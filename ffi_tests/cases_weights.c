@@ -17,26 +17,6 @@
 #define W_REL 1e-4
 #define W_ABS 1e-7
 
-/* Softmax weights of each query head over positions [0, len) of an F16 model's K
- * ([pos][kv_head][dim]), in double: w[h * len + p]. */
-static void ref_weights(double *w, const float *q, const uint16_t *k, int len, int n_heads,
-                        int n_kv_heads, int d, float scale) {
-  const double sc = scale == 0.0f ? 1.0 / sqrt((double)d) : (double)scale;
-  const int group = n_heads / n_kv_heads;
-  for (int h = 0; h < n_heads; h++) {
-    double *row = w + (size_t)h * (size_t)len, mx = -INFINITY, sum = 0.0;
-    for (int p = 0; p < len; p++) {
-      const uint16_t *kr = k + ((size_t)p * (size_t)n_kv_heads + (size_t)(h / group)) * (size_t)d;
-      double s = 0.0;
-      for (int i = 0; i < d; i++) s += (double)q[(size_t)h * (size_t)d + i] * t_f16_to_f32(kr[i]);
-      row[p] = s * sc;
-      if (row[p] > mx) mx = row[p];
-    }
-    for (int p = 0; p < len; p++) sum += row[p] = exp(row[p] - mx);
-    for (int p = 0; p < len; p++) row[p] /= sum;
-  }
-}
-
 /* Compares row (n_heads rows of stride floats, lens[i] valid) with want (double, or float when
  * wantf) and checks the poison past the length; returns the number of bad entries. */
 static long check_rows(const float *got, const double *want, const float *wantf, int n_heads,
@@ -126,7 +106,7 @@ static void f16_case(m40llm_context *ctx, f16_shape s, int small) {
     const int len = t_model_len(&kv.model, 0, ids[i]);
     char what[64];
     snprintf(what, sizeof what, "row %d (seq %d)", i, (int)ids[i]);
-    ref_weights(ref, q + (size_t)i * hd, t_model_k(&kv.model, 0, ids[i]), len, s.n_heads,
+    t_ref_weights(ref, q + (size_t)i * hd, t_model_k(&kv.model, 0, ids[i]), len, s.n_heads,
                 s.n_kv_heads, s.head_dim, 0.0f);
     check_rows(w + (size_t)i * (size_t)s.n_heads * stride, ref, NULL, s.n_heads, len, stride, what);
     t_ref_attention(ref_out, q + (size_t)i * hd, t_model_k(&kv.model, 0, ids[i]),
@@ -139,20 +119,6 @@ free_all:
   free(q), free(out), free(w), free(ref), free(ref_out);
 done:
   t_kv_destroy(&kv);
-}
-
-/* A cache of options o on ctx with its (F16) model, as t_kv_create makes one. */
-static int kv_open(t_kv *kv, m40llm_context *ctx, const m40llm_kvcache_options *o) {
-  memset(kv, 0, sizeof *kv);
-  kv->ctx = ctx;
-  kv->opts = *o;
-  if (!T_OK(m40llm_kvcache_create(&kv->cache, ctx, o))) return 0;
-  if (!T_CHECK(t_model_init(&kv->model, o))) {
-    m40llm_kvcache_destroy(kv->cache);
-    kv->cache = NULL;
-    return 0;
-  }
-  return 1;
 }
 
 /* Quantized K/V with 4 sinks and a window of 16, against the CPU backend's weights. */
@@ -170,7 +136,8 @@ static void quant_case(m40llm_context *ctx, m40llm_context *cpu, int kf, int vf,
   o.n_sinks = 4, o.window = 16;
   if (t_pair_refused(ctx, &o)) return;
   t_kv a, b;
-  const int ok_a = kv_open(&a, ctx, &o), ok_b = ok_a && kv_open(&b, cpu, &o);
+  const int ok_a = t_kv_create_opts(&a, ctx, &o) == M40LLM_OK;
+  const int ok_b = ok_a && t_kv_create_opts(&b, cpu, &o) == M40LLM_OK;
   if (!ok_b) goto done;
   int32_t ids[N];
   for (int i = 0; i < N; i++) {

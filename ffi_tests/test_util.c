@@ -248,6 +248,26 @@ static const double *t_f16_lut(void) {
   return t_f16_table;
 }
 
+/* Softmax weights of each query head over positions [0, len) of an F16 model's K
+ * ([pos][kv_head][dim]), in double: w[h * len + p]. */
+void t_ref_weights(double *w, const float *q, const uint16_t *k, int len, int n_heads,
+                   int n_kv_heads, int d, float scale) {
+  const double sc = scale == 0.0f ? 1.0 / sqrt((double)d) : (double)scale;
+  const int group = n_heads / n_kv_heads;
+  for (int h = 0; h < n_heads; h++) {
+    double *row = w + (size_t)h * (size_t)len, mx = -INFINITY, sum = 0.0;
+    for (int p = 0; p < len; p++) {
+      const uint16_t *kr = k + ((size_t)p * (size_t)n_kv_heads + (size_t)(h / group)) * (size_t)d;
+      double s = 0.0;
+      for (int i = 0; i < d; i++) s += (double)q[(size_t)h * (size_t)d + i] * t_f16_to_f32(kr[i]);
+      row[p] = s * sc;
+      if (row[p] > mx) mx = row[p];
+    }
+    for (int p = 0; p < len; p++) sum += row[p] = exp(row[p] - mx);
+    for (int p = 0; p < len; p++) row[p] /= sum;
+  }
+}
+
 void t_ref_attention(double *out, const float *q, const uint16_t *k, const uint16_t *v, int len,
                      int n_heads, int n_kv_heads, int head_dim, float scale) {
   const double *lut = t_f16_lut();
@@ -416,10 +436,25 @@ int t_dev_download(m40llm_context *ctx, void *host, const void *dev, size_t byte
 
 /* ---- Cache + model ----------------------------------------------------------------------------- */
 
-int t_kv_create(t_kv *kv, m40llm_context *ctx, int n_layers, int n_heads, int n_kv_heads,
-                int head_dim, int max_seqs, int max_seq_len) {
+int t_kv_create_opts(t_kv *kv, m40llm_context *ctx, const m40llm_kvcache_options *o) {
   memset(kv, 0, sizeof *kv);
   kv->ctx = ctx;
+  kv->opts = *o;
+  int st = m40llm_kvcache_create(&kv->cache, ctx, o);
+  if (!T_OK(st)) {
+    kv->cache = NULL;
+    return st == M40LLM_OK ? M40LLM_ERR_INVALID_ARGUMENT : st;
+  }
+  if (!T_CHECK(t_model_init(&kv->model, o))) {
+    m40llm_kvcache_destroy(kv->cache);
+    kv->cache = NULL;
+    return M40LLM_ERR_OUT_OF_MEMORY;
+  }
+  return M40LLM_OK;
+}
+
+int t_kv_create(t_kv *kv, m40llm_context *ctx, int n_layers, int n_heads, int n_kv_heads,
+                int head_dim, int max_seqs, int max_seq_len) {
   m40llm_kvcache_options o = M40LLM_KVCACHE_OPTIONS_INIT;
   o.n_layers = n_layers;
   o.n_heads = n_heads;
@@ -427,18 +462,7 @@ int t_kv_create(t_kv *kv, m40llm_context *ctx, int n_layers, int n_heads, int n_
   o.head_dim = head_dim;
   o.max_seqs = max_seqs;
   o.max_seq_len = max_seq_len;
-  kv->opts = o;
-  int st = m40llm_kvcache_create(&kv->cache, ctx, &o);
-  if (!T_OK(st)) {
-    kv->cache = NULL;
-    return st == M40LLM_OK ? M40LLM_ERR_INVALID_ARGUMENT : st;
-  }
-  if (!T_CHECK(t_model_init(&kv->model, &o))) {
-    m40llm_kvcache_destroy(kv->cache);
-    kv->cache = NULL;
-    return M40LLM_ERR_OUT_OF_MEMORY;
-  }
-  return M40LLM_OK;
+  return t_kv_create_opts(kv, ctx, &o);
 }
 
 void t_kv_destroy(t_kv *kv) {

@@ -73,6 +73,11 @@ uint32_t t_f32_bits(float f);
 void t_ref_attention(double *out, const float *q, const uint16_t *k, const uint16_t *v, int len,
                      int n_heads, int n_kv_heads, int head_dim, float scale);
 
+/* Softmax weights of each query head over positions [0, len) of an F16 model's K
+ * ([pos][kv_head][dim]), in double: w[h * len + p]; scale 0 means 1/sqrt(head_dim). */
+void t_ref_weights(double *w, const float *q, const uint16_t *k, int len, int n_heads,
+                   int n_kv_heads, int d, float scale);
+
 /* ||got - ref||_2 / ||ref||_2; the absolute norm of the difference when ref is all zero; NaN or
  * inf when got holds a non-finite value. */
 double t_rel_l2(const float *got, const double *ref, size_t n);
@@ -116,6 +121,8 @@ typedef struct t_kv {
 /* Creates the cache on ctx and its model; reports failures and returns the status. */
 int t_kv_create(t_kv *kv, m40llm_context *ctx, int n_layers, int n_heads, int n_kv_heads,
                 int head_dim, int max_seqs, int max_seq_len);
+/* The same with options of the caller's (any format, protected tokens). */
+int t_kv_create_opts(t_kv *kv, m40llm_context *ctx, const m40llm_kvcache_options *o);
 void t_kv_destroy(t_kv *kv);
 
 /* Append host data through backend buffers; on success the model follows. Returns the status. */
@@ -180,6 +187,9 @@ void t_cases_dtype(m40llm_context *ctx, m40llm_context *cpu, int small);
 /* Attention weights (cases_weights.c): F16 against float64 references, quantized caches with
  * protected tokens against the CPU backend cpu, entries past each length untouched; errors. */
 void t_cases_weights(m40llm_context *ctx, m40llm_context *cpu, int small);
+/* Importance (cases_importance.c): F16 against float64 references, against the weights call,
+ * errors; with cpu (not NULL), quantized caches with protected tokens against the CPU backend. */
+void t_cases_importance(m40llm_context *ctx, m40llm_context *cpu, int small);
 
 /* Positions whose K holds -inf (weight 0), first, last, at tile starts, whole splits, all. */
 void t_cases_attention_masked(m40llm_context *ctx);

@@ -29,6 +29,8 @@
 #   weights   what m40llm_kvcache_attn_weights_ex costs over the plain call (bench/weights_cost.py:
 #             F16 and Q4, both with and without weights, alternating rounds), native and
 #             compute_52-PTX builds: $OUT/weights_native, $OUT/weights_ptx52
+#   importance the same for m40llm_kvcache_attn_importance_ex (weights_cost.py --mode
+#             importance): $OUT/importance_native, $OUT/importance_ptx52
 #   abformats the M40 path's K/V formats: the previous main's compute_52 bench_attention
 #             (.ab/bins/base) against this tree's, bench/ab.sh over bench/formats_shapes.sh for
 #             F16, Q8, Q4, Q8Q4 (library defaults) and Q8, Q4 plain: $OUT/abformats/*/ab.md
@@ -175,10 +177,12 @@ ab_formats() {
   return $rc
 }
 
-weights_cost() {  # needs build-native (the native step)
+weights_cost() {  # mode (weights or importance); needs build-native (the native step)
   [ -x build-native/bench/bench_attention ] || native || return 1
-  python3 bench/weights_cost.py "$out/weights_native" --bin build-native/bench/bench_attention &&
-    python3 bench/weights_cost.py "$out/weights_ptx52" --bin .gpu-carry/bench52/bench_attention
+  python3 bench/weights_cost.py "$out/$1_native" --mode "$1" \
+    --bin build-native/bench/bench_attention &&
+    python3 bench/weights_cost.py "$out/$1_ptx52" --mode "$1" \
+      --bin .gpu-carry/bench52/bench_attention
 }
 
 nvidia-smi --query-gpu=name,memory.total,driver_version,compute_cap --format=csv
@@ -197,7 +201,8 @@ for s in $steps; do
     m40) run_step m40 m40_proxy ;;
     abcausal) run_step abcausal ab_causal ;;
     abformats) run_step abformats ab_formats ;;
-    weights) run_step weights weights_cost ;;
+    weights) run_step weights weights_cost weights ;;
+    importance) run_step importance weights_cost importance ;;
     *) echo "unknown step $s"; exit 2 ;;
   esac
 done

@@ -79,7 +79,8 @@
  *   call of a context with 16-bit rows (an _ex call with M40LLM_DTYPE_F16 or _BF16) allocates
  *   its staging buffer, and a call with more rows than before grows it; during a capture such
  *   a call fails with M40LLM_ERR_UNSUPPORTED before anything is written or captured (the
- *   capture stays valid). The attention workspace is sized when a cache is created: decode
+ *   capture stays valid); so does m40llm_kvcache_attn_importance_ex's scratch buffer. The
+ *   attention workspace is sized when a cache is created: decode
  *   calls never grow it. The first calls also ask the runtime about their kernels (once per
  *   context and cache shape) and, on a GPU that runs PTX, have the driver compile them.
  * - A call that fails during a capture leaves the calls captured before it recorded and their
@@ -575,6 +576,30 @@ int m40llm_kvcache_attn_batch_ex(void *out, m40llm_kvcache *cache, int layer,
 int m40llm_kvcache_attn_weights_ex(void *out, float *weights, size_t weights_stride,
                                    m40llm_kvcache *cache, int layer, const int32_t *seq_ids,
                                    int n_seqs, const void *q, int dtype, float scale);
+
+/** As m40llm_kvcache_attn_batch_ex, and also each K/V row's importance, accumulated: for row i,
+ *  K/V head g and each position p below seq_ids[i]'s length,
+ *    importance[(i * n_kv_heads + g) * importance_stride + p] =
+ *        decay * (its value before the call) + (the largest weight a query head of g gives p),
+ *  the weights of m40llm_kvcache_attn_weights_ex. The entries from the length to
+ *  importance_stride are not read or written: zero a buffer once, and after
+ *  m40llm_kvcache_seq_truncate zero what lies past the new length, so that positions appended
+ *  later start from 0. decay in [0, 1]: 1 sums the weights over the calls (divide by the number
+ *  of calls that saw a position for ZipCache's normalized score), below 1 the older calls count
+ *  less, 0 keeps the last call's. importance is FP32 in backend memory, n_seqs x n_kv_heads
+ *  rows of importance_stride floats, importance_stride at least the longest length of the
+ *  batch; it must not overlap q or out. This is the signal issue 15's bucket policy reads (one
+ *  float a position and K/V head, n_heads / n_kv_heads times less than the weights). Errors as
+ *  for m40llm_kvcache_attn_weights_ex, and a decay outside [0, 1] (or NaN) fails with
+ *  M40LLM_ERR_INVALID_ARGUMENT; on any error nothing is written. The CUDA backend computes the
+ *  weights as m40llm_kvcache_attn_weights_ex does, into a scratch buffer of the context's own
+ *  (4 bytes a position and query head of the batch; allocated by the first call and grown by a
+ *  larger one, not during a graph capture: see Graphs), and reduces them into importance in the
+ *  same small kernel that makes them weights. */
+int m40llm_kvcache_attn_importance_ex(void *out, float *importance, size_t importance_stride,
+                                      float decay, m40llm_kvcache *cache, int layer,
+                                      const int32_t *seq_ids, int n_seqs, const void *q,
+                                      int dtype, float scale);
 
 /** A decode step of one layer in one call: appends one token to each of n_seqs (>= 1)
  *  sequences, then attends each sequence's q row over all its positions, the new one included.

@@ -23,6 +23,18 @@ typedef struct m40llm_append_item {
   int32_t seq, pos, n_tokens;
 } m40llm_append_item;
 
+/* What a decode attention call exports besides its output: the weights
+ * (m40llm_kvcache_attn_weights_ex: n_heads rows of weights_stride floats a query row) or the
+ * importance (m40llm_kvcache_attn_importance_ex: n_kv_heads rows of importance_stride floats a
+ * query row, updated with decay), one of the two; each stride at least the longest length. */
+typedef struct m40llm_attn_export {
+  float *weights;
+  size_t weights_stride;
+  float *importance;
+  size_t importance_stride;
+  float decay;
+} m40llm_attn_export;
+
 typedef struct m40llm_backend_ops {
   int kind; /* m40llm_backend */
   /* Devices this backend can open (0: none, which is not an error). */
@@ -64,11 +76,11 @@ typedef struct m40llm_backend_ops {
   int (*prepare_attention)(const m40llm_kvcache *c, int n_rows, const void *q, const void *out,
                            int dtype);
   /* Decode attention of n_seqs query rows; each seq_ids[i] is valid, scale final; q and out
-   * of element type dtype (m40llm_dtype, valid). weights: NULL, or rows of weights_stride
-   * floats (at least each row's length) for m40llm_kvcache_attn_weights_ex's weights. */
+   * of element type dtype (m40llm_dtype, valid). x: NULL, or what the call exports besides
+   * its output, checked (m40llm_attn_export). */
   int (*attention)(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, int n_seqs,
-                   const void *q, void *out, int dtype, float scale, float *weights,
-                   size_t weights_stride);
+                   const void *q, void *out, int dtype, float scale,
+                   const m40llm_attn_export *x);
   /* Causal attention (m40llm_kvcache_attn_causal_f32q) of checked items: each names a distinct
    * sequence, n_tokens >= 1 query rows and pos = its length - n_tokens (the first row's
    * position; row i sees positions [max(0, pos + i - window + 1) if window > 0 else 0,

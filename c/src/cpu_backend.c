@@ -247,7 +247,8 @@ static void attend_head(const m40llm_kvcache *c, int layer, int seq, int h, int 
   }
 }
 
-/* Query row `row` (every head) of q against positions [begin, end) of (layer, seq). */
+/* Query row `row` (every head) of q against positions [begin, end) of (layer, seq); weights:
+ * NULL, or this row's n_heads rows of weights_stride floats. */
 static void attend_row(const m40llm_kvcache *c, int layer, int seq, int begin, int end,
                        size_t row, const void *q, void *out, int dtype, float scale,
                        float *weights, size_t weights_stride) {
@@ -261,19 +262,47 @@ static void attend_row(const m40llm_kvcache *c, int layer, int seq, int begin, i
     for (int j = 0; j < d; j++) qd[j] = m40llm_dtype_load(q, dtype, r + (size_t)j);
     if (c->k.rotated) m40llm_rotate_f64(qd, d);
     attend_head(c, layer, seq, h / group, begin, end, qd, acc, (double)scale, kv,
-                weights ? weights + (row * (size_t)o->n_heads + (size_t)h) * weights_stride
-                        : NULL);
+                weights ? weights + (size_t)h * weights_stride : NULL);
     if (c->v.rotated) m40llm_rotate_f64(acc, d);
     for (int j = 0; j < d; j++) m40llm_dtype_store(out, dtype, r + (size_t)j, (float)acc[j]);
   }
 }
 
+/* Importance (m40llm_attn_export): each query head's weights into a scratch row, then, per
+ * position, the largest over a K/V head's query heads added to the decayed value. */
 static int cpu_attention(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, int n_seqs,
-                         const void *q, void *out, int dtype, float scale, float *weights,
-                         size_t weights_stride) {
-  for (int i = 0; i < n_seqs; i++)
-    attend_row(c, layer, seq_ids[i], 0, *m40llm_len_slot(c, layer, seq_ids[i]), (size_t)i, q,
-               out, dtype, scale, weights, weights_stride);
+                         const void *q, void *out, int dtype, float scale,
+                         const m40llm_attn_export *x) {
+  const m40llm_kvcache_options *o = &c->opts;
+  if (!x || !x->importance) {
+    for (int i = 0; i < n_seqs; i++)
+      attend_row(c, layer, seq_ids[i], 0, *m40llm_len_slot(c, layer, seq_ids[i]), (size_t)i, q,
+                 out, dtype, scale,
+                 x ? x->weights + (size_t)i * (size_t)o->n_heads * x->weights_stride : NULL,
+                 x ? x->weights_stride : 0);
+    return M40LLM_OK;
+  }
+  const size_t stride = x->importance_stride;
+  float *w = stride ? m40llm_host_malloc((size_t)o->n_heads * stride * sizeof *w) : NULL;
+  if (stride && !w)
+    return m40llm_fail(M40LLM_ERR_OUT_OF_MEMORY, "allocating the weights of %d query heads",
+                       o->n_heads);
+  const int group = o->n_heads / o->n_kv_heads;
+  for (int i = 0; i < n_seqs; i++) {
+    const int len = *m40llm_len_slot(c, layer, seq_ids[i]);
+    attend_row(c, layer, seq_ids[i], 0, len, (size_t)i, q, out, dtype, scale, w, stride);
+    for (int g = 0; g < o->n_kv_heads; g++) {
+      float *imp = x->importance + ((size_t)i * (size_t)o->n_kv_heads + (size_t)g) * stride;
+      for (int p = 0; p < len; p++) {
+        float most = 0.0f;
+        for (int h = g * group; h < (g + 1) * group; h++)
+          most = w[(size_t)h * stride + (size_t)p] > most ? w[(size_t)h * stride + (size_t)p]
+                                                          : most;
+        imp[p] = (float)((double)x->decay * (double)imp[p] + (double)most);
+      }
+    }
+  }
+  free(w);
   return M40LLM_OK;
 }
 

@@ -482,45 +482,60 @@ static int check_attention(const m40llm_kvcache *c, int layer, const void *q, co
   return M40LLM_OK;
 }
 
-/* The weights' rows (n_rows x n_heads of stride floats) fit the address space and overlap
- * neither q nor out (row_bytes each, of the call's dtype). */
-static int check_weights(const m40llm_kvcache *c, const float *weights, size_t stride,
-                         int n_rows, const void *q, const void *out, uintptr_t row_bytes) {
-  if (!weights) return FAIL(INVALID_ARGUMENT, "weights is NULL");
-  const uintptr_t rows = (uintptr_t)n_rows * (uintptr_t)c->opts.n_heads;
-  const uintptr_t wa = (uintptr_t)weights;
+/* An exported buffer's rows (n_rows x per_row of stride floats, named `name`) fit the address
+ * space and overlap neither q nor out (row_bytes each, of the call's dtype). */
+static int check_export(const char *name, const float *buf, size_t stride, int n_rows,
+                        int per_row, const void *q, const void *out, uintptr_t row_bytes) {
+  if (!buf) return FAIL(INVALID_ARGUMENT, "%s is NULL", name);
+  const uintptr_t rows = (uintptr_t)n_rows * (uintptr_t)per_row;
+  const uintptr_t wa = (uintptr_t)buf;
   if (stride > 0 && (rows > UINTPTR_MAX / sizeof(float) / stride ||
                      rows * stride * sizeof(float) > UINTPTR_MAX - wa))
     return FAIL(INVALID_ARGUMENT,
-                "%ju weight rows of %zu floats from weights pass the end of the address space",
-                (uintmax_t)rows, stride);
+                "%ju rows of %zu floats from %s pass the end of the address space",
+                (uintmax_t)rows, stride, name);
   const uintptr_t n = rows * stride * sizeof(float), io = (uintptr_t)n_rows * row_bytes;
   const uintptr_t qa = (uintptr_t)q, oa = (uintptr_t)out;
   if (n > 0 && ((wa < qa + io && qa < wa + n) || (wa < oa + io && oa < wa + n)))
-    return FAIL(INVALID_ARGUMENT,
-                "weights (%ju bytes: n_seqs x n_heads rows of weights_stride floats) overlap "
-                "%s",
-                (uintmax_t)n, wa < qa + io && qa < wa + n ? "q" : "out");
+    return FAIL(INVALID_ARGUMENT, "%s (%ju bytes: %ju rows of %zu floats) overlap %s", name,
+                (uintmax_t)n, (uintmax_t)rows, stride,
+                wa < qa + io && qa < wa + n ? "q" : "out");
   return M40LLM_OK;
 }
 
 /* Ids copied on the stack up to this many; more come from the heap. */
 #define M40LLM_IDS_ON_STACK 64
 
-/* The batch call, with weights (stride floats a row) or without (NULL). */
-static int attn_batch(void *out, float *weights, size_t weights_stride, m40llm_kvcache *cache,
-                      int layer, const int32_t *seq_ids, int n_seqs, const void *q, int dtype,
-                      float scale, int with_weights) {
+/* The batch call, exporting what x asks (not yet checked): nothing (NULL), its weights, or
+ * (importance set) its importance. */
+static int attn_batch(void *out, const m40llm_attn_export *x, int importance,
+                      m40llm_kvcache *cache, int layer, const int32_t *seq_ids, int n_seqs,
+                      const void *q, int dtype, float scale) {
   if (!cache) return FAIL(INVALID_ARGUMENT, "cache is NULL");
   if (!seq_ids) return FAIL(INVALID_ARGUMENT, "seq_ids is NULL");
   if (n_seqs < 1) return FAIL(INVALID_ARGUMENT, "n_seqs is %d, must be >= 1", n_seqs);
   int rc = check_attention(cache, layer, q, out, dtype, n_seqs, &scale);
   if (rc != M40LLM_OK) return rc;
-  if (with_weights &&
-      (rc = check_weights(cache, weights, weights_stride, n_seqs, q, out,
-                          (uintptr_t)cache->opts.n_heads * (uintptr_t)cache->opts.head_dim *
-                              m40llm_dtype_size(dtype))) != M40LLM_OK)
-    return rc;
+  const char *name = NULL;
+  size_t stride = 0;
+  if (x) {
+    const uintptr_t row_bytes = (uintptr_t)cache->opts.n_heads *
+                                (uintptr_t)cache->opts.head_dim * m40llm_dtype_size(dtype);
+    if (importance) {
+      name = "importance";
+      stride = x->importance_stride;
+      if (!(x->decay >= 0.0f && x->decay <= 1.0f))
+        return FAIL(INVALID_ARGUMENT, "decay is %g, must be in [0, 1]", (double)x->decay);
+      rc = check_export(name, x->importance, stride, n_seqs, cache->opts.n_kv_heads, q, out,
+                        row_bytes);
+    } else {
+      name = "weights";
+      stride = x->weights_stride;
+      rc = check_export(name, x->weights, stride, n_seqs, cache->opts.n_heads, q, out,
+                        row_bytes);
+    }
+    if (rc != M40LLM_OK) return rc;
+  }
   /* The ids are read once, here, into the library's own copy, which is checked and then the
    * only one the backend sees: the caller's array may share memory with out (which the backend
    * writes) and is not read again. */
@@ -536,19 +551,18 @@ static int attn_batch(void *out, float *weights, size_t weights_stride, m40llm_k
     if (ids[i] < 0 || ids[i] >= cache->opts.max_seqs)
       rc = FAIL(OUT_OF_RANGE, "seq_ids[%d] = %d is outside 0..%d", i, (int)ids[i],
                 cache->opts.max_seqs - 1);
-    else if (with_weights && (size_t)*m40llm_len_slot(cache, layer, ids[i]) > weights_stride)
+    else if (x && (size_t)*m40llm_len_slot(cache, layer, ids[i]) > stride)
       rc = FAIL(INVALID_ARGUMENT,
-                "weights_stride is %zu, but seq_ids[%d] = %d has %d positions in layer %d: a "
-                "row of weights holds every position of its sequence",
-                weights_stride, i, (int)ids[i], *m40llm_len_slot(cache, layer, ids[i]), layer);
+                "%s_stride is %zu, but seq_ids[%d] = %d has %d positions in layer %d: a "
+                "row of %s holds every position of its sequence",
+                name, stride, i, (int)ids[i], *m40llm_len_slot(cache, layer, ids[i]), layer,
+                name);
   }
   if (rc == M40LLM_OK) rc = m40llm_context_check(cache->ctx);
   if (rc == M40LLM_OK)
     rc = m40llm_context_result(cache->ctx,
                                cache->ctx->ops->attention(cache, layer, ids, n_seqs, q, out,
-                                                          dtype, scale,
-                                                          with_weights ? weights : NULL,
-                                                          weights_stride));
+                                                          dtype, scale, x));
   if (ids != on_stack) free(ids);
   return rc;
 }
@@ -556,14 +570,22 @@ static int attn_batch(void *out, float *weights, size_t weights_stride, m40llm_k
 int m40llm_kvcache_attn_batch_ex(void *out, m40llm_kvcache *cache, int layer,
                                  const int32_t *seq_ids, int n_seqs, const void *q, int dtype,
                                  float scale) {
-  return attn_batch(out, NULL, 0, cache, layer, seq_ids, n_seqs, q, dtype, scale, 0);
+  return attn_batch(out, NULL, 0, cache, layer, seq_ids, n_seqs, q, dtype, scale);
 }
 
 int m40llm_kvcache_attn_weights_ex(void *out, float *weights, size_t weights_stride,
                                    m40llm_kvcache *cache, int layer, const int32_t *seq_ids,
                                    int n_seqs, const void *q, int dtype, float scale) {
-  return attn_batch(out, weights, weights_stride, cache, layer, seq_ids, n_seqs, q, dtype,
-                    scale, 1);
+  const m40llm_attn_export x = {weights, weights_stride, NULL, 0, 0.0f};
+  return attn_batch(out, &x, 0, cache, layer, seq_ids, n_seqs, q, dtype, scale);
+}
+
+int m40llm_kvcache_attn_importance_ex(void *out, float *importance, size_t importance_stride,
+                                      float decay, m40llm_kvcache *cache, int layer,
+                                      const int32_t *seq_ids, int n_seqs, const void *q,
+                                      int dtype, float scale) {
+  const m40llm_attn_export x = {NULL, 0, importance, importance_stride, decay};
+  return attn_batch(out, &x, 1, cache, layer, seq_ids, n_seqs, q, dtype, scale);
 }
 
 int m40llm_kvcache_attn_batch_f32q(float *out, m40llm_kvcache *cache, int layer,
@@ -605,7 +627,7 @@ int m40llm_kvcache_append_attn_ex(void *out, m40llm_kvcache *cache, int layer,
   return m40llm_context_result(cache->ctx, cache->ctx->ops->attention(cache, layer,
                                                                        cache->batch_ids, n_items,
                                                                        q, out, dtype, scale,
-                                                                       NULL, 0));
+                                                                       NULL));
 }
 
 int m40llm_kvcache_append_attn_f32q(float *out, m40llm_kvcache *cache, int layer,

@@ -520,6 +520,38 @@ extern "C" {
         dtype: ::core::ffi::c_int,
         scale: f32,
     ) -> ::core::ffi::c_int;
+    /** As m40llm_kvcache_attn_batch_ex, and also each K/V row's importance, accumulated: for row i,
+  K/V head g and each position p below seq_ids[i]'s length,
+    importance[(i * n_kv_heads + g) * importance_stride + p] =
+        decay * (its value before the call) + (the largest weight a query head of g gives p),
+  the weights of m40llm_kvcache_attn_weights_ex. The entries from the length to
+  importance_stride are not read or written: zero a buffer once, and after
+  m40llm_kvcache_seq_truncate zero what lies past the new length, so that positions appended
+  later start from 0. decay in [0, 1]: 1 sums the weights over the calls (divide by the number
+  of calls that saw a position for ZipCache's normalized score), below 1 the older calls count
+  less, 0 keeps the last call's. importance is FP32 in backend memory, n_seqs x n_kv_heads
+  rows of importance_stride floats, importance_stride at least the longest length of the
+  batch; it must not overlap q or out. This is the signal issue 15's bucket policy reads (one
+  float a position and K/V head, n_heads / n_kv_heads times less than the weights). Errors as
+  for m40llm_kvcache_attn_weights_ex, and a decay outside [0, 1] (or NaN) fails with
+  M40LLM_ERR_INVALID_ARGUMENT; on any error nothing is written. The CUDA backend computes the
+  weights as m40llm_kvcache_attn_weights_ex does, into a scratch buffer of the context's own
+  (4 bytes a position and query head of the batch; allocated by the first call and grown by a
+  larger one, not during a graph capture: see Graphs), and reduces them into importance in the
+  same small kernel that makes them weights.*/
+    pub fn m40llm_kvcache_attn_importance_ex(
+        out: *mut ::core::ffi::c_void,
+        importance: *mut f32,
+        importance_stride: usize,
+        decay: f32,
+        cache: *mut m40llm_kvcache,
+        layer: ::core::ffi::c_int,
+        seq_ids: *const i32,
+        n_seqs: ::core::ffi::c_int,
+        q: *const ::core::ffi::c_void,
+        dtype: ::core::ffi::c_int,
+        scale: f32,
+    ) -> ::core::ffi::c_int;
     /** A decode step of one layer in one call: appends one token to each of n_seqs (>= 1)
   sequences, then attends each sequence's q row over all its positions, the new one included.
   The same as m40llm_kvcache_append_batch_f32(cache, layer, seq_ids, NULL, n_seqs, k, v)

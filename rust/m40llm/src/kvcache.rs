@@ -1149,6 +1149,92 @@ impl KvCache {
         })
     }
 
+    /// [`attention_batch`](Self::attention_batch), and also each K/V row's importance, updated
+    /// in place: for row `i`, K/V head `g` and each position `p` below `seq_ids[i]`'s length,
+    /// `importance[(i * n_kv_heads + g) * stride + p] = decay * itself + m`, where `m` is the
+    /// largest weight (as [`attention_weights`](Self::attention_weights) gives them) a query
+    /// head of `g` gives `p`. The rest of each row of `stride` is neither read nor written:
+    /// zero the buffer once, and past a sequence's new length after a truncate. `decay` in
+    /// `0.0..=1.0`: 1 sums over the calls, below 1 older calls count less. `importance` holds
+    /// `seq_ids.len() x n_kv_heads` rows of `stride` floats, `stride` at least the longest
+    /// length. The signal a keep/evict/re-quantize policy reads, `n_heads / n_kv_heads` times
+    /// smaller than the weights. See `m40llm_kvcache_attn_importance_ex` in `m40llm.h`.
+    ///
+    /// ```
+    /// use m40llm::{Context, DeviceBuffer, KvCache, KvCacheConfig};
+    /// let ctx = Context::cpu()?;
+    /// // Two query heads share one K/V head.
+    /// let cfg = KvCacheConfig::new(1, 2, 4).kv_heads(1).max_seqs(1).max_seq_len(8);
+    /// let mut kv = KvCache::new(&ctx, &cfg)?;
+    /// let k = DeviceBuffer::from_slice(&ctx, &[0.0f32, 0., 0., 0., 2., 0., 0., 0.])?;
+    /// let v = DeviceBuffer::from_slice(&ctx, &[1.0f32, 1., 1., 1., 5., 5., 5., 5.])?;
+    /// kv.append(0, 0, &k, &v)?;
+    /// // Head 0 looks at position 1 (scores 0, 1), head 1 at position 0 (scores 0, -1).
+    /// let q = DeviceBuffer::from_slice(&ctx, &[1.0f32, 0., 0., 0., -1., 0., 0., 0.])?;
+    /// let mut out = DeviceBuffer::<f32>::zeros(&ctx, 8)?;
+    /// let mut imp = DeviceBuffer::<f32>::zeros(&ctx, 2)?;
+    /// kv.attention_importance(0, &[0], &q, &mut out, &mut imp, 2, 1.0, None)?;
+    /// kv.attention_importance(0, &[0], &q, &mut out, &mut imp, 2, 1.0, None)?;
+    /// let (imp, big) = (imp.to_vec()?, 1f32.exp() / (1.0 + 1f32.exp()));
+    /// // Each position's larger weight, summed over the two calls.
+    /// assert!((imp[0] - 2.0 * big).abs() < 1e-5 && (imp[1] - 2.0 * big).abs() < 1e-5);
+    /// # Ok::<(), m40llm::Error>(())
+    /// ```
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention_importance<T: IoElement>(
+        &self,
+        layer: usize,
+        seq_ids: &[usize],
+        q: &impl DeviceRead<T>,
+        out: &mut impl DeviceWrite<T>,
+        importance: &mut impl DeviceWrite<f32>,
+        stride: usize,
+        decay: f32,
+        scale: Option<f32>,
+    ) -> Result<()> {
+        let l = self.layer(layer)?;
+        let (ids, n) = self.seq_ids(seq_ids)?;
+        let scale = self.check_attention(ids.len(), q, out, scale)?;
+        self.same_context("importance", importance)?;
+        let want = ids
+            .len()
+            .checked_mul(self.config.n_kv_heads)
+            .and_then(|r| r.checked_mul(stride))
+            .ok_or_else(|| Error::invalid("too many importance rows"))?;
+        if importance.len() != want {
+            return Err(Error::invalid(format!(
+                "importance has {} elements, expected {want} ({} row(s) of n_kv_heads {} x \
+                 stride {stride})",
+                importance.len(),
+                ids.len(),
+                self.config.n_kv_heads
+            )));
+        }
+        if overlaps(q, importance) || overlaps(out, importance) {
+            return Err(Error::invalid("importance overlaps q or out"));
+        }
+        // SAFETY: q and out cover ids.len() query rows each, importance ids.len() x n_kv_heads
+        // rows of stride floats, all in this context's memory and not overlapping; ids is a
+        // host array of n valid sequence indices; the library checks stride and decay.
+        let (qp, op) = (q.device_ptr().cast(), out.device_ptr_mut().cast());
+        let ip = importance.device_ptr_mut();
+        self.call(|c| unsafe {
+            sys::m40llm_kvcache_attn_importance_ex(
+                op,
+                ip,
+                stride,
+                decay,
+                c,
+                l,
+                ids.as_ptr(),
+                n,
+                qp,
+                T::DTYPE,
+                scale,
+            )
+        })
+    }
+
     /// Causal attention of several new query rows per sequence (a prompt's prefill, ragged
     /// prompt batches, speculative verification), one call for the layer: sequence
     /// `seq_ids[s]`, whose last `q_counts[s]` positions (`T`) are the rows' own tokens, already

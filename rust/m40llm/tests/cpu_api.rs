@@ -1130,15 +1130,24 @@ fn append_attention_batch_matches_the_two_calls() {
     }
 }
 
-#[test]
-fn attention_weights_and_their_errors() {
+/// A CPU cache of 4/2 heads, head_dim 32, with random sequences of 5 and 9 positions, random q
+/// for two rows and an output buffer: the weights and importance tests' setup.
+fn weights_cache(
+    test: &str,
+) -> (
+    Context,
+    KvCacheConfig,
+    KvCache,
+    DeviceBuffer<f32>,
+    DeviceBuffer<f32>,
+) {
     let ctx = cpu();
     let cfg = KvCacheConfig::new(1, 4, 32)
         .kv_heads(2)
         .max_seqs(2)
         .max_seq_len(16);
     let mut kv = KvCache::new(&ctx, &cfg).unwrap();
-    let mut rng = Rng::fresh("attention_weights_and_their_errors");
+    let mut rng = Rng::fresh(test);
     for (seq, len) in [(0, 5), (1, 9)] {
         let k =
             DeviceBuffer::from_slice(&ctx, &rng.normal_vec(len * cfg.kv_row_len(), 1.0)).unwrap();
@@ -1147,7 +1156,13 @@ fn attention_weights_and_their_errors() {
         kv.append_tokens(0, seq, len, &k, &v).unwrap();
     }
     let q = DeviceBuffer::from_slice(&ctx, &rng.normal_vec(2 * cfg.q_row_len(), 1.0)).unwrap();
-    let mut out = DeviceBuffer::<f32>::zeros(&ctx, 2 * cfg.q_row_len()).unwrap();
+    let out = DeviceBuffer::<f32>::zeros(&ctx, 2 * cfg.q_row_len()).unwrap();
+    (ctx, cfg, kv, q, out)
+}
+
+#[test]
+fn attention_weights_and_their_errors() {
+    let (ctx, cfg, kv, q, mut out) = weights_cache("attention_weights_and_their_errors");
     let mut w = DeviceBuffer::from_slice(&ctx, &[-1.0f32; 2 * 4 * 9]).unwrap();
     kv.attention_weights(0, &[1, 0], &q, &mut out, &mut w, 9, None)
         .unwrap();
@@ -1179,4 +1194,69 @@ fn attention_weights_and_their_errors() {
         Status::InvalidArgument,
     );
     assert!(e.message().contains("weights has 72 elements"), "{e}");
+}
+
+#[test]
+fn attention_importance_reduces_the_weights() {
+    let (ctx, _, kv, q, mut out) = weights_cache("attention_importance_reduces_the_weights");
+    let mut w = DeviceBuffer::<f32>::zeros(&ctx, 2 * 4 * 9).unwrap();
+    kv.attention_weights(0, &[1, 0], &q, &mut out, &mut w, 9, None)
+        .unwrap();
+    let w = w.to_vec().unwrap();
+    let start: Vec<f32> = (0..2 * 2 * 9).map(|i| 0.01 * i as f32).collect();
+    let mut imp = DeviceBuffer::from_slice(&ctx, &start).unwrap();
+    kv.attention_importance(0, &[1, 0], &q, &mut out, &mut imp, 9, 0.5, None)
+        .unwrap();
+    let got = imp.to_vec().unwrap();
+    for (row, len) in [(0, 9), (1, 5)] {
+        for g in 0..2 {
+            for p in 0..9 {
+                let at = (row * 2 + g) * 9 + p;
+                if p >= len {
+                    assert_eq!(
+                        got[at], start[at],
+                        "row {row} K/V head {g}: past the length"
+                    );
+                    continue;
+                }
+                let most = (2 * g..2 * g + 2)
+                    .map(|h| w[(row * 4 + h) * 9 + p])
+                    .fold(0.0f32, f32::max);
+                let want = 0.5 * start[at] + most;
+                assert!(
+                    (got[at] - want).abs() <= 1e-6 * want,
+                    "{at}: {} {want}",
+                    got[at]
+                );
+            }
+        }
+    }
+    // A decay outside [0, 1], a short stride, a buffer of the wrong length: nothing written.
+    for decay in [-0.5, 1.5, f32::NAN] {
+        let e = assert_status(
+            kv.attention_importance(0, &[1, 0], &q, &mut out, &mut imp, 9, decay, None),
+            Status::InvalidArgument,
+        );
+        assert!(e.message().contains("decay is"), "{e}");
+    }
+    let e = assert_status(
+        kv.attention_importance(
+            0,
+            &[1, 0],
+            &q,
+            &mut out,
+            &mut imp.slice_mut(0..32),
+            8,
+            1.0,
+            None,
+        ),
+        Status::InvalidArgument,
+    );
+    assert!(e.message().contains("importance_stride is 8"), "{e}");
+    let e = assert_status(
+        kv.attention_importance(0, &[1, 0], &q, &mut out, &mut imp, 8, 1.0, None),
+        Status::InvalidArgument,
+    );
+    assert!(e.message().contains("importance has 36 elements"), "{e}");
+    assert_eq!(imp.to_vec().unwrap(), got);
 }

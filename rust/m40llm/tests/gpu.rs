@@ -1068,7 +1068,36 @@ fn attention_weights_match_cpu() {
                 );
             }
         }
-        println!("{test}: {what}: output rel L2 {e:e}, weights within 1e-4 relative");
+        // The importance, twice with decay 0.5 from the same random start: the GPU's against
+        // the CPU backend's.
+        let n_i = ids.len() * cfg.n_kv_heads * stride;
+        let start: Vec<f32> = (0..n_i).map(|i| (i % 97) as f32 / 97.0).collect();
+        let mut imps = Vec::new();
+        for (kv, ctx) in [(&g, &gpu), (&c, &cpu)] {
+            let qb = DeviceBuffer::from_slice(ctx, &q).unwrap();
+            let mut out = DeviceBuffer::<f32>::zeros(ctx, q.len()).unwrap();
+            let mut imp = DeviceBuffer::from_slice(ctx, &start).unwrap();
+            for _ in 0..2 {
+                kv.attention_importance(0, &ids, &qb, &mut out, &mut imp, stride, 0.5, None)
+                    .unwrap();
+            }
+            imps.push(imp.to_vec().unwrap());
+        }
+        for (at, (&gi, &ci)) in imps[0].iter().zip(&imps[1]).enumerate() {
+            let (p, row) = (at % stride, at / stride / cfg.n_kv_heads);
+            if p >= lens[ids[row]] {
+                assert_eq!(
+                    gi, start[at],
+                    "{what}: importance {at} past its length written"
+                );
+            } else {
+                assert!(
+                    (gi - ci).abs() as f64 <= 1e-7 + 1e-4 * ci.abs() as f64,
+                    "{what}: importance {at}: {gi} against {ci}"
+                );
+            }
+        }
+        println!("{test}: {what}: output rel L2 {e:e}, weights and importance within 1e-4");
     }
 }
 
