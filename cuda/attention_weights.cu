@@ -68,15 +68,19 @@ __global__ void __launch_bounds__(kWeightsThreads)
     head_state[a.group + j] = st.inv_sum();
   }
   __syncthreads();
-  const float *scores =
+  const float *__restrict__ scores =
       plan.weights + ((size_t)item * a.n_heads + (size_t)g * a.group) * plan.weights_stride;
-  float *row = imp.rows + ((size_t)item * (a.n_heads / a.group) + g) * imp.stride;
+  float *__restrict__ row = imp.rows + ((size_t)item * (a.n_heads / a.group) + g) * imp.stride;
+  // The loads of a position are issued together (unrolled, row read first): one after another
+  // they made this kernel twice the weights kernel's time.
   for (int p = begin + threadIdx.x; p < end; p += kWeightsThreads) {
+    const float old = row[p];
     float most = 0.0f;
+#pragma unroll 8
     for (int j = 0; j < a.group; j++)
       most = fmaxf(most, exp2f(scores[(size_t)j * plan.weights_stride + p] - head_state[j]) *
                              head_state[a.group + j]);
-    row[p] = fmaf(imp.decay, row[p], most);
+    row[p] = fmaf(imp.decay, old, most);
   }
 }
 
@@ -93,7 +97,8 @@ int weights_launch(m40llm_cuda_state *st, const AttnArgs &a, const m40llm_attn_p
                    const ImportanceArgs &imp) {
   int longest = 1;
   for (int i = 0; i < plan.n_items; i++) longest = plan.len[i] > longest ? plan.len[i] : longest;
-  const int chunks = (longest + kWeightsChunk - 1) / kWeightsChunk;
+  const long long per_block = imp.rows ? kImportanceChunk : kWeightsChunk;
+  const long long chunks = (longest + per_block - 1) / per_block;
   const unsigned z = (unsigned)(chunks < 65535 ? chunks : 65535);
   if (!imp.rows)
     return launch_attention_kernel(st, "launching attn_weights_kernel", attn_weights_kernel,

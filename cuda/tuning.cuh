@@ -115,6 +115,11 @@ constexpr int kCombineBatch = 4;
 // kWeightsChunk positions of the longest item).
 constexpr int kWeightsThreads = 256;
 constexpr int kWeightsChunk = 2048;
+// attn_importance_kernel: a block per (item, K/V head, kImportanceChunk positions): a position a
+// thread, its group's scores loaded together. At 2048 / group positions a block (the weights
+// kernel's scores a block) it took 12.2 us against the weights kernel's 9.5 (H100, ncu, B1 32/8
+// D128 L8K); at one position a thread, see bench/RESULTS.md, "Importance".
+constexpr int kImportanceChunk = kWeightsThreads;
 
 // ---- Tensor-core split kernel (attention_mma.cu, sm_80+ builds) ----
 #ifdef M40LLM_NO_TENSOR_CORES
