@@ -50,10 +50,11 @@ __global__ void __launch_bounds__(kWeightsThreads)
     row[p] = st.weight(row[p]) * inv_l;
 }
 
-// The same blocks per (item, K/V head g): each of g's query heads merged into shared memory
-// (its max, as SoftmaxState::weight takes it, and 1 / sum), then for each position the largest of
-// its weights over those heads, added to the decayed importance. The weights (in the scratch
-// buffer) are the ones attn_weights_kernel would write, the same operations in the same order.
+// A block per (item, K/V head g, kImportanceChunk positions): each of g's query heads merged
+// into shared memory (its max, as SoftmaxState::weight takes it, and 1 / sum), then for each
+// position the largest of its weights over those heads, added to the decayed importance. The
+// weights (in the scratch buffer) are the ones attn_weights_kernel would write, the same
+// operations in the same order.
 __global__ void __launch_bounds__(kWeightsThreads)
     attn_importance_kernel(const AttnArgs a, const m40llm_attn_plan plan,
                            const ImportanceArgs imp) {
