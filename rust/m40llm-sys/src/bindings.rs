@@ -531,16 +531,17 @@ extern "C" {
   of calls that saw a position for ZipCache's normalized score), below 1 the older calls count
   less, 0 keeps the last call's. importance is FP32 in backend memory, n_seqs x n_kv_heads
   rows of importance_stride floats, importance_stride at least the longest length of the
-  batch; it must not overlap q or out. This is the signal issue 15's bucket policy reads (one
-  float a position and K/V head, n_heads / n_kv_heads times less than the weights). Errors as
-  for m40llm_kvcache_attn_weights_ex, and a decay outside [0, 1] (or NaN) fails with
-  M40LLM_ERR_INVALID_ARGUMENT; on any error nothing is written. The CUDA backend computes the
-  weights as m40llm_kvcache_attn_weights_ex does, into a scratch buffer of the context's own
-  (4 bytes a position and query head of the batch; allocated by the first call and grown by a
-  larger one, not during a graph capture: see Graphs), then a small kernel reduces them into
-  importance. Measured on an H100 (bench/RESULTS.md, "Importance"): about the weights call's
-  time; the M40's code path 1.1-1.5x the plain call's time at head_dim 128 and 256 (1.7x on
-  calls of a few us), the sm_90 build 1.2-1.9x for F16 and 1.7-4x for Q4.*/
+  batch; it must not overlap q or out. It is the signal a keep, evict or re-quantize policy
+  reads per token (one float a position and K/V head, n_heads / n_kv_heads times less than
+  the weights). Errors as for m40llm_kvcache_attn_weights_ex, and a decay outside [0, 1] (or
+  NaN) fails with M40LLM_ERR_INVALID_ARGUMENT; on any error nothing is written. The CUDA
+  backend computes the weights as m40llm_kvcache_attn_weights_ex does, into a scratch buffer
+  of the context's own (4 bytes a query head, row and position of the longest sequence, up to
+  128 rows; allocated by the first call and grown by a larger one, not during a graph
+  capture: see Graphs), then a small kernel reduces them into importance. Measured on an H100
+  (bench/RESULTS.md, "Importance"): about the weights call's time; the M40's code path
+  1.1-1.6x the plain call's time at head_dim 128 and 256 (1.8x on calls of a few us), the
+  sm_90 build 1.2-1.9x for F16 and 1.7-4x for Q4.*/
     pub fn m40llm_kvcache_attn_importance_ex(
         out: *mut ::core::ffi::c_void,
         importance: *mut f32,
