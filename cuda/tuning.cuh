@@ -115,11 +115,21 @@ constexpr int kCombineBatch = 4;
 // kWeightsChunk positions of the longest item).
 constexpr int kWeightsThreads = 256;
 constexpr int kWeightsChunk = 2048;
-// attn_importance_kernel: a block per (item, K/V head, kImportanceChunk positions): a position a
-// thread, its group's scores loaded together. At 2048 / group positions a block (the weights
-// kernel's scores a block) it took 12.2 us against the weights kernel's 9.5 (H100, ncu, B1 32/8
-// D128 L8K); at one position a thread, see bench/RESULTS.md, "Importance".
+// attn_importance_kernel: a block per (item, K/V head, slice of positions), at least
+// kImportanceChunk positions a block (a position a thread), its group's scores loaded together.
+// At 2048 / group positions a block (the weights kernel's scores a block) it took 12.2 us against
+// the weights kernel's 9.5 (H100, ncu, B1 32/8 D128 L8K); at one position a thread, see
+// bench/RESULTS.md, "Importance".
 constexpr int kImportanceChunk = kWeightsThreads;
+// The grid: at most one wave of this many resident blocks an SM (its launch bounds), whole
+// kImportanceChunks a block, so that a block's merge of its heads' partials is paid once a block
+// slot, not once every 256 positions (with the merge by warps: compute_52 on an H100, B1 32/8
+// L32K 85.9 -> 69.3 us). 6 hold its 40 registers on sm_52; at 8 (32 registers) it spilled.
+// Other values were not measured.
+constexpr int kImportanceBlocksPerSm = 6;
+// Splits a lane loads at once when a warp merges a head's partials: up to 128 splits in one
+// memory round trip (B1 32/8 L32K: 128 splits on an H100, about 50 on the M40).
+constexpr int kImportanceMergeBatch = 4;
 
 // ---- Tensor-core split kernel (attention_mma.cu, sm_80+ builds) ----
 #ifdef M40LLM_NO_TENSOR_CORES
