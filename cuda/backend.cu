@@ -209,6 +209,11 @@ int cuda_check_cache(const m40llm_kvcache_options *o) {
   if (o->head_dim % 8 != 0)
     return m40llm_fail(M40LLM_ERR_UNSUPPORTED,
                        "opts->head_dim %d: the CUDA backend needs a multiple of 8", o->head_dim);
+  if (o->n_tiers > 0)
+    return m40llm_fail(M40LLM_ERR_UNSUPPORTED,
+                       "opts->n_tiers %d: tiered caches run on the CPU backend only in this "
+                       "version",
+                       o->n_tiers);
   const int v_format = o->v_format == M40LLM_KV_SAME ? o->format : o->v_format;
   return with_kv_pair(o->format, v_format, [](auto) -> int { return M40LLM_OK; });
 }
@@ -360,6 +365,7 @@ const m40llm_backend_ops m40llm_cuda_backend = {
     cuda_synchronize,    cuda_stream,  cuda_device_info,        cuda_malloc, cuda_free,
     cuda_memcpy,         cuda_memset,  cuda_check_cache,        m40llm_cuda_reserve_for,
     cuda_append,         cuda_read_f16, cuda_fork,              cuda_prepare_attention,
-    cuda_attention,      cuda_attention_causal, m40llm_cuda_graph_begin, m40llm_cuda_graph_end,
+    cuda_attention,      cuda_attention_causal, nullptr, nullptr,  // no tiers (check_cache)
+    m40llm_cuda_graph_begin, m40llm_cuda_graph_end,
     m40llm_cuda_graph_launch, m40llm_cuda_graph_destroy,
 };

@@ -67,7 +67,8 @@ typedef struct m40llm_backend_ops {
                 int n_items, const void *k, const void *v, int dtype);
   int (*read_f16)(const m40llm_kvcache *c, uint16_t *k_out, uint16_t *v_out, int layer,
                   int seq, int pos, int n_tokens);
-  /* Copies src_seq's stored positions of every layer to dst_seq (lengths are the caller's). */
+  /* Copies src_seq's stored positions of every layer to dst_seq (lengths, window starts and
+   * tier counts are the caller's). */
   int (*fork)(const m40llm_kvcache *c, int dst_seq, int src_seq);
   /* Readies a decode attention call of n_rows query rows of element type dtype from q into
    * out, so that what would fail it fails here, before the caller writes anything: append_attn
@@ -88,6 +89,14 @@ typedef struct m40llm_backend_ops {
   int (*attention_causal)(const m40llm_kvcache *c, int layer, const m40llm_append_item *items,
                           int n_items, const void *q, void *out, int dtype, float scale,
                           int window);
+  /* Tiered caches (c->n_tiers > 0; NULL where the backend refuses them in check_cache). Each
+   * updates c->tier_count of what it changes. tier_move: m40llm_kvcache_tier_move with checked
+   * arguments (begin <= end <= the length, tier valid); too few free rows in the tier is
+   * M40LLM_ERR_CAPACITY, nothing moved. tier_truncate: drops (layer, seq)'s tier rows at
+   * positions >= new_len (the caller then lowers the length). The append op places the rows
+   * that leave the window (c->lo and the length before the append say which). */
+  int (*tier_move)(const m40llm_kvcache *c, int layer, int seq, int begin, int end, int tier);
+  int (*tier_truncate)(const m40llm_kvcache *c, int layer, int seq, int new_len);
   /* Graphs of the context's calls (NULL where the backend has none). graph_begin starts a
    * capture of the context's stream; graph_end ends it and puts the captured graph into *exec
    * (an executable graph; NULL for a new one): updated in place where the runtime can

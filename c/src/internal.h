@@ -39,6 +39,18 @@ struct m40llm_kvcache {
   /* [layer][seq]: positions from max(lo, n_sinks) to the length have their FP16 copy in the
    * ring (the window's; appends raise it, truncation lowers it). */
   int *lo;
+  /* Tiered caches (opts.n_tiers > 0; otherwise n_tiers is 0 and the rest unused): each tier's
+   * K and V rows, [layer][seq][kv_head][slot] with tiers[t].rows slots (no positional planes:
+   * k and v hold only the FP16 slots); in backend memory, for each (layer, seq), each tier's
+   * slot -> position map (tier_pos[t], [layer][seq][slot]) and the position -> tier and slot
+   * map of its quantized rows (where, [layer][seq][pos], m40llm_tier_where); on the host, the
+   * rows each tier holds (tier_count, [layer][seq][tier], updated by the backend ops that
+   * change them). */
+  int n_tiers;
+  m40llm_kv_tensor tier_k[M40LLM_MAX_TIERS], tier_v[M40LLM_MAX_TIERS];
+  int32_t *tier_pos[M40LLM_MAX_TIERS];
+  uint32_t *where;
+  int32_t *tier_count;
   /* A batched append's scratch, max_seqs entries each (ids cannot repeat, so a batch has at
    * most max_seqs): the caller's ids and counts copied as items, for each sequence 1 + the
    * batch index that named it (0: none; all 0 between calls), and append-and-attend's ids for
@@ -72,6 +84,34 @@ static inline int m40llm_window_begin(const m40llm_kvcache *c, int layer, int se
 /* Whether position pos of (layer, seq) is read from the FP16 slots. */
 static inline int m40llm_is_protected(const m40llm_kvcache *c, int layer, int seq, int pos) {
   return c->slots > 0 && (pos < c->n_sinks || pos >= m40llm_window_begin(c, layer, seq));
+}
+
+/* Tiers: a quantized row's entry in the position map, and back. */
+static inline uint32_t m40llm_tier_where(int tier, int slot) {
+  return (uint32_t)slot << 2 | (uint32_t)tier;
+}
+static inline int m40llm_where_tier(uint32_t w) { return (int)(w & 3u); }
+static inline int m40llm_where_slot(uint32_t w) { return (int)(w >> 2); }
+
+static inline int32_t *m40llm_tier_counts(const m40llm_kvcache *c, int layer, int seq) {
+  return &c->tier_count[((size_t)layer * (size_t)c->opts.max_seqs + (size_t)seq) *
+                        (size_t)M40LLM_MAX_TIERS];
+}
+
+/* Row index of (layer, seq, kv_head, slot) in tier t's K or V planes. */
+static inline size_t m40llm_tier_row(const m40llm_kvcache *c, int t, int layer, int seq,
+                                     int kv_head, int slot) {
+  const m40llm_kvcache_options *o = &c->opts;
+  return (((size_t)layer * (size_t)o->max_seqs + (size_t)seq) * (size_t)o->n_kv_heads +
+          (size_t)kv_head) * (size_t)o->tiers[t].rows + (size_t)slot;
+}
+
+/* How many positions of (layer, seq) are quantized rows (in tiers, for a tiered cache): those
+ * from n_sinks up to the window's first position, given the window start lo and the length. */
+static inline int m40llm_quantized_rows(const m40llm_kvcache *c, int lo, int len) {
+  int w = lo > c->n_sinks ? lo : c->n_sinks;
+  w = w < len ? w : len;
+  return w > c->n_sinks ? w - c->n_sinks : 0;
 }
 
 /* Records a failure for m40llm_last_error_message() and returns status. */
