@@ -365,7 +365,7 @@ const m40llm_backend_ops m40llm_cuda_backend = {
     cuda_synchronize,    cuda_stream,  cuda_device_info,        cuda_malloc, cuda_free,
     cuda_memcpy,         cuda_memset,  cuda_check_cache,        m40llm_cuda_reserve_for,
     cuda_append,         cuda_read_f16, cuda_fork,              cuda_prepare_attention,
-    cuda_attention,      cuda_attention_causal, nullptr, nullptr,  // no tiers (check_cache)
+    cuda_attention,      cuda_attention_causal, nullptr,  // no tiers (check_cache)
     m40llm_cuda_graph_begin, m40llm_cuda_graph_end,
     m40llm_cuda_graph_launch, m40llm_cuda_graph_destroy,
 };

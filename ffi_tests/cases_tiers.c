@@ -453,13 +453,12 @@ static void option_errors(m40llm_context *ctx) {
     T_CHECK(c == (m40llm_kvcache *)&bytes);
   }
   t_set_case("tiers: bytes_needed and the planner");
-  /* the FP16 slots, each tier's codes and FP16 parameters, its slot map, the position map */
+  /* the FP16 slots, each tier's codes and FP16 parameters (the maps are host memory) */
   size_t want = 2 * 2 * (size_t)(4 + 32) * 64 * 2; /* K and V, 2 K/V heads */
   const size_t k_row[5] = {0, 64 + 4, 32 + 8, 24 + 8, 16 + 8}; /* by format: codes + params */
   for (int t = 0; t < 4; t++)
     want += (size_t)good.tiers[t].rows *
-            (2 * (k_row[good.tiers[t].k_format] + k_row[good.tiers[t].v_format]) + 4);
-  want += 300 * 4;
+            2 * (k_row[good.tiers[t].k_format] + k_row[good.tiers[t].v_format]);
   want *= 2 * 3; /* layers x seqs */
   size_t bytes = 0;
   if (T_OK(m40llm_kvcache_bytes_needed(&bytes, &good)))

@@ -411,8 +411,8 @@ typedef struct m40llm_kvcache_options {
    * tiers must hold every row that can leave the window: the sum of tiers[t].rows at least
    * max_seq_len - n_sinks - window (as capped), else M40LLM_ERR_INVALID_ARGUMENT. Sinks and the
    * window stay FP16, as in any quantized cache. Bytes (m40llm_kvcache_bytes_needed): the FP16
-   * slots, each tier's rows, and 4 bytes per tier row and per position (the two maps) for
-   * every (layer, sequence). Tiered caches run on the CPU backend in this version: the CUDA
+   * slots and each tier's rows; the maps are host memory, 4 bytes per tier row and per position
+   * for every (layer, sequence). Tiered caches run on the CPU backend in this version: the CUDA
    * backend refuses them with M40LLM_ERR_UNSUPPORTED. */
   int n_tiers;
   m40llm_kv_tier tiers[M40LLM_MAX_TIERS];

@@ -127,23 +127,13 @@ static void append_item(const m40llm_kvcache *c, int layer, const m40llm_append_
   }
 }
 
-/* ---- Tiered caches: rows in tiers, through the two maps ---- */
-
-static uint32_t *where_of(const m40llm_kvcache *c, int layer, int seq) {
-  return c->where +
-         ((size_t)layer * (size_t)c->opts.max_seqs + (size_t)seq) * (size_t)c->opts.max_seq_len;
-}
-
-static int32_t *slot_pos(const m40llm_kvcache *c, int t, int layer, int seq) {
-  return c->tier_pos[t] +
-         ((size_t)layer * (size_t)c->opts.max_seqs + (size_t)seq) * (size_t)c->opts.tiers[t].rows;
-}
+/* ---- Tiered caches: rows in tiers (the maps are the front end's, tiers.c) ---- */
 
 static const m40llm_kv_tensor *tier_tensor(const m40llm_kvcache *c, int t, int is_v) {
   return is_v ? &c->tier_v[t] : &c->tier_k[t];
 }
 
-/* Tier row (t, slot) of K/V head h as stored (rotated frame), in FP32, or encoded from it. */
+/* Tier row (t, slot) of K/V head h as stored (rotated frame), in FP32. */
 static void tier_get(const m40llm_kvcache *c, int t, int is_v, int layer, int seq, int h,
                      int slot, float *dst) {
   const m40llm_kv_tensor *x = tier_tensor(c, t, is_v);
@@ -152,145 +142,63 @@ static void tier_get(const m40llm_kvcache *c, int t, int is_v, int layer, int se
                         m40llm_kv_at(x, M40LLM_KV_PARAMS, row), c->opts.head_dim);
 }
 
-static void tier_set(const m40llm_kvcache *c, int t, int is_v, int layer, int seq, int h,
-                     int slot, const float *src) {
-  const m40llm_kv_tensor *x = tier_tensor(c, t, is_v);
-  const size_t row = m40llm_tier_row(c, t, layer, seq, h, slot);
-  x->layout.fmt->encode_f32(m40llm_kv_at(x, M40LLM_KV_CODES, row),
-                            m40llm_kv_at(x, M40LLM_KV_PARAMS, row), src, c->opts.head_dim);
+static uint16_t *kept_row(const m40llm_kvcache *c, int is_v, int layer, int seq, int h, int pos) {
+  const m40llm_kv_tensor *x = is_v ? &c->v : &c->k;
+  return x->fp16 + m40llm_kv_protected_row(&c->opts, c->slots, layer, seq, h,
+                                           m40llm_kv_protected_slot(c->n_sinks, c->window, pos)) *
+                       (size_t)c->opts.head_dim;
 }
 
-/* Gives position pos the next row of tier t (the caller fills it). */
-static int tier_claim(const m40llm_kvcache *c, int layer, int seq, int pos, int t) {
-  const int slot = m40llm_tier_counts(c, layer, seq)[t]++;
-  slot_pos(c, t, layer, seq)[slot] = pos;
-  where_of(c, layer, seq)[pos] = m40llm_tier_where(t, slot);
-  return slot;
-}
-
-/* The first tier with a free row: there is one for every row that can leave the window (the
- * front end checked the tiers' rows at create). */
-static int first_free_tier(const m40llm_kvcache *c, int layer, int seq) {
-  const int32_t *count = m40llm_tier_counts(c, layer, seq);
-  int t = 0;
-  while (t < c->n_tiers - 1 && count[t] >= c->opts.tiers[t].rows) t++;
-  return t;
-}
-
-/* Takes position pos's row out of its tier: the tier's last row moves into its slot. */
-static void tier_remove(const m40llm_kvcache *c, int layer, int seq, int pos) {
-  const uint32_t w = where_of(c, layer, seq)[pos];
-  const int t = m40llm_where_tier(w), slot = m40llm_where_slot(w);
-  const int last = --m40llm_tier_counts(c, layer, seq)[t];
-  if (slot == last) return;
-  for (int is_v = 0; is_v < 2; is_v++) {
-    const m40llm_kv_tensor *x = tier_tensor(c, t, is_v);
-    for (int h = 0; h < c->opts.n_kv_heads; h++)
-      for (int p = 0; p < M40LLM_KV_PLANES; p++)
-        if (x->plane[p])
-          memcpy(m40llm_kv_at(x, p, m40llm_tier_row(c, t, layer, seq, h, slot)),
-                 m40llm_kv_at(x, p, m40llm_tier_row(c, t, layer, seq, h, last)),
-                 x->layout.row_bytes[p]);
-  }
-  int32_t *map = slot_pos(c, t, layer, seq);
-  map[slot] = map[last];
-  where_of(c, layer, seq)[map[slot]] = m40llm_tier_where(t, slot);
-}
-
-/* Loads one appended row (element type dtype) as FP32, rotated where the tensor is. */
-static void load_row(const m40llm_kv_tensor *x, const void *src, int dtype, int d, float *f) {
-  for (int i = 0; i < d; i++) f[i] = m40llm_dtype_load(src, dtype, (size_t)i);
-  if (x->rotated) m40llm_rotate_f32(f, d);
-}
-
-/* A tiered cache's append of one item: the rows leaving the window go to their tiers from
- * their FP16 slots, before the new rows take those slots; then each new row goes to the FP16
- * slots (sinks, window) or, where it never enters the window, to its tier. */
-static void append_item_tiered(const m40llm_kvcache *c, int layer, const m40llm_append_item *it,
-                               const unsigned char *k, const unsigned char *v, int dtype) {
+/* One op's row of K/V head h of tensor is_v (m40llm_row_op). */
+static void row_op(const m40llm_kvcache *c, int layer, const m40llm_row_op *op, int is_v, int h,
+                   const void *in, int dtype, uint16_t *out) {
   const m40llm_kvcache_options *o = &c->opts;
   const int d = o->head_dim;
-  const size_t elem = m40llm_dtype_size(dtype);
-  const int len = it->pos, end = it->pos + it->n_tokens;
-  const int lo = *m40llm_lo_slot(c, layer, it->seq);
-  const int lo_after = lo < end - c->window ? end - c->window : lo;
-  const int q_begin = c->n_sinks + m40llm_quantized_rows(c, lo, len);
-  const int q_end = c->n_sinks + m40llm_quantized_rows(c, lo_after, end);
-  const m40llm_kv_tensor *tensors[2] = {&c->k, &c->v};
-  const unsigned char *srcs[2] = {k, v};
-  float f[256];
-  for (int p = q_begin; p < q_end && p < len; p++) {
-    const int t = first_free_tier(c, layer, it->seq);
-    const int slot = tier_claim(c, layer, it->seq, p, t);
-    const int kept = m40llm_kv_protected_slot(c->n_sinks, c->window, p);
-    for (int h = 0; h < o->n_kv_heads; h++)
-      for (int i = 0; i < 2; i++) {
-        const uint16_t *row =
-            tensors[i]->fp16 + m40llm_kv_protected_row(o, c->slots, layer, it->seq, h, kept) * (size_t)d;
-        for (int j = 0; j < d; j++) f[j] = m40llm_f16_to_f32(row[j]);
-        tier_set(c, t, i, layer, it->seq, h, slot, f);
-      }
+  const m40llm_kv_tensor *x = is_v ? &c->v : &c->k;
+  if (op->from >= 0 && op->from == op->to) { /* within a tier: the bytes */
+    const m40llm_kv_tensor *y = tier_tensor(c, op->from, is_v);
+    for (int p = 0; p < M40LLM_KV_PLANES; p++)
+      if (y->plane[p])
+        memcpy(m40llm_kv_at(y, p, m40llm_tier_row(c, op->to, layer, op->seq, h, op->dst)),
+               m40llm_kv_at(y, p, m40llm_tier_row(c, op->from, layer, op->seq, h, op->src)),
+               y->layout.row_bytes[p]);
+    return;
   }
-  for (int r = 0; r < it->n_tokens; r++) {
-    const int p = len + r;
-    const int quantized = p >= c->n_sinks && p < q_end;
-    const int t = quantized ? first_free_tier(c, layer, it->seq) : 0;
-    const int slot = quantized ? tier_claim(c, layer, it->seq, p, t) : 0;
-    for (int h = 0; h < o->n_kv_heads; h++)
-      for (int i = 0; i < 2; i++) {
-        load_row(tensors[i], srcs[i] + ((size_t)r * (size_t)o->n_kv_heads + (size_t)h) * (size_t)d * elem,
-                 dtype, d, f);
-        if (quantized) {
-          tier_set(c, t, i, layer, it->seq, h, slot, f);
-          continue;
-        }
-        uint16_t *row = tensors[i]->fp16 +
-                        m40llm_kv_protected_row(o, c->slots, layer, it->seq, h,
-                                                m40llm_kv_protected_slot(c->n_sinks, c->window, p)) *
-                            (size_t)d;
-        for (int j = 0; j < d; j++) row[j] = m40llm_f32_to_f16(f[j]);
-      }
+  float f[256];
+  const size_t in_row = ((size_t)op->src * (size_t)o->n_kv_heads + (size_t)h) * (size_t)d;
+  if (op->from == M40LLM_ROW_INPUT) {
+    for (int i = 0; i < d; i++) f[i] = m40llm_dtype_load(in, dtype, in_row + (size_t)i);
+    if (x->rotated) m40llm_rotate_f32(f, d);
+  } else if (op->from == M40LLM_ROW_KEPT) {
+    const uint16_t *r = kept_row(c, is_v, layer, op->seq, h, op->src);
+    for (int i = 0; i < d; i++) f[i] = m40llm_f16_to_f32(r[i]);
+  } else {
+    tier_get(c, op->from, is_v, layer, op->seq, h, op->src, f);
+  }
+  if (op->to == M40LLM_ROW_OUTPUT) {
+    if (!out) return;
+    if (x->rotated) m40llm_rotate_f32(f, d);
+    uint16_t *r = out + ((size_t)op->dst * (size_t)o->n_kv_heads + (size_t)h) * (size_t)d;
+    for (int i = 0; i < d; i++) r[i] = m40llm_f32_to_f16(f[i]);
+  } else if (op->to == M40LLM_ROW_KEPT) {
+    uint16_t *r = kept_row(c, is_v, layer, op->seq, h, op->dst);
+    for (int i = 0; i < d; i++) r[i] = m40llm_f32_to_f16(f[i]);
+  } else {
+    const m40llm_kv_tensor *y = tier_tensor(c, op->to, is_v);
+    const size_t row = m40llm_tier_row(c, op->to, layer, op->seq, h, op->dst);
+    y->layout.fmt->encode_f32(m40llm_kv_at(y, M40LLM_KV_CODES, row),
+                              m40llm_kv_at(y, M40LLM_KV_PARAMS, row), f, d);
   }
 }
 
-static int cpu_tier_truncate(const m40llm_kvcache *c, int layer, int seq, int new_len) {
-  for (int t = 0; t < c->n_tiers; t++) {
-    const int32_t *map = slot_pos(c, t, layer, seq);
-    for (int s = m40llm_tier_counts(c, layer, seq)[t] - 1; s >= 0; s--)
-      if (map[s] >= new_len) tier_remove(c, layer, seq, map[s]);
-  }
-  return M40LLM_OK;
-}
-
-static int cpu_tier_move(const m40llm_kvcache *c, int layer, int seq, int begin, int end,
-                         int tier) {
-  const m40llm_kvcache_options *o = &c->opts;
-  const uint32_t *where = where_of(c, layer, seq);
-  const int q_end = c->n_sinks + m40llm_quantized_rows(c, *m40llm_lo_slot(c, layer, seq),
-                                                       *m40llm_len_slot(c, layer, seq));
-  if (begin < c->n_sinks) begin = c->n_sinks;
-  if (end > q_end) end = q_end;
-  int moving = 0;
-  for (int p = begin; p < end; p++) moving += m40llm_where_tier(where[p]) != tier;
-  const int free_rows = o->tiers[tier].rows - m40llm_tier_counts(c, layer, seq)[tier];
-  if (moving > free_rows)
-    return m40llm_fail(M40LLM_ERR_CAPACITY,
-                       "moving %d row(s) of layer %d seq %d into tier %d, which has %d free: "
-                       "none was moved", moving, layer, seq, tier, free_rows);
-  float f[256];
-  for (int p = begin; p < end; p++) {
-    const uint32_t w = where[p];
-    const int from = m40llm_where_tier(w), from_slot = m40llm_where_slot(w);
-    if (from == tier) continue;
-    const int slot = m40llm_tier_counts(c, layer, seq)[tier];
-    for (int h = 0; h < o->n_kv_heads; h++)
-      for (int i = 0; i < 2; i++) {
-        tier_get(c, from, i, layer, seq, h, from_slot, f);
-        tier_set(c, tier, i, layer, seq, h, slot, f);
-      }
-    tier_remove(c, layer, seq, p);
-    tier_claim(c, layer, seq, p, tier);
-  }
+static int cpu_tier_rows(const m40llm_kvcache *c, int layer, const m40llm_row_op *ops, int n_ops,
+                         const void *k_in, const void *v_in, int dtype, uint16_t *k_out,
+                         uint16_t *v_out) {
+  for (int i = 0; i < n_ops; i++)
+    for (int h = 0; h < c->opts.n_kv_heads; h++) {
+      row_op(c, layer, &ops[i], 0, h, k_in, dtype, k_out);
+      row_op(c, layer, &ops[i], 1, h, v_in, dtype, v_out);
+    }
   return M40LLM_OK;
 }
 
@@ -300,9 +208,8 @@ static int cpu_append(const m40llm_kvcache *c, int layer, const m40llm_append_it
       (size_t)c->opts.n_kv_heads * (size_t)c->opts.head_dim * m40llm_dtype_size(dtype);
   size_t off = 0;
   for (int i = 0; i < n_items; i++) {
-    (c->n_tiers > 0 ? append_item_tiered : append_item)(c, layer, &items[i],
-                                                        (const unsigned char *)k + off,
-                                                        (const unsigned char *)v + off, dtype);
+    append_item(c, layer, &items[i], (const unsigned char *)k + off,
+                (const unsigned char *)v + off, dtype);
     off += (size_t)items[i].n_tokens * row;
   }
   return M40LLM_OK;
@@ -321,7 +228,7 @@ static void row_values(const m40llm_kvcache *c, const m40llm_kv_tensor *x, int l
     return;
   }
   if (c->n_tiers > 0) {
-    const uint32_t w = where_of(c, layer, seq)[pos];
+    const uint32_t w = m40llm_tier_where_of(c, layer, seq)[pos];
     tier_get(c, m40llm_where_tier(w), x == &c->v, layer, seq, h, m40llm_where_slot(w), dst);
     return;
   }
@@ -357,13 +264,11 @@ static int cpu_read_f16(const m40llm_kvcache *c, uint16_t *k_out, uint16_t *v_ou
   return M40LLM_OK;
 }
 
-/* A tiered cache's rows of (layer, src_seq) into dst_seq: each tier's rows and maps. */
+/* A tiered cache's rows of (layer, src_seq) into dst_seq: each tier's rows (the front end
+ * copies the maps). */
 static void fork_tiers(const m40llm_kvcache *c, int l, int dst_seq, int src_seq) {
-  memcpy(where_of(c, l, dst_seq), where_of(c, l, src_seq),
-         (size_t)*m40llm_len_slot(c, l, src_seq) * sizeof(uint32_t));
   for (int t = 0; t < c->n_tiers; t++) {
     const size_t n = (size_t)m40llm_tier_counts(c, l, src_seq)[t];
-    memcpy(slot_pos(c, t, l, dst_seq), slot_pos(c, t, l, src_seq), n * sizeof(int32_t));
     for (int i = 0; i < 2; i++) {
       const m40llm_kv_tensor *x = tier_tensor(c, t, i);
       for (int h = 0; h < c->opts.n_kv_heads; h++)
@@ -535,8 +440,7 @@ const m40llm_backend_ops m40llm_cpu_backend = {
     .prepare_attention = cpu_prepare_attention,
     .attention = cpu_attention,
     .attention_causal = cpu_attention_causal,
-    .tier_move = cpu_tier_move,
-    .tier_truncate = cpu_tier_truncate,
+    .tier_rows = cpu_tier_rows,
     .graph_begin = NULL, /* calls complete before they return: nothing to capture */
     .graph_end = NULL,
     .graph_launch = NULL,

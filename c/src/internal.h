@@ -39,18 +39,19 @@ struct m40llm_kvcache {
   /* [layer][seq]: positions from max(lo, n_sinks) to the length have their FP16 copy in the
    * ring (the window's; appends raise it, truncation lowers it). */
   int *lo;
-  /* Tiered caches (opts.n_tiers > 0; otherwise n_tiers is 0 and the rest unused): each tier's
-   * K and V rows, [layer][seq][kv_head][slot] with tiers[t].rows slots (no positional planes:
-   * k and v hold only the FP16 slots); in backend memory, for each (layer, seq), each tier's
-   * slot -> position map (tier_pos[t], [layer][seq][slot]) and the position -> tier and slot
-   * map of its quantized rows (where, [layer][seq][pos], m40llm_tier_where); on the host, the
-   * rows each tier holds (tier_count, [layer][seq][tier], updated by the backend ops that
-   * change them). */
+  /* Tiered caches (opts.n_tiers > 0; otherwise n_tiers is 0 and the rest unused; tiers.c):
+   * each tier's K and V rows in backend memory, [layer][seq][kv_head][slot] with
+   * tiers[t].rows slots (no positional planes: k and v hold only the FP16 slots); on the host,
+   * each tier's slot -> position map (tier_pos[t], [layer][seq][slot]), the position -> (tier,
+   * slot) map of the quantized rows (where, [layer][seq][pos], m40llm_tier_where), the rows
+   * each tier holds (tier_count, [layer][seq][M40LLM_MAX_TIERS]), and the row ops being
+   * gathered for the backend (ops, M40LLM_TIER_OPS of them). */
   int n_tiers;
   m40llm_kv_tensor tier_k[M40LLM_MAX_TIERS], tier_v[M40LLM_MAX_TIERS];
   int32_t *tier_pos[M40LLM_MAX_TIERS];
   uint32_t *where;
   int32_t *tier_count;
+  m40llm_row_op *ops;
   /* A batched append's scratch, max_seqs entries each (ids cannot repeat, so a batch has at
    * most max_seqs): the caller's ids and counts copied as items, for each sequence 1 + the
    * batch index that named it (0: none; all 0 between calls), and append-and-attend's ids for
@@ -112,6 +113,23 @@ static inline int m40llm_quantized_rows(const m40llm_kvcache *c, int lo, int len
   int w = lo > c->n_sinks ? lo : c->n_sinks;
   w = w < len ? w : len;
   return w > c->n_sinks ? w - c->n_sinks : 0;
+}
+
+/* Tiers (tiers.c): the tiered cache's appends, moves, truncation and reads, as row ops for the
+ * backend; the maps are the front end's. Arguments are checked by the caller. */
+int m40llm_tiers_append(m40llm_kvcache *c, int layer, const m40llm_append_item *items,
+                        int n_items, const void *k, const void *v, int dtype);
+int m40llm_tiers_move(m40llm_kvcache *c, int layer, int seq, int begin, int end, int tier);
+int m40llm_tiers_truncate(m40llm_kvcache *c, int layer, int seq, int new_len);
+int m40llm_tiers_read(m40llm_kvcache *c, uint16_t *k_out, uint16_t *v_out, int layer, int seq,
+                      int pos, int n_tokens);
+static inline uint32_t *m40llm_tier_where_of(const m40llm_kvcache *c, int layer, int seq) {
+  return c->where +
+         ((size_t)layer * (size_t)c->opts.max_seqs + (size_t)seq) * (size_t)c->opts.max_seq_len;
+}
+static inline int32_t *m40llm_tier_slot_pos(const m40llm_kvcache *c, int t, int layer, int seq) {
+  return c->tier_pos[t] +
+         ((size_t)layer * (size_t)c->opts.max_seqs + (size_t)seq) * (size_t)c->opts.tiers[t].rows;
 }
 
 /* Records a failure for m40llm_last_error_message() and returns status. */

@@ -68,19 +68,6 @@ static int add_protected_bytes(size_t *bytes, const m40llm_kvcache_options *o, i
   return 1;
 }
 
-/* n x the bytes of one (layer, seq) entry, over every (layer, seq), added to *bytes (0 on
- * overflow). */
-static int add_per_seq_bytes(size_t *bytes, const m40llm_kvcache_options *o, size_t n) {
-  const size_t dims[] = {(size_t)o->n_layers, (size_t)o->max_seqs};
-  for (size_t i = 0; i < 2; i++) {
-    if (n != 0 && n > SIZE_MAX / dims[i]) return 0;
-    n *= dims[i];
-  }
-  if (*bytes > SIZE_MAX - n) return 0;
-  *bytes += n;
-  return 1;
-}
-
 /* The options of tier t's planes: its formats, and its rows as the positions. */
 static m40llm_kvcache_options tier_options(const m40llm_kvcache_options *o, int t) {
   m40llm_kvcache_options to = *o;
@@ -91,8 +78,7 @@ static m40llm_kvcache_options tier_options(const m40llm_kvcache_options *o, int 
   return to;
 }
 
-/* A tiered cache's tiers (n_tiers > 0): their formats and rows; adds their planes and the
- * two maps to *bytes. */
+/* A tiered cache's tiers (n_tiers > 0): their formats and rows; adds their planes to *bytes. */
 static int check_tiers(const m40llm_kvcache_options *o, int sinks, int window, size_t *bytes) {
   if (o->n_tiers > M40LLM_MAX_TIERS)
     return FAIL(INVALID_ARGUMENT, "opts->n_tiers is %d, must be in 0..%d", o->n_tiers,
@@ -121,8 +107,7 @@ static int check_tiers(const m40llm_kvcache_options *o, int sinks, int window, s
     int rc = m40llm_kv_layout_init(&l, &k_bytes, &to, to.format);
     if (rc == M40LLM_OK) rc = m40llm_kv_layout_init(&l, &v_bytes, &to, to.v_format);
     if (rc != M40LLM_OK) return rc;
-    if (k_bytes > SIZE_MAX - v_bytes || *bytes > SIZE_MAX - k_bytes - v_bytes ||
-        !add_per_seq_bytes(bytes, o, (size_t)tier->rows * sizeof(int32_t)))
+    if (k_bytes > SIZE_MAX - v_bytes || *bytes > SIZE_MAX - k_bytes - v_bytes)
       return FAIL(OUT_OF_MEMORY, "cache size overflows size_t");
     *bytes += k_bytes + v_bytes;
   }
@@ -132,8 +117,6 @@ static int check_tiers(const m40llm_kvcache_options *o, int sinks, int window, s
                 "the tiers hold %lld rows, fewer than the %lld that can leave the window "
                 "(max_seq_len %d - n_sinks %d - window %d)", rows, need, o->max_seq_len, sinks,
                 window);
-  if (!add_per_seq_bytes(bytes, o, (size_t)o->max_seq_len * sizeof(uint32_t)))
-    return FAIL(OUT_OF_MEMORY, "cache size overflows size_t");
   return M40LLM_OK;
 }
 
@@ -219,10 +202,11 @@ static void release(m40llm_kvcache *c) {
   for (int t = 0; t < M40LLM_MAX_TIERS; t++) {
     release_tensor(c, &c->tier_k[t]);
     release_tensor(c, &c->tier_v[t]);
-    m40llm_free(c->ctx, c->tier_pos[t]);
+    free(c->tier_pos[t]);
   }
-  m40llm_free(c->ctx, c->where);
+  free(c->where);
   free(c->tier_count);
+  free(c->ops);
   free(c->lens);
   free(c->lo);
   free(c->batch);
@@ -254,8 +238,13 @@ static int alloc_tiers(m40llm_kvcache *c) {
   const m40llm_kvcache_options *o = &c->opts;
   const size_t seqs = (size_t)o->n_layers * (size_t)o->max_seqs;
   c->tier_count = m40llm_host_calloc(seqs * M40LLM_MAX_TIERS, sizeof *c->tier_count);
-  if (!c->tier_count) return FAIL(OUT_OF_MEMORY, "allocating the tiers' row counts");
-  int rc = m40llm_malloc((void **)&c->where, c->ctx, seqs * (size_t)o->max_seq_len * sizeof *c->where);
+  c->ops = m40llm_host_calloc(M40LLM_TIER_OPS, sizeof *c->ops);
+  c->where = seqs > SIZE_MAX / sizeof *c->where / (size_t)o->max_seq_len
+                 ? NULL
+                 : m40llm_host_malloc(seqs * (size_t)o->max_seq_len * sizeof *c->where);
+  if (!c->tier_count || !c->ops || !c->where)
+    return FAIL(OUT_OF_MEMORY, "allocating the tiers' maps on the host");
+  int rc = M40LLM_OK;
   for (int t = 0; t < c->n_tiers && rc == M40LLM_OK; t++) {
     if (o->tiers[t].rows == 0) continue;
     const m40llm_kvcache_options to = tier_options(o, t);
@@ -274,9 +263,9 @@ static int alloc_tiers(m40llm_kvcache *c) {
           rc = m40llm_malloc((void **)&tensors[i]->plane[p], c->ctx,
                              layouts[i]->rows * layouts[i]->row_bytes[p]);
     }
-    if (rc == M40LLM_OK)
-      rc = m40llm_malloc((void **)&c->tier_pos[t], c->ctx,
-                         seqs * (size_t)o->tiers[t].rows * sizeof(int32_t));
+    if (rc == M40LLM_OK &&
+        !(c->tier_pos[t] = m40llm_host_malloc(seqs * (size_t)o->tiers[t].rows * sizeof(int32_t))))
+      rc = FAIL(OUT_OF_MEMORY, "allocating tier %d's slot map on the host", t);
   }
   return rc;
 }
@@ -385,14 +374,23 @@ int m40llm_kvcache_seq_truncate(m40llm_kvcache *cache, int seq, int new_len) {
     /* A tiered cache's rows past new_len leave their tiers first (a backend failure leaves
      * this layer and the ones after it as they were). */
     if (cache->n_tiers > 0 && *len > new_len &&
-        (rc = m40llm_context_result(cache->ctx, cache->ctx->ops->tier_truncate(cache, l, seq,
-                                                                               new_len))) !=
-            M40LLM_OK)
+        (rc = m40llm_tiers_truncate(cache, l, seq, new_len)) != M40LLM_OK)
       return rc;
     if (*len > new_len) *len = new_len;
     if (*lo > new_len) *lo = new_len;
   }
   return M40LLM_OK;
+}
+
+/* A tiered cache's maps and counts of (layer, src) into dst (the backend copied the rows). */
+static void fork_maps(m40llm_kvcache *c, int l, int dst, int src) {
+  memcpy(m40llm_tier_counts(c, l, dst), m40llm_tier_counts(c, l, src),
+         M40LLM_MAX_TIERS * sizeof(int32_t));
+  memcpy(m40llm_tier_where_of(c, l, dst), m40llm_tier_where_of(c, l, src),
+         (size_t)*m40llm_len_slot(c, l, src) * sizeof(uint32_t));
+  for (int t = 0; t < c->n_tiers; t++)
+    memcpy(m40llm_tier_slot_pos(c, t, l, dst), m40llm_tier_slot_pos(c, t, l, src),
+           (size_t)m40llm_tier_counts(c, l, src)[t] * sizeof(int32_t));
 }
 
 int m40llm_kvcache_seq_fork(m40llm_kvcache *cache, int dst_seq, int src_seq) {
@@ -409,9 +407,7 @@ int m40llm_kvcache_seq_fork(m40llm_kvcache *cache, int dst_seq, int src_seq) {
   for (int l = 0; l < cache->opts.n_layers; l++) {
     *m40llm_len_slot(cache, l, dst_seq) = *m40llm_len_slot(cache, l, src_seq);
     *m40llm_lo_slot(cache, l, dst_seq) = *m40llm_lo_slot(cache, l, src_seq);
-    if (cache->n_tiers > 0)
-      memcpy(m40llm_tier_counts(cache, l, dst_seq), m40llm_tier_counts(cache, l, src_seq),
-             M40LLM_MAX_TIERS * sizeof(int32_t));
+    if (cache->n_tiers > 0) fork_maps(cache, l, dst_seq, src_seq);
   }
   return M40LLM_OK;
 }
@@ -423,7 +419,9 @@ static int run_append(m40llm_kvcache *c, int layer, const m40llm_append_item *it
   int rc = m40llm_context_check(c->ctx);
   if (rc != M40LLM_OK || n_items == 0) return rc;
   rc = m40llm_context_result(c->ctx,
-                             c->ctx->ops->append(c, layer, items, n_items, k, v, dtype));
+                             c->n_tiers > 0
+                                 ? m40llm_tiers_append(c, layer, items, n_items, k, v, dtype)
+                                 : c->ctx->ops->append(c, layer, items, n_items, k, v, dtype));
   for (int i = 0; i < n_items && rc == M40LLM_OK; i++) {
     int *len = m40llm_len_slot(c, layer, items[i].seq);
     int *lo = m40llm_lo_slot(c, layer, items[i].seq);
@@ -581,6 +579,10 @@ int m40llm_kvcache_read_f16(uint16_t *k_out, uint16_t *v_out, const m40llm_kvcac
     return FAIL(OUT_OF_RANGE, "positions %d..%lld are outside layer %d seq %d (length %d)", pos,
                 (long long)pos + n_tokens - 1, layer, seq, len);
   if ((rc = m40llm_context_check(cache->ctx)) != M40LLM_OK) return rc;
+  /* A tiered cache's read gathers row ops in the cache's scratch: calls on a context are
+   * serialized (m40llm.h, Threading), reads included. */
+  if (cache->n_tiers > 0)
+    return m40llm_tiers_read((m40llm_kvcache *)cache, k_out, v_out, layer, seq, pos, n_tokens);
   return m40llm_context_result(cache->ctx,
                                cache->ctx->ops->read_f16(cache, k_out, v_out, layer, seq, pos,
                                                          n_tokens));
@@ -885,7 +887,7 @@ int m40llm_kvcache_tier_move(m40llm_kvcache *cache, int layer, int seq, int begi
     return FAIL(OUT_OF_RANGE, "tier %d is outside 0..%d", tier, cache->n_tiers - 1);
   if ((rc = m40llm_context_check(cache->ctx)) != M40LLM_OK) return rc;
   return m40llm_context_result(cache->ctx,
-                               cache->ctx->ops->tier_move(cache, layer, seq, begin, end, tier));
+                               m40llm_tiers_move(cache, layer, seq, begin, end, tier));
 }
 
 int m40llm_kvcache_tier_rows(int32_t *out_rows, const m40llm_kvcache *cache, int layer, int seq) {
@@ -909,15 +911,7 @@ int m40llm_kvcache_tier_of(int *out_tier, const m40llm_kvcache *cache, int layer
     *out_tier = -1;
     return M40LLM_OK;
   }
-  uint32_t w = 0;
-  const size_t at = ((size_t)layer * (size_t)cache->opts.max_seqs + (size_t)seq) *
-                        (size_t)cache->opts.max_seq_len + (size_t)pos;
-  if ((rc = m40llm_context_check(cache->ctx)) != M40LLM_OK ||
-      (rc = m40llm_context_result(cache->ctx,
-                                  cache->ctx->ops->memcpy(cache->ctx, &w, cache->where + at,
-                                                          sizeof w, M40LLM_COPY_D2H))) !=
-          M40LLM_OK)
-    return rc;
+  const uint32_t w = m40llm_tier_where_of(cache, layer, seq)[pos];
   *out_tier = m40llm_where_tier(w);
   return M40LLM_OK;
 }
