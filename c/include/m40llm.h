@@ -412,8 +412,11 @@ typedef struct m40llm_kvcache_options {
    * max_seq_len - n_sinks - window (as capped), else M40LLM_ERR_INVALID_ARGUMENT. Sinks and the
    * window stay FP16, as in any quantized cache. Bytes (m40llm_kvcache_bytes_needed): the FP16
    * slots and each tier's rows; the maps are host memory, 4 bytes per tier row and per position
-   * for every (layer, sequence). Tiered caches run on the CPU backend in this version: the CUDA
-   * backend refuses them with M40LLM_ERR_UNSUPPORTED. */
+   * for every (layer, sequence). Both backends run tiered caches; on CUDA, in this version,
+   * causal attention and the calls that export weights or importance fail on them with
+   * M40LLM_ERR_UNSUPPORTED (nothing written), and the decode kernels over tiers are a first,
+   * untuned version. A CUDA graph captures a call's row writes as the host's maps stood: as
+   * with lengths, capture each step anew. */
   int n_tiers;
   m40llm_kv_tier tiers[M40LLM_MAX_TIERS];
 } m40llm_kvcache_options;

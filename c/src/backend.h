@@ -106,13 +106,14 @@ typedef struct m40llm_backend_ops {
   int (*attention_causal)(const m40llm_kvcache *c, int layer, const m40llm_append_item *items,
                           int n_items, const void *q, void *out, int dtype, float scale,
                           int window);
-  /* Tiered caches (c->n_tiers > 0; NULL where the backend refuses them in check_cache): the
+  /* Tiered caches (c->n_tiers > 0): the
    * front end (tiers.c) keeps the maps and counts and asks for rows to be written, n_ops
    * (>= 1, <= M40LLM_TIER_OPS) independent row ops at a time (no op reads what another writes),
    * on layer `layer`: each op's row, every K/V head of it, K and V, from `from` to `to`
    * (m40llm_row_op). k_in and v_in: the call's appended rows ([row][kv_head][dim] of element
    * type dtype) for ops from M40LLM_ROW_INPUT; k_out and v_out (FP16, either may be NULL) for
-   * ops to M40LLM_ROW_OUTPUT. */
+   * ops to M40LLM_ROW_OUTPUT. n_ops 0 only checks those buffers (CUDA: that the GPU can address
+   * them), before the front end changes its maps. */
   int (*tier_rows)(const m40llm_kvcache *c, int layer, const m40llm_row_op *ops, int n_ops,
                    const void *k_in, const void *v_in, int dtype, uint16_t *k_out,
                    uint16_t *v_out);

@@ -70,10 +70,17 @@ static int compact(op_list *l, int layer, int seq, int t, int freed) {
   return rc;
 }
 
+/* The backend's check of a call's buffers, before any map changes. */
+static int check_buffers(const op_list *l) {
+  return m40llm_context_result(l->c->ctx, l->c->ctx->ops->tier_rows(l->c, l->layer, l->c->ops, 0,
+                                                                    l->k_in, l->v_in, l->dtype,
+                                                                    l->k_out, l->v_out));
+}
+
 int m40llm_tiers_append(m40llm_kvcache *c, int layer, const m40llm_append_item *items,
                         int n_items, const void *k, const void *v, int dtype) {
   op_list l = {c, layer, 0, k, v, dtype, NULL, NULL};
-  int rc = M40LLM_OK;
+  int rc = check_buffers(&l);
   /* The rows that leave the window, from their FP16 slots, before anything overwrites them. */
   for (int i = 0; i < n_items && rc == M40LLM_OK; i++) {
     const m40llm_append_item *it = &items[i];
@@ -151,7 +158,7 @@ int m40llm_tiers_read(m40llm_kvcache *c, uint16_t *k_out, uint16_t *v_out, int l
                       int pos, int n_tokens) {
   op_list l = {c, layer, 0, NULL, NULL, 0, k_out, v_out};
   const uint32_t *where = m40llm_tier_where_of(c, layer, seq);
-  int rc = M40LLM_OK;
+  int rc = check_buffers(&l);
   for (int r = 0; r < n_tokens && rc == M40LLM_OK; r++) {
     const int p = pos + r;
     if (m40llm_is_protected(c, layer, seq, p))
