@@ -252,7 +252,45 @@ struct Options {
   std::string io_name = "f32";
   bool weights = false;  // --weights: m40llm_kvcache_attn_weights_ex, weights of every head
   bool importance = false;  // --importance: m40llm_kvcache_attn_importance_ex
+  // --tiers: a tiered cache, each tier's (K, V) formats and share of the quantized rows
+  std::vector<std::pair<int, int>> tier_formats;
+  std::vector<double> tier_shares;
 };
+
+// The formats of a name of --format (and of a --tiers entry); false for none.
+static bool format_pair(const std::string &f, int *k, int *v) {
+  if (f == "F16") *k = M40LLM_KV_F16, *v = M40LLM_KV_SAME;
+  else if (f == "Q8") *k = M40LLM_KV_Q8, *v = M40LLM_KV_SAME;
+  else if (f == "Q4") *k = M40LLM_KV_Q4, *v = M40LLM_KV_SAME;
+  else if (f == "Q8Q4") *k = M40LLM_KV_Q8, *v = M40LLM_KV_Q4;
+  else if (f == "Q4Q3") *k = M40LLM_KV_Q4, *v = M40LLM_KV_Q3;
+  else if (f == "Q4Q2") *k = M40LLM_KV_Q4, *v = M40LLM_KV_Q2;
+  else if (f == "Q8Q8") *k = M40LLM_KV_Q8, *v = M40LLM_KV_Q8;
+  else if (f == "Q4Q4") *k = M40LLM_KV_Q4, *v = M40LLM_KV_Q4;
+  else if (f == "Q8Q3") *k = M40LLM_KV_Q8, *v = M40LLM_KV_Q3;
+  else if (f == "Q8Q2") *k = M40LLM_KV_Q8, *v = M40LLM_KV_Q2;
+  else return false;
+  return true;
+}
+
+// A tiered cache's tiers for a context of ctx (--tiers): each tier's share of the rows that
+// leave the window, the last taking what rounding leaves, so a full context fills every tier.
+static void apply_tiers(m40llm_kvcache_options &ko, const Options &o, int ctx) {
+  if (o.tier_formats.empty()) return;
+  const int sinks = std::min(o.kv_sinks, ctx), window = std::min(o.kv_window, ctx - sinks);
+  const int rows = ctx - sinks - window;
+  ko.n_tiers = (int)o.tier_formats.size();
+  int left = rows;
+  for (int t = 0; t < ko.n_tiers; t++) {
+    ko.tiers[t].k_format = o.tier_formats[t].first;
+    ko.tiers[t].v_format = o.tier_formats[t].second == M40LLM_KV_SAME ? o.tier_formats[t].first
+                                                                       : o.tier_formats[t].second;
+    ko.tiers[t].rows = t + 1 == ko.n_tiers ? left : (int)std::lround(o.tier_shares[t] * rows);
+    left -= ko.tiers[t].rows;
+  }
+  ko.format = ko.tiers[0].k_format;
+  ko.v_format = ko.tiers[0].v_format;
+}
 
 static std::vector<Shape> full_grid(bool quick) {
   std::vector<Shape> g;
@@ -342,6 +380,8 @@ static void usage() {
       "                         Q4Q2 (K Q4, V Q3 or Q2)\n"
       "  --kv-rotation R        quantized K/V rotated: auto (the library's default) or none\n"
       "  --kv-protect S,W       quantized K/V: S sinks and a window of W kept FP16 (4,128)\n"
+      "  --tiers F:S,...        a tiered cache: tiers of formats F (Q8Q8, Q8Q4, Q4Q3, Q4Q2, ...)\n"
+      "                         holding shares S of the rows that leave the window\n"
       "  --io T                 q and out as f32 (default), f16 or bf16 (m40llm_kvcache_attn_batch_ex;\n"
       "                         16-bit runs skip the output check, which reads FP32)\n"
       "  --weights              time m40llm_kvcache_attn_weights_ex (the attention weights too,\n"
@@ -398,16 +438,23 @@ static Options parse_args(int argc, char **argv) {
     else if (a == "--device") o.device = parse_int_k(next());
     else if (a == "--format") {
       o.format_name = next();
-      const std::string &f = o.format_name;
-      if (f == "F16") o.k_format = M40LLM_KV_F16, o.v_format = M40LLM_KV_SAME;
-      else if (f == "Q8") o.k_format = M40LLM_KV_Q8, o.v_format = M40LLM_KV_SAME;
-      else if (f == "Q4") o.k_format = M40LLM_KV_Q4, o.v_format = M40LLM_KV_SAME;
-      else if (f == "Q8Q4") o.k_format = M40LLM_KV_Q8, o.v_format = M40LLM_KV_Q4;
-      else if (f == "Q4Q3") o.k_format = M40LLM_KV_Q4, o.v_format = M40LLM_KV_Q3;
-      else if (f == "Q4Q2") o.k_format = M40LLM_KV_Q4, o.v_format = M40LLM_KV_Q2;
-      else {
+      if (!format_pair(o.format_name, &o.k_format, &o.v_format)) {
         std::fprintf(stderr, "bench: --format takes F16, Q8, Q4, Q8Q4, Q4Q3 or Q4Q2\n");
         std::exit(2);
+      }
+    }
+    else if (a == "--tiers") {  // e.g. Q8Q8:0.25,Q8Q4:0.25,Q4Q3:0.25,Q4Q2:0.25
+      o.format_name = std::string("tiers ") + argv[i + 1];
+      for (auto &t : split(next(), ',')) {
+        const size_t colon = t.find(':');
+        int k = 0, v = 0;
+        if (colon == std::string::npos || !format_pair(t.substr(0, colon), &k, &v) ||
+            k == M40LLM_KV_F16) {
+          std::fprintf(stderr, "bench: --tiers takes FORMAT:SHARE,... (e.g. Q8Q8:0.5,Q4Q2:0.5)\n");
+          std::exit(2);
+        }
+        o.tier_formats.push_back({k, v});
+        o.tier_shares.push_back(std::atof(t.substr(colon + 1).c_str()));
       }
     }
     else if (a == "--kv-rotation") {
@@ -715,6 +762,8 @@ static Result run_shape(Bench &B, const Shape &s) {
     one.n_layers = 1, one.n_heads = s.n_heads, one.n_kv_heads = s.n_kv_heads;
     one.head_dim = s.head_dim, one.max_seqs = s.batch, one.max_seq_len = s.ctx;
     one.format = o.k_format, one.v_format = o.v_format;
+    if (!o.tier_formats.empty()) one.n_sinks = o.kv_sinks, one.window = o.kv_window;
+    apply_tiers(one, o, s.ctx);
     if (m40llm_kvcache_bytes_needed(&kv_layer, &one) != M40LLM_OK)
       kv_layer = 2ull * 2ull * s.batch * s.n_kv_heads * (size_t)s.ctx * s.head_dim;
   }
@@ -744,6 +793,7 @@ static Result run_shape(Bench &B, const Shape &s) {
   ko.n_sinks = o.kv_sinks;
   ko.window = o.kv_window;
   ko.v_format = o.v_format;
+  apply_tiers(ko, o, s.ctx);
 
   size_t free_b = 0, total_b = 0;
   CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));

@@ -125,6 +125,10 @@ int m40llm_cuda_attention_causal(const m40llm_kvcache *c, int layer,
                                  const m40llm_append_item *items, int n_items, const void *q,
                                  void *out, int dtype, float scale, int window) {
   M40LLM_CUDA_ENTER(c->ctx);
+  if (c->n_tiers > 0)
+    return m40llm_fail(M40LLM_ERR_UNSUPPORTED,
+                       "causal attention over a tiered cache: the CPU backend only in this "
+                       "version");
   const size_t row = (size_t)c->opts.n_heads * (size_t)c->opts.head_dim;
   size_t rows = 0;
   for (int i = 0; i < n_items; i++) rows += (size_t)items[i].n_tokens;

@@ -153,6 +153,10 @@ int attend(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, const int
 int m40llm_cuda_reserve_for(m40llm_kvcache *c) {
   M40LLM_CUDA_ENTER(c->ctx);
   const m40llm_kvcache_options *o = &c->opts;
+  if (c->n_tiers > 0) {
+    void *ws = nullptr;
+    return m40llm_cuda_workspace(cuda_state(c->ctx), m40llm_cuda_tier_workspace_bytes(c), &ws);
+  }
   const Grouping g = grouping_for(o);
   return with_kv_pair(c->k.layout.fmt->format, c->v.layout.fmt->format, [&](auto pair) -> int {
     using P = decltype(pair);
@@ -192,6 +196,17 @@ int m40llm_cuda_attention(const m40llm_kvcache *c, int layer, const int32_t *seq
   M40LLM_CUDA_ENTER(c->ctx);
   const m40llm_kvcache_options *o = &c->opts;
   const size_t row = (size_t)o->n_heads * (size_t)o->head_dim;
+  if (c->n_tiers > 0) {
+    if (x)
+      return m40llm_fail(M40LLM_ERR_UNSUPPORTED,
+                         "attention weights and importance of a tiered cache: the CPU backend "
+                         "only in this version");
+    return with_f32_rows(cuda_state(c->ctx), q, out, (size_t)n_seqs * row, dtype,
+                         [&](const float *q32, float *out32) {
+                           return m40llm_cuda_tier_attention(c, layer, seq_ids, n_seqs, q32,
+                                                             out32, scale);
+                         });
+  }
   float *weights = x ? x->weights : nullptr;
   size_t weights_stride = x ? x->weights_stride : 0;
   ImportanceArgs imp{nullptr, 0, 0.0f};

@@ -209,6 +209,7 @@ int cuda_check_cache(const m40llm_kvcache_options *o) {
   if (o->head_dim % 8 != 0)
     return m40llm_fail(M40LLM_ERR_UNSUPPORTED,
                        "opts->head_dim %d: the CUDA backend needs a multiple of 8", o->head_dim);
+  if (o->n_tiers > 0) return M40LLM_OK;  // every pair of tier formats (tiers.cu)
   const int v_format = o->v_format == M40LLM_KV_SAME ? o->format : o->v_format;
   return with_kv_pair(o->format, v_format, [](auto) -> int { return M40LLM_OK; });
 }
@@ -270,6 +271,20 @@ int cuda_fork(const m40llm_kvcache *c, int dst_seq, int src_seq) {
       }
     }
   }
+  for (int t = 0; t < c->n_tiers; t++)  // a tiered cache's rows, its held slots a head
+    for (const m40llm_kv_tensor *x : {&c->tier_k[t], &c->tier_v[t]})
+      for (int p = 0; p < M40LLM_KV_PLANES; p++) {
+        if (!x->plane[p]) continue;
+        const size_t pitch = (size_t)o->tiers[t].rows * x->layout.row_bytes[p];
+        for (int l = 0; l < o->n_layers; l++) {
+          const size_t width = (size_t)m40llm_tier_counts(c, l, src_seq)[t] * x->layout.row_bytes[p];
+          if (width == 0) continue;
+          M40LLM_CUDA_TRY(cudaMemcpy2DAsync(
+              m40llm_kv_at(x, p, m40llm_tier_row(c, t, l, dst_seq, 0, 0)), pitch,
+              m40llm_kv_at(x, p, m40llm_tier_row(c, t, l, src_seq, 0, 0)), pitch, width,
+              o->n_kv_heads, cudaMemcpyDeviceToDevice, cuda_state(c->ctx)->stream));
+        }
+      }
   return M40LLM_OK;
 }
 
@@ -287,6 +302,21 @@ int cuda_append(const m40llm_kvcache *c, int layer, const m40llm_append_item *it
                 int n_items, const void *k, const void *v, int dtype) {
   const int rc = enter_with(c, k, "k", v, "v");
   return rc != M40LLM_OK ? rc : m40llm_cuda_append(c, layer, items, n_items, k, v, dtype);
+}
+
+int cuda_tier_rows(const m40llm_kvcache *c, int layer, const m40llm_row_op *ops, int n_ops,
+                   const void *k_in, const void *v_in, int dtype, uint16_t *k_out,
+                   uint16_t *v_out) {
+  M40LLM_CUDA_ENTER(c->ctx);
+  const void *buffers[4] = {k_in, v_in, k_out, v_out};
+  const char *names[4] = {"k", "v", "k_out", "v_out"};
+  for (int i = 0; i < 4; i++) {
+    const int rc = buffers[i] ? m40llm_cuda_check_pointer(cuda_state(c->ctx), buffers[i], names[i])
+                              : M40LLM_OK;
+    if (rc != M40LLM_OK) return rc;
+  }
+  return n_ops == 0 ? M40LLM_OK
+                    : m40llm_cuda_tier_rows(c, layer, ops, n_ops, k_in, v_in, dtype, k_out, v_out);
 }
 
 int cuda_prepare_attention(const m40llm_kvcache *c, int n_rows, const void *q, const void *out,
@@ -360,6 +390,7 @@ const m40llm_backend_ops m40llm_cuda_backend = {
     cuda_synchronize,    cuda_stream,  cuda_device_info,        cuda_malloc, cuda_free,
     cuda_memcpy,         cuda_memset,  cuda_check_cache,        m40llm_cuda_reserve_for,
     cuda_append,         cuda_read_f16, cuda_fork,              cuda_prepare_attention,
-    cuda_attention,      cuda_attention_causal, m40llm_cuda_graph_begin, m40llm_cuda_graph_end,
+    cuda_attention,      cuda_attention_causal, cuda_tier_rows,
+    m40llm_cuda_graph_begin, m40llm_cuda_graph_end,
     m40llm_cuda_graph_launch, m40llm_cuda_graph_destroy,
 };

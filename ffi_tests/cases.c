@@ -59,7 +59,7 @@ static void error_paths_options(m40llm_context *ctx) {
     n++;                                               \
   } while (0)
   BAD(version, 0u, INVALID_ARGUMENT, "version");
-  BAD(version, 4u, INVALID_ARGUMENT, "version");
+  BAD(version, M40LLM_KVCACHE_OPTIONS_VERSION + 1u, INVALID_ARGUMENT, "version");
   BAD(n_layers, 0, INVALID_ARGUMENT, "n_layers");
   BAD(n_layers, -1, INVALID_ARGUMENT, "n_layers");
   BAD(n_heads, 0, INVALID_ARGUMENT, "n_heads");
@@ -155,6 +155,7 @@ static void error_paths_options(m40llm_context *ctx) {
             init.head_dim == 0 && init.max_seqs == 0 && init.max_seq_len == 0);
     T_CHECK(init.format == M40LLM_KV_F16);
     T_CHECK(init.rotation == M40LLM_ROTATE_AUTO && init.n_sinks == 4 && init.window == 128);
+    T_CHECK(init.n_tiers == 0 && init.n_tiers == want.n_tiers);
     T_CHECK(init.version == want.version && init.format == want.format &&
             init.rotation == want.rotation && init.n_sinks == want.n_sinks &&
             init.window == want.window);

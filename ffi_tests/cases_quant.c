@@ -17,9 +17,7 @@
 
 enum { GROUP = 32 };
 
-/* The header's rule for one group, dequantized in double (exact: a code times an FP16 scale,
- * plus an FP16 min). FP32 arithmetic where the header says it is rounded. */
-static void quantize_group(int fmt, const float *x, double *out) {
+void t_quantize_group(int fmt, const float *x, double *out) {
   if (fmt == M40LLM_KV_Q8) {
     float amax = 0.0f;
     for (int i = 0; i < GROUP; i++) amax = fmaxf(amax, fabsf(x[i]));
@@ -59,8 +57,8 @@ static void quantize_group(int fmt, const float *x, double *out) {
       for (int i = o_; i < o_ + b_; i++) (x)[i] *= (scale);             \
     }                                                                   \
   } while (0)
-static void rotate_f32(float *x, int d) { ROTATE_ROW(float, x, d, 1.0f / sqrtf((float)(d & -d))); }
-static void rotate_f64(double *x, int d) { ROTATE_ROW(double, x, d, 1.0 / sqrt((double)(d & -d))); }
+void t_rotate_f32(float *x, int d) { ROTATE_ROW(float, x, d, 1.0f / sqrtf((float)(d & -d))); }
+void t_rotate_f64(double *x, int d) { ROTATE_ROW(double, x, d, 1.0 / sqrt((double)(d & -d))); }
 
 /* How one tensor of a cache stores a row: its format, rotated or not, and whether the row is a
  * protected position (kept as FP16 of the rotated values). */
@@ -77,22 +75,22 @@ static void stored_row(tensor_rule r, int kept, const float *x, int d, double *v
     for (int i = 0; i < d; i++) read[i] = t_f32_to_f16(y[i]), val[i] = t_f16_to_f32(read[i]);
     return;
   }
-  if (r.rotated) rotate_f32(y, d);
+  if (r.rotated) t_rotate_f32(y, d);
   if (kept) {
     for (int i = 0; i < d; i++) val[i] = t_f16_to_f32(t_f32_to_f16(y[i]));
   } else {
-    for (int i = 0; i < d; i += GROUP) quantize_group(r.fmt, y + i, val + i);
+    for (int i = 0; i < d; i += GROUP) t_quantize_group(r.fmt, y + i, val + i);
   }
   for (int i = 0; i < d; i++) y[i] = (float)val[i]; /* exact: FP16 values, or code x scale + min
                                                        rounded once as the library's FMA */
-  if (r.rotated) rotate_f32(y, d);
+  if (r.rotated) t_rotate_f32(y, d);
   for (int i = 0; i < d; i++) read[i] = t_f32_to_f16(y[i]);
 }
 
 /* Values with structure quantization must survive: outlier channels (x10-30), a group of equal
  * values (scale 0), a group of zeros, and, where big (V only: in K they would make the softmax
  * one-hot with logits of 1e4, where FP32 rounding of a score alone is 1e-3), large magnitudes. */
-static void fill_values(float *x, size_t rows, int d, int big) {
+void t_fill_kv_values(float *x, size_t rows, int d, int big) {
   const int outlier = t_rand_int(0, d - 1);
   for (size_t r = 0; r < rows; r++) {
     float *row = x + r * (size_t)d;
@@ -105,9 +103,8 @@ static void fill_values(float *x, size_t rows, int d, int big) {
   }
 }
 
-/* Reference attention of one query head against len rows (double). */
-static void ref_head(const float *q, const double *k, const double *v, int len, int d, int stride,
-                     double scale, double *out) {
+void t_ref_head(const float *q, const double *k, const double *v, int len, int d, int stride,
+                double scale, double *out) {
   double mx = -INFINITY, sum = 0.0;
   double *w = malloc((size_t)(len > 0 ? len : 1) * sizeof(double));
   for (int t = 0; t < len; t++) {
@@ -214,8 +211,8 @@ static void run_case(m40llm_context *ctx, quant_case c, const int *lens, int n_s
       free(k), free(v), free(hk), free(hv);
       goto done;
     }
-    fill_values(k, (size_t)lens[s] * (size_t)c.n_kv, c.d, 0);
-    fill_values(v, (size_t)lens[s] * (size_t)c.n_kv, c.d, 1);
+    t_fill_kv_values(k, (size_t)lens[s] * (size_t)c.n_kv, c.d, 0);
+    t_fill_kv_values(v, (size_t)lens[s] * (size_t)c.n_kv, c.d, 1);
     if (use_f16) { /* the library quantizes the FP16 values: so does the reference */
       for (size_t i = 0; i < n; i++) {
         hk[i] = t_f32_to_f16(k[i]);
@@ -313,12 +310,12 @@ static void run_case(m40llm_context *ctx, quant_case c, const int *lens, int n_s
         float qr[256];
         double qd[256];
         for (int i = 0; i < c.d; i++) qd[i] = qh[i];
-        if (rule_k.rotated) rotate_f64(qd, c.d);
+        if (rule_k.rotated) t_rotate_f64(qd, c.d);
         for (int i = 0; i < c.d; i++) qr[i] = (float)qd[i];
-        ref_head(rule_k.rotated ? qr : qh, sk[s] + (size_t)(h / group) * c.d,
+        t_ref_head(rule_k.rotated ? qr : qh, sk[s] + (size_t)(h / group) * c.d,
                  sv[s] + (size_t)(h / group) * c.d, lens[s], c.d, (int)row,
                  1.0 / sqrt((double)c.d), ref + (size_t)h * c.d);
-        if (rule_v.rotated) rotate_f64(ref + (size_t)h * c.d, c.d);
+        if (rule_v.rotated) t_rotate_f64(ref + (size_t)h * c.d, c.d);
       }
       const double err = t_rel_l2(got + (size_t)s * qrow, ref, qrow);
       if (!(err <= worst)) worst = err;
@@ -352,7 +349,7 @@ static void fork_truncate(m40llm_context *ctx, int kf, int vf) {
   void *dk = NULL;
   uint16_t *ra = t_dev_alloc(ctx, 2 * n * 2), *rb = t_dev_alloc(ctx, 2 * n * 2);
   if (!T_CHECK(k && a && b && ra && rb)) goto done;
-  fill_values(k, 40 * 2, 64, 1);
+  t_fill_kv_values(k, 40 * 2, 64, 1);
   dk = t_dev_upload(ctx, k, n * sizeof(float));
   for (int l = 0; l < 2; l++) T_OK(m40llm_kvcache_append_f32(cache, l, 0, dk, dk, 40));
   T_OK(m40llm_kvcache_seq_fork(cache, 2, 0));
@@ -562,7 +559,7 @@ static void window_history(m40llm_context *ctx, int kf, int vf) {
           !t_dev_download(ctx, out, dout, sizeof out))
         break;
       for (int h = 0; h < 2; h++)
-        ref_head(q + h * D, kvals, vvals, len, D, D, 1.0 / sqrt((double)D), ref + h * D);
+        t_ref_head(q + h * D, kvals, vvals, len, D, D, 1.0 / sqrt((double)D), ref + h * D);
       const double err = t_rel_l2(out, ref, 2 * D);
       T_CHECKF(err <= 1e-5, "step %zu, seq %d: attention relative L2 error %.3g (bound 1e-5)", i,
                seq, err);

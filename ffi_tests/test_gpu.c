@@ -850,6 +850,7 @@ int main(void) {
   t_cases_dtype(dev, cpu, small);
   t_cases_weights(dev, cpu, small);
   t_cases_importance(dev, cpu, small);
+  t_cases_tiers(dev, small);
 #ifdef T_HAVE_CUDART
   if (on_cuda) t_cases_graph(dev, cpu, small);
   else t_skip("graph capture: a CUDA graph needs the CUDA backend");

@@ -172,6 +172,23 @@ int t_cuda_has_pair(int kf, int vf);
  * returns 1 (the caller's case ends); else 0. */
 int t_pair_refused(m40llm_context *ctx, const m40llm_kvcache_options *o);
 
+/* Independent models of the quantized formats (cases_quant.c), from the header's definitions:
+ * one group of 32 values of format fmt quantized and dequantized in double (exact: a code times
+ * an FP16 scale, plus an FP16 min; FP32 arithmetic where the header says it is rounded); the
+ * rotation of a row of d dims in FP32 or double; K/V values with outlier channels, constant
+ * and zero groups (and, where big, large magnitudes); and the float64 attention of one query
+ * head against len rows of k and v (row t at t * stride). */
+void t_quantize_group(int fmt, const float *x, double *out);
+void t_rotate_f32(float *x, int d);
+void t_rotate_f64(double *x, int d);
+void t_fill_kv_values(float *x, size_t rows, int d, int big);
+void t_ref_head(const float *q, const double *k, const double *v, int len, int d, int stride,
+                double scale, double *out);
+/* Tiered caches (cases_tiers.c): the tiers' placement, moves, truncate and fork against a host
+ * model of the header's rules, read_f16 bit for bit and attention against float64; a one-tier
+ * cache against the uniform cache of its formats; errors. A CUDA ctx must refuse them. */
+void t_cases_tiers(m40llm_context *ctx, int small);
+
 /* Batched append against single appends and the CPU backend, and its errors (cases_batch.c);
  * small: fewer rounds. */
 void t_cases_append_batch(m40llm_context *ctx, int small);

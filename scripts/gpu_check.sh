@@ -31,6 +31,9 @@
 #             compute_52-PTX builds: $OUT/weights_native, $OUT/weights_ptx52
 #   importance the same for m40llm_kvcache_attn_importance_ex (weights_cost.py --mode
 #             importance): $OUT/importance_native, $OUT/importance_ptx52
+#   tiers     tiered caches (bench/tiers.sh): one tier against the uniform cache of its formats
+#             (the same bytes), and a four-tier mix, native and compute_52-PTX builds:
+#             $OUT/tiers_native, $OUT/tiers_ptx52
 #   abformats the M40 path's K/V formats: the previous main's compute_52 bench_attention
 #             (.ab/bins/base) against this tree's, bench/ab.sh over bench/formats_shapes.sh for
 #             F16, Q8, Q4, Q8Q4 (library defaults) and Q8, Q4 plain: $OUT/abformats/*/ab.md
@@ -185,6 +188,12 @@ weights_cost() {  # mode (weights or importance); needs build-native (the native
       --bin .gpu-carry/bench52/bench_attention
 }
 
+tiers_bench() {  # needs build-native (the native step)
+  [ -x build-native/bench/bench_attention ] || native || return 1
+  bash bench/tiers.sh build-native/bench/bench_attention "$out/tiers_native" &&
+    bash bench/tiers.sh .gpu-carry/bench52/bench_attention "$out/tiers_ptx52"
+}
+
 nvidia-smi --query-gpu=name,memory.total,driver_version,compute_cap --format=csv
 for s in $steps; do
   case $s in
@@ -203,6 +212,7 @@ for s in $steps; do
     abformats) run_step abformats ab_formats ;;
     weights) run_step weights weights_cost weights ;;
     importance) run_step importance weights_cost importance ;;
+    tiers) run_step tiers tiers_bench ;;
     *) echo "unknown step $s"; exit 2 ;;
   esac
 done

@@ -359,11 +359,21 @@ typedef enum m40llm_kv_rotation {
   M40LLM_ROTATE_KV = 3    /* K and V, each where it is quantized */
 } m40llm_kv_rotation;
 
-/* Version 2 added v_format; version 3 rotation, n_sinks and window. Callers built against an
- * older version keep working, and keep the behaviour of their version: the library reads and
- * writes only the fields of the version a struct says it is, and a version-1 or -2 struct means
- * no rotation and no protected tokens. */
-#define M40LLM_KVCACHE_OPTIONS_VERSION 3
+/* A tier of a tiered cache (m40llm_kvcache_options.tiers, version 4): a (K, V) pair of
+ * quantized formats and how many rows it holds per (layer, sequence), every K/V head of a row
+ * together. */
+#define M40LLM_MAX_TIERS 4
+typedef struct m40llm_kv_tier {
+  int k_format; /* M40LLM_KV_Q8 or M40LLM_KV_Q4 */
+  int v_format; /* M40LLM_KV_Q8, _Q4, _Q3 or _Q2 */
+  int rows;     /* >= 0 */
+} m40llm_kv_tier;
+
+/* Version 2 added v_format; version 3 rotation, n_sinks and window; version 4 the tiers.
+ * Callers built against an older version keep working, and keep the behaviour of their version:
+ * the library reads and writes only the fields of the version a struct says it is, and a
+ * version-1 or -2 struct means no rotation and no protected tokens. */
+#define M40LLM_KVCACHE_OPTIONS_VERSION 4
 typedef struct m40llm_kvcache_options {
   unsigned version; /* M40LLM_KVCACHE_OPTIONS_VERSION (or 1 or 2) */
   int n_layers;     /* >= 1 */
@@ -389,12 +399,32 @@ typedef struct m40llm_kvcache_options {
    * (counted by m40llm_kvcache_bytes_needed). An all-F16 cache ignores them. */
   int n_sinks;
   int window;
+  /* Version 4, tiers (mixed precision; the seed of issue 15): with n_tiers (0..M40LLM_MAX_TIERS)
+   * above 0, the quantized rows of a (layer, sequence) are not stored at their positions in
+   * one format but in tiers[0 .. n_tiers): each tier holds up to tiers[t].rows rows (all K/V
+   * heads of a position) in its own (K, V) formats, in slots of no particular order, with a
+   * map from slots to positions. format and v_format must name tiers[0]'s formats (the
+   * cache's first tier). A position gets its tier when it leaves the window (or when it is
+   * appended, where it never enters it): the first tier with a free row, quantized from its
+   * FP16 copy in the window (or from the appended values), rotated as the cache's rotation
+   * says for quantized tensors; m40llm_kvcache_tier_move moves rows between tiers. So the
+   * tiers must hold every row that can leave the window: the sum of tiers[t].rows at least
+   * max_seq_len - n_sinks - window (as capped), else M40LLM_ERR_INVALID_ARGUMENT. Sinks and the
+   * window stay FP16, as in any quantized cache. Bytes (m40llm_kvcache_bytes_needed): the FP16
+   * slots and each tier's rows; the maps are host memory, 4 bytes per tier row and per position
+   * for every (layer, sequence). Both backends run tiered caches; on CUDA, in this version,
+   * causal attention and the calls that export weights or importance fail on them with
+   * M40LLM_ERR_UNSUPPORTED (nothing written), and the decode kernels over tiers are a first,
+   * untuned version. A CUDA graph captures a call's row writes as the host's maps stood: as
+   * with lengths, capture each step anew. */
+  int n_tiers;
+  m40llm_kv_tier tiers[M40LLM_MAX_TIERS];
 } m40llm_kvcache_options;
 #define M40LLM_KVCACHE_OPTIONS_INIT                                                     \
   { M40LLM_KVCACHE_OPTIONS_VERSION, 0, 0, 0, 0, 0, 0, M40LLM_KV_F16, M40LLM_KV_SAME, \
-    M40LLM_ROTATE_AUTO, 4, 128 }
-/** Fills *opts with the defaults of the given version, 1 to 3 (all sizes zero, FP16; version 3:
- *  rotation AUTO, 4 sinks, a window of 128). */
+    M40LLM_ROTATE_AUTO, 4, 128, 0, { { 0, 0, 0 } } }
+/** Fills *opts with the defaults of the given version, 1 to 4 (all sizes zero, FP16; version 3:
+ *  rotation AUTO, 4 sinks, a window of 128; version 4: no tiers). */
 int m40llm_kvcache_options_init(m40llm_kvcache_options *opts, unsigned version);
 
 /** Bytes of backend memory a cache with these options holds (K plus V), without allocating.
@@ -469,6 +499,27 @@ int m40llm_kvcache_append_batch_ex(m40llm_kvcache *cache, int layer, const int32
 int m40llm_kvcache_read_f16(uint16_t *k_out, uint16_t *v_out, const m40llm_kvcache *cache,
                             int layer, int seq, int pos, int n_tokens);
 
+/* ---- Tiers (a cache with opts.n_tiers > 0) ------------------------------------------------- */
+
+/** Moves the quantized rows of (layer, seq) whose positions are in [begin, end) into tier
+ *  `tier` (0 .. n_tiers - 1), each re-quantized in the tier's formats from the values it holds
+ *  now (in the rotated frame it is stored in); rows already there stay as they are, and
+ *  positions still in FP16 slots (sinks, window) are not moved (they get a tier when they
+ *  leave the window). 0 <= begin <= end <= the length, else M40LLM_ERR_OUT_OF_RANGE. If the
+ *  tier has too few free rows for all of them, fails with M40LLM_ERR_CAPACITY and moves none.
+ *  A cache without tiers: M40LLM_ERR_INVALID_ARGUMENT. For tests, and for callers with a
+ *  policy of their own (e.g. from m40llm_kvcache_attn_importance_ex's importance). */
+int m40llm_kvcache_tier_move(m40llm_kvcache *cache, int layer, int seq, int begin, int end,
+                             int tier);
+/** Rows each tier holds for (layer, seq): out_rows[t] for t < n_tiers (host memory, n_tiers
+ *  entries). A cache without tiers: M40LLM_ERR_INVALID_ARGUMENT. */
+int m40llm_kvcache_tier_rows(int32_t *out_rows, const m40llm_kvcache *cache, int layer, int seq);
+/** The tier of position pos of (layer, seq): 0 .. n_tiers - 1, or -1 for a position read from
+ *  its FP16 slot (a sink, or in the window). pos outside [0, length): M40LLM_ERR_OUT_OF_RANGE.
+ *  A cache without tiers: M40LLM_ERR_INVALID_ARGUMENT. */
+int m40llm_kvcache_tier_of(int *out_tier, const m40llm_kvcache *cache, int layer, int seq,
+                           int pos);
+
 /* ---- Capacity planning ----------------------------------------------------------------------- */
 
 /** The largest max_seq_len (1..INT_MAX) whose cache, with the other fields of opts, fits in
@@ -480,7 +531,8 @@ int m40llm_kvcache_read_f16(uint16_t *k_out, uint16_t *v_out, const m40llm_kvcac
  *  CUDA backend, the allocator's rounding of each plane, the model's weights and activations.
  *  opts->max_seq_len is ignored (it is the answer); the other fields are checked as
  *  bytes_needed checks them with max_seq_len 1, and options it refuses fail with its status
- *  and message. When not even one position fits, fails with M40LLM_ERR_CAPACITY. On failure
+ *  and message. Tiered options (n_tiers > 0) fail with M40LLM_ERR_INVALID_ARGUMENT: their
+ *  rows are given per tier. When not even one position fits, fails with M40LLM_ERR_CAPACITY. On failure
  *  *out_max_seq_len is left unchanged. Host-only: needs no context. */
 int m40llm_kvcache_max_seq_len(int *out_max_seq_len, const m40llm_kvcache_options *opts,
                                size_t budget_bytes);

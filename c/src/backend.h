@@ -35,6 +35,23 @@ typedef struct m40llm_attn_export {
   float decay;
 } m40llm_attn_export;
 
+/* A row op of a tiered cache: where one row (one sequence's position: every K/V head, K and
+ * V) comes from and goes to. A tier t >= 0 names slot src/dst of that tier; the other places: */
+enum {
+  M40LLM_ROW_KEPT = -1,   /* the FP16 slot of position src/dst (sinks, or the window's ring) */
+  M40LLM_ROW_INPUT = -2,  /* row src of the appended rows: widened to FP32, rotated where the
+                             tensor is */
+  M40LLM_ROW_OUTPUT = -3  /* row dst of read_f16's output: rotated back, rounded to FP16 */
+};
+/* Ops from a tier to itself copy the stored bytes; the others decode the row to FP32 (the
+ * stored, rotated frame) and encode it where it goes (quantized, or rounded to FP16). */
+typedef struct m40llm_row_op {
+  int32_t seq, src, dst;
+  int16_t from, to;
+} m40llm_row_op;
+/* Row ops a backend call takes: they travel as a CUDA kernel argument (4 KB on sm_52). */
+#define M40LLM_TIER_OPS 224
+
 typedef struct m40llm_backend_ops {
   int kind; /* m40llm_backend */
   /* Devices this backend can open (0: none, which is not an error). */
@@ -67,7 +84,8 @@ typedef struct m40llm_backend_ops {
                 int n_items, const void *k, const void *v, int dtype);
   int (*read_f16)(const m40llm_kvcache *c, uint16_t *k_out, uint16_t *v_out, int layer,
                   int seq, int pos, int n_tokens);
-  /* Copies src_seq's stored positions of every layer to dst_seq (lengths are the caller's). */
+  /* Copies src_seq's stored positions of every layer to dst_seq (lengths, window starts and
+   * tier counts are the caller's). */
   int (*fork)(const m40llm_kvcache *c, int dst_seq, int src_seq);
   /* Readies a decode attention call of n_rows query rows of element type dtype from q into
    * out, so that what would fail it fails here, before the caller writes anything: append_attn
@@ -88,6 +106,17 @@ typedef struct m40llm_backend_ops {
   int (*attention_causal)(const m40llm_kvcache *c, int layer, const m40llm_append_item *items,
                           int n_items, const void *q, void *out, int dtype, float scale,
                           int window);
+  /* Tiered caches (c->n_tiers > 0): the
+   * front end (tiers.c) keeps the maps and counts and asks for rows to be written, n_ops
+   * (>= 1, <= M40LLM_TIER_OPS) independent row ops at a time (no op reads what another writes),
+   * on layer `layer`: each op's row, every K/V head of it, K and V, from `from` to `to`
+   * (m40llm_row_op). k_in and v_in: the call's appended rows ([row][kv_head][dim] of element
+   * type dtype) for ops from M40LLM_ROW_INPUT; k_out and v_out (FP16, either may be NULL) for
+   * ops to M40LLM_ROW_OUTPUT. n_ops 0 only checks those buffers (CUDA: that the GPU can address
+   * them), before the front end changes its maps. */
+  int (*tier_rows)(const m40llm_kvcache *c, int layer, const m40llm_row_op *ops, int n_ops,
+                   const void *k_in, const void *v_in, int dtype, uint16_t *k_out,
+                   uint16_t *v_out);
   /* Graphs of the context's calls (NULL where the backend has none). graph_begin starts a
    * capture of the context's stream; graph_end ends it and puts the captured graph into *exec
    * (an executable graph; NULL for a new one): updated in place where the runtime can

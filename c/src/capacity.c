@@ -20,6 +20,10 @@ static int fits(m40llm_kvcache_options *o, int len, size_t budget) {
 /* Checks o (the current version) as bytes_needed does, with max_seq_len 1: *one gets the bytes
  * of one position a sequence. */
 static int check_one(size_t *one, m40llm_kvcache_options *o) {
+  if (o->n_tiers != 0)
+    return m40llm_fail(M40LLM_ERR_INVALID_ARGUMENT,
+                       "opts->n_tiers is %d: a tiered cache's rows are given per tier, not "
+                       "planned from a budget", o->n_tiers);
   o->max_seq_len = 1;
   return m40llm_kvcache_bytes_needed(one, o);
 }

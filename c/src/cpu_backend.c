@@ -127,6 +127,81 @@ static void append_item(const m40llm_kvcache *c, int layer, const m40llm_append_
   }
 }
 
+/* ---- Tiered caches: rows in tiers (the maps are the front end's, tiers.c) ---- */
+
+static const m40llm_kv_tensor *tier_tensor(const m40llm_kvcache *c, int t, int is_v) {
+  return is_v ? &c->tier_v[t] : &c->tier_k[t];
+}
+
+/* Tier row (t, slot) of K/V head h as stored (rotated frame), in FP32. */
+static void tier_get(const m40llm_kvcache *c, int t, int is_v, int layer, int seq, int h,
+                     int slot, float *dst) {
+  const m40llm_kv_tensor *x = tier_tensor(c, t, is_v);
+  const size_t row = m40llm_tier_row(c, t, layer, seq, h, slot);
+  x->layout.fmt->decode(dst, m40llm_kv_at(x, M40LLM_KV_CODES, row),
+                        m40llm_kv_at(x, M40LLM_KV_PARAMS, row), c->opts.head_dim);
+}
+
+static uint16_t *kept_row(const m40llm_kvcache *c, int is_v, int layer, int seq, int h, int pos) {
+  const m40llm_kv_tensor *x = is_v ? &c->v : &c->k;
+  return x->fp16 + m40llm_kv_protected_row(&c->opts, c->slots, layer, seq, h,
+                                           m40llm_kv_protected_slot(c->n_sinks, c->window, pos)) *
+                       (size_t)c->opts.head_dim;
+}
+
+/* One op's row of K/V head h of tensor is_v (m40llm_row_op). */
+static void row_op(const m40llm_kvcache *c, int layer, const m40llm_row_op *op, int is_v, int h,
+                   const void *in, int dtype, uint16_t *out) {
+  const m40llm_kvcache_options *o = &c->opts;
+  const int d = o->head_dim;
+  const m40llm_kv_tensor *x = is_v ? &c->v : &c->k;
+  if (op->from >= 0 && op->from == op->to) { /* within a tier: the bytes */
+    const m40llm_kv_tensor *y = tier_tensor(c, op->from, is_v);
+    for (int p = 0; p < M40LLM_KV_PLANES; p++)
+      if (y->plane[p])
+        memcpy(m40llm_kv_at(y, p, m40llm_tier_row(c, op->to, layer, op->seq, h, op->dst)),
+               m40llm_kv_at(y, p, m40llm_tier_row(c, op->from, layer, op->seq, h, op->src)),
+               y->layout.row_bytes[p]);
+    return;
+  }
+  float f[256];
+  const size_t in_row = ((size_t)op->src * (size_t)o->n_kv_heads + (size_t)h) * (size_t)d;
+  if (op->from == M40LLM_ROW_INPUT) {
+    for (int i = 0; i < d; i++) f[i] = m40llm_dtype_load(in, dtype, in_row + (size_t)i);
+    if (x->rotated) m40llm_rotate_f32(f, d);
+  } else if (op->from == M40LLM_ROW_KEPT) {
+    const uint16_t *r = kept_row(c, is_v, layer, op->seq, h, op->src);
+    for (int i = 0; i < d; i++) f[i] = m40llm_f16_to_f32(r[i]);
+  } else {
+    tier_get(c, op->from, is_v, layer, op->seq, h, op->src, f);
+  }
+  if (op->to == M40LLM_ROW_OUTPUT) {
+    if (!out) return;
+    if (x->rotated) m40llm_rotate_f32(f, d);
+    uint16_t *r = out + ((size_t)op->dst * (size_t)o->n_kv_heads + (size_t)h) * (size_t)d;
+    for (int i = 0; i < d; i++) r[i] = m40llm_f32_to_f16(f[i]);
+  } else if (op->to == M40LLM_ROW_KEPT) {
+    uint16_t *r = kept_row(c, is_v, layer, op->seq, h, op->dst);
+    for (int i = 0; i < d; i++) r[i] = m40llm_f32_to_f16(f[i]);
+  } else {
+    const m40llm_kv_tensor *y = tier_tensor(c, op->to, is_v);
+    const size_t row = m40llm_tier_row(c, op->to, layer, op->seq, h, op->dst);
+    y->layout.fmt->encode_f32(m40llm_kv_at(y, M40LLM_KV_CODES, row),
+                              m40llm_kv_at(y, M40LLM_KV_PARAMS, row), f, d);
+  }
+}
+
+static int cpu_tier_rows(const m40llm_kvcache *c, int layer, const m40llm_row_op *ops, int n_ops,
+                         const void *k_in, const void *v_in, int dtype, uint16_t *k_out,
+                         uint16_t *v_out) {
+  for (int i = 0; i < n_ops; i++)
+    for (int h = 0; h < c->opts.n_kv_heads; h++) {
+      row_op(c, layer, &ops[i], 0, h, k_in, dtype, k_out);
+      row_op(c, layer, &ops[i], 1, h, v_in, dtype, v_out);
+    }
+  return M40LLM_OK;
+}
+
 static int cpu_append(const m40llm_kvcache *c, int layer, const m40llm_append_item *items,
                       int n_items, const void *k, const void *v, int dtype) {
   const size_t row =
@@ -150,6 +225,11 @@ static void row_values(const m40llm_kvcache *c, const m40llm_kv_tensor *x, int l
     const size_t r = m40llm_kv_protected_row(o, c->slots, layer, seq, h,
                                              m40llm_kv_protected_slot(c->n_sinks, c->window, pos));
     for (int i = 0; i < d; i++) dst[i] = m40llm_f16_to_f32(x->fp16[r * (size_t)d + i]);
+    return;
+  }
+  if (c->n_tiers > 0) {
+    const uint32_t w = m40llm_tier_where_of(c, layer, seq)[pos];
+    tier_get(c, m40llm_where_tier(w), x == &c->v, layer, seq, h, m40llm_where_slot(w), dst);
     return;
   }
   const size_t row = m40llm_kv_row(o, layer, seq, h, pos);
@@ -184,6 +264,23 @@ static int cpu_read_f16(const m40llm_kvcache *c, uint16_t *k_out, uint16_t *v_ou
   return M40LLM_OK;
 }
 
+/* A tiered cache's rows of (layer, src_seq) into dst_seq: each tier's rows (the front end
+ * copies the maps). */
+static void fork_tiers(const m40llm_kvcache *c, int l, int dst_seq, int src_seq) {
+  for (int t = 0; t < c->n_tiers; t++) {
+    const size_t n = (size_t)m40llm_tier_counts(c, l, src_seq)[t];
+    for (int i = 0; i < 2; i++) {
+      const m40llm_kv_tensor *x = tier_tensor(c, t, i);
+      for (int h = 0; h < c->opts.n_kv_heads; h++)
+        for (int p = 0; p < M40LLM_KV_PLANES; p++)
+          if (x->plane[p] && n > 0)
+            memcpy(m40llm_kv_at(x, p, m40llm_tier_row(c, t, l, dst_seq, h, 0)),
+                   m40llm_kv_at(x, p, m40llm_tier_row(c, t, l, src_seq, h, 0)),
+                   n * x->layout.row_bytes[p]);
+    }
+  }
+}
+
 static int cpu_fork(const m40llm_kvcache *c, int dst_seq, int src_seq) {
   const m40llm_kvcache_options *o = &c->opts;
   const m40llm_kv_tensor *tensors[2] = {&c->k, &c->v};
@@ -204,6 +301,7 @@ static int cpu_fork(const m40llm_kvcache *c, int dst_seq, int src_seq) {
                x->fp16 + m40llm_kv_protected_row(o, c->slots, l, src_seq, 0, 0) * d,
                (size_t)o->n_kv_heads * (size_t)c->slots * d * sizeof(uint16_t));
     }
+    if (c->n_tiers > 0) fork_tiers(c, l, dst_seq, src_seq);
   }
   return M40LLM_OK;
 }
@@ -342,6 +440,7 @@ const m40llm_backend_ops m40llm_cpu_backend = {
     .prepare_attention = cpu_prepare_attention,
     .attention = cpu_attention,
     .attention_causal = cpu_attention_causal,
+    .tier_rows = cpu_tier_rows,
     .graph_begin = NULL, /* calls complete before they return: nothing to capture */
     .graph_end = NULL,
     .graph_launch = NULL,

@@ -39,6 +39,19 @@ struct m40llm_kvcache {
   /* [layer][seq]: positions from max(lo, n_sinks) to the length have their FP16 copy in the
    * ring (the window's; appends raise it, truncation lowers it). */
   int *lo;
+  /* Tiered caches (opts.n_tiers > 0; otherwise n_tiers is 0 and the rest unused; tiers.c):
+   * each tier's K and V rows in backend memory, [layer][seq][kv_head][slot] with
+   * tiers[t].rows slots (no positional planes: k and v hold only the FP16 slots); on the host,
+   * each tier's slot -> position map (tier_pos[t], [layer][seq][slot]), the position -> (tier,
+   * slot) map of the quantized rows (where, [layer][seq][pos], m40llm_tier_where), the rows
+   * each tier holds (tier_count, [layer][seq][M40LLM_MAX_TIERS]), and the row ops being
+   * gathered for the backend (ops, M40LLM_TIER_OPS of them). */
+  int n_tiers;
+  m40llm_kv_tensor tier_k[M40LLM_MAX_TIERS], tier_v[M40LLM_MAX_TIERS];
+  int32_t *tier_pos[M40LLM_MAX_TIERS];
+  uint32_t *where;
+  int32_t *tier_count;
+  m40llm_row_op *ops;
   /* A batched append's scratch, max_seqs entries each (ids cannot repeat, so a batch has at
    * most max_seqs): the caller's ids and counts copied as items, for each sequence 1 + the
    * batch index that named it (0: none; all 0 between calls), and append-and-attend's ids for
@@ -72,6 +85,51 @@ static inline int m40llm_window_begin(const m40llm_kvcache *c, int layer, int se
 /* Whether position pos of (layer, seq) is read from the FP16 slots. */
 static inline int m40llm_is_protected(const m40llm_kvcache *c, int layer, int seq, int pos) {
   return c->slots > 0 && (pos < c->n_sinks || pos >= m40llm_window_begin(c, layer, seq));
+}
+
+/* Tiers: a quantized row's entry in the position map, and back. */
+static inline uint32_t m40llm_tier_where(int tier, int slot) {
+  return (uint32_t)slot << 2 | (uint32_t)tier;
+}
+static inline int m40llm_where_tier(uint32_t w) { return (int)(w & 3u); }
+static inline int m40llm_where_slot(uint32_t w) { return (int)(w >> 2); }
+
+static inline int32_t *m40llm_tier_counts(const m40llm_kvcache *c, int layer, int seq) {
+  return &c->tier_count[((size_t)layer * (size_t)c->opts.max_seqs + (size_t)seq) *
+                        (size_t)M40LLM_MAX_TIERS];
+}
+
+/* Row index of (layer, seq, kv_head, slot) in tier t's K or V planes. */
+static inline size_t m40llm_tier_row(const m40llm_kvcache *c, int t, int layer, int seq,
+                                     int kv_head, int slot) {
+  const m40llm_kvcache_options *o = &c->opts;
+  return (((size_t)layer * (size_t)o->max_seqs + (size_t)seq) * (size_t)o->n_kv_heads +
+          (size_t)kv_head) * (size_t)o->tiers[t].rows + (size_t)slot;
+}
+
+/* How many positions of (layer, seq) are quantized rows (in tiers, for a tiered cache): those
+ * from n_sinks up to the window's first position, given the window start lo and the length. */
+static inline int m40llm_quantized_rows(const m40llm_kvcache *c, int lo, int len) {
+  int w = lo > c->n_sinks ? lo : c->n_sinks;
+  w = w < len ? w : len;
+  return w > c->n_sinks ? w - c->n_sinks : 0;
+}
+
+/* Tiers (tiers.c): the tiered cache's appends, moves, truncation and reads, as row ops for the
+ * backend; the maps are the front end's. Arguments are checked by the caller. */
+int m40llm_tiers_append(m40llm_kvcache *c, int layer, const m40llm_append_item *items,
+                        int n_items, const void *k, const void *v, int dtype);
+int m40llm_tiers_move(m40llm_kvcache *c, int layer, int seq, int begin, int end, int tier);
+int m40llm_tiers_truncate(m40llm_kvcache *c, int layer, int seq, int new_len);
+int m40llm_tiers_read(m40llm_kvcache *c, uint16_t *k_out, uint16_t *v_out, int layer, int seq,
+                      int pos, int n_tokens);
+static inline uint32_t *m40llm_tier_where_of(const m40llm_kvcache *c, int layer, int seq) {
+  return c->where +
+         ((size_t)layer * (size_t)c->opts.max_seqs + (size_t)seq) * (size_t)c->opts.max_seq_len;
+}
+static inline int32_t *m40llm_tier_slot_pos(const m40llm_kvcache *c, int t, int layer, int seq) {
+  return c->tier_pos[t] +
+         ((size_t)layer * (size_t)c->opts.max_seqs + (size_t)seq) * (size_t)c->opts.tiers[t].rows;
 }
 
 /* Records a failure for m40llm_last_error_message() and returns status. */

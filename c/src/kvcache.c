@@ -14,7 +14,8 @@ static size_t options_size(unsigned version) {
   switch (version) {
     case 1: return offsetof(m40llm_kvcache_options, v_format);
     case 2: return offsetof(m40llm_kvcache_options, rotation);
-    case 3: return sizeof(m40llm_kvcache_options);
+    case 3: return offsetof(m40llm_kvcache_options, n_tiers);
+    case 4: return sizeof(m40llm_kvcache_options);
     default: return 0;
   }
 }
@@ -67,8 +68,61 @@ static int add_protected_bytes(size_t *bytes, const m40llm_kvcache_options *o, i
   return 1;
 }
 
+/* The options of tier t's planes: its formats, and its rows as the positions. */
+static m40llm_kvcache_options tier_options(const m40llm_kvcache_options *o, int t) {
+  m40llm_kvcache_options to = *o;
+  to.max_seq_len = o->tiers[t].rows;
+  to.format = o->tiers[t].k_format;
+  to.v_format = o->tiers[t].v_format;
+  to.n_tiers = 0;
+  return to;
+}
+
+/* A tiered cache's tiers (n_tiers > 0): their formats and rows; adds their planes to *bytes. */
+static int check_tiers(const m40llm_kvcache_options *o, int sinks, int window, size_t *bytes) {
+  if (o->n_tiers > M40LLM_MAX_TIERS)
+    return FAIL(INVALID_ARGUMENT, "opts->n_tiers is %d, must be in 0..%d", o->n_tiers,
+                M40LLM_MAX_TIERS);
+  if (o->tiers[0].k_format != o->format || o->tiers[0].v_format != v_format_of(o))
+    return FAIL(INVALID_ARGUMENT,
+                "opts->format and v_format (%d, %d) must name the first tier's formats (%d, %d)",
+                o->format, v_format_of(o), o->tiers[0].k_format, o->tiers[0].v_format);
+  long long rows = 0;
+  for (int t = 0; t < o->n_tiers; t++) {
+    const m40llm_kv_tier *tier = &o->tiers[t];
+    const m40llm_kv_format_desc *k = m40llm_kv_format_find(tier->k_format);
+    const m40llm_kv_format_desc *v = m40llm_kv_format_find(tier->v_format);
+    if (!k || !v || k->v_only || tier->k_format == M40LLM_KV_F16 ||
+        tier->v_format == M40LLM_KV_F16)
+      return FAIL(INVALID_ARGUMENT,
+                  "opts->tiers[%d] has formats (%d, %d): a tier's K is Q8 or Q4, its V Q8, Q4, "
+                  "Q3 or Q2", t, tier->k_format, tier->v_format);
+    if (tier->rows < 0 || tier->rows > o->max_seq_len)
+      return FAIL(INVALID_ARGUMENT, "opts->tiers[%d].rows is %d, must be in 0..max_seq_len (%d)",
+                  t, tier->rows, o->max_seq_len);
+    rows += tier->rows;
+    const m40llm_kvcache_options to = tier_options(o, t);
+    m40llm_kv_layout l;
+    size_t k_bytes = 0, v_bytes = 0;
+    int rc = m40llm_kv_layout_init(&l, &k_bytes, &to, to.format);
+    if (rc == M40LLM_OK) rc = m40llm_kv_layout_init(&l, &v_bytes, &to, to.v_format);
+    if (rc != M40LLM_OK) return rc;
+    if (k_bytes > SIZE_MAX - v_bytes || *bytes > SIZE_MAX - k_bytes - v_bytes)
+      return FAIL(OUT_OF_MEMORY, "cache size overflows size_t");
+    *bytes += k_bytes + v_bytes;
+  }
+  const long long need = (long long)o->max_seq_len - sinks - window;
+  if (rows < need)
+    return FAIL(INVALID_ARGUMENT,
+                "the tiers hold %lld rows, fewer than the %lld that can leave the window "
+                "(max_seq_len %d - n_sinks %d - window %d)", rows, need, o->max_seq_len, sinks,
+                window);
+  return M40LLM_OK;
+}
+
 /* Validates opts (already read as the current version) and computes the layouts of K and V and
- * their bytes together, FP16 slots included. */
+ * their bytes together, FP16 slots included (a tiered cache: its tiers instead of K and V's
+ * positional planes). */
 static int check_options(const m40llm_kvcache_options *o, m40llm_kv_layout *k_layout,
                          m40llm_kv_layout *v_layout, size_t *out_bytes) {
   if (o->n_layers < 1) return FAIL(INVALID_ARGUMENT, "opts->n_layers is %d, must be >= 1", o->n_layers);
@@ -97,6 +151,9 @@ static int check_options(const m40llm_kvcache_options *o, m40llm_kv_layout *k_la
     return FAIL(INVALID_ARGUMENT, "opts->rotation is %d, not an m40llm_kv_rotation", o->rotation);
   if (o->n_sinks < 0) return FAIL(INVALID_ARGUMENT, "opts->n_sinks is %d, must be >= 0", o->n_sinks);
   if (o->window < 0) return FAIL(INVALID_ARGUMENT, "opts->window is %d, must be >= 0", o->window);
+  if (o->n_tiers < 0)
+    return FAIL(INVALID_ARGUMENT, "opts->n_tiers is %d, must be in 0..%d", o->n_tiers,
+                M40LLM_MAX_TIERS);
   size_t k_bytes = 0, v_bytes = 0;
   int rc = m40llm_kv_layout_init(k_layout, &k_bytes, o, o->format);
   if (rc == M40LLM_OK) rc = m40llm_kv_layout_init(v_layout, &v_bytes, o, v_format_of(o));
@@ -105,6 +162,10 @@ static int check_options(const m40llm_kvcache_options *o, m40llm_kv_layout *k_la
   size_t bytes = k_bytes + v_bytes;
   int sinks, window;
   m40llm_kv_protection(o, o->format, v_format_of(o), &sinks, &window);
+  if (o->n_tiers > 0) {
+    bytes = 0;
+    if ((rc = check_tiers(o, sinks, window, &bytes)) != M40LLM_OK) return rc;
+  }
   const int formats[2] = {o->format, v_format_of(o)};
   for (int i = 0; i < 2; i++)
     if (formats[i] != M40LLM_KV_F16 && !add_protected_bytes(&bytes, o, sinks + window))
@@ -130,12 +191,22 @@ int m40llm_kvcache_bytes_needed(size_t *out_bytes, const m40llm_kvcache_options 
   return rc;
 }
 
+static void release_tensor(m40llm_kvcache *c, m40llm_kv_tensor *t) {
+  for (int p = 0; p < M40LLM_KV_PLANES; p++) m40llm_free(c->ctx, t->plane[p]);
+  m40llm_free(c->ctx, t->fp16);
+}
+
 static void release(m40llm_kvcache *c) {
-  m40llm_kv_tensor *tensors[2] = {&c->k, &c->v};
-  for (int i = 0; i < 2; i++) {
-    for (int p = 0; p < M40LLM_KV_PLANES; p++) m40llm_free(c->ctx, tensors[i]->plane[p]);
-    m40llm_free(c->ctx, tensors[i]->fp16);
+  release_tensor(c, &c->k);
+  release_tensor(c, &c->v);
+  for (int t = 0; t < M40LLM_MAX_TIERS; t++) {
+    release_tensor(c, &c->tier_k[t]);
+    release_tensor(c, &c->tier_v[t]);
+    free(c->tier_pos[t]);
   }
+  free(c->where);
+  free(c->tier_count);
+  free(c->ops);
   free(c->lens);
   free(c->lo);
   free(c->batch);
@@ -144,20 +215,59 @@ static void release(m40llm_kvcache *c) {
   free(c);
 }
 
-/* The planes of one tensor, each its own allocation (aligned for the widest loads), and a
- * quantized tensor's FP16 slots where the cache has any. */
+/* The planes of one tensor, each its own allocation (aligned for the widest loads), unless
+ * the cache is tiered, and a quantized tensor's FP16 slots where the cache has any. */
 static int alloc_tensor(m40llm_kv_tensor *t, m40llm_kvcache *c, const m40llm_kv_layout *l,
                         int is_v) {
   t->layout = *l;
   t->rotated = is_rotated(l->fmt->format, c->opts.rotation, is_v);
   for (int p = 0; p < M40LLM_KV_PLANES; p++) {
-    if (l->row_bytes[p] == 0) continue;
+    if (l->row_bytes[p] == 0 || c->n_tiers > 0) continue;
     const int rc = m40llm_malloc((void **)&t->plane[p], c->ctx, l->rows * l->row_bytes[p]);
     if (rc != M40LLM_OK) return rc;
   }
   if (l->fmt->format == M40LLM_KV_F16 || c->slots == 0) return M40LLM_OK;
   const size_t rows = m40llm_kv_protected_row(&c->opts, c->slots, c->opts.n_layers, 0, 0, 0);
   return m40llm_malloc((void **)&t->fp16, c->ctx, rows * (size_t)c->opts.head_dim * sizeof(uint16_t));
+}
+
+/* A tiered cache's tiers (each tier's K and V planes and slot map), its position map and its
+ * host counts (all zero). Tensors of no rows allocate nothing. */
+static int alloc_tiers(m40llm_kvcache *c) {
+  if (c->n_tiers == 0) return M40LLM_OK;
+  const m40llm_kvcache_options *o = &c->opts;
+  const size_t seqs = (size_t)o->n_layers * (size_t)o->max_seqs;
+  c->tier_count = m40llm_host_calloc(seqs * M40LLM_MAX_TIERS, sizeof *c->tier_count);
+  c->ops = m40llm_host_calloc(M40LLM_TIER_OPS, sizeof *c->ops);
+  c->where = seqs > SIZE_MAX / sizeof *c->where / (size_t)o->max_seq_len
+                 ? NULL
+                 : m40llm_host_malloc(seqs * (size_t)o->max_seq_len * sizeof *c->where);
+  if (!c->tier_count || !c->ops || !c->where)
+    return FAIL(OUT_OF_MEMORY, "allocating the tiers' maps on the host");
+  int rc = M40LLM_OK;
+  for (int t = 0; t < c->n_tiers && rc == M40LLM_OK; t++) {
+    if (o->tiers[t].rows == 0) continue;
+    const m40llm_kvcache_options to = tier_options(o, t);
+    m40llm_kv_layout k, v;
+    size_t unused;
+    if ((rc = m40llm_kv_layout_init(&k, &unused, &to, to.format)) != M40LLM_OK ||
+        (rc = m40llm_kv_layout_init(&v, &unused, &to, to.v_format)) != M40LLM_OK)
+      break;
+    const m40llm_kv_layout *layouts[2] = {&k, &v};
+    m40llm_kv_tensor *tensors[2] = {&c->tier_k[t], &c->tier_v[t]};
+    for (int i = 0; i < 2 && rc == M40LLM_OK; i++) {
+      tensors[i]->layout = *layouts[i];
+      tensors[i]->rotated = is_rotated(layouts[i]->fmt->format, o->rotation, i);
+      for (int p = 0; p < M40LLM_KV_PLANES && rc == M40LLM_OK; p++)
+        if (layouts[i]->row_bytes[p])
+          rc = m40llm_malloc((void **)&tensors[i]->plane[p], c->ctx,
+                             layouts[i]->rows * layouts[i]->row_bytes[p]);
+    }
+    if (rc == M40LLM_OK &&
+        !(c->tier_pos[t] = m40llm_host_malloc(seqs * (size_t)o->tiers[t].rows * sizeof(int32_t))))
+      rc = FAIL(OUT_OF_MEMORY, "allocating tier %d's slot map on the host", t);
+  }
+  return rc;
 }
 
 int m40llm_kvcache_create(m40llm_kvcache **out, m40llm_context *ctx,
@@ -191,8 +301,10 @@ int m40llm_kvcache_create(m40llm_kvcache **out, m40llm_context *ctx,
     free(c);
     return FAIL(OUT_OF_MEMORY, "allocating sequence lengths");
   }
+  c->n_tiers = o.n_tiers;
   if ((rc = alloc_tensor(&c->k, c, &k_layout, 0)) != M40LLM_OK ||
       (rc = alloc_tensor(&c->v, c, &v_layout, 1)) != M40LLM_OK ||
+      (rc = alloc_tiers(c)) != M40LLM_OK ||
       (rc = m40llm_context_result(ctx, ctx->ops->cache_created(c))) != M40LLM_OK) {
     release(c);
     return rc;
@@ -256,12 +368,29 @@ int m40llm_kvcache_seq_truncate(m40llm_kvcache *cache, int seq, int new_len) {
   int rc = check_seq(cache, "seq", seq);
   if (rc != M40LLM_OK) return rc;
   if (new_len < 0) return FAIL(INVALID_ARGUMENT, "new_len is %d, must be >= 0", new_len);
+  if (cache->n_tiers > 0 && (rc = m40llm_context_check(cache->ctx)) != M40LLM_OK) return rc;
   for (int l = 0; l < cache->opts.n_layers; l++) {
     int *len = m40llm_len_slot(cache, l, seq), *lo = m40llm_lo_slot(cache, l, seq);
+    /* A tiered cache's rows past new_len leave their tiers first (a backend failure leaves
+     * this layer and the ones after it as they were). */
+    if (cache->n_tiers > 0 && *len > new_len &&
+        (rc = m40llm_tiers_truncate(cache, l, seq, new_len)) != M40LLM_OK)
+      return rc;
     if (*len > new_len) *len = new_len;
     if (*lo > new_len) *lo = new_len;
   }
   return M40LLM_OK;
+}
+
+/* A tiered cache's maps and counts of (layer, src) into dst (the backend copied the rows). */
+static void fork_maps(m40llm_kvcache *c, int l, int dst, int src) {
+  memcpy(m40llm_tier_counts(c, l, dst), m40llm_tier_counts(c, l, src),
+         M40LLM_MAX_TIERS * sizeof(int32_t));
+  memcpy(m40llm_tier_where_of(c, l, dst), m40llm_tier_where_of(c, l, src),
+         (size_t)*m40llm_len_slot(c, l, src) * sizeof(uint32_t));
+  for (int t = 0; t < c->n_tiers; t++)
+    memcpy(m40llm_tier_slot_pos(c, t, l, dst), m40llm_tier_slot_pos(c, t, l, src),
+           (size_t)m40llm_tier_counts(c, l, src)[t] * sizeof(int32_t));
 }
 
 int m40llm_kvcache_seq_fork(m40llm_kvcache *cache, int dst_seq, int src_seq) {
@@ -278,6 +407,7 @@ int m40llm_kvcache_seq_fork(m40llm_kvcache *cache, int dst_seq, int src_seq) {
   for (int l = 0; l < cache->opts.n_layers; l++) {
     *m40llm_len_slot(cache, l, dst_seq) = *m40llm_len_slot(cache, l, src_seq);
     *m40llm_lo_slot(cache, l, dst_seq) = *m40llm_lo_slot(cache, l, src_seq);
+    if (cache->n_tiers > 0) fork_maps(cache, l, dst_seq, src_seq);
   }
   return M40LLM_OK;
 }
@@ -289,7 +419,9 @@ static int run_append(m40llm_kvcache *c, int layer, const m40llm_append_item *it
   int rc = m40llm_context_check(c->ctx);
   if (rc != M40LLM_OK || n_items == 0) return rc;
   rc = m40llm_context_result(c->ctx,
-                             c->ctx->ops->append(c, layer, items, n_items, k, v, dtype));
+                             c->n_tiers > 0
+                                 ? m40llm_tiers_append(c, layer, items, n_items, k, v, dtype)
+                                 : c->ctx->ops->append(c, layer, items, n_items, k, v, dtype));
   for (int i = 0; i < n_items && rc == M40LLM_OK; i++) {
     int *len = m40llm_len_slot(c, layer, items[i].seq);
     int *lo = m40llm_lo_slot(c, layer, items[i].seq);
@@ -447,6 +579,10 @@ int m40llm_kvcache_read_f16(uint16_t *k_out, uint16_t *v_out, const m40llm_kvcac
     return FAIL(OUT_OF_RANGE, "positions %d..%lld are outside layer %d seq %d (length %d)", pos,
                 (long long)pos + n_tokens - 1, layer, seq, len);
   if ((rc = m40llm_context_check(cache->ctx)) != M40LLM_OK) return rc;
+  /* A tiered cache's read gathers row ops in the cache's scratch: calls on a context are
+   * serialized (m40llm.h, Threading), reads included. */
+  if (cache->n_tiers > 0)
+    return m40llm_tiers_read((m40llm_kvcache *)cache, k_out, v_out, layer, seq, pos, n_tokens);
   return m40llm_context_result(cache->ctx,
                                cache->ctx->ops->read_f16(cache, k_out, v_out, layer, seq, pos,
                                                          n_tokens));
@@ -728,4 +864,54 @@ int m40llm_kvcache_attn_causal_f32q(float *out, m40llm_kvcache *cache, int layer
 
 int m40llm_kvcache_read_options(m40llm_kvcache_options *out, const m40llm_kvcache_options *in) {
   return read_options(out, in);
+}
+
+/* ---- Tiers ---- */
+
+static int check_tiered(const m40llm_kvcache *c, int layer, int seq) {
+  if (!c) return FAIL(INVALID_ARGUMENT, "cache is NULL");
+  if (c->n_tiers == 0)
+    return FAIL(INVALID_ARGUMENT, "the cache has no tiers (its options' n_tiers is 0)");
+  return check_layer_seq(c, layer, seq);
+}
+
+int m40llm_kvcache_tier_move(m40llm_kvcache *cache, int layer, int seq, int begin, int end,
+                             int tier) {
+  int rc = check_tiered(cache, layer, seq);
+  if (rc != M40LLM_OK) return rc;
+  const int len = *m40llm_len_slot(cache, layer, seq);
+  if (begin < 0 || begin > end || end > len)
+    return FAIL(OUT_OF_RANGE, "positions [%d, %d) of layer %d seq %d: must satisfy 0 <= begin "
+                "<= end <= the length %d", begin, end, layer, seq, len);
+  if (tier < 0 || tier >= cache->n_tiers)
+    return FAIL(OUT_OF_RANGE, "tier %d is outside 0..%d", tier, cache->n_tiers - 1);
+  if ((rc = m40llm_context_check(cache->ctx)) != M40LLM_OK) return rc;
+  return m40llm_context_result(cache->ctx,
+                               m40llm_tiers_move(cache, layer, seq, begin, end, tier));
+}
+
+int m40llm_kvcache_tier_rows(int32_t *out_rows, const m40llm_kvcache *cache, int layer, int seq) {
+  if (!out_rows) return FAIL(INVALID_ARGUMENT, "out_rows is NULL");
+  const int rc = check_tiered(cache, layer, seq);
+  if (rc != M40LLM_OK) return rc;
+  memcpy(out_rows, m40llm_tier_counts(cache, layer, seq), (size_t)cache->n_tiers * sizeof *out_rows);
+  return M40LLM_OK;
+}
+
+int m40llm_kvcache_tier_of(int *out_tier, const m40llm_kvcache *cache, int layer, int seq,
+                           int pos) {
+  if (!out_tier) return FAIL(INVALID_ARGUMENT, "out_tier is NULL");
+  int rc = check_tiered(cache, layer, seq);
+  if (rc != M40LLM_OK) return rc;
+  const int len = *m40llm_len_slot(cache, layer, seq);
+  if (pos < 0 || pos >= len)
+    return FAIL(OUT_OF_RANGE, "pos %d of layer %d seq %d is outside [0, %d)", pos, layer, seq,
+                len);
+  if (m40llm_is_protected(cache, layer, seq, pos)) {
+    *out_tier = -1;
+    return M40LLM_OK;
+  }
+  const uint32_t w = m40llm_tier_where_of(cache, layer, seq)[pos];
+  *out_tier = m40llm_where_tier(w);
+  return M40LLM_OK;
 }

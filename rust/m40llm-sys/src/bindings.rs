@@ -10,7 +10,8 @@ pub const M40LLM_VERSION_NUMBER: u32 = 100;
 pub const M40LLM_BUILD_INFO_VERSION: u32 = 1;
 pub const M40LLM_CONTEXT_OPTIONS_VERSION: u32 = 2;
 pub const M40LLM_DEVICE_INFO_VERSION: u32 = 2;
-pub const M40LLM_KVCACHE_OPTIONS_VERSION: u32 = 3;
+pub const M40LLM_MAX_TIERS: u32 = 4;
+pub const M40LLM_KVCACHE_OPTIONS_VERSION: u32 = 4;
 pub const M40LLM_DEVICE_RESERVE_DEFAULT: u32 = 268435456;
 pub const M40LLM_CAUSAL_OPTIONS_VERSION: u32 = 1;
 pub const M40LLM_OK: m40llm_status = 0;
@@ -121,6 +122,13 @@ pub const M40LLM_ROTATE_KV: m40llm_kv_rotation = 3;
 pub type m40llm_kv_rotation = ::core::ffi::c_uint;
 #[repr(C)]
 #[derive(Debug, Default, Copy, Clone)]
+pub struct m40llm_kv_tier {
+    pub k_format: ::core::ffi::c_int,
+    pub v_format: ::core::ffi::c_int,
+    pub rows: ::core::ffi::c_int,
+}
+#[repr(C)]
+#[derive(Debug, Default, Copy, Clone)]
 pub struct m40llm_kvcache_options {
     pub version: ::core::ffi::c_uint,
     pub n_layers: ::core::ffi::c_int,
@@ -134,6 +142,8 @@ pub struct m40llm_kvcache_options {
     pub rotation: ::core::ffi::c_int,
     pub n_sinks: ::core::ffi::c_int,
     pub window: ::core::ffi::c_int,
+    pub n_tiers: ::core::ffi::c_int,
+    pub tiers: [m40llm_kv_tier; 4usize],
 }
 #[repr(C)]
 #[derive(Debug, Default, Copy, Clone)]
@@ -257,8 +267,8 @@ extern "C" {
         value: ::core::ffi::c_int,
         bytes: usize,
     ) -> ::core::ffi::c_int;
-    /** Fills *opts with the defaults of the given version, 1 to 3 (all sizes zero, FP16; version 3:
-  rotation AUTO, 4 sinks, a window of 128).*/
+    /** Fills *opts with the defaults of the given version, 1 to 4 (all sizes zero, FP16; version 3:
+  rotation AUTO, 4 sinks, a window of 128; version 4: no tiers).*/
     pub fn m40llm_kvcache_options_init(
         opts: *mut m40llm_kvcache_options,
         version: ::core::ffi::c_uint,
@@ -394,6 +404,40 @@ extern "C" {
         pos: ::core::ffi::c_int,
         n_tokens: ::core::ffi::c_int,
     ) -> ::core::ffi::c_int;
+    /** Moves the quantized rows of (layer, seq) whose positions are in [begin, end) into tier
+  `tier` (0 .. n_tiers - 1), each re-quantized in the tier's formats from the values it holds
+  now (in the rotated frame it is stored in); rows already there stay as they are, and
+  positions still in FP16 slots (sinks, window) are not moved (they get a tier when they
+  leave the window). 0 <= begin <= end <= the length, else M40LLM_ERR_OUT_OF_RANGE. If the
+  tier has too few free rows for all of them, fails with M40LLM_ERR_CAPACITY and moves none.
+  A cache without tiers: M40LLM_ERR_INVALID_ARGUMENT. For tests, and for callers with a
+  policy of their own (e.g. from m40llm_kvcache_attn_importance_ex's importance).*/
+    pub fn m40llm_kvcache_tier_move(
+        cache: *mut m40llm_kvcache,
+        layer: ::core::ffi::c_int,
+        seq: ::core::ffi::c_int,
+        begin: ::core::ffi::c_int,
+        end: ::core::ffi::c_int,
+        tier: ::core::ffi::c_int,
+    ) -> ::core::ffi::c_int;
+    /** Rows each tier holds for (layer, seq): out_rows[t] for t < n_tiers (host memory, n_tiers
+  entries). A cache without tiers: M40LLM_ERR_INVALID_ARGUMENT.*/
+    pub fn m40llm_kvcache_tier_rows(
+        out_rows: *mut i32,
+        cache: *const m40llm_kvcache,
+        layer: ::core::ffi::c_int,
+        seq: ::core::ffi::c_int,
+    ) -> ::core::ffi::c_int;
+    /** The tier of position pos of (layer, seq): 0 .. n_tiers - 1, or -1 for a position read from
+  its FP16 slot (a sink, or in the window). pos outside [0, length): M40LLM_ERR_OUT_OF_RANGE.
+  A cache without tiers: M40LLM_ERR_INVALID_ARGUMENT.*/
+    pub fn m40llm_kvcache_tier_of(
+        out_tier: *mut ::core::ffi::c_int,
+        cache: *const m40llm_kvcache,
+        layer: ::core::ffi::c_int,
+        seq: ::core::ffi::c_int,
+        pos: ::core::ffi::c_int,
+    ) -> ::core::ffi::c_int;
     /** The largest max_seq_len (1..INT_MAX) whose cache, with the other fields of opts, fits in
   budget_bytes: a cache of *out_max_seq_len positions a sequence needs at most budget_bytes,
   and one of a position more needs more (unless the answer is INT_MAX).
@@ -403,7 +447,8 @@ extern "C" {
   CUDA backend, the allocator's rounding of each plane, the model's weights and activations.
   opts->max_seq_len is ignored (it is the answer); the other fields are checked as
   bytes_needed checks them with max_seq_len 1, and options it refuses fail with its status
-  and message. When not even one position fits, fails with M40LLM_ERR_CAPACITY. On failure
+  and message. Tiered options (n_tiers > 0) fail with M40LLM_ERR_INVALID_ARGUMENT: their
+  rows are given per tier. When not even one position fits, fails with M40LLM_ERR_CAPACITY. On failure
   *out_max_seq_len is left unchanged. Host-only: needs no context.*/
     pub fn m40llm_kvcache_max_seq_len(
         out_max_seq_len: *mut ::core::ffi::c_int,

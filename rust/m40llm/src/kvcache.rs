@@ -132,6 +132,33 @@ impl KvRotation {
     }
 }
 
+/// A tier of a tiered cache ([`KvCacheConfig::tiers`]): a (K, V) pair of quantized formats
+/// (K [`KvFormat::Q8`] or [`KvFormat::Q4`]; V those or [`KvFormat::Q3`], [`KvFormat::Q2`]) and
+/// the rows it holds per (layer, sequence), every K/V head of a row together.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct KvTier {
+    /// K's format.
+    pub k_format: KvFormat,
+    /// V's format.
+    pub v_format: KvFormat,
+    /// Rows per (layer, sequence).
+    pub rows: usize,
+}
+
+impl KvTier {
+    /// A tier of `rows` rows in these formats.
+    pub fn new(k_format: KvFormat, v_format: KvFormat, rows: usize) -> Self {
+        KvTier {
+            k_format,
+            v_format,
+            rows,
+        }
+    }
+}
+
+/// The most tiers a cache has (`M40LLM_MAX_TIERS`).
+pub const MAX_TIERS: usize = sys::M40LLM_MAX_TIERS as usize;
+
 /// The shape of a [`KvCache`] and how it stores K/V: built with [`KvCacheConfig::new`] and the
 /// setter methods. Fields the setters do not name take the library's defaults
 /// (`m40llm_kvcache_options_init`).
@@ -175,6 +202,11 @@ pub struct KvCacheConfig {
     /// included), kept in FP16 beside their quantized values. See [`window`](Self::window).
     /// Defaults to the library's default, read at run time by [`KvCacheConfig::new`].
     pub window: usize,
+    /// Tiers (see [`tiers`](Self::tiers)); none by default.
+    pub tiers: [Option<KvTier>; MAX_TIERS],
+    /// How many tiers [`tiers`](Self::tiers) was given (more than [`MAX_TIERS`] is refused
+    /// when the config is used).
+    pub n_tiers: usize,
 }
 
 impl KvCacheConfig {
@@ -195,7 +227,48 @@ impl KvCacheConfig {
             rotation: KvRotation::from_raw(d.rotation),
             n_sinks: d.n_sinks.max(0) as usize,
             window: d.window.max(0) as usize,
+            tiers: [None; MAX_TIERS],
+            n_tiers: 0,
         }
+    }
+
+    /// Makes the cache tiered: its quantized rows live in these tiers (at most [`MAX_TIERS`],
+    /// first to last), not at their positions in one format, and `format` and `v_format` become
+    /// the first tier's. A row gets its tier when it leaves the FP16 window (or when appended
+    /// past it): the first tier with a free row; [`KvCache::tier_move`] moves rows between
+    /// tiers, [`KvCache::tier_rows`] and [`KvCache::tier_of`] say where they are. The tiers'
+    /// rows must add up to at least `max_seq_len - sinks - window` (checked by
+    /// [`bytes_needed`](Self::bytes_needed) and [`KvCache::new`]). On CUDA, causal attention
+    /// and the calls that export weights or importance are not run on a tiered cache yet
+    /// ([`Status::Unsupported`](crate::Status)).
+    ///
+    /// ```
+    /// use m40llm::{Context, KvCache, KvCacheConfig, KvFormat, KvTier};
+    /// let cfg = KvCacheConfig::new(1, 8, 64).kv_heads(2).max_seq_len(1024).tiers(&[
+    ///     KvTier::new(KvFormat::Q8, KvFormat::Q8, 256),
+    ///     KvTier::new(KvFormat::Q4, KvFormat::Q2, 1024),
+    /// ]);
+    /// let ctx = Context::cpu()?;
+    /// let cache = KvCache::new(&ctx, &cfg)?;
+    /// assert_eq!(cache.tier_rows(0, 0)?, vec![0, 0]);
+    /// # Ok::<(), m40llm::Error>(())
+    /// ```
+    pub fn tiers(mut self, tiers: &[KvTier]) -> Self {
+        self.tiers = [None; MAX_TIERS];
+        for (slot, t) in self.tiers.iter_mut().zip(tiers) {
+            *slot = Some(*t);
+        }
+        if let Some(first) = tiers.first() {
+            self.format = first.k_format;
+            self.v_format = Some(first.v_format);
+        }
+        self.n_tiers = tiers.len();
+        self
+    }
+
+    /// The tiers set with [`tiers`](Self::tiers).
+    pub fn tier_list(&self) -> Vec<KvTier> {
+        self.tiers.iter().flatten().copied().collect()
     }
 
     /// Sets the number of K/V heads (GQA when fewer than `n_heads`, MQA when 1).
@@ -374,6 +447,19 @@ impl KvCacheConfig {
         o.rotation = self.rotation.to_raw();
         o.n_sinks = to_c(self.n_sinks, "n_sinks")?;
         o.window = to_c(self.window, "window")?;
+        if self.n_tiers > MAX_TIERS {
+            return Err(Error::invalid(format!(
+                "tiers: {} given, at most {MAX_TIERS}",
+                self.n_tiers
+            )));
+        }
+        let tiers = self.tier_list();
+        o.n_tiers = tiers.len() as c_int;
+        for (raw, t) in o.tiers.iter_mut().zip(&tiers) {
+            raw.k_format = t.k_format.to_c();
+            raw.v_format = t.v_format.to_c();
+            raw.rows = to_c(t.rows, "tier rows")?;
+        }
         Ok(o)
     }
 
@@ -404,6 +490,21 @@ impl KvCacheConfig {
             rotation: KvRotation::from_raw(o.rotation),
             n_sinks: size(o.n_sinks),
             window: size(o.window),
+            tiers: {
+                let mut tiers = [None; MAX_TIERS];
+                for (t, raw) in tiers
+                    .iter_mut()
+                    .zip(&o.tiers[..size(o.n_tiers).min(MAX_TIERS)])
+                {
+                    *t = Some(KvTier {
+                        k_format: format(raw.k_format)?,
+                        v_format: format(raw.v_format)?,
+                        rows: size(raw.rows),
+                    });
+                }
+                tiers
+            },
+            n_tiers: size(o.n_tiers),
         })
     }
 }
@@ -620,6 +721,48 @@ impl KvCache {
         // SAFETY: valid out pointer and cache.
         self.call(|c| unsafe { sys::m40llm_kvcache_seq_len(&mut len, c, l, s) })?;
         Ok(len.max(0) as usize)
+    }
+
+    /// A tiered cache ([`KvCacheConfig::tiers`]): moves the quantized rows of `(layer, seq)` at
+    /// `positions` into tier `tier`, each re-quantized from the values it holds; rows already
+    /// there stay, and rows still in FP16 slots (sinks, window) are not moved. A tier with too
+    /// few free rows for all of them fails with [`Status::Capacity`](crate::Status) and moves
+    /// none. For a policy of the caller's own, e.g. from [`attention_importance`](Self::attention_importance).
+    pub fn tier_move(
+        &mut self,
+        layer: usize,
+        seq: usize,
+        positions: std::ops::Range<usize>,
+        tier: usize,
+    ) -> Result<()> {
+        let (l, s) = (self.layer(layer)?, self.seq("seq", seq)?);
+        let clamp = |x: usize| x.min(c_int::MAX as usize) as c_int;
+        let (b, e, t) = (clamp(positions.start), clamp(positions.end), clamp(tier));
+        // SAFETY: valid cache; the library checks the range and the tier.
+        self.call(|c| unsafe { sys::m40llm_kvcache_tier_move(c, l, s, b, e, t) })
+    }
+
+    /// A tiered cache: the rows each tier holds for `(layer, seq)`.
+    pub fn tier_rows(&self, layer: usize, seq: usize) -> Result<Vec<usize>> {
+        let (l, s) = (self.layer(layer)?, self.seq("seq", seq)?);
+        let mut rows = [0i32; MAX_TIERS];
+        // SAFETY: room for MAX_TIERS entries, the most a cache has.
+        self.call(|c| unsafe { sys::m40llm_kvcache_tier_rows(rows.as_mut_ptr(), c, l, s) })?;
+        Ok(rows[..self.config().tier_list().len()]
+            .iter()
+            .map(|&r| r.max(0) as usize)
+            .collect())
+    }
+
+    /// A tiered cache: the tier of position `pos` of `(layer, seq)`, or `None` for a position
+    /// read from its FP16 slot (a sink, or in the window).
+    pub fn tier_of(&self, layer: usize, seq: usize, pos: usize) -> Result<Option<usize>> {
+        let (l, s) = (self.layer(layer)?, self.seq("seq", seq)?);
+        let p = pos.min(c_int::MAX as usize) as c_int;
+        let mut tier: c_int = 0;
+        // SAFETY: valid out pointer and cache.
+        self.call(|c| unsafe { sys::m40llm_kvcache_tier_of(&mut tier, c, l, s, p) })?;
+        Ok(usize::try_from(tier).ok())
     }
 
     /// Empties `seq` in every layer.

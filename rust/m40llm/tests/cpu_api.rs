@@ -13,7 +13,7 @@ use common::{
 use m40llm::{
     build_info, built_with_cuda, cuda_device_count, f16, library_version, Backend, Context,
     DeviceBuffer, DeviceSlice, DeviceSliceMut, Error, Graph, KvCache, KvCacheConfig, KvFormat,
-    Status,
+    KvTier, Status,
 };
 
 fn cpu() -> Context {
@@ -1259,4 +1259,60 @@ fn attention_importance_reduces_the_weights() {
     );
     assert!(e.message().contains("importance has 36 elements"), "{e}");
     assert_eq!(imp.to_vec().unwrap(), got);
+}
+
+#[test]
+fn tiers_place_move_and_attend() {
+    let ctx = cpu();
+    // No window: every row past the 2 sinks is quantized when appended, into the first tier
+    // with a free row (ffi_tests/cases_tiers.c checks the values against a model).
+    let base = KvCacheConfig::new(1, 4, 64)
+        .kv_heads(2)
+        .max_seq_len(40)
+        .sinks(2)
+        .window(0);
+    let tiered = base.tiers(&[
+        KvTier::new(KvFormat::Q8, KvFormat::Q4, 10),
+        KvTier::new(KvFormat::Q4, KvFormat::Q2, 30),
+    ]);
+    assert_eq!(tiered.format, KvFormat::Q8);
+    assert_eq!(tiered.v_format, Some(KvFormat::Q4));
+    let mut kt = KvCache::new(&ctx, &tiered).unwrap();
+    let ku = KvCache::new(&ctx, &base).unwrap();
+    assert_eq!(kt.config().tier_list(), tiered.tier_list());
+    let mut rng = Rng::fresh("tiers_place_move_and_attend");
+    let rows = 25;
+    let k = DeviceBuffer::from_slice(&ctx, &rng.normal_vec(rows * base.kv_row_len(), 1.0)).unwrap();
+    let v = DeviceBuffer::from_slice(&ctx, &rng.normal_vec(rows * base.kv_row_len(), 1.0)).unwrap();
+    kt.append_tokens(0, 0, rows, &k, &v).unwrap();
+    assert_eq!(kt.tier_rows(0, 0).unwrap(), vec![10, 13]);
+    assert_eq!(kt.tier_of(0, 0, 1).unwrap(), None);
+    assert_eq!(kt.tier_of(0, 0, 2).unwrap(), Some(0));
+    assert_eq!(kt.tier_of(0, 0, 12).unwrap(), Some(1));
+    let q = DeviceBuffer::from_slice(&ctx, &rng.normal_vec(base.q_row_len(), 1.0)).unwrap();
+    let mut ot = DeviceBuffer::<f32>::zeros(&ctx, base.q_row_len()).unwrap();
+    kt.attention(0, 0, &q, &mut ot, None).unwrap();
+    let before = ot.to_vec().unwrap();
+    assert!(before.iter().all(|x| x.is_finite()));
+    // Down into tier 1 (re-quantized from its values); tier 0 has no room for all of them back.
+    kt.tier_move(0, 0, 0..8, 1).unwrap();
+    assert_eq!(kt.tier_rows(0, 0).unwrap(), vec![4, 19]);
+    assert_eq!(kt.tier_of(0, 0, 5).unwrap(), Some(1));
+    let e = assert_status(kt.tier_move(0, 0, 0..25, 0), Status::Capacity);
+    assert!(e.message().contains("none was moved"), "{e}");
+    assert_eq!(kt.tier_rows(0, 0).unwrap(), vec![4, 19]);
+    kt.attention(0, 0, &q, &mut ot, None).unwrap();
+    assert_ne!(
+        ot.to_vec().unwrap(),
+        before,
+        "rows 2..8 now have fewer bits"
+    );
+    kt.truncate(0, 6).unwrap();
+    assert_eq!(kt.tier_rows(0, 0).unwrap(), vec![0, 4]);
+    // A cache without tiers, and more tiers than there can be.
+    let e = assert_status(ku.tier_rows(0, 0), Status::InvalidArgument);
+    assert!(e.message().contains("no tiers"), "{e}");
+    let five = [KvTier::new(KvFormat::Q4, KvFormat::Q4, 10); 5];
+    let e = assert_status(base.tiers(&five).bytes_needed(), Status::InvalidArgument);
+    assert!(e.message().contains("at most 4"), "{e}");
 }
