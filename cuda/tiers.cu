@@ -14,7 +14,8 @@ constexpr int kTierWarps = 4;
 constexpr int kTierThreads = kTierWarps * 32;
 constexpr int kTierHeads = 8;     // query heads a block takes (a tile of a K/V head's group)
 constexpr int kTierItems = 64;    // sequences a launch takes: their runs travel as an argument
-constexpr int kTierMaxSplits = 8; // blocks a (sequence, part) at most
+constexpr int kTierMaxSplits = 64;    // blocks a (sequence, part) at most
+constexpr int kTierPartialRows = 2048; // partials a launch at most: the workspace's room
 
 // ---- Row ops ----
 
@@ -162,9 +163,18 @@ struct TierAttn {
   int first[kTierItems][3], count[kTierItems][3];  // each item's runs of rows in the part
 };
 
+// The element of row i (of the item's rows in this part, its runs in order) of K/V head kvh.
+__device__ __forceinline__ size_t part_row(const TierAttn &a, int item, size_t base, int i) {
+  int r = 0;
+  while (r < 2 && i >= a.count[item][r]) i -= a.count[item][r++];
+  return (base + a.first[item][r] + i) * a.head_dim;
+}
+
 // A block per (item, K/V head and tile of its query heads, split of the item's rows in this
-// part): each warp walks every 4th row, all of the tile's heads at once (an online softmax
-// each), and the warps' states are merged into the split's partial.
+// part). A warp takes 32 rows at a time: for the scores a lane a row (its K decoded 8 dims at
+// a time, q broadcast from shared memory: 32 rows' loads in flight, no shuffle per row), one
+// online-softmax step a head for the 32, then for the output the lanes over dims, each row's
+// V and weights taken in turn. The warps' states are merged into the split's partial.
 template <typename P>
 __global__ void __launch_bounds__(kTierThreads) tier_attn_kernel(const TierAttn a) {
   __shared__ float qs[kTierHeads][256];
@@ -185,8 +195,7 @@ __global__ void __launch_bounds__(kTierThreads) tier_attn_kernel(const TierAttn 
       if (lane + 32 * e < D) qs[h][lane + 32 * e] = v[e] * a.q_scale;
   }
   __syncthreads();
-  int total = 0;
-  for (int r = 0; r < 3; r++) total += a.count[item][r];
+  const int total = a.count[item][0] + a.count[item][1] + a.count[item][2];
   const int chunk = (total + a.splits - 1) / a.splits;
   const int begin = min(total, (int)blockIdx.z * chunk), end = min(total, begin + chunk);
   const size_t base = (((size_t)a.layer * a.max_seqs + a.seq[item]) * a.n_kv_heads + kvh) * a.rows;
@@ -198,36 +207,55 @@ __global__ void __launch_bounds__(kTierThreads) tier_attn_kernel(const TierAttn 
 #pragma unroll
     for (int j = 0; j < 8; j++) o[h][j] = 0.0f;
   }
-  const bool active = lane < D / 8;
-  for (int i = begin + warp; i < end; i += kTierWarps) {
-    int r = 0, j = i;
-    while (j >= a.count[item][r]) j -= a.count[item][r++];
-    const size_t e = (base + a.first[item][r] + j) * D + lane * 8;
-    float x[8] = {}, y[8] = {};
-    if (active) decode8<typename P::K>(a.k, e, x);
-    float w[kTierHeads], alpha[kTierHeads];
+  const bool dims = lane < D / 8;
+  for (int i0 = begin + warp * 32; i0 < end; i0 += kTierWarps * 32) {
+    const int i = i0 + lane, n = min(32, end - i0);
+    const size_t e = i < end ? part_row(a, item, base, i) : 0;
+    float s[kTierHeads];
+#pragma unroll
+    for (int h = 0; h < kTierHeads; h++) s[h] = 0.0f;
+    if (i < end)
+      for (int c = 0; c < D; c += 8) {
+        float x[8];
+        decode8<typename P::K>(a.k, e + c, x);
+#pragma unroll
+        for (int h = 0; h < kTierHeads; h++)
+          if (h < nh)
+#pragma unroll
+            for (int t = 0; t < 8; t++) s[h] = fmaf(qs[h][c + t], x[t], s[h]);
+      }
+    float w[kTierHeads];
 #pragma unroll
     for (int h = 0; h < kTierHeads; h++) {
-      float s = 0.0f;
-      if (h < nh && active)
+      const float x = i < end ? s[h] : -INFINITY;
+      float mx = x;
 #pragma unroll
-        for (int t = 0; t < 8; t++) s = fmaf(qs[h][lane * 8 + t], x[t], s);
+      for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+      const float alpha = st[h].raise(mx);
+      w[h] = x == -INFINITY ? 0.0f : st[h].weight(x);
+      float sum = w[h];
 #pragma unroll
-      for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
-      alpha[h] = st[h].raise(s);
-      w[h] = s == -INFINITY ? 0.0f : st[h].weight(s);
-      st[h].l += w[h];
+      for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+      st[h].l += sum;
+#pragma unroll
+      for (int t = 0; t < 8; t++) o[h][t] *= alpha;
     }
-    if (active) decode8<typename P::V>(a.v, (base + a.first[item][r] + j) * D + lane * 8, y);
+    for (int j = 0; j < n; j++) {
+      const size_t ej = __shfl_sync(0xffffffffu, e, j);
+      float y[8] = {};
+      if (dims) decode8<typename P::V>(a.v, ej + lane * 8, y);
 #pragma unroll
-    for (int h = 0; h < kTierHeads; h++)
+      for (int h = 0; h < kTierHeads; h++) {
+        const float wj = __shfl_sync(0xffffffffu, w[h], j);
 #pragma unroll
-      for (int t = 0; t < 8; t++) o[h][t] = fmaf(o[h][t], alpha[h], w[h] * y[t]);
+        for (int t = 0; t < 8; t++) o[h][t] = fmaf(wj, y[t], o[h][t]);
+      }
+    }
   }
   if (lane == 0)
 #pragma unroll
     for (int h = 0; h < kTierHeads; h++) ms[warp][h] = st[h].m, ls[warp][h] = st[h].l;
-  if (active)
+  if (dims)
 #pragma unroll
     for (int h = 0; h < kTierHeads; h++)
 #pragma unroll
@@ -306,8 +334,7 @@ int parts_of(const m40llm_kvcache *c) { return 1 + c->n_tiers; }
 }  // namespace
 
 size_t m40llm_cuda_tier_workspace_bytes(const m40llm_kvcache *c) {
-  return attn_partial_bytes(kTierItems * parts_of(c) * kTierMaxSplits, c->opts.n_heads,
-                            c->opts.head_dim);
+  return attn_partial_bytes(kTierPartialRows, c->opts.n_heads, c->opts.head_dim);
 }
 
 int m40llm_cuda_tier_rows(const m40llm_kvcache *c, int layer, const m40llm_row_op *ops,
@@ -374,9 +401,11 @@ int m40llm_cuda_tier_attention(const m40llm_kvcache *c, int layer, const int32_t
   for (int first = 0; first < n_seqs && rc == M40LLM_OK; first += kTierItems) {
     a.n_items = n_seqs - first < kTierItems ? n_seqs - first : kTierItems;
     a.q = q + (size_t)first * row;
-    // Splits enough for a few blocks an SM, at most kTierMaxSplits (the workspace's room).
+    // Splits enough for a few blocks an SM, within the workspace's partials.
     const long long blocks = (long long)a.n_items * a.n_kv_heads * a.head_tiles * a.n_parts;
-    const long long want = (4LL * st->sm_count + blocks - 1) / blocks;
+    long long want = (8LL * st->sm_count + blocks - 1) / blocks;
+    const long long room = kTierPartialRows / ((long long)a.n_items * a.n_parts);
+    if (want > room) want = room;
     a.splits = (int)(want < 1 ? 1 : want > kTierMaxSplits ? kTierMaxSplits : want);
     const size_t rows = (size_t)a.n_items * a.n_parts * a.splits;
     a.part_o = static_cast<float *>(ws);
