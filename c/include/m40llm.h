@@ -648,9 +648,9 @@ int m40llm_kvcache_attn_weights_ex(void *out, float *weights, size_t weights_str
  *  of the context's own (4 bytes a query head, row and position of the longest sequence, up to
  *  128 rows; allocated by the first call and grown by a larger one, not during a graph
  *  capture: see Graphs), then a small kernel reduces them into importance. Measured on an H100
- *  (bench/RESULTS.md, "Importance"): about the weights call's time; the M40's code path
- *  1.1-1.6x the plain call's time at head_dim 128 and 256 (1.8x on calls of a few us), the
- *  sm_90 build 1.2-1.9x for F16 and 1.7-4x for Q4. */
+ *  (bench/RESULTS.md, "Importance"): at most the weights call's time; the M40's code path
+ *  1.1-1.25x the plain call's time at head_dim 128 and 256 (1.4x on calls of a few us), the
+ *  sm_90 build 1.1-1.8x for F16 (2.1x on a 5-us call). */
 int m40llm_kvcache_attn_importance_ex(void *out, float *importance, size_t importance_stride,
                                       float decay, m40llm_kvcache *cache, int layer,
                                       const int32_t *seq_ids, int n_seqs, const void *q,
