@@ -18,13 +18,7 @@ FORMATS = ["F16", "Q8", "Q4", "Q8Q4", "Q4Q3", "Q4Q2", "Q8-norot", "Q4-norot", "Q
 
 def main():
     out = sys.argv[1]
-    runs = {}
-    for f in FORMATS:
-        try:
-            with open(os.path.join(out, f + ".json")) as fh:
-                runs[f] = json.load(fh)
-        except (OSError, ValueError):
-            pass
+    runs = grid.load_runs(out, FORMATS)
     if "F16" not in runs:
         print("formats: no F16 run")
         return 1
@@ -36,7 +30,7 @@ def main():
     base = {grid.shape_key(s): s for s in runs["F16"]["shapes"] if s.get("time_us")}
     for k in base:
         for f in FORMATS:
-            s = next((x for x in runs.get(f, {}).get("shapes", []) if grid.shape_key(x) == k), None)
+            s = grid.shape_in(runs.get(f, {}), k)
             if not s or not s.get("time_us"):
                 continue
             b = base[k]

@@ -111,3 +111,22 @@ def shape_key(d):
 def shape_str(s):
     b, h, hkv, d, l = s
     return f"B{b} {h}/{hkv} D{d} L{ctx_str(l)}"
+
+
+def load_runs(out, names):
+    """bench_attention JSON results OUTDIR/NAME.json by name, for those that exist and parse."""
+    import json
+    import os
+    runs = {}
+    for name in names:
+        try:
+            with open(os.path.join(out, name + ".json")) as fh:
+                runs[name] = json.load(fh)
+        except (OSError, ValueError):
+            pass
+    return runs
+
+
+def shape_in(run, key):
+    """The shape of a bench_attention run matching key (shape_key), or None."""
+    return next((x for x in run.get("shapes", []) if shape_key(x) == key), None)

@@ -17,13 +17,7 @@ RUNS = ["Q8", "Q4Q3", "Q4Q2", "tier-Q4Q3", "tiers-4"]
 
 def main():
     out = sys.argv[1]
-    runs = {}
-    for name in RUNS:
-        try:
-            with open(os.path.join(out, name + ".json")) as fh:
-                runs[name] = json.load(fh)
-        except (OSError, ValueError):
-            pass
+    runs = grid.load_runs(out, RUNS)
     if "Q4Q3" not in runs:
         print("tiers: no Q4Q3 run")
         return 1
@@ -35,8 +29,7 @@ def main():
     base = {grid.shape_key(s): s for s in runs["Q4Q3"]["shapes"] if s.get("time_us")}
     for k, b in base.items():
         for name in RUNS:
-            s = next((x for x in runs.get(name, {}).get("shapes", []) if grid.shape_key(x) == k),
-                     None)
+            s = grid.shape_in(runs.get(name, {}), k)
             if not s or not s.get("time_us"):
                 continue
             per_byte = (s["time_us"] / s["kv_bytes"]) / (b["time_us"] / b["kv_bytes"])
