@@ -191,10 +191,12 @@ static void row_op(const m40llm_kvcache *c, int layer, const m40llm_row_op *op, 
   }
 }
 
+/* Last op first: a call's ops are independent (backend.h), as the GPU, which runs them at once,
+ * needs; a list that leaned on their order would then fail the tests here too. */
 static int cpu_tier_rows(const m40llm_kvcache *c, int layer, const m40llm_row_op *ops, int n_ops,
                          const void *k_in, const void *v_in, int dtype, uint16_t *k_out,
                          uint16_t *v_out) {
-  for (int i = 0; i < n_ops; i++)
+  for (int i = n_ops - 1; i >= 0; i--)
     for (int h = 0; h < c->opts.n_kv_heads; h++) {
       row_op(c, layer, &ops[i], 0, h, k_in, dtype, k_out);
       row_op(c, layer, &ops[i], 1, h, v_in, dtype, v_out);
