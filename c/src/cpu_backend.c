@@ -224,9 +224,8 @@ static void row_values(const m40llm_kvcache *c, const m40llm_kv_tensor *x, int l
   const m40llm_kvcache_options *o = &c->opts;
   const int d = o->head_dim;
   if (x->fp16 && m40llm_is_protected(c, layer, seq, pos)) {
-    const size_t r = m40llm_kv_protected_row(o, c->slots, layer, seq, h,
-                                             m40llm_kv_protected_slot(c->n_sinks, c->window, pos));
-    for (int i = 0; i < d; i++) dst[i] = m40llm_f16_to_f32(x->fp16[r * (size_t)d + i]);
+    const uint16_t *r = kept_row(c, x == &c->v, layer, seq, h, pos);
+    for (int i = 0; i < d; i++) dst[i] = m40llm_f16_to_f32(r[i]);
     return;
   }
   if (c->n_tiers > 0) {
