@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Tiered caches on the GPU machine: bench_attention over a few decode shapes with
-#   - the uniform caches Q8, Q4Q3 and Q4Q2 (their tuned kernels),
-#   - one tier of Q4Q3 (the tier kernels over exactly the uniform Q4Q3 cache's bytes),
+#   - the uniform caches Q8, Q8Q4, Q4Q3 and Q4Q2,
+#   - one tier of Q4Q3 (over exactly the uniform Q4Q3 cache's bytes),
 #   - four tiers, the study's pairs (bench/fidelity/results/buckets.md), a quarter each,
 # all with the library's defaults (rotation, 4 sinks, a window of 128), and a table of each
 # run's time and bandwidth (bench/tiers_table.py).
@@ -13,7 +13,7 @@ BIN=$1; OUT=$2; shift 2
 mkdir -p "$OUT"
 args=("$@")
 if [ ${#args[@]} -eq 0 ]; then
-  for s in 1,32,8,128,8192 8,32,8,128,8192 1,32,8,128,32768 8,32,32,128,8192; do
+  for s in 1,32,8,128,8192 8,32,8,128,8192 32,32,8,128,8192 1,32,8,128,32768 8,32,32,128,8192; do
     args+=(--shape "$s")
   done
 fi
@@ -23,6 +23,7 @@ run() {  # name, bench args...
     echo "tiers: $name exited $?"
 }
 run Q8 --format Q8
+run Q8Q4 --format Q8Q4
 run Q4Q3 --format Q4Q3
 run Q4Q2 --format Q4Q2
 run tier-Q4Q3 --tiers Q4Q3:1

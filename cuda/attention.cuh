@@ -52,8 +52,12 @@ struct SplitBlock {
   typename P::V::Ptr v;
 };
 
-// kProtected: the kernel may be launched over a plan of protected tokens (the FP32 family).
-template <typename P, bool kProtected>
+// kProtected: the kernel may be launched over a plan of protected tokens or of a tiered
+// cache's launch (the FP32 family; in the tensor-core kernels the branch cost 1-2%).
+// kRange: the split's rows are wanted (not where a kernel only needs its block's coordinates
+// again at the end). kNumber: a plan of M40LLM_PLAN_TIER's split number and count are wanted
+// (else they are the caller's: tier_split_number).
+template <typename P, bool kProtected, bool kRange = true, bool kNumber = true>
 __device__ __forceinline__ SplitBlock<P> split_block(const AttnArgs &a,
                                                      const m40llm_attn_plan &plan,
                                                      int group_tile) {
@@ -69,7 +73,17 @@ __device__ __forceinline__ SplitBlock<P> split_block(const AttnArgs &a,
   b.p_begin = (b.split - plan.split_begin[lo]) * plan.chunk;
   b.p_end = min(plan.len[lo], b.p_begin + plan.chunk);
   b.skip = b.kept = false;
-  if (kProtected && plan.role != M40LLM_PLAN_ALL) {  // protected tokens: the split's part
+  if (kProtected && kRange && plan.role == M40LLM_PLAN_TIER) {  // the split's number and rows
+    const m40llm_attn_tier_split t =
+        m40llm_attn_tier_split_of(&plan, lo, b.split - plan.split_begin[lo]);
+    if (kNumber) {
+      b.split = t.split;
+      b.n_splits = plan.max_splits;  // at least 2: always a partial, merged with the others'
+    }
+    b.kept = t.kept;
+    b.p_begin = t.begin;
+    b.p_end = t.end;
+  } else if (kProtected && kRange && plan.role != M40LLM_PLAN_ALL) {  // protected tokens: the split's part
     const m40llm_attn_parts parts =
         m40llm_attn_item_parts(plan.len[lo], plan.window_begin[lo], plan.sinks, plan.window);
     int j = b.split - plan.split_begin[lo], part = 3;
@@ -96,6 +110,18 @@ __device__ __forceinline__ SplitBlock<P> split_block(const AttnArgs &a,
   b.k = P::K::at(a.k, base);
   b.v = P::V::at(a.v, base);
   return b;
+}
+
+// The call's number of this block's split in a launch of M40LLM_PLAN_TIER, apart from
+// split_block (the FP32 kernel keeps it in shared memory: on sm_52 any value of split_block's
+// kept through the tile loop is spilled).
+__device__ __forceinline__ int tier_split_number(const m40llm_attn_plan &plan) {
+  int lo = 0, hi = plan.n_items - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (plan.split_begin[mid] <= (int)blockIdx.x) lo = mid; else hi = mid - 1;
+  }
+  return plan.split_base[lo] + (int)blockIdx.x - plan.split_begin[lo];
 }
 
 // A split's first row's position less the row: 0 but for a kept part's FP16 slots, whose two
@@ -214,6 +240,37 @@ int fp32_split_pass(m40llm_cuda_state *st, int head_dim, const Grouping &g, bool
 // otherwise pass.kernel is null.
 template <typename P>
 int mma_split_passes(m40llm_cuda_state *st, int head_dim, SplitPasses *out);
+
+// Plans a launch over items of lengths lens and picks its pass: the tensor-core family's staged
+// pass unless its splits come out too short for staging (then the direct pass), its fine pass
+// where the plan has more blocks than a wave of short splits.
+inline SplitPass plan_split_pass(m40llm_cuda_state *st, const SplitPasses &passes,
+                                 const Grouping &g, const int32_t *seq_ids, const int32_t *lens,
+                                 int n, m40llm_attn_plan *plan) {
+  SplitPass pass = passes.pass;
+  const auto build = [&] {
+    const int min_chunk = kSplitRowsPerHead * g.gt > pass.tile ? kSplitRowsPerHead * g.gt : pass.tile;
+    m40llm_attn_plan_build(plan, seq_ids, lens, n, g.units, pass.target, st->sm_count, min_chunk,
+                           pass.tile);
+  };
+  build();
+  if (pass.stages > 0 && plan->chunk < kMmaStagedMinSteps * pass.tile) {
+    pass = passes.direct;  // as many blocks as it fits: its splits are no longer
+    build();
+  }
+  if (pass.stages == 0 && passes.fine.threads < pass.threads && plan->chunk <= kMmaFineMaxChunk &&
+      (int64_t)plan->total_splits * g.units > pass.target) {
+    pass = passes.fine;
+    build();
+  }
+  return pass;
+}
+
+// Rows per split of protected tokens' kept parts: a few tiles, so that a window's rows, which
+// are few, run in parallel rather than one tile after another in one block.
+inline int kept_chunk(int tile) {
+  return tile >= kKeptSplitRows ? tile : kKeptSplitRows / tile * tile;
+}
 
 // Asks what the combine needs before a call's first launch (whether its image waits).
 int combine_prepare(m40llm_cuda_state *st, bool *dependent);

@@ -30,10 +30,6 @@ int split_passes_for(m40llm_cuda_state *st, const m40llm_kvcache_options *o, con
   return rc;
 }
 
-// Rows per split of protected tokens' kept parts: a few tiles, so that a window's rows, which
-// are few, run in parallel rather than one tile after another in one block.
-int kept_chunk(int tile) { return tile >= kKeptSplitRows ? tile : kKeptSplitRows / tile * tile; }
-
 // One launch's worth of sequences (at most M40LLM_PLAN_MAX_ITEMS: the plan is a kernel argument).
 // weights: NULL, or the first item's rows of exported weights (m40llm_attn_plan); imp: with
 // weights, NULL or the first item's rows of importance the weights are reduced into.
@@ -51,23 +47,8 @@ int attend(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, const int
   bool combine_dependent = false;
   int rc = split_passes_for<P>(st, o, g, weights != nullptr, &passes);
   if (rc != M40LLM_OK || (rc = combine_prepare(st, &combine_dependent)) != M40LLM_OK) return rc;
-  SplitPass pass = passes.pass;
   m40llm_attn_plan plan;
-  const auto build = [&] {
-    const int min_chunk = kSplitRowsPerHead * g.gt > pass.tile ? kSplitRowsPerHead * g.gt : pass.tile;
-    m40llm_attn_plan_build(&plan, seq_ids, lens, n_seqs, g.units, pass.target, st->sm_count,
-                           min_chunk, pass.tile);
-  };
-  build();
-  if (pass.stages > 0 && plan.chunk < kMmaStagedMinSteps * pass.tile) {
-    pass = passes.direct;  // as many blocks as it fits: its splits are no longer
-    build();
-  }
-  if (pass.stages == 0 && passes.fine.threads < pass.threads && plan.chunk <= kMmaFineMaxChunk &&
-      (int64_t)plan.total_splits * g.units > pass.target) {
-    pass = passes.fine;
-    build();
-  }
+  const SplitPass pass = plan_split_pass(st, passes, g, seq_ids, lens, n_seqs, &plan);
   // Protected tokens: a pass that reads the kept rows itself takes them in the same splits
   // (M40LLM_PLAN_MIXED). Otherwise they get splits of their own: in the same launch where the
   // FP32 kernel runs them (M40LLM_PLAN_PARTS), else read by the FP32 kernel's F16 instance from
@@ -153,10 +134,7 @@ int attend(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, const int
 int m40llm_cuda_reserve_for(m40llm_kvcache *c) {
   M40LLM_CUDA_ENTER(c->ctx);
   const m40llm_kvcache_options *o = &c->opts;
-  if (c->n_tiers > 0) {
-    void *ws = nullptr;
-    return m40llm_cuda_workspace(cuda_state(c->ctx), m40llm_cuda_tier_workspace_bytes(c), &ws);
-  }
+  if (c->n_tiers > 0) return m40llm_cuda_tier_reserve(c);
   const Grouping g = grouping_for(o);
   return with_kv_pair(c->k.layout.fmt->format, c->v.layout.fmt->format, [&](auto pair) -> int {
     using P = decltype(pair);

@@ -2,6 +2,11 @@
 // kernel: attention_fp32.cuh).
 #include "attention_fp32.cuh"
 
+// Built in attention_fp32_tiers.cu.
+#define M40LLM_EXTERN(P) extern template SplitKernel fp32_plain_kernel<P>(int, int);
+M40LLM_TIER_ONLY_PAIRS(M40LLM_EXTERN)
+#undef M40LLM_EXTERN
+
 namespace {
 
 int log2_small(int x) { return x >= 8 ? 3 : x >= 4 ? 2 : x >= 2 ? 1 : 0; }
@@ -12,8 +17,14 @@ template <typename P>
 int fp32_split_pass(m40llm_cuda_state *st, int head_dim, const Grouping &g, bool scores,
                     SplitPass *out) {
   const int dmax = dmax_for(head_dim);
-  const SplitKernel kernel =
-      scores ? fp32_scores_kernel<P>(g.gt, head_dim) : kernel_for<P, false>(g.gt, head_dim);
+  SplitKernel kernel = fp32_plain_kernel<P>(g.gt, head_dim);
+  if constexpr (kTierOnlyPair<P>) {
+    if (scores)
+      return m40llm_fail(M40LLM_ERR_UNSUPPORTED,
+                         "attention weights over a tier whose formats no uniform cache has");
+  } else if (scores) {
+    kernel = fp32_scores_kernel<P>(g.gt, head_dim);
+  }
   const bool exact = head_dim == dmax;  // its class's
   const bool dense = dense_tiles<P>(g.gt, dmax, exact);
   SplitPass pass{kernel, kAttnThreads,
@@ -42,5 +53,9 @@ int fp32_split_pass(m40llm_cuda_state *st, int head_dim, const Grouping &g, bool
 
 #define M40LLM_INSTANTIATE(P) \
   template int fp32_split_pass<P>(m40llm_cuda_state *, int, const Grouping &, bool, SplitPass *);
+M40LLM_KV_PAIRS(M40LLM_INSTANTIATE)
+M40LLM_TIER_ONLY_PAIRS(M40LLM_INSTANTIATE)
+#undef M40LLM_INSTANTIATE
+#define M40LLM_INSTANTIATE(P) template SplitKernel fp32_plain_kernel<P>(int, int);
 M40LLM_KV_PAIRS(M40LLM_INSTANTIATE)
 #undef M40LLM_INSTANTIATE

@@ -192,12 +192,14 @@ __global__ void __launch_bounds__(kAttnThreads, attn_min_blocks(wide_tile(GT, DM
   __shared__ SoftmaxState s_state[GT];
   __shared__ __align__(16) float s_alpha[GT];
   __shared__ long long s_scores;  // plan.weights: where row p_begin of the block's first head goes
+  __shared__ int s_split;         // M40LLM_PLAN_TIER: the block's split in the call
   const int D = kExact ? DMAX : a.head_dim;  // compile-time offsets where head_dim is its class's
   float *sq = smem;              // q, pre-scaled into the log2 domain, at QIndex<DMAX>
   float *sp = smem + GT * DMAX;  // [T][GT]: a position's weights for every head together
   const int tid = threadIdx.x;
 
-  const SplitBlock<P> b = split_block<P, true>(a, plan, GT);
+  const SplitBlock<P> b = split_block<P, true, true, false>(a, plan, GT);
+  if (tid == 0 && plan.role == M40LLM_PLAN_TIER) s_split = tier_split_number(plan);
   wait_for_prerequisite_grid();
   // The other launch's rows. (After the wait: a grid all of whose blocks return must still end
   // after the grid before it, which a programmatic dependent of it relies on.)
@@ -488,7 +490,11 @@ __global__ void __launch_bounds__(kAttnThreads, attn_min_blocks(wide_tile(GT, DM
   __syncthreads();
   // The block's coordinates again rather than kept in registers through the loop (on sm_52 they
   // would be spilled).
-  const SplitBlock<P> fin = split_block<P, false>(a, plan, GT);  // its range is not needed
+  SplitBlock<P> fin = split_block<P, false, false>(a, plan, GT);
+  if (plan.role == M40LLM_PLAN_TIER) {  // from shared memory, as s_scores
+    fin.split = s_split;
+    fin.n_splits = plan.max_splits;
+  }
   // With exported scores, attn_weights_kernel takes every split's (max, sum), a lone one too.
   if (kScores && fin.n_splits == 1 && tid < fin.nh)
     store_split_stats(a, fin.split, fin.h0 + tid, s_state[tid]);
@@ -563,6 +569,11 @@ SplitKernel kernel_for(int gt, int head_dim) {
 
 }  // namespace
 
-// The kernel of a call with weights (attention_fp32_scores.cu).
+// The kernel of a plain call (attention_fp32.cu; a tier's pair that no uniform cache has:
+// attention_fp32_tiers.cu), and of a call with weights (attention_fp32_scores.cu).
+template <typename P>
+SplitKernel fp32_plain_kernel(int gt, int head_dim) {
+  return kernel_for<P, false>(gt, head_dim);
+}
 template <typename P>
 SplitKernel fp32_scores_kernel(int gt, int head_dim);

@@ -29,6 +29,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include <type_traits>
+
 #include "common.cuh"
 #include "internal.h"
 #include "kv_format.h"
@@ -405,6 +407,17 @@ struct KvPair {
   X(KvPair<KvQ4 M40LLM_COMMA KvQ3>) X(KvPair<KvQ4 M40LLM_COMMA KvQ2>)
 #define M40LLM_COMMA ,
 
+// The pairs a tier may have (m40llm_kv_tier: K Q8 or Q4; V Q8, Q4, Q3 or Q2) that no uniform
+// cache has: only the FP32 family's plain kernels are built for them (attention_fp32_tiers.cu).
+#define M40LLM_TIER_ONLY_PAIRS(X)                                                     \
+  X(KvPair<KvQ8 M40LLM_COMMA KvQ3>) X(KvPair<KvQ8 M40LLM_COMMA KvQ2>)                \
+  X(KvPair<KvQ4 M40LLM_COMMA KvQ8>)
+template <typename P>
+constexpr bool kTierOnlyPair =
+    (std::is_same<typename P::K, KvQ8>::value &&
+     (std::is_same<typename P::V, KvQ3>::value || std::is_same<typename P::V, KvQ2>::value)) ||
+    (std::is_same<typename P::K, KvQ4>::value && std::is_same<typename P::V, KvQ8>::value);
+
 // Calls f(Format{}) with the format type of `format`: where a format number becomes a type. A
 // format the device side lacks is M40LLM_ERR_UNSUPPORTED.
 template <typename F>
@@ -435,6 +448,22 @@ int with_kv_pair(int k_format, int v_format, F &&f) {
                      "the CUDA backend has no kernels for K format %s with V format %s (it has "
                      "F16, Q8 and Q4 each with itself, Q8 K with Q4 V, and Q4 K with Q3 or Q2 V)",
                      k ? k->name : "?", v ? v->name : "?");
+}
+
+// Calls f(KvPair<K, V>{}) for a tier's formats (K Q8 or Q4; V Q8, Q4, Q3 or Q2: the front end
+// checked them).
+template <typename F>
+int with_tier_pair(int k, int v, F &&f) {
+  auto with_v = [&](auto kf) -> int {
+    using K = decltype(kf);
+    switch (v) {
+      case M40LLM_KV_Q8: return f(KvPair<K, KvQ8>{});
+      case M40LLM_KV_Q4: return f(KvPair<K, KvQ4>{});
+      case M40LLM_KV_Q3: return f(KvPair<K, KvQ3>{});
+      default: return f(KvPair<K, KvQ2>{});
+    }
+  };
+  return k == M40LLM_KV_Q8 ? with_v(KvQ8{}) : with_v(KvQ4{});
 }
 
 // The planes of tensor t from row `row` on (a layer's first row, for the attention kernels).

@@ -2,7 +2,8 @@
  * positions are covered by non-empty splits of whole tiles, the split count stays under the
  * bound the workspace is reserved for, and the longest item is cut evenly. With protected
  * tokens, the parts of an item read each protected position's FP16 slot once and every other
- * position's codes once. */
+ * position's codes once; a tiered call's launches read every row once and number their splits
+ * for one combine. */
 #include <stdint.h>
 #include <string.h>
 
@@ -78,6 +79,80 @@ static void check_parts(int len, int window_begin, int sinks, int window) {
            p.count[2], p.first[2], p.count[3], p.first[3]);
 }
 
+/* A tiered call: n launches over the same items (the first with the kept parts where `kept`),
+ * numbered for one combine. Every split of every launch is its own partial, an item's together,
+ * each item has two at least, every row of each launch's part and every kept slot is read once,
+ * and the total stays within the bound the workspace is reserved for. */
+static void check_tier_call(int n_items, int n, int kept, int units, int target) {
+  static m40llm_attn_plan launches[5];
+  static m40llm_attn_plan combine;
+  static int32_t rows[5][M40LLM_PLAN_MAX_ITEMS];
+  static unsigned char seen_split[5 * 4096], seen_row[20000];
+  int32_t ids[M40LLM_PLAN_MAX_ITEMS], full[M40LLM_PLAN_MAX_ITEMS], wb[M40LLM_PLAN_MAX_ITEMS];
+  const int sinks = t_rand_int(0, 5), window = t_rand_int(0, 2) ? t_rand_int(1, 200) : 0;
+  const int kept_chunk = 32 * t_rand_int(1, 4);
+  for (int i = 0; i < n_items; i++) {
+    ids[i] = t_rand_int(0, 999);
+    full[i] = t_rand_int(0, 3) ? t_rand_int(0, 19000) : t_rand_int(0, 3);
+    const int lowest = full[i] < sinks ? full[i] : sinks;
+    wb[i] = window > 0 ? t_rand_int(lowest > full[i] - window ? lowest : full[i] - window, full[i])
+                       : (full[i] > lowest ? full[i] : lowest);
+    int left = wb[i] > sinks ? wb[i] - sinks : 0; /* the quantized rows, spread over the tiers */
+    for (int l = 0; l < n; l++) {
+      rows[l][i] = l == n - 1 ? left : t_rand_int(0, left);
+      left -= rows[l][i];
+    }
+  }
+  int64_t bound = 2 * M40LLM_PLAN_MAX_ITEMS +
+                  (kept ? M40LLM_PLAN_MAX_ITEMS * m40llm_attn_protect_extra(sinks, window, kept_chunk) : 0);
+  for (int l = 0; l < n; l++) {
+    const int tile = 16 << t_rand_int(0, 3);
+    m40llm_attn_plan_build(&launches[l], ids, rows[l], n_items, units, target, 132, 2 * tile, tile);
+    launches[l].kept_k = kept && l == 0 ? (const void *)ids : NULL;
+    m40llm_attn_plan_tier(&launches[l], full, wb, sinks, window, kept && l == 0 ? kept_chunk : 0);
+    const int64_t b = 3 * ((target + units - 1) / units) + 1;
+    bound += b > M40LLM_PLAN_MAX_ITEMS ? b : M40LLM_PLAN_MAX_ITEMS;
+  }
+  m40llm_attn_plan_tier_number(launches, n, &combine);
+  int ok = combine.n_items == n_items && combine.split_begin[0] == 0 &&
+           combine.total_splits == combine.split_begin[n_items] && combine.total_splits <= bound &&
+           combine.total_splits <= (int)sizeof seen_split;
+  T_CHECKF(ok, "%d splits in all (bound %lld)", combine.total_splits, (long long)bound);
+  if (!ok) return;
+  memset(seen_split, 0, (size_t)combine.total_splits);
+  for (int i = 0; i < n_items && ok; i++) {
+    const int first = combine.split_begin[i], last = combine.split_begin[i + 1];
+    ok &= combine.seq[i] == ids[i] && last - first >= 2 && last - first <= combine.max_splits;
+    const m40llm_attn_parts parts = m40llm_attn_item_parts(full[i], wb[i], sinks, window);
+    for (int l = 0; l < n && ok; l++) {
+      const m40llm_attn_plan *p = &launches[l];
+      const int with_kept = kept && l == 0;
+      memset(seen_row, 0, (size_t)rows[l][i] + 1);
+      int kept_rows = 0, part_rows = 0;
+      ok &= p->role == M40LLM_PLAN_TIER && p->max_splits == combine.max_splits;
+      for (int j = 0; j < p->split_begin[i + 1] - p->split_begin[i]; j++) {
+        const m40llm_attn_tier_split s = m40llm_attn_tier_split_of(p, i, j);
+        ok &= s.split >= first && s.split < last && !seen_split[s.split];
+        if (s.split >= first && s.split < last) seen_split[s.split] = 1;
+        ok &= s.begin <= s.end && (s.kept ? s.end - s.begin <= kept_chunk : s.end - s.begin <= p->chunk);
+        ok &= !s.kept || with_kept;
+        if (s.kept) kept_rows += s.end - s.begin;
+        else part_rows += s.end - s.begin;
+        if (!s.kept) /* rows of the part: in range, each once */
+          for (int r = s.begin; r < s.end && ok; r++) {
+            ok &= r >= 0 && r < rows[l][i] && !seen_row[r];
+            seen_row[r] = 1;
+          }
+      }
+      ok &= part_rows == rows[l][i];
+      ok &= kept_rows == (with_kept ? parts.count[0] + parts.count[1] + parts.count[2] : 0);
+    }
+    for (int s = first; s < last; s++) ok &= seen_split[s];
+  }
+  T_CHECKF(ok, "items %d, launches %d, kept %d: a split or a row is missing or twice", n_items, n,
+           kept);
+}
+
 int main(void) {
   t_rng_init();
   for (int iter = 0; iter < 200000; iter++) {
@@ -122,6 +197,11 @@ int main(void) {
       }
       T_CHECKF(ok, "plan %d: splits per part", iter);
     }
+  }
+  for (int iter = 0; iter < 3000; iter++) {
+    t_set_case("tiered call %d", iter);
+    check_tier_call(t_rand_int(1, M40LLM_PLAN_MAX_ITEMS), t_rand_int(1, 5), t_rand_int(0, 1),
+                    t_rand_int(1, 64), t_rand_int(1, 4000));
   }
   static const int tiles[] = {8, 16, 32, 64, 128, 256};
   int32_t lens[M40LLM_PLAN_MAX_ITEMS];

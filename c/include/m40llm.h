@@ -414,8 +414,9 @@ typedef struct m40llm_kvcache_options {
    * slots and each tier's rows; the maps are host memory, 4 bytes per tier row and per position
    * for every (layer, sequence). Both backends run tiered caches; on CUDA, in this version,
    * causal attention and the calls that export weights or importance fail on them with
-   * M40LLM_ERR_UNSUPPORTED (nothing written), and the decode kernels over tiers are a first,
-   * untuned version. A CUDA graph captures a call's row writes as the host's maps stood: as
+   * M40LLM_ERR_UNSUPPORTED (nothing written); decode attention runs the uniform caches'
+   * kernels a launch per tier and merges them (each tier beyond the first adds a launch's
+   * fixed cost: a few microseconds a call). A CUDA graph captures a call's row writes as the host's maps stood: as
    * with lengths, capture each step anew. */
   int n_tiers;
   m40llm_kv_tier tiers[M40LLM_MAX_TIERS];

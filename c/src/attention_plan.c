@@ -83,3 +83,59 @@ void m40llm_attn_plan_protect(m40llm_attn_plan *plan, const int32_t *window_begi
   plan->split_begin[plan->n_items] = begin;
   plan->total_splits = begin;
 }
+
+void m40llm_attn_plan_tier(m40llm_attn_plan *plan, const int32_t *full_len,
+                           const int32_t *window_begin, int32_t sinks, int32_t window,
+                           int32_t kept_chunk) {
+  int32_t begin = 0;
+  plan->role = M40LLM_PLAN_TIER;
+  plan->sinks = sinks;
+  plan->window = window;
+  plan->kept_chunk = kept_chunk;
+  for (int i = 0; i < plan->n_items; i++) {
+    int32_t splits = (plan->len[i] + plan->chunk - 1) / plan->chunk;
+    if (kept_chunk > 0) {
+      const m40llm_attn_parts p =
+          m40llm_attn_item_parts(full_len[i], window_begin[i], sinks, window);
+      for (int k = 0; k < 3; k++) splits += (p.count[k] + kept_chunk - 1) / kept_chunk;
+    }
+    plan->full_len[i] = full_len[i];
+    plan->window_begin[i] = window_begin[i];
+    plan->split_begin[i] = begin;
+    begin += splits;
+  }
+  plan->split_begin[plan->n_items] = begin;
+  plan->total_splits = begin;
+}
+
+void m40llm_attn_plan_tier_number(m40llm_attn_plan *launches, int n, m40llm_attn_plan *combine) {
+  m40llm_attn_plan *first = &launches[0];
+  combine->n_items = first->n_items;
+  combine->max_splits = 2;
+  combine->role = M40LLM_PLAN_ALL;
+  int32_t begin = 0, first_begin = 0;
+  for (int i = 0; i < combine->n_items; i++) {
+    int32_t splits = 0;
+    for (int l = 0; l < n; l++)
+      splits += launches[l].split_begin[i + 1] - launches[l].split_begin[i];
+    const int32_t extra = splits < 2 ? 2 - splits : 0;
+    /* the first launch's splits of item i, its empty ones included, from first_begin on */
+    const int32_t own = first->split_begin[i + 1] - first->split_begin[i] + extra;
+    first->split_begin[i] = first_begin;
+    first_begin += own;
+    combine->seq[i] = first->seq[i];
+    combine->len[i] = first->full_len[i];
+    combine->split_begin[i] = begin;
+    for (int l = 0; l < n; l++) {
+      launches[l].split_base[i] = begin;
+      begin += l == 0 ? own : launches[l].split_begin[i + 1] - launches[l].split_begin[i];
+    }
+    if (splits + extra > combine->max_splits) combine->max_splits = splits + extra;
+  }
+  /* split_begin[i + 1] of the first launch was read above before it was moved: set the end last */
+  first->split_begin[combine->n_items] = first_begin;
+  first->total_splits = first_begin;
+  combine->split_begin[combine->n_items] = begin;
+  combine->total_splits = begin;
+  for (int l = 0; l < n; l++) launches[l].max_splits = combine->max_splits;
+}

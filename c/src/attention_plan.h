@@ -26,6 +26,10 @@ typedef struct m40llm_attn_plan {
   int32_t sinks, window;
   int32_t kept_chunk; /* rows per split of the kept parts */
   int32_t window_begin[M40LLM_PLAN_MAX_ITEMS];
+  /* M40LLM_PLAN_TIER: item i's first split in the call's numbering of partials (the combine's
+   * plan), and its positions (len is the part's rows) */
+  int32_t split_base[M40LLM_PLAN_MAX_ITEMS];
+  int32_t full_len[M40LLM_PLAN_MAX_ITEMS];
   /* M40LLM_PLAN_MIXED and _PARTS: this layer's FP16 slots of K and V, [seq][kv_head][slot][dim]
    * (the backend's device memory; set by the caller) */
   const void *kept_k, *kept_v;
@@ -46,7 +50,12 @@ enum {
   M40LLM_PLAN_MIXED = 3,
   /* the splits of m40llm_attn_plan_protect, every part in one launch: a split of a kept part
    * reads the FP16 slots at kept_k/kept_v, the others the codes */
-  M40LLM_PLAN_PARTS = 4
+  M40LLM_PLAN_PARTS = 4,
+  /* one launch of a tiered cache's call (m40llm_attn_plan_tier): len[i] is the rows of one part
+   * (a tier's, from slot 0), each preceded, where kept_k is set, by the item's kept parts
+   * (parts 0-2 of full_len and window_begin, splits of kept_chunk rows); block x of item i is
+   * split split_base[i] + x - split_begin[i] of the call, and every split writes a partial */
+  M40LLM_PLAN_TIER = 5
 };
 
 #ifdef __CUDACC__
@@ -80,6 +89,39 @@ M40LLM_PLAN_INLINE m40llm_attn_parts m40llm_attn_item_parts(int32_t len, int32_t
   return p;
 }
 
+/* Split j of item i in a launch of M40LLM_PLAN_TIER: its number in the call (the combine's
+ * plan), whether it is of a kept part, and its rows: FP16 slot rows of a kept part, else the
+ * part's rows from slot 0 (none for the empty splits m40llm_attn_plan_tier_number adds). */
+typedef struct m40llm_attn_tier_split {
+  int32_t split, kept, begin, end;
+} m40llm_attn_tier_split;
+
+M40LLM_PLAN_INLINE m40llm_attn_tier_split m40llm_attn_tier_split_of(const m40llm_attn_plan *plan,
+                                                                    int32_t i, int32_t j) {
+  m40llm_attn_tier_split s;
+  s.split = plan->split_base[i] + j;
+  s.kept = 0;
+  if (plan->kept_k) {
+    const m40llm_attn_parts parts =
+        m40llm_attn_item_parts(plan->full_len[i], plan->window_begin[i], plan->sinks, plan->window);
+    for (int k = 0; k < 3; k++) {
+      const int32_t splits = (parts.count[k] + plan->kept_chunk - 1) / plan->kept_chunk;
+      if (j < splits) {
+        const int32_t end = parts.first[k] + parts.count[k];
+        s.kept = 1;
+        s.begin = parts.first[k] + j * plan->kept_chunk;
+        s.end = end < s.begin + plan->kept_chunk ? end : s.begin + plan->kept_chunk;
+        return s;
+      }
+      j -= splits;
+    }
+  }
+  const int64_t begin = (int64_t)j * plan->chunk;
+  s.begin = begin < plan->len[i] ? (int32_t)begin : plan->len[i];
+  s.end = plan->len[i] - s.begin < plan->chunk ? plan->len[i] : s.begin + plan->chunk;
+  return s;
+}
+
 /* units: blocks per (item, split), i.e. KV heads times query-head chunks. target_blocks: how
  * many blocks fill the GPU. Items are split only when items x units falls short of that, into
  * pieces of at least min_chunk positions unless that would leave fewer than min_blocks blocks
@@ -99,6 +141,19 @@ void m40llm_attn_plan_protect(m40llm_attn_plan *plan, const int32_t *window_begi
  * and window_begin; the splits stay as built; kept_k and kept_v are the caller's. */
 void m40llm_attn_plan_mixed(m40llm_attn_plan *plan, const int32_t *window_begin, int32_t sinks,
                             int32_t window);
+/* Re-cuts a built plan (over one part's rows of each item) as a launch of a tiered cache's call,
+ * M40LLM_PLAN_TIER: an item without rows has no splits, and with kept_chunk > 0 the item's kept
+ * parts (m40llm_attn_item_parts of full_len and window_begin) come first, in splits of
+ * kept_chunk rows. kept_k and kept_v are the caller's (kept_k set where kept_chunk > 0). */
+void m40llm_attn_plan_tier(m40llm_attn_plan *plan, const int32_t *full_len,
+                           const int32_t *window_begin, int32_t sinks, int32_t window,
+                           int32_t kept_chunk);
+/* Numbers the splits of a tiered call's n launches (plans of the same items) for one combine:
+ * item by item, each item's splits of every launch together in launch order (split_base), at
+ * least two an item (the first launch gets empty ones: every item is merged, an empty one into
+ * zeros). Builds the combine's plan and sets every launch's max_splits to its. */
+void m40llm_attn_plan_tier_number(m40llm_attn_plan *launches, int n, m40llm_attn_plan *combine);
+
 /* The most splits m40llm_attn_plan_protect adds to one item. */
 int32_t m40llm_attn_protect_extra(int32_t sinks, int32_t window, int32_t kept_chunk);
 

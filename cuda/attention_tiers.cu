@@ -1,0 +1,182 @@
+// Decode attention over a tiered cache (m40llm_kvcache_options.n_tiers > 0). Each tier is a
+// uniform cache of its own formats whose rows, in any order (softmax does not care), fill slots
+// 0 .. count - 1 of its planes, so the uniform caches' split kernels run it as they are: a
+// launch per tier of the kernel for the tier's pair, over a plan of M40LLM_PLAN_TIER (each
+// item's rows of that tier), and the FP16 slots' kept parts in the first tier's launch where the
+// FP32 kernel runs them (else in an F16 launch of their own). Every split writes a partial,
+// numbered so that each item's partials of all launches lie together, and the one combine of
+// the uniform caches merges them.
+#include "attention.cuh"
+#include "backend_cuda.h"
+
+namespace {
+
+constexpr int kMaxLaunches = M40LLM_MAX_TIERS + 1;  // the tiers and, at most, the kept parts
+
+// What the launches of a call have in common; each sets its tensors.
+AttnArgs common_args(const m40llm_kvcache *c, float scale) {
+  const m40llm_kvcache_options *o = &c->opts;
+  const Grouping g = grouping_for(o);
+  AttnArgs a{};
+  a.n_heads = o->n_heads;
+  a.group = g.group;
+  a.head_tiles = g.head_tiles;
+  a.head_dim = o->head_dim;
+  a.q_scale = scale * kLog2e;
+  a.rot_k = c->k.rotated;
+  a.rot_v = c->v.rotated;
+  a.rot_scale = m40llm_rotation_scale(m40llm_rotation_block(o->head_dim));
+  return a;
+}
+
+// Rows of D elements in planes [seq][kv_head][row], `rows` a head.
+void set_tensors(AttnArgs *a, KvPlanes k, KvPlanes v, size_t rows, const m40llm_kvcache_options *o) {
+  a->k = k;
+  a->v = v;
+  a->head_stride = rows * o->head_dim;
+  a->seq_stride = (size_t)o->n_kv_heads * a->head_stride;
+}
+
+// A call's launches for up to M40LLM_PLAN_MAX_ITEMS sequences, planned before any is made.
+struct TierCall {
+  int n = 0;
+  SplitPass pass[kMaxLaunches];
+  AttnArgs args[kMaxLaunches];
+  m40llm_attn_plan plan[kMaxLaunches];
+  m40llm_attn_plan combine;
+};
+
+// Plans the call over items seq_ids[0 .. n_items).
+int plan_call(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, int n_items, float scale,
+              TierCall *call) {
+  m40llm_cuda_state *st = cuda_state(c->ctx);
+  const m40llm_kvcache_options *o = &c->opts;
+  const Grouping g = grouping_for(o);
+  int32_t full_len[M40LLM_PLAN_MAX_ITEMS], window_begin[M40LLM_PLAN_MAX_ITEMS];
+  int32_t rows[M40LLM_PLAN_MAX_ITEMS];
+  for (int i = 0; i < n_items; i++) {
+    full_len[i] = *m40llm_len_slot(c, layer, seq_ids[i]);
+    window_begin[i] = m40llm_window_begin(c, layer, seq_ids[i]);
+  }
+  const size_t slot_row = m40llm_kv_protected_row(o, c->slots, layer, 0, 0, 0) * o->head_dim;
+  const AttnArgs a = common_args(c, scale);
+  bool kept_done = c->slots == 0;
+  call->n = 0;
+  for (int t = 0; t < c->n_tiers; t++) {
+    for (int i = 0; i < n_items; i++) rows[i] = m40llm_tier_counts(c, layer, seq_ids[i])[t];
+    const int rc = with_tier_pair(o->tiers[t].k_format, o->tiers[t].v_format, [&](auto pair) -> int {
+      // The FP32 family's pass: the one that runs M40LLM_PLAN_TIER.
+      SplitPasses passes;
+      const int rc = fp32_split_pass<decltype(pair)>(st, o->head_dim, g, false, &passes.pass);
+      if (rc != M40LLM_OK) return rc;
+      passes.direct = passes.fine = passes.pass;
+      if (!kept_done && !passes.pass.parts) {  // the kept parts in an F16 launch of their own
+        int32_t none[M40LLM_PLAN_MAX_ITEMS] = {0};
+        SplitPass *kept = &call->pass[call->n];
+        const int rc = fp32_split_pass<KvPair<KvF16, KvF16>>(st, o->head_dim, g, false, kept);
+        if (rc != M40LLM_OK) return rc;
+        m40llm_attn_plan *p = &call->plan[call->n];
+        m40llm_attn_plan_build(p, seq_ids, none, n_items, g.units, kept->target, st->sm_count, 1,
+                               kept->tile);
+        p->kept_k = c->k.fp16 + slot_row;  // the kernel reads them as its tensors
+        p->kept_v = c->v.fp16 + slot_row;
+        m40llm_attn_plan_tier(p, full_len, window_begin, c->n_sinks, c->window,
+                              kept_chunk(kept->tile));
+        call->args[call->n] = a;
+        set_tensors(&call->args[call->n], KvPlanes{{c->k.fp16 + slot_row, nullptr}},
+                    KvPlanes{{c->v.fp16 + slot_row, nullptr}}, c->slots, o);
+        call->n++;
+        kept_done = true;
+      }
+      m40llm_attn_plan *p = &call->plan[call->n];
+      SplitPass pass = plan_split_pass(st, passes, g, seq_ids, rows, n_items, p);
+      const bool with_kept = !kept_done;  // this launch's FP32 kernel reads the FP16 slots
+      p->kept_k = with_kept ? c->k.fp16 + slot_row : nullptr;
+      p->kept_v = with_kept ? c->v.fp16 + slot_row : nullptr;
+      m40llm_attn_plan_tier(p, full_len, window_begin, c->n_sinks, c->window,
+                            with_kept ? kept_chunk(pass.tile) : 0);
+      kept_done = true;
+      call->pass[call->n] = pass;
+      call->args[call->n] = a;
+      set_tensors(&call->args[call->n],
+                  kv_planes_at(c->tier_k[t], m40llm_tier_row(c, t, layer, 0, 0, 0)),
+                  kv_planes_at(c->tier_v[t], m40llm_tier_row(c, t, layer, 0, 0, 0)),
+                  o->tiers[t].rows, o);
+      call->args[call->n].stages = pass.stages;
+      call->n++;
+      return M40LLM_OK;
+    });
+    if (rc != M40LLM_OK) return rc;
+  }
+  m40llm_attn_plan_tier_number(call->plan, call->n, &call->combine);
+  return M40LLM_OK;
+}
+
+}  // namespace
+
+// The most partials a call's launches write for M40LLM_PLAN_MAX_ITEMS sequences, reserved: each
+// tier's plan within attention_plan.h's bound, the kept parts' splits and the empty ones.
+int m40llm_cuda_tier_reserve(const m40llm_kvcache *c) {
+  m40llm_cuda_state *st = cuda_state(c->ctx);
+  const m40llm_kvcache_options *o = &c->opts;
+  const Grouping g = grouping_for(o);
+  int64_t splits = 2 * M40LLM_PLAN_MAX_ITEMS;
+  if (c->slots > 0)  // for the smallest tile any pass has
+    splits += M40LLM_PLAN_MAX_ITEMS * m40llm_attn_protect_extra(c->n_sinks, c->window, kept_chunk(1));
+  for (int t = 0; t < c->n_tiers; t++) {
+    int target = 0;
+    const int rc = with_tier_pair(o->tiers[t].k_format, o->tiers[t].v_format, [&](auto pair) -> int {
+      SplitPass p;
+      const int rc = fp32_split_pass<decltype(pair)>(st, o->head_dim, g, false, &p);
+      target = p.target;
+      return rc;
+    });
+    if (rc != M40LLM_OK) return rc;
+    const int64_t bound = 3 * ((target + g.units - 1) / g.units) + 1;
+    splits += bound > M40LLM_PLAN_MAX_ITEMS ? bound : M40LLM_PLAN_MAX_ITEMS;
+  }
+  void *ws = nullptr;
+  return m40llm_cuda_workspace(st, attn_partial_bytes((int)splits, o->n_heads, o->head_dim), &ws);
+}
+
+int m40llm_cuda_tier_attention(const m40llm_kvcache *c, int layer, const int32_t *seq_ids,
+                               int n_seqs, const float *q, float *out, float scale) {
+  m40llm_cuda_state *st = cuda_state(c->ctx);
+  const m40llm_kvcache_options *o = &c->opts;
+  const size_t row = (size_t)o->n_heads * o->head_dim;
+  bool combine_dependent = false;
+  int rc = combine_prepare(st, &combine_dependent);
+  for (int first = 0; first < n_seqs && rc == M40LLM_OK; first += M40LLM_PLAN_MAX_ITEMS) {
+    const int n = n_seqs - first < M40LLM_PLAN_MAX_ITEMS ? n_seqs - first : M40LLM_PLAN_MAX_ITEMS;
+    TierCall call;
+    void *ws = nullptr;
+    if ((rc = plan_call(c, layer, seq_ids + first, n, scale, &call)) != M40LLM_OK ||
+        (rc = m40llm_cuda_workspace(
+             st, attn_partial_bytes(call.combine.total_splits, o->n_heads, o->head_dim), &ws)) !=
+            M40LLM_OK)
+      break;
+    const size_t n_part = (size_t)call.combine.total_splits * o->n_heads;
+    AttnArgs a = call.args[0];
+    a.q = q + (size_t)first * row;
+    a.out = out + (size_t)first * row;
+    a.part_o = static_cast<float *>(ws);
+    a.part_m = a.part_o + n_part * o->head_dim;
+    a.part_l = a.part_m + n_part;
+    for (int l = 0; l < call.n && rc == M40LLM_OK; l++) {
+      if (call.plan[l].total_splits == 0) continue;
+      AttnArgs al = call.args[l];
+      al.q = a.q;
+      al.out = a.out;
+      al.part_o = a.part_o;
+      al.part_m = a.part_m;
+      al.part_l = a.part_l;
+      const SplitPass &p = call.pass[l];
+      rc = launch_attention_kernel(
+          st, "launching the attention split kernel (a tier)", p.kernel,
+          dim3((unsigned)call.plan[l].total_splits, (unsigned)grouping_for(o).units), p.threads,
+          p.smem, p.dependent, al, call.plan[l]);
+    }
+    if (rc == M40LLM_OK) rc = combine_launch(st, a, call.combine, combine_dependent);
+  }
+  return rc;
+}
