@@ -29,6 +29,7 @@ typedef struct {
   m40llm_kvcache_options o;
   int sinks, window, row; /* row: floats of one position (2 x n_kv_heads x head_dim) */
   m_seq *seqs;            /* [layer][seq] */
+  long long moved;        /* rows tier_move moved */
 } model;
 
 static m_seq *seq_of(model *m, int layer, int seq) {
@@ -129,6 +130,7 @@ static int model_move(model *m, int layer, int seq, int begin, int end, int t) {
   int moving = 0;
   for (int p = begin; p < end; p++) moving += s->tier[p] != t;
   if (moving > m->o.tiers[t].rows - s->count[t]) return M40LLM_ERR_CAPACITY;
+  m->moved += moving;
   float f[2 * 16 * 256];
   for (int p = begin; p < end; p++) {
     if (s->tier[p] == t) continue;
@@ -298,7 +300,47 @@ done:
   free(ref);
 }
 
+/* Stored bits a value of a format (codes, and a 32-dim group's FP16 parameters). */
+static double format_bits(int f) {
+  switch (f) {
+    case M40LLM_KV_Q8: return 8.5; /* a scale */
+    case M40LLM_KV_Q4: return 5.0; /* a scale and a min */
+    case M40LLM_KV_Q3: return 4.0;
+    default: return 3.0;
+  }
+}
+
+/* m40llm_kvcache_tier_stats against the model. */
+static void check_stats(m40llm_kvcache *c, const model *m) {
+  long long rows[M40LLM_MAX_TIERS] = {0}, kept = 0, positions = 0;
+  for (int l = 0; l < m->o.n_layers; l++)
+    for (int q = 0; q < m->o.max_seqs; q++) {
+      const m_seq *s = &m->seqs[(size_t)l * (size_t)m->o.max_seqs + (size_t)q];
+      int held = 0;
+      for (int t = 0; t < m->o.n_tiers; t++) rows[t] += s->count[t], held += s->count[t];
+      kept += s->len - held;
+      positions += s->len;
+    }
+  double bits = 16.0 * (double)kept;
+  for (int t = 0; t < m->o.n_tiers; t++)
+    bits += (double)rows[t] *
+            (format_bits(m->o.tiers[t].k_format) + format_bits(m->o.tiers[t].v_format)) / 2.0;
+  m40llm_tier_stats st = M40LLM_TIER_STATS_INIT;
+  if (!T_OK(m40llm_kvcache_tier_stats(&st, c))) return;
+  int ok = st.n_tiers == m->o.n_tiers && st.kept_rows == kept && st.moved_rows == m->moved &&
+           fabs(st.bits_per_value - (positions ? bits / (double)positions : 0.0)) < 1e-9;
+  for (int t = 0; t < m->o.n_tiers; t++)
+    ok &= st.rows[t] == rows[t] &&
+          st.free_rows[t] == (long long)m->o.tiers[t].rows * m->o.n_layers * m->o.max_seqs - rows[t];
+  T_CHECKF(ok, "tier_stats: %d tiers, rows %lld %lld %lld %lld, kept %lld, %.6f bits, moved %lld "
+           "(model: kept %lld, %.6f bits, moved %lld)", st.n_tiers, (long long)st.rows[0],
+           (long long)st.rows[1], (long long)st.rows[2], (long long)st.rows[3],
+           (long long)st.kept_rows, st.bits_per_value, (long long)st.moved_rows, kept,
+           positions ? bits / (double)positions : 0.0, m->moved);
+}
+
 static void check_all(m40llm_context *ctx, m40llm_kvcache *c, model *m) {
+  check_stats(c, m);
   for (int l = 0; l < m->o.n_layers; l++) {
     for (int s = 0; s < m->o.max_seqs; s++) check_seq(ctx, c, m, l, s);
     /* the sequences together, twice over, in a launch */
@@ -574,6 +616,15 @@ static void call_errors(m40llm_context *ctx) {
   T_FAIL_WITH(m40llm_kvcache_tier_move(c, 0, 1, 0, 100, 0), M40LLM_ERR_CAPACITY, "none was moved");
   T_CHECK(rows[0] == 7 && t == 7);
   check_seq(ctx, c, &m, 0, 1);
+  m40llm_tier_stats st = M40LLM_TIER_STATS_INIT, untouched = M40LLM_TIER_STATS_INIT;
+  T_FAIL_WITH(m40llm_kvcache_tier_stats(NULL, c), M40LLM_ERR_INVALID_ARGUMENT, "out");
+  T_FAIL_WITH(m40llm_kvcache_tier_stats(&st, NULL), M40LLM_ERR_INVALID_ARGUMENT, "cache");
+  T_FAIL_WITH(m40llm_kvcache_tier_stats(&st, plain), M40LLM_ERR_INVALID_ARGUMENT, "no tiers");
+  st.version = 2;
+  T_FAIL_WITH(m40llm_kvcache_tier_stats(&st, c), M40LLM_ERR_INVALID_ARGUMENT, "version");
+  st.version = M40LLM_TIER_STATS_VERSION;
+  T_CHECK(memcmp(&st, &untouched, sizeof st) == 0); /* nothing written */
+  check_stats(c, &m);
 out:
   m40llm_kvcache_destroy(c);
   m40llm_kvcache_destroy(plain);

@@ -521,6 +521,26 @@ int m40llm_kvcache_tier_rows(int32_t *out_rows, const m40llm_kvcache *cache, int
 int m40llm_kvcache_tier_of(int *out_tier, const m40llm_kvcache *cache, int layer, int seq,
                            int pos);
 
+/** What a tiered cache holds, over all its layers and sequences (m40llm_kvcache_tier_stats).
+ *  A row is one position of one (layer, sequence): its K and V, all K/V heads. */
+#define M40LLM_TIER_STATS_VERSION 1
+typedef struct m40llm_tier_stats {
+  unsigned version;                      /* set by the caller: M40LLM_TIER_STATS_VERSION */
+  int n_tiers;                           /* the cache's */
+  int64_t rows[M40LLM_MAX_TIERS];        /* rows each tier holds */
+  int64_t free_rows[M40LLM_MAX_TIERS];   /* rows each tier has room for still */
+  int64_t kept_rows;                     /* positions read from FP16 slots (sinks, windows) */
+  /* stored bits per K/V value over every position held: each tier's codes and parameters, 16
+   * for a kept row (its FP16 slot); 0 while the cache holds no position */
+  double bits_per_value;
+  int64_t moved_rows; /* rows m40llm_kvcache_tier_move has moved since the cache was created */
+} m40llm_tier_stats;
+#define M40LLM_TIER_STATS_INIT { M40LLM_TIER_STATS_VERSION, 0, { 0 }, { 0 }, 0, 0.0, 0 }
+/** Fills *out (its version set by the caller, e.g. from M40LLM_TIER_STATS_INIT) with what the
+ *  cache holds now: host bookkeeping only, no backend work and no synchronization. An unknown
+ *  version: M40LLM_ERR_INVALID_ARGUMENT. A cache without tiers: M40LLM_ERR_INVALID_ARGUMENT. */
+int m40llm_kvcache_tier_stats(m40llm_tier_stats *out, const m40llm_kvcache *cache);
+
 /* ---- Capacity planning ----------------------------------------------------------------------- */
 
 /** The largest max_seq_len (1..INT_MAX) whose cache, with the other fields of opts, fits in

@@ -45,8 +45,9 @@ struct m40llm_kvcache {
    * each tier's slot -> position map (tier_pos[t], [layer][seq][slot]), the position -> (tier,
    * slot) map of the quantized rows (where, [layer][seq][pos], m40llm_tier_where), the rows
    * each tier holds (tier_count, [layer][seq][M40LLM_MAX_TIERS]), and the row ops being
-   * gathered for the backend (ops, M40LLM_TIER_OPS of them). */
+   * gathered for the backend (ops, M40LLM_TIER_OPS of them); the rows tier_move has moved. */
   int n_tiers;
+  int64_t tier_moved;
   m40llm_kv_tensor tier_k[M40LLM_MAX_TIERS], tier_v[M40LLM_MAX_TIERS];
   int32_t *tier_pos[M40LLM_MAX_TIERS];
   uint32_t *where;

@@ -898,6 +898,40 @@ int m40llm_kvcache_tier_rows(int32_t *out_rows, const m40llm_kvcache *cache, int
   return M40LLM_OK;
 }
 
+int m40llm_kvcache_tier_stats(m40llm_tier_stats *out, const m40llm_kvcache *cache) {
+  if (!out) return FAIL(INVALID_ARGUMENT, "out is NULL");
+  if (out->version != M40LLM_TIER_STATS_VERSION)
+    return FAIL(INVALID_ARGUMENT, "out->version %u is not supported (this library knows %u; use "
+                "M40LLM_TIER_STATS_INIT)", out->version, M40LLM_TIER_STATS_VERSION);
+  const int rc = check_tiered(cache, 0, 0);
+  if (rc != M40LLM_OK) return rc;
+  const m40llm_kvcache_options *o = &cache->opts;
+  m40llm_tier_stats st = M40LLM_TIER_STATS_INIT;
+  st.n_tiers = cache->n_tiers;
+  int64_t positions = 0;
+  for (int l = 0; l < o->n_layers; l++)
+    for (int s = 0; s < o->max_seqs; s++) {
+      const int32_t *count = m40llm_tier_counts(cache, l, s);
+      int64_t held = 0;
+      for (int t = 0; t < cache->n_tiers; t++) st.rows[t] += count[t], held += count[t];
+      positions += *m40llm_len_slot(cache, l, s);
+      st.kept_rows += *m40llm_len_slot(cache, l, s) - held;
+    }
+  /* A row's bytes in one K/V head: the bits of a position are the same in every head. */
+  double bytes = (double)st.kept_rows * 2.0 * 2.0 * o->head_dim;
+  for (int t = 0; t < cache->n_tiers; t++) {
+    st.free_rows[t] = (int64_t)o->tiers[t].rows * o->n_layers * o->max_seqs - st.rows[t];
+    size_t row = 0;
+    for (int p = 0; p < M40LLM_KV_PLANES; p++)
+      row += cache->tier_k[t].layout.row_bytes[p] + cache->tier_v[t].layout.row_bytes[p];
+    bytes += (double)st.rows[t] * (double)row;
+  }
+  st.bits_per_value = positions > 0 ? 8.0 * bytes / ((double)positions * 2.0 * o->head_dim) : 0.0;
+  st.moved_rows = cache->tier_moved;
+  *out = st;
+  return M40LLM_OK;
+}
+
 int m40llm_kvcache_tier_of(int *out_tier, const m40llm_kvcache *cache, int layer, int seq,
                            int pos) {
   if (!out_tier) return FAIL(INVALID_ARGUMENT, "out_tier is NULL");

@@ -138,7 +138,9 @@ int m40llm_tiers_move(m40llm_kvcache *c, int layer, int seq, int begin, int end,
   if (rc == M40LLM_OK) rc = flush(&l);
   for (int t = 0; t < c->n_tiers && rc == M40LLM_OK; t++)
     if (freed[t] > 0) rc = compact(&l, layer, seq, t, freed[t]);
-  return rc == M40LLM_OK ? flush(&l) : rc;
+  if (rc == M40LLM_OK) rc = flush(&l);
+  if (rc == M40LLM_OK) c->tier_moved += moving;
+  return rc;
 }
 
 int m40llm_tiers_truncate(m40llm_kvcache *c, int layer, int seq, int new_len) {

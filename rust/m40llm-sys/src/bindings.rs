@@ -12,6 +12,7 @@ pub const M40LLM_CONTEXT_OPTIONS_VERSION: u32 = 2;
 pub const M40LLM_DEVICE_INFO_VERSION: u32 = 2;
 pub const M40LLM_MAX_TIERS: u32 = 4;
 pub const M40LLM_KVCACHE_OPTIONS_VERSION: u32 = 4;
+pub const M40LLM_TIER_STATS_VERSION: u32 = 1;
 pub const M40LLM_DEVICE_RESERVE_DEFAULT: u32 = 268435456;
 pub const M40LLM_CAUSAL_OPTIONS_VERSION: u32 = 1;
 pub const M40LLM_OK: m40llm_status = 0;
@@ -144,6 +145,17 @@ pub struct m40llm_kvcache_options {
     pub window: ::core::ffi::c_int,
     pub n_tiers: ::core::ffi::c_int,
     pub tiers: [m40llm_kv_tier; 4usize],
+}
+#[repr(C)]
+#[derive(Debug, Default, Copy, Clone)]
+pub struct m40llm_tier_stats {
+    pub version: ::core::ffi::c_uint,
+    pub n_tiers: ::core::ffi::c_int,
+    pub rows: [i64; 4usize],
+    pub free_rows: [i64; 4usize],
+    pub kept_rows: i64,
+    pub bits_per_value: f64,
+    pub moved_rows: i64,
 }
 #[repr(C)]
 #[derive(Debug, Default, Copy, Clone)]
@@ -437,6 +449,13 @@ extern "C" {
         layer: ::core::ffi::c_int,
         seq: ::core::ffi::c_int,
         pos: ::core::ffi::c_int,
+    ) -> ::core::ffi::c_int;
+    /** Fills *out (its version set by the caller, e.g. from M40LLM_TIER_STATS_INIT) with what the
+  cache holds now: host bookkeeping only, no backend work and no synchronization. An unknown
+  version: M40LLM_ERR_INVALID_ARGUMENT. A cache without tiers: M40LLM_ERR_INVALID_ARGUMENT.*/
+    pub fn m40llm_kvcache_tier_stats(
+        out: *mut m40llm_tier_stats,
+        cache: *const m40llm_kvcache,
     ) -> ::core::ffi::c_int;
     /** The largest max_seq_len (1..INT_MAX) whose cache, with the other fields of opts, fits in
   budget_bytes: a cache of *out_max_seq_len positions a sequence needs at most budget_bytes,

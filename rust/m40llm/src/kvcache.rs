@@ -156,6 +156,23 @@ impl KvTier {
     }
 }
 
+/// What a tiered cache holds ([`KvCache::tier_stats`]), over all its layers and sequences. A
+/// row is one position of one (layer, sequence): its K and V, all K/V heads.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TierStats {
+    /// Rows each tier holds.
+    pub rows: Vec<u64>,
+    /// Rows each tier has room for still.
+    pub free_rows: Vec<u64>,
+    /// Positions read from FP16 slots (sinks, windows).
+    pub kept_rows: u64,
+    /// Stored bits per K/V value over every position held (each tier's codes and parameters,
+    /// 16 for a kept row); 0 while the cache holds no position.
+    pub bits_per_value: f64,
+    /// Rows [`KvCache::tier_move`] has moved since the cache was created.
+    pub moved_rows: u64,
+}
+
 /// The most tiers a cache has (`M40LLM_MAX_TIERS`).
 pub const MAX_TIERS: usize = sys::M40LLM_MAX_TIERS as usize;
 
@@ -236,9 +253,10 @@ impl KvCacheConfig {
     /// first to last), not at their positions in one format, and `format` and `v_format` become
     /// the first tier's. A row gets its tier when it leaves the FP16 window (or when appended
     /// past it): the first tier with a free row; [`KvCache::tier_move`] moves rows between
-    /// tiers, [`KvCache::tier_rows`] and [`KvCache::tier_of`] say where they are. The tiers'
-    /// rows must add up to at least `max_seq_len - sinks - window` (checked by
-    /// [`bytes_needed`](Self::bytes_needed) and [`KvCache::new`]). On CUDA, causal attention
+    /// tiers, [`KvCache::tier_rows`] and [`KvCache::tier_of`] say where they are,
+    /// [`KvCache::tier_stats`] what the whole cache holds. The tiers' rows must add up to at
+    /// least `max_seq_len - sinks - window` (checked by [`bytes_needed`](Self::bytes_needed)
+    /// and [`KvCache::new`]). On CUDA, causal attention
     /// and the calls that export weights or importance are not run on a tiered cache yet
     /// ([`Status::Unsupported`](crate::Status)).
     ///
@@ -763,6 +781,26 @@ impl KvCache {
         // SAFETY: valid out pointer and cache.
         self.call(|c| unsafe { sys::m40llm_kvcache_tier_of(&mut tier, c, l, s, p) })?;
         Ok(usize::try_from(tier).ok())
+    }
+
+    /// A tiered cache: what it holds over all its layers and sequences (host bookkeeping, no
+    /// GPU work).
+    pub fn tier_stats(&self) -> Result<TierStats> {
+        let mut raw = sys::m40llm_tier_stats {
+            version: sys::M40LLM_TIER_STATS_VERSION,
+            ..Default::default()
+        };
+        // SAFETY: valid out pointer (its version set) and cache.
+        self.call(|c| unsafe { sys::m40llm_kvcache_tier_stats(&mut raw, c) })?;
+        let n = (raw.n_tiers.max(0) as usize).min(MAX_TIERS);
+        let count = |x: i64| x.max(0) as u64;
+        Ok(TierStats {
+            rows: raw.rows[..n].iter().map(|&r| count(r)).collect(),
+            free_rows: raw.free_rows[..n].iter().map(|&r| count(r)).collect(),
+            kept_rows: count(raw.kept_rows),
+            bits_per_value: raw.bits_per_value,
+            moved_rows: count(raw.moved_rows),
+        })
     }
 
     /// Empties `seq` in every layer.
