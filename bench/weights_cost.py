@@ -8,6 +8,10 @@ policy's default: (with - plain) / (4 x plain)).
 
     python3 bench/weights_cost.py OUT --bin build/bench/bench_attention [--rounds 2]
         [--formats F16,Q4] [--shape B,H,Hkv,D,L ...] [--interval 4] [--mode importance]
+        [--tiers Q8Q8:0.25,Q8Q4:0.25,Q4Q3:0.25,Q4Q2:0.25]
+
+--tiers adds a tiered cache of those tiers (bench_attention --tiers) as the format "tiers".
+--list-shapes prints the default shapes.
 """
 import argparse
 import json
@@ -21,8 +25,9 @@ SHAPES = ["1,32,8,128,8192", "1,32,8,128,32768", "8,32,8,128,8192", "32,32,8,128
           "1,16,8,256,8192"]
 
 
-def run(binary, fmt, shapes, mode, path):
-    cmd = [binary, "--json", path, "--format", fmt, "--budget-ms", "150", "--no-check"]
+def run(binary, fmt, shapes, mode, path, tiers=None):
+    cmd = [binary, "--json", path, "--budget-ms", "150", "--no-check"]
+    cmd += ["--tiers", tiers] if fmt == "tiers" else ["--format", fmt]
     for s in shapes:
         cmd += ["--shape", s]
     if mode:
@@ -35,6 +40,9 @@ def run(binary, fmt, shapes, mode, path):
 
 
 def main():
+    if sys.argv[1:] == ["--list-shapes"]:  # for scripts/gpu_check.sh's abexport
+        print(" ".join(SHAPES))
+        return 0
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--bin", required=True)
@@ -43,16 +51,17 @@ def main():
     ap.add_argument("--shape", action="append")
     ap.add_argument("--interval", type=int, default=4)
     ap.add_argument("--mode", choices=["weights", "importance"], default="weights")
+    ap.add_argument("--tiers")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     shapes = a.shape or SHAPES
     rows, table = [], []
-    for fmt in a.formats.split(","):
+    for fmt in a.formats.split(",") + (["tiers"] if a.tiers else []):
         times = {False: {}, True: {}}
         for r in range(a.rounds):
             for w in (False, True):
                 res = run(a.bin, fmt, shapes, a.mode if w else None,
-                          os.path.join(a.out, f"{a.mode}_{fmt}_{int(w)}_{r}.json"))
+                          os.path.join(a.out, f"{a.mode}_{fmt}_{int(w)}_{r}.json"), a.tiers)
                 for k, s in res.items():
                     times[w].setdefault(k, []).append(s["time_us"])
         for k in sorted(times[False], key=lambda k: shapes.index(",".join(map(str, k)))):

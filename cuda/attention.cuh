@@ -125,11 +125,13 @@ __device__ __forceinline__ int tier_split_number(const m40llm_attn_plan &plan) {
 }
 
 // A split's first row's position less the row: 0 but for a kept part's FP16 slots, whose two
-// ring runs hold the window's positions, in order, from window_begin on.
+// ring runs hold the window's positions, in order, from window_begin on. (A tier's rows are
+// slots in no order: their positions are plan.map's.) split: the launch's block x.
 __device__ __forceinline__ int split_pos_shift(const m40llm_attn_plan &plan, int item, int split) {
-  if (plan.role == M40LLM_PLAN_ALL) return 0;
+  if (plan.role == M40LLM_PLAN_ALL || (plan.role == M40LLM_PLAN_TIER && !plan.kept_k)) return 0;
+  const int len = plan.role == M40LLM_PLAN_TIER ? plan.full_len[item] : plan.len[item];
   const m40llm_attn_parts parts =
-      m40llm_attn_item_parts(plan.len[item], plan.window_begin[item], plan.sinks, plan.window);
+      m40llm_attn_item_parts(len, plan.window_begin[item], plan.sinks, plan.window);
   int j = split - plan.split_begin[item];
   for (int k = 0; k < 3; k++) {
     const int splits = (parts.count[k] + plan.kept_chunk - 1) / plan.kept_chunk;
@@ -293,6 +295,27 @@ int weights_launch(m40llm_cuda_state *st, const AttnArgs &a, const m40llm_attn_p
 // A scratch buffer of at least `floats` floats for the weights an importance call reduces
 // (grown, never shrunk; the context's own).
 int scores_stage(m40llm_cuda_state *st, size_t floats, float **out);
+
+// What a call exports besides its output, for its first item: weights (NULL: none) of rows
+// weights_stride apart, written as scores by the split kernels and turned into weights (or,
+// with imp.rows, reduced into importance) by weights_launch. For the items from `first` on:
+// at(first).
+struct CallExport {
+  float *weights;
+  size_t weights_stride;
+  ImportanceArgs imp;
+  int n_heads, n_kv_heads;
+  CallExport at(int first) const {
+    CallExport x = *this;
+    if (imp.rows) x.imp.rows += (size_t)first * n_kv_heads * (size_t)imp.stride;
+    else if (weights) x.weights += (size_t)first * n_heads * weights_stride;
+    return x;
+  }
+};
+
+// Decode attention over a tiered cache (attention_tiers.cu): FP32 rows of n_seqs sequences.
+int tier_attention(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, int n_seqs,
+                   const float *q, float *out, float scale, const CallExport &x);
 
 // Launches a kernel of any family, as a programmatic dependent of the kernel before it where
 // `dependent`.

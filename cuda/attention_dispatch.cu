@@ -174,20 +174,8 @@ int m40llm_cuda_attention(const m40llm_kvcache *c, int layer, const int32_t *seq
   M40LLM_CUDA_ENTER(c->ctx);
   const m40llm_kvcache_options *o = &c->opts;
   const size_t row = (size_t)o->n_heads * (size_t)o->head_dim;
-  if (c->n_tiers > 0) {
-    if (x)
-      return m40llm_fail(M40LLM_ERR_UNSUPPORTED,
-                         "attention weights and importance of a tiered cache: the CPU backend "
-                         "only in this version");
-    return with_f32_rows(cuda_state(c->ctx), q, out, (size_t)n_seqs * row, dtype,
-                         [&](const float *q32, float *out32) {
-                           return m40llm_cuda_tier_attention(c, layer, seq_ids, n_seqs, q32,
-                                                             out32, scale);
-                         });
-  }
-  float *weights = x ? x->weights : nullptr;
-  size_t weights_stride = x ? x->weights_stride : 0;
-  ImportanceArgs imp{nullptr, 0, 0.0f};
+  CallExport ex{x ? x->weights : nullptr, x ? x->weights_stride : 0, {nullptr, 0, 0.0f},
+                o->n_heads, o->n_kv_heads};
   if (x && x->importance) {
     // The weights go to the scratch buffer, a launch's items at a time (launches on one stream
     // run in order, so each reuses it), rows as long as the batch's longest.
@@ -198,11 +186,16 @@ int m40llm_cuda_attention(const m40llm_kvcache *c, int layer, const int32_t *seq
     }
     const int items = n_seqs < M40LLM_PLAN_MAX_ITEMS ? n_seqs : M40LLM_PLAN_MAX_ITEMS;
     const int rc = scores_stage(cuda_state(c->ctx), (size_t)items * o->n_heads * longest,
-                                &weights);
+                                &ex.weights);
     if (rc != M40LLM_OK) return rc;
-    weights_stride = longest;
-    imp = ImportanceArgs{x->importance, (int64_t)x->importance_stride, x->decay};
+    ex.weights_stride = longest;
+    ex.imp = ImportanceArgs{x->importance, (int64_t)x->importance_stride, x->decay};
   }
+  if (c->n_tiers > 0)
+    return with_f32_rows(cuda_state(c->ctx), q, out, (size_t)n_seqs * row, dtype,
+                         [&](const float *q32, float *out32) {
+                           return tier_attention(c, layer, seq_ids, n_seqs, q32, out32, scale, ex);
+                         });
   return with_f32_rows(cuda_state(c->ctx), q, out, (size_t)n_seqs * row, dtype,
                        [&](const float *q32, float *out32) {
     return with_kv_pair(c->k.layout.fmt->format, c->v.layout.fmt->format, [&](auto pair) -> int {
@@ -212,13 +205,10 @@ int m40llm_cuda_attention(const m40llm_kvcache *c, int layer, const int32_t *seq
             n_seqs - first < M40LLM_PLAN_MAX_ITEMS ? n_seqs - first : M40LLM_PLAN_MAX_ITEMS;
         int32_t lens[M40LLM_PLAN_MAX_ITEMS];
         for (int i = 0; i < n; i++) lens[i] = *m40llm_len_slot(c, layer, seq_ids[first + i]);
-        float *w = weights && !imp.rows
-                       ? weights + (size_t)first * o->n_heads * weights_stride
-                       : weights;
-        ImportanceArgs imp_n = imp;
-        if (imp.rows) imp_n.rows += (size_t)first * o->n_kv_heads * (size_t)imp.stride;
+        const CallExport xn = ex.at(first);
         const int rc = attend<P>(c, layer, seq_ids + first, lens, n, q32 + (size_t)first * row,
-                                 out32 + (size_t)first * row, scale, w, weights_stride, imp_n);
+                                 out32 + (size_t)first * row, scale, xn.weights,
+                                 xn.weights_stride, xn.imp);
         if (rc != M40LLM_OK) return rc;
       }
       return M40LLM_OK;

@@ -2,8 +2,12 @@
 // kernel: attention_fp32.cuh).
 #include "attention_fp32.cuh"
 
-// Built in attention_fp32_tiers.cu.
+// Built in attention_fp32_tiers.cu, attention_fp32_scores.cu and attention_fp32_tiers_scores.cu.
 #define M40LLM_EXTERN(P) extern template SplitKernel fp32_plain_kernel<P>(int, int);
+M40LLM_TIER_ONLY_PAIRS(M40LLM_EXTERN)
+#undef M40LLM_EXTERN
+#define M40LLM_EXTERN(P) extern template SplitKernel fp32_scores_kernel<P>(int, int);
+M40LLM_KV_PAIRS(M40LLM_EXTERN)
 M40LLM_TIER_ONLY_PAIRS(M40LLM_EXTERN)
 #undef M40LLM_EXTERN
 
@@ -17,14 +21,8 @@ template <typename P>
 int fp32_split_pass(m40llm_cuda_state *st, int head_dim, const Grouping &g, bool scores,
                     SplitPass *out) {
   const int dmax = dmax_for(head_dim);
-  SplitKernel kernel = fp32_plain_kernel<P>(g.gt, head_dim);
-  if constexpr (kTierOnlyPair<P>) {
-    if (scores)
-      return m40llm_fail(M40LLM_ERR_UNSUPPORTED,
-                         "attention weights over a tier whose formats no uniform cache has");
-  } else if (scores) {
-    kernel = fp32_scores_kernel<P>(g.gt, head_dim);
-  }
+  const SplitKernel kernel =
+      scores ? fp32_scores_kernel<P>(g.gt, head_dim) : fp32_plain_kernel<P>(g.gt, head_dim);
   const bool exact = head_dim == dmax;  // its class's
   const bool dense = dense_tiles<P>(g.gt, dmax, exact);
   SplitPass pass{kernel, kAttnThreads,

@@ -193,6 +193,7 @@ __global__ void __launch_bounds__(kAttnThreads, attn_min_blocks(wide_tile(GT, DM
   __shared__ __align__(16) float s_alpha[GT];
   __shared__ long long s_scores;  // plan.weights: where row p_begin of the block's first head goes
   __shared__ int s_split;         // M40LLM_PLAN_TIER: the block's split in the call
+  __shared__ const int32_t *s_map;  // plan.weights of a tier's rows: their positions, or null
   const int D = kExact ? DMAX : a.head_dim;  // compile-time offsets where head_dim is its class's
   float *sq = smem;              // q, pre-scaled into the log2 domain, at QIndex<DMAX>
   float *sp = smem + GT * DMAX;  // [T][GT]: a position's weights for every head together
@@ -242,9 +243,13 @@ __global__ void __launch_bounds__(kAttnThreads, attn_min_blocks(wide_tile(GT, DM
   if (tid < GT) s_state[tid] = SoftmaxState::empty();
   // Exported scores (m40llm_kvcache_attn_weights_ex): the block's place in the caller's rows
   // from shared memory, so that no register holds it through the loop when there are none.
-  if (kScores && tid == 0)
+  if (kScores && tid == 0) {
     s_scores = ((long long)b.item * a.n_heads + b.h0) * plan.weights_stride +
                split_pos_shift(plan, b.item, b.split);
+    s_map = plan.role == M40LLM_PLAN_TIER && !b.kept
+                ? plan.map + (size_t)plan.seq[b.item] * plan.map_stride
+                : nullptr;
+  }
 
   // Score pass: LPR lanes per K row, each with up to KC 16-byte chunks of it.
   const int k_row = tid / LPR, k_lane = tid % LPR;
@@ -376,8 +381,10 @@ __global__ void __launch_bounds__(kAttnThreads, attn_min_blocks(wide_tile(GT, DM
         const bool mine = i < GT * T;
         const int g = mine ? i / T : 0, r = i % T;
         const float x = mine ? sp[r * GT + g] : -INFINITY;
-        if (kScores && mine && r < rows && g < nh)
-          plan.weights[s_scores + g * plan.weights_stride + t0 + r] = x;
+        if (kScores && mine && r < rows && g < nh) {
+          const int32_t *map = s_map;
+          plan.weights[s_scores + g * plan.weights_stride + (map ? map[t0 + r] : t0 + r)] = x;
+        }
         float tile_max = x;
 #pragma unroll
         for (int off = T / 2; off > 0; off >>= 1)
@@ -570,10 +577,13 @@ SplitKernel kernel_for(int gt, int head_dim) {
 }  // namespace
 
 // The kernel of a plain call (attention_fp32.cu; a tier's pair that no uniform cache has:
-// attention_fp32_tiers.cu), and of a call with weights (attention_fp32_scores.cu).
+// attention_fp32_tiers.cu), and of a call with weights (attention_fp32_scores.cu; the tier
+// pairs': attention_fp32_tiers_scores.cu).
 template <typename P>
 SplitKernel fp32_plain_kernel(int gt, int head_dim) {
   return kernel_for<P, false>(gt, head_dim);
 }
 template <typename P>
-SplitKernel fp32_scores_kernel(int gt, int head_dim);
+SplitKernel fp32_scores_kernel(int gt, int head_dim) {
+  return kernel_for<P, true>(gt, head_dim);
+}

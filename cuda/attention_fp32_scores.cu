@@ -3,11 +3,6 @@
 // instances in parallel.
 #include "attention_fp32.cuh"
 
-template <typename P>
-SplitKernel fp32_scores_kernel(int gt, int head_dim) {
-  return kernel_for<P, true>(gt, head_dim);
-}
-
 #define M40LLM_INSTANTIATE(P) template SplitKernel fp32_scores_kernel<P>(int, int);
 M40LLM_KV_PAIRS(M40LLM_INSTANTIATE)
 #undef M40LLM_INSTANTIATE

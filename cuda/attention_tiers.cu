@@ -5,7 +5,10 @@
 // item's rows of that tier), and the FP16 slots' kept parts in the first tier's launch where the
 // FP32 kernel runs them (else in an F16 launch of their own). Every split writes a partial,
 // numbered so that each item's partials of all launches lie together, and the one combine of
-// the uniform caches merges them.
+// the uniform caches merges them. A call that exports weights or importance runs the kernels'
+// instances with scores: a tier's rows write theirs at the positions of the tier's slot map
+// (m40llm_kvcache.tier_map, kept by the row ops), and the uniform caches' weights kernel reads
+// them over the call's partials.
 #include "attention.cuh"
 #include "backend_cuda.h"
 
@@ -46,9 +49,9 @@ struct TierCall {
   m40llm_attn_plan combine;
 };
 
-// Plans the call over items seq_ids[0 .. n_items).
+// Plans the call over items seq_ids[0 .. n_items); scores: the instances that export them.
 int plan_call(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, int n_items, float scale,
-              TierCall *call) {
+              bool scores, TierCall *call) {
   m40llm_cuda_state *st = cuda_state(c->ctx);
   const m40llm_kvcache_options *o = &c->opts;
   const Grouping g = grouping_for(o);
@@ -67,13 +70,13 @@ int plan_call(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, int n_
     const int rc = with_tier_pair(o->tiers[t].k_format, o->tiers[t].v_format, [&](auto pair) -> int {
       // The FP32 family's pass: the one that runs M40LLM_PLAN_TIER.
       SplitPasses passes;
-      const int rc = fp32_split_pass<decltype(pair)>(st, o->head_dim, g, false, &passes.pass);
+      const int rc = fp32_split_pass<decltype(pair)>(st, o->head_dim, g, scores, &passes.pass);
       if (rc != M40LLM_OK) return rc;
       passes.direct = passes.fine = passes.pass;
       if (!kept_done && !passes.pass.parts) {  // the kept parts in an F16 launch of their own
         int32_t none[M40LLM_PLAN_MAX_ITEMS] = {0};
         SplitPass *kept = &call->pass[call->n];
-        const int rc = fp32_split_pass<KvPair<KvF16, KvF16>>(st, o->head_dim, g, false, kept);
+        const int rc = fp32_split_pass<KvPair<KvF16, KvF16>>(st, o->head_dim, g, scores, kept);
         if (rc != M40LLM_OK) return rc;
         m40llm_attn_plan *p = &call->plan[call->n];
         m40llm_attn_plan_build(p, seq_ids, none, n_items, g.units, kept->target, st->sm_count, 1,
@@ -95,6 +98,8 @@ int plan_call(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, int n_
       p->kept_v = with_kept ? c->v.fp16 + slot_row : nullptr;
       m40llm_attn_plan_tier(p, full_len, window_begin, c->n_sinks, c->window,
                             with_kept ? kept_chunk(pass.tile) : 0);
+      p->map = m40llm_tier_map_at(c, t, layer, 0);
+      p->map_stride = o->tiers[t].rows;
       kept_done = true;
       call->pass[call->n] = pass;
       call->args[call->n] = a;
@@ -102,7 +107,6 @@ int plan_call(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, int n_
                   kv_planes_at(c->tier_k[t], m40llm_tier_row(c, t, layer, 0, 0, 0)),
                   kv_planes_at(c->tier_v[t], m40llm_tier_row(c, t, layer, 0, 0, 0)),
                   o->tiers[t].rows, o);
-      call->args[call->n].stages = pass.stages;
       call->n++;
       return M40LLM_OK;
     });
@@ -115,7 +119,8 @@ int plan_call(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, int n_
 }  // namespace
 
 // The most partials a call's launches write for M40LLM_PLAN_MAX_ITEMS sequences, reserved: each
-// tier's plan within attention_plan.h's bound, the kept parts' splits and the empty ones.
+// tier's plan within attention_plan.h's bound (for a plain call's pass or one with weights), the
+// kept parts' splits and the empty ones.
 int m40llm_cuda_tier_reserve(const m40llm_kvcache *c) {
   m40llm_cuda_state *st = cuda_state(c->ctx);
   const m40llm_kvcache_options *o = &c->opts;
@@ -127,8 +132,12 @@ int m40llm_cuda_tier_reserve(const m40llm_kvcache *c) {
     int target = 0;
     const int rc = with_tier_pair(o->tiers[t].k_format, o->tiers[t].v_format, [&](auto pair) -> int {
       SplitPass p;
-      const int rc = fp32_split_pass<decltype(pair)>(st, o->head_dim, g, false, &p);
-      target = p.target;
+      int rc = M40LLM_OK;
+      for (const bool scores : {false, true})  // a plain call's pass, and one with weights
+        if (rc == M40LLM_OK &&
+            (rc = fp32_split_pass<decltype(pair)>(st, o->head_dim, g, scores, &p)) == M40LLM_OK &&
+            p.target > target)
+          target = p.target;
       return rc;
     });
     if (rc != M40LLM_OK) return rc;
@@ -139,8 +148,8 @@ int m40llm_cuda_tier_reserve(const m40llm_kvcache *c) {
   return m40llm_cuda_workspace(st, attn_partial_bytes((int)splits, o->n_heads, o->head_dim), &ws);
 }
 
-int m40llm_cuda_tier_attention(const m40llm_kvcache *c, int layer, const int32_t *seq_ids,
-                               int n_seqs, const float *q, float *out, float scale) {
+int tier_attention(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, int n_seqs,
+                   const float *q, float *out, float scale, const CallExport &x) {
   m40llm_cuda_state *st = cuda_state(c->ctx);
   const m40llm_kvcache_options *o = &c->opts;
   const size_t row = (size_t)o->n_heads * o->head_dim;
@@ -148,9 +157,11 @@ int m40llm_cuda_tier_attention(const m40llm_kvcache *c, int layer, const int32_t
   int rc = combine_prepare(st, &combine_dependent);
   for (int first = 0; first < n_seqs && rc == M40LLM_OK; first += M40LLM_PLAN_MAX_ITEMS) {
     const int n = n_seqs - first < M40LLM_PLAN_MAX_ITEMS ? n_seqs - first : M40LLM_PLAN_MAX_ITEMS;
+    const CallExport xn = x.at(first);
     TierCall call;
     void *ws = nullptr;
-    if ((rc = plan_call(c, layer, seq_ids + first, n, scale, &call)) != M40LLM_OK ||
+    if ((rc = plan_call(c, layer, seq_ids + first, n, scale, xn.weights != nullptr, &call)) !=
+            M40LLM_OK ||
         (rc = m40llm_cuda_workspace(
              st, attn_partial_bytes(call.combine.total_splits, o->n_heads, o->head_dim), &ws)) !=
             M40LLM_OK)
@@ -170,6 +181,8 @@ int m40llm_cuda_tier_attention(const m40llm_kvcache *c, int layer, const int32_t
       al.part_o = a.part_o;
       al.part_m = a.part_m;
       al.part_l = a.part_l;
+      call.plan[l].weights = xn.weights;
+      call.plan[l].weights_stride = (int64_t)xn.weights_stride;
       const SplitPass &p = call.pass[l];
       rc = launch_attention_kernel(
           st, "launching the attention split kernel (a tier)", p.kernel,
@@ -177,6 +190,11 @@ int m40llm_cuda_tier_attention(const m40llm_kvcache *c, int layer, const int32_t
           p.smem, p.dependent, al, call.plan[l]);
     }
     if (rc == M40LLM_OK) rc = combine_launch(st, a, call.combine, combine_dependent);
+    if (rc == M40LLM_OK && xn.weights) {  // over every position of the items (combine.len)
+      call.combine.weights = xn.weights;
+      call.combine.weights_stride = (int64_t)xn.weights_stride;
+      rc = weights_launch(st, a, call.combine, xn.imp);
+    }
   }
   return rc;
 }

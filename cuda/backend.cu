@@ -271,7 +271,13 @@ int cuda_fork(const m40llm_kvcache *c, int dst_seq, int src_seq) {
       }
     }
   }
-  for (int t = 0; t < c->n_tiers; t++)  // a tiered cache's rows, its held slots a head
+  for (int t = 0; t < c->n_tiers; t++) {  // a tiered cache's rows, its held slots a head
+    const size_t map_row = (size_t)o->tiers[t].rows * sizeof(int32_t);
+    if (map_row > 0)  // and its slot map, every layer's rows of src_seq in one copy
+      M40LLM_CUDA_TRY(cudaMemcpy2DAsync(m40llm_tier_map_at(c, t, 0, dst_seq), o->max_seqs * map_row,
+                                        m40llm_tier_map_at(c, t, 0, src_seq), o->max_seqs * map_row,
+                                        map_row, o->n_layers, cudaMemcpyDeviceToDevice,
+                                        cuda_state(c->ctx)->stream));
     for (const m40llm_kv_tensor *x : {&c->tier_k[t], &c->tier_v[t]})
       for (int p = 0; p < M40LLM_KV_PLANES; p++) {
         if (!x->plane[p]) continue;
@@ -285,6 +291,7 @@ int cuda_fork(const m40llm_kvcache *c, int dst_seq, int src_seq) {
               o->n_kv_heads, cudaMemcpyDeviceToDevice, cuda_state(c->ctx)->stream));
         }
       }
+  }
   return M40LLM_OK;
 }
 

@@ -13,13 +13,12 @@ int m40llm_cuda_attention_causal(const m40llm_kvcache *c, int layer,
                                  int window);  // attention_causal_dispatch.cu
 int m40llm_cuda_append(const m40llm_kvcache *c, int layer, const m40llm_append_item *items,
                        int n_items, const void *k, const void *v, int dtype);  // append.cu
-// Tiered caches: the backend's tier_rows op, buffers checked (tiers.cu); the decode attention of
-// FP32 rows, and the workspace for its partials reserved (attention_tiers.cu).
+// Tiered caches: the backend's tier_rows op, buffers checked (tiers.cu); the workspace for their
+// decode attention's partials reserved (attention_tiers.cu, whose attention attention.cuh
+// declares).
 int m40llm_cuda_tier_rows(const m40llm_kvcache *c, int layer, const m40llm_row_op *ops,
                           int n_ops, const void *k_in, const void *v_in, int dtype,
                           uint16_t *k_out, uint16_t *v_out);
-int m40llm_cuda_tier_attention(const m40llm_kvcache *c, int layer, const int32_t *seq_ids,
-                               int n_seqs, const float *q, float *out, float scale);
 int m40llm_cuda_tier_reserve(const m40llm_kvcache *c);
 // Positions [pos, pos + n_tokens) of tensor t decoded to FP16 rows (read.cu).
 int m40llm_cuda_read_decoded(const m40llm_kvcache *c, const m40llm_kv_tensor &t, uint16_t *out,

@@ -45,6 +45,7 @@ __device__ void encode_row(int format, const KvMutPlanes &t, size_t e, const flo
 struct TierOps {
   m40llm_row_op op[M40LLM_TIER_OPS];
   KvMutPlanes planes[M40LLM_MAX_TIERS][2];    // [tier][K, V]
+  int32_t *map[M40LLM_MAX_TIERS];             // the tiers' slot maps (m40llm_row_op.pos)
   int row_bytes[M40LLM_MAX_TIERS][2][M40LLM_KV_PLANES];
   signed char format[M40LLM_MAX_TIERS][2];
   int rows[M40LLM_MAX_TIERS];
@@ -84,6 +85,8 @@ __global__ void __launch_bounds__(kTierThreads) tier_rows_kernel(const TierOps a
   for (int u = blockIdx.x * kTierWarps + warp; u < units; u += gridDim.x * kTierWarps) {
     const m40llm_row_op op = a.op[u / (2 * a.n_kv_heads)];
     const int h = (u / 2) % a.n_kv_heads, kv = u % 2;
+    if (op.to >= 0 && u % (2 * a.n_kv_heads) == 0 && lane == 0)
+      a.map[op.to][((size_t)a.layer * a.max_seqs + op.seq) * a.rows[op.to] + op.dst] = op.pos;
     if (op.from >= 0 && op.from == op.to) {  // within a tier: the bytes
       for (int p = 0; p < M40LLM_KV_PLANES; p++) {
         const int rb = a.row_bytes[op.from][kv][p];
@@ -155,6 +158,7 @@ int m40llm_cuda_tier_rows(const m40llm_kvcache *c, int layer, const m40llm_row_o
       for (int p = 0; p < M40LLM_KV_PLANES; p++) a.row_bytes[t][kv][p] = (int)x[kv]->layout.row_bytes[p];
     }
     a.rows[t] = o->tiers[t].rows;
+    a.map[t] = c->tier_map[t];
   }
   a.kept[0] = reinterpret_cast<__half *>(c->k.fp16);
   a.kept[1] = reinterpret_cast<__half *>(c->v.fp16);

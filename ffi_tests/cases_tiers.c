@@ -4,9 +4,11 @@
  * FP16 copy) or when it is appended past it (from the appended values); tier_move re-quantizes
  * from the values held, all or nothing; truncate frees rows; fork copies them. After every step:
  * each tier's row count, each position's tier, read_f16 bit for bit, and attention against
- * float64 (1e-5 relative), each sequence alone and all in one batch. A one-tier cache without a
- * window equals the uniform cache of its formats bit for bit (on CUDA: within 1e-5). The CUDA
- * backend refuses causal attention and exported weights on tiered caches in this version.
+ * float64 (1e-5 relative), each sequence alone and all in one batch, and the same calls'
+ * exported weights and importance (against the float64 softmax: 1e-4 relative + 1e-7, the
+ * entries past a length untouched). A one-tier cache without a window equals the uniform cache
+ * of its formats bit for bit (on CUDA: within 1e-5). The CUDA backend refuses causal attention
+ * on tiered caches in this version.
  */
 #include <math.h>
 #include <stddef.h>
@@ -16,6 +18,8 @@
 #include "test_util.h"
 
 enum { GROUP = 32 };
+#define X_REL 1e-4
+#define X_ABS 1e-7
 
 /* One (layer, seq) of the model: rows are [pos][kv][kv_head][dim], kv 0 for K and 1 for V. */
 typedef struct {
@@ -236,8 +240,103 @@ static void check_seq(m40llm_context *ctx, m40llm_kvcache *c, model *m, int laye
   check_attention(ctx, c, m, layer, &id, 1);
 }
 
+/* The softmax weights of q row qr (rotated as K is) over len rows of k (a K/V head's, rows
+ * `stride` apart), in float64. */
+static void ref_weights(const float *qr, const double *k, int len, int d, int stride, double *w) {
+  double most = -INFINITY, sum = 0.0;
+  for (int p = 0; p < len; p++) {
+    double s = 0.0;
+    for (int e = 0; e < d; e++) s += (double)qr[e] * k[(size_t)p * stride + e];
+    w[p] = s / sqrt((double)d);
+    most = w[p] > most ? w[p] : most;
+  }
+  for (int p = 0; p < len; p++) sum += (w[p] = exp(w[p] - most));
+  for (int p = 0; p < len; p++) w[p] /= sum;
+}
+
+/* Whether got is within X_REL + X_ABS of want; counts the misses. */
+static int near(double got, double want, int *bad) {
+  const int ok = fabs(got - want) <= X_REL * fabs(want) + X_ABS;
+  *bad += !ok;
+  return ok;
+}
+
+/* The batch's call exporting weights, then importance (decay 0.5 onto random values), against
+ * w_ref ([row][head][stride] float64 weights) and the output of the plain call. */
+static void check_exports(m40llm_context *ctx, m40llm_kvcache *c, const model *m,
+                          const int32_t *seq_ids, int n, int layer, const float *dq,
+                          const float *plain, const double *w_ref, size_t stride) {
+  const int nh = m->o.n_heads, heads = m->o.n_kv_heads, group = nh / heads;
+  const size_t qrow = (size_t)nh * m->o.head_dim, all = (size_t)n * qrow;
+  const size_t w_all = (size_t)n * nh * stride, i_all = (size_t)n * heads * stride;
+  float *out = malloc(all * sizeof(float)), *w = malloc(w_all * sizeof(float));
+  float *imp = malloc(i_all * sizeof(float)), *old = malloc(i_all * sizeof(float));
+  float *dout = t_dev_alloc(ctx, all * sizeof(float)), *dw = NULL, *di = NULL;
+  if (!T_CHECK(out && w && imp && old && dout)) goto done;
+  memset(w, 0xFF, w_all * sizeof(float));
+  int bad = 0, untouched = 0, out_diff = 0;
+  if ((dw = t_dev_upload(ctx, w, w_all * sizeof(float))) &&
+      T_OK(m40llm_kvcache_attn_weights_ex(dout, dw, stride, c, layer, seq_ids, n, dq,
+                                          M40LLM_DTYPE_F32, 0.0f)) &&
+      t_dev_download(ctx, w, dw, w_all * sizeof(float)) &&
+      t_dev_download(ctx, out, dout, all * sizeof(float))) {
+    for (int i = 0; i < n; i++) {
+      const int len = seq_of((model *)m, layer, seq_ids[i])->len;
+      for (int h = 0; h < nh; h++)
+        for (size_t p = 0; p < stride; p++) {
+          const size_t at = ((size_t)i * nh + h) * stride + p;
+          if ((int)p < len) near(w[at], w_ref[at], &bad);
+          else untouched += t_all_bytes(&w[at], sizeof(float), 0xFF);
+        }
+    }
+    for (size_t e = 0; e < all; e++) out_diff += fabsf(out[e] - plain[e]) > 1e-5f * (1.0f + fabsf(plain[e]));
+    T_CHECKF(bad == 0, "layer %d, %d rows: %d exported weights off the float64 softmax", layer, n,
+             bad);
+    size_t past = 0;
+    for (int i = 0; i < n; i++) past += (size_t)nh * (stride - (size_t)seq_of((model *)m, layer, seq_ids[i])->len);
+    T_CHECKF((size_t)untouched == past, "%zu of %zu weights past the lengths were written",
+             past - (size_t)untouched, past);
+    T_CHECKF(out_diff == 0, "%d outputs of the call with weights differ from the plain call's",
+             out_diff);
+  }
+  t_fill_uniform(old, i_all, 0.0f, 1.0f);
+  bad = 0;
+  if ((di = t_dev_upload(ctx, old, i_all * sizeof(float))) &&
+      T_OK(m40llm_kvcache_attn_importance_ex(dout, di, stride, 0.5f, c, layer, seq_ids, n, dq,
+                                             M40LLM_DTYPE_F32, 0.0f)) &&
+      t_dev_download(ctx, imp, di, i_all * sizeof(float))) {
+    for (int i = 0; i < n; i++) {
+      const int len = seq_of((model *)m, layer, seq_ids[i])->len;
+      for (int g = 0; g < heads; g++)
+        for (size_t p = 0; p < stride; p++) {
+          const size_t at = ((size_t)i * heads + g) * stride + p;
+          double want = old[at];
+          if ((int)p < len) {
+            double most = 0.0;
+            for (int j = 0; j < group; j++) {
+              const double x = w_ref[((size_t)i * nh + (size_t)g * group + j) * stride + p];
+              most = x > most ? x : most;
+            }
+            want = 0.5 * old[at] + most;
+          }
+          near(imp[at], want, &bad);
+        }
+    }
+    T_CHECKF(bad == 0, "layer %d, %d rows: %d importance values off float64", layer, n, bad);
+  }
+done:
+  m40llm_free(ctx, dout);
+  m40llm_free(ctx, dw);
+  m40llm_free(ctx, di);
+  free(out);
+  free(w);
+  free(imp);
+  free(old);
+}
+
 /* Attention of a batch of (layer, seq_ids) at once against float64: q rotated as K is, the
- * output rotated back as V is. Repeats and empty sequences allowed. */
+ * output rotated back as V is; then its exports (check_exports). Repeats and empty sequences
+ * allowed. */
 static void check_attention(m40llm_context *ctx, m40llm_kvcache *c, model *m, int layer,
                             const int32_t *seq_ids, int n) {
   const int heads = m->o.n_kv_heads, d = m->o.head_dim, nh = m->o.n_heads;
@@ -249,8 +348,9 @@ static void check_attention(m40llm_context *ctx, m40llm_kvcache *c, model *m, in
   double *kvals = malloc(longest * heads * d * sizeof(double));
   double *vvals = malloc(longest * heads * d * sizeof(double));
   double *ref = malloc(all * sizeof(double));
+  double *w_ref = malloc((size_t)n * nh * longest * sizeof(double));
   float *dq = NULL, *dout = NULL;
-  if (!T_CHECK(q && out && kvals && vvals && ref)) goto done;
+  if (!T_CHECK(q && out && kvals && vvals && ref && w_ref)) goto done;
   t_fill_uniform(q, all, -1.0f, 1.0f);
   for (int i = 0; i < n; i++) {
     const m_seq *s = seq_of(m, layer, seq_ids[i]);
@@ -273,6 +373,8 @@ static void check_attention(m40llm_context *ctx, m40llm_kvcache *c, model *m, in
       t_ref_head(qr, kvals + (size_t)g * d, vvals + (size_t)g * d, s->len, d, heads * d,
                  1.0 / sqrt((double)d), r);
       t_rotate_f64(r, d);
+      ref_weights(qr, kvals + (size_t)g * d, s->len, d, heads * d,
+                  w_ref + ((size_t)i * nh + h) * longest);
     }
   }
   memset(out, 0xFF, all * sizeof(float));
@@ -290,6 +392,7 @@ static void check_attention(m40llm_context *ctx, m40llm_kvcache *c, model *m, in
                "%d nonzero",
                layer, seq_ids[i], seq_of(m, layer, seq_ids[i])->len, i, n, err, nonzero);
     }
+  if (dq && dout) check_exports(ctx, c, m, seq_ids, n, layer, dq, out, w_ref, longest);
 done:
   m40llm_free(ctx, dq);
   m40llm_free(ctx, dout);
@@ -298,6 +401,7 @@ done:
   free(kvals);
   free(vvals);
   free(ref);
+  free(w_ref);
 }
 
 /* Stored bits a value of a format (codes, and a 32-dim group's FP16 parameters). */
@@ -568,12 +672,13 @@ static void option_errors(m40llm_context *ctx) {
     T_CHECK(c == (m40llm_kvcache *)&bytes);
   }
   t_set_case("tiers: bytes_needed and the planner");
-  /* the FP16 slots, each tier's codes and FP16 parameters (the maps are host memory) */
+  /* the FP16 slots, each tier's codes and FP16 parameters, and its slot map in backend memory
+   * (4 bytes a row; the other maps are host memory) */
   size_t want = 2 * 2 * (size_t)(4 + 32) * 64 * 2; /* K and V, 2 K/V heads */
   const size_t k_row[5] = {0, 64 + 4, 32 + 8, 24 + 8, 16 + 8}; /* by format: codes + params */
   for (int t = 0; t < 4; t++)
     want += (size_t)good.tiers[t].rows *
-            2 * (k_row[good.tiers[t].k_format] + k_row[good.tiers[t].v_format]);
+            (2 * (k_row[good.tiers[t].k_format] + k_row[good.tiers[t].v_format]) + 4);
   want *= 2 * 3; /* layers x seqs */
   size_t bytes = 0;
   if (T_OK(m40llm_kvcache_bytes_needed(&bytes, &good)))
@@ -658,37 +763,29 @@ out:
   free(back);
 }
 
-/* What the CUDA backend does not run on a tiered cache yet: causal attention, and the calls
- * that export weights or importance (the CPU backend runs them). */
+/* What the CUDA backend does not run on a tiered cache yet: causal attention (the CPU backend
+ * runs it). */
 static void unsupported_on_cuda(m40llm_context *ctx) {
-  t_set_case("tiers: causal and exporting calls on CUDA");
+  t_set_case("tiers: causal attention on CUDA");
   const m40llm_kvcache_options o = tiered_options(300, 4, 32);
   m40llm_kvcache *c = NULL;
   model m;
   const size_t qrow = (size_t)o.n_heads * o.head_dim;
-  float *dq = NULL, *dout = NULL, *dw = NULL;
+  float *dq = NULL, *dout = NULL;
   if (!T_CHECK(model_init(&m, &o)) || !T_OK(m40llm_kvcache_create(&c, ctx, &o)) ||
       append_both(ctx, c, &m, 0, 0, 40) != M40LLM_OK)
     goto out;
   dq = t_dev_alloc(ctx, qrow * sizeof(float));
   dout = t_dev_alloc(ctx, qrow * sizeof(float));
-  dw = t_dev_alloc(ctx, (size_t)o.n_heads * 40 * sizeof(float));
-  if (!dq || !dout || !dw || !T_OK(m40llm_memset(ctx, dq, 0, qrow * sizeof(float)))) goto out;
+  if (!dq || !dout || !T_OK(m40llm_memset(ctx, dq, 0, qrow * sizeof(float)))) goto out;
   const int32_t id = 0, count = 1;
   m40llm_causal_options co = M40LLM_CAUSAL_OPTIONS_INIT;
   T_FAIL_WITH(m40llm_kvcache_attn_causal_f32q(dout, c, 0, &id, &count, 1, dq, &co),
-              M40LLM_ERR_UNSUPPORTED, "tiered");
-  T_FAIL_WITH(m40llm_kvcache_attn_weights_ex(dout, dw, 40, c, 0, &id, 1, dq, M40LLM_DTYPE_F32,
-                                             0.0f),
-              M40LLM_ERR_UNSUPPORTED, "tiered");
-  T_FAIL_WITH(m40llm_kvcache_attn_importance_ex(dout, dw, 40, 1.0f, c, 0, &id, 1, dq,
-                                                M40LLM_DTYPE_F32, 0.0f),
               M40LLM_ERR_UNSUPPORTED, "tiered");
   check_seq(ctx, c, &m, 0, 0); /* the cache is as it was */
 out:
   m40llm_free(ctx, dq);
   m40llm_free(ctx, dout);
-  m40llm_free(ctx, dw);
   m40llm_kvcache_destroy(c);
   model_free(&m);
 }

@@ -30,7 +30,11 @@
 #             F16 and Q4, both with and without weights, alternating rounds), native and
 #             compute_52-PTX builds: $OUT/weights_native, $OUT/weights_ptx52
 #   importance the same for m40llm_kvcache_attn_importance_ex (weights_cost.py --mode
-#             importance): $OUT/importance_native, $OUT/importance_ptx52
+#             importance): $OUT/importance_native, $OUT/importance_ptx52 (both steps also time
+#             a four-tier cache, the format "tiers")
+#   abexport  the exporting calls' A/B on the M40 path: the previous main's compute_52
+#             bench_attention (.ab/bins/base) against this tree's, F16 and Q4, with --weights and
+#             with --importance, over weights_cost.py's shapes: $OUT/abexport/*/ab.md
 #   tiers     tiered caches (bench/tiers.sh): one tier against the uniform cache of its formats
 #             (the same bytes), and a four-tier mix, native and compute_52-PTX builds:
 #             $OUT/tiers_native, $OUT/tiers_ptx52
@@ -182,10 +186,27 @@ ab_formats() {
 
 weights_cost() {  # mode (weights or importance); needs build-native (the native step)
   [ -x build-native/bench/bench_attention ] || native || return 1
-  python3 bench/weights_cost.py "$out/$1_native" --mode "$1" \
+  local tiers=(--tiers Q8Q8:0.25,Q8Q4:0.25,Q4Q3:0.25,Q4Q2:0.25)
+  python3 bench/weights_cost.py "$out/$1_native" --mode "$1" "${tiers[@]}" \
     --bin build-native/bench/bench_attention &&
-    python3 bench/weights_cost.py "$out/$1_ptx52" --mode "$1" \
+    python3 bench/weights_cost.py "$out/$1_ptx52" --mode "$1" "${tiers[@]}" \
       --bin .gpu-carry/bench52/bench_attention
+}
+
+ab_export() {
+  local rc=0 fmt mode shapes=()
+  for s in $(python3 bench/weights_cost.py --list-shapes); do shapes+=(--shape "$s"); done
+  mkdir -p /tmp/abx_bins/base /tmp/abx_bins/new
+  cp .ab/bins/base/bench_attention /tmp/abx_bins/base/ &&
+    cp .gpu-carry/bench52/bench_attention /tmp/abx_bins/new/ || return 1
+  for fmt in F16 Q4; do
+    for mode in weights importance; do
+      AB_BINS=/tmp/abx_bins AB_BUILD=/tmp/m40llm-abx bash bench/ab.sh .ab/base \
+        "$out/abexport/$fmt-$mode" "${AB_ROUNDS:-2}" -- --format "$fmt" "--$mode" \
+        "${shapes[@]}" || rc=1
+    done
+  done
+  return $rc
 }
 
 tiers_bench() {  # needs build-native (the native step)
@@ -213,6 +234,7 @@ for s in $steps; do
     weights) run_step weights weights_cost weights ;;
     importance) run_step importance weights_cost importance ;;
     tiers) run_step tiers tiers_bench ;;
+    abexport) run_step abexport ab_export ;;
     *) echo "unknown step $s"; exit 2 ;;
   esac
 done

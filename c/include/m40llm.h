@@ -411,13 +411,14 @@ typedef struct m40llm_kvcache_options {
    * tiers must hold every row that can leave the window: the sum of tiers[t].rows at least
    * max_seq_len - n_sinks - window (as capped), else M40LLM_ERR_INVALID_ARGUMENT. Sinks and the
    * window stay FP16, as in any quantized cache. Bytes (m40llm_kvcache_bytes_needed): the FP16
-   * slots and each tier's rows; the maps are host memory, 4 bytes per tier row and per position
-   * for every (layer, sequence). Both backends run tiered caches; on CUDA, in this version,
-   * causal attention and the calls that export weights or importance fail on them with
-   * M40LLM_ERR_UNSUPPORTED (nothing written); decode attention runs the uniform caches'
-   * kernels a launch per tier and merges them (each tier beyond the first adds a launch's
-   * fixed cost: a few microseconds a call). A CUDA graph captures a call's row writes as the host's maps stood: as
-   * with lengths, capture each step anew. */
+   * slots, each tier's rows, and each tier's slot -> position map (4 bytes a tier row); the
+   * other maps are host memory, 4 bytes per tier row and per position for every (layer,
+   * sequence). Both backends run tiered caches; on CUDA, in this version, causal attention
+   * fails on them with M40LLM_ERR_UNSUPPORTED (nothing written); decode attention runs the
+   * uniform caches' kernels a launch per tier and merges them (each tier beyond the first
+   * adds a launch's fixed cost: a few microseconds a call), with exported weights and
+   * importance as for a uniform cache. A CUDA graph captures a call's row writes as the
+   * host's maps stood: as with lengths, capture each step anew. */
   int n_tiers;
   m40llm_kv_tier tiers[M40LLM_MAX_TIERS];
 } m40llm_kvcache_options;

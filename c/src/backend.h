@@ -44,13 +44,15 @@ enum {
   M40LLM_ROW_OUTPUT = -3  /* row dst of read_f16's output: rotated back, rounded to FP16 */
 };
 /* Ops from a tier to itself copy the stored bytes; the others decode the row to FP32 (the
- * stored, rotated frame) and encode it where it goes (quantized, or rounded to FP16). */
+ * stored, rotated frame) and encode it where it goes (quantized, or rounded to FP16). An op
+ * into a tier also writes the row's position, pos, into the tier's slot map in backend memory
+ * (m40llm_kvcache.tier_map), which the kernels that need a tier row's position read. */
 typedef struct m40llm_row_op {
-  int32_t seq, src, dst;
+  int32_t seq, src, dst, pos;
   int16_t from, to;
 } m40llm_row_op;
 /* Row ops a backend call takes: they travel as a CUDA kernel argument (4 KB on sm_52). */
-#define M40LLM_TIER_OPS 224
+#define M40LLM_TIER_OPS 176
 
 typedef struct m40llm_backend_ops {
   int kind; /* m40llm_backend */

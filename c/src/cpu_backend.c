@@ -156,6 +156,7 @@ static void row_op(const m40llm_kvcache *c, int layer, const m40llm_row_op *op, 
   const int d = o->head_dim;
   const m40llm_kv_tensor *x = is_v ? &c->v : &c->k;
   if (op->from >= 0 && op->from == op->to) { /* within a tier: the bytes */
+    if (h == 0 && !is_v) m40llm_tier_map_at(c, op->to, layer, op->seq)[op->dst] = op->pos;
     const m40llm_kv_tensor *y = tier_tensor(c, op->from, is_v);
     for (int p = 0; p < M40LLM_KV_PLANES; p++)
       if (y->plane[p])
@@ -184,6 +185,7 @@ static void row_op(const m40llm_kvcache *c, int layer, const m40llm_row_op *op, 
     uint16_t *r = kept_row(c, is_v, layer, op->seq, h, op->dst);
     for (int i = 0; i < d; i++) r[i] = m40llm_f32_to_f16(f[i]);
   } else {
+    if (h == 0 && !is_v) m40llm_tier_map_at(c, op->to, layer, op->seq)[op->dst] = op->pos;
     const m40llm_kv_tensor *y = tier_tensor(c, op->to, is_v);
     const size_t row = m40llm_tier_row(c, op->to, layer, op->seq, h, op->dst);
     y->layout.fmt->encode_f32(m40llm_kv_at(y, M40LLM_KV_CODES, row),
@@ -265,11 +267,14 @@ static int cpu_read_f16(const m40llm_kvcache *c, uint16_t *k_out, uint16_t *v_ou
   return M40LLM_OK;
 }
 
-/* A tiered cache's rows of (layer, src_seq) into dst_seq: each tier's rows (the front end
- * copies the maps). */
+/* A tiered cache's rows of (layer, src_seq) into dst_seq: each tier's rows and slot map (the
+ * front end copies its own maps). */
 static void fork_tiers(const m40llm_kvcache *c, int l, int dst_seq, int src_seq) {
   for (int t = 0; t < c->n_tiers; t++) {
     const size_t n = (size_t)m40llm_tier_counts(c, l, src_seq)[t];
+    if (n > 0)
+      memcpy(m40llm_tier_map_at(c, t, l, dst_seq), m40llm_tier_map_at(c, t, l, src_seq),
+             n * sizeof(int32_t));
     for (int i = 0; i < 2; i++) {
       const m40llm_kv_tensor *x = tier_tensor(c, t, i);
       for (int h = 0; h < c->opts.n_kv_heads; h++)

@@ -45,11 +45,15 @@ struct m40llm_kvcache {
    * each tier's slot -> position map (tier_pos[t], [layer][seq][slot]), the position -> (tier,
    * slot) map of the quantized rows (where, [layer][seq][pos], m40llm_tier_where), the rows
    * each tier holds (tier_count, [layer][seq][M40LLM_MAX_TIERS]), and the row ops being
-   * gathered for the backend (ops, M40LLM_TIER_OPS of them); the rows tier_move has moved. */
+   * gathered for the backend (ops, M40LLM_TIER_OPS of them); the rows tier_move has moved.
+   * In backend memory too, each tier's slot -> position map (tier_map[t], as tier_pos): the
+   * backend's row ops keep it (m40llm_row_op.pos), in stream order, for the kernels that need
+   * a tier row's position (exported weights, causal masks). */
   int n_tiers;
   int64_t tier_moved;
   m40llm_kv_tensor tier_k[M40LLM_MAX_TIERS], tier_v[M40LLM_MAX_TIERS];
   int32_t *tier_pos[M40LLM_MAX_TIERS];
+  int32_t *tier_map[M40LLM_MAX_TIERS];
   uint32_t *where;
   int32_t *tier_count;
   m40llm_row_op *ops;
@@ -130,6 +134,11 @@ static inline uint32_t *m40llm_tier_where_of(const m40llm_kvcache *c, int layer,
 }
 static inline int32_t *m40llm_tier_slot_pos(const m40llm_kvcache *c, int t, int layer, int seq) {
   return c->tier_pos[t] +
+         ((size_t)layer * (size_t)c->opts.max_seqs + (size_t)seq) * (size_t)c->opts.tiers[t].rows;
+}
+/* The same entry of the backend's copy (tier_map: backend memory). */
+static inline int32_t *m40llm_tier_map_at(const m40llm_kvcache *c, int t, int layer, int seq) {
+  return c->tier_map[t] +
          ((size_t)layer * (size_t)c->opts.max_seqs + (size_t)seq) * (size_t)c->opts.tiers[t].rows;
 }
 

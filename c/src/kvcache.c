@@ -107,9 +107,13 @@ static int check_tiers(const m40llm_kvcache_options *o, int sinks, int window, s
     int rc = m40llm_kv_layout_init(&l, &k_bytes, &to, to.format);
     if (rc == M40LLM_OK) rc = m40llm_kv_layout_init(&l, &v_bytes, &to, to.v_format);
     if (rc != M40LLM_OK) return rc;
-    if (k_bytes > SIZE_MAX - v_bytes || *bytes > SIZE_MAX - k_bytes - v_bytes)
+    /* and the tier's slot map in backend memory (m40llm_row_op.pos) */
+    const size_t map_bytes = (size_t)tier->rows * (size_t)o->n_layers * (size_t)o->max_seqs *
+                             sizeof(int32_t);
+    if (k_bytes > SIZE_MAX - v_bytes || map_bytes > SIZE_MAX - k_bytes - v_bytes ||
+        *bytes > SIZE_MAX - k_bytes - v_bytes - map_bytes)
       return FAIL(OUT_OF_MEMORY, "cache size overflows size_t");
-    *bytes += k_bytes + v_bytes;
+    *bytes += k_bytes + v_bytes + map_bytes;
   }
   const long long need = (long long)o->max_seq_len - sinks - window;
   if (rows < need)
@@ -203,6 +207,7 @@ static void release(m40llm_kvcache *c) {
     release_tensor(c, &c->tier_k[t]);
     release_tensor(c, &c->tier_v[t]);
     free(c->tier_pos[t]);
+    m40llm_free(c->ctx, c->tier_map[t]);
   }
   free(c->where);
   free(c->tier_count);
@@ -266,6 +271,9 @@ static int alloc_tiers(m40llm_kvcache *c) {
     if (rc == M40LLM_OK &&
         !(c->tier_pos[t] = m40llm_host_malloc(seqs * (size_t)o->tiers[t].rows * sizeof(int32_t))))
       rc = FAIL(OUT_OF_MEMORY, "allocating tier %d's slot map on the host", t);
+    if (rc == M40LLM_OK)
+      rc = m40llm_malloc((void **)&c->tier_map[t], c->ctx,
+                         seqs * (size_t)o->tiers[t].rows * sizeof(int32_t));
   }
   return rc;
 }

@@ -26,8 +26,9 @@ static int flush(op_list *l) {
                                                                     l->k_out, l->v_out));
 }
 
-static int push(op_list *l, int seq, int from, int src, int to, int dst) {
-  const m40llm_row_op op = {seq, src, dst, (int16_t)from, (int16_t)to};
+/* pos: the row's position (written into the tier's map where `to` is a tier). */
+static int push(op_list *l, int seq, int from, int src, int to, int dst, int pos) {
+  const m40llm_row_op op = {seq, src, dst, pos, (int16_t)from, (int16_t)to};
   l->c->ops[l->n++] = op;
   return l->n == M40LLM_TIER_OPS ? flush(l) : M40LLM_OK;
 }
@@ -61,8 +62,8 @@ static int compact(op_list *l, int layer, int seq, int t, int freed) {
   for (int hole = 0, from = keep; hole < keep && rc == M40LLM_OK; hole++) {
     if (map[hole] >= 0) continue;
     while (map[from] < 0) from++;
-    rc = push(l, seq, t, from, t, hole);
     map[hole] = map[from];
+    rc = push(l, seq, t, from, t, hole, map[hole]);
     where[map[hole]] = m40llm_tier_where(t, hole);
     from++;
   }
@@ -90,7 +91,7 @@ int m40llm_tiers_append(m40llm_kvcache *c, int layer, const m40llm_append_item *
     for (int p = c->n_sinks + m40llm_quantized_rows(c, lo, it->pos);
          p < q_end && p < it->pos && rc == M40LLM_OK; p++) {
       const int t = first_free_tier(c, layer, it->seq);
-      rc = push(&l, it->seq, M40LLM_ROW_KEPT, p, t, claim(c, layer, it->seq, p, t));
+      rc = push(&l, it->seq, M40LLM_ROW_KEPT, p, t, claim(c, layer, it->seq, p, t), p);
     }
   }
   if (rc == M40LLM_OK) rc = flush(&l);
@@ -103,9 +104,9 @@ int m40llm_tiers_append(m40llm_kvcache *c, int layer, const m40llm_append_item *
     for (int p = it->pos; p < end && rc == M40LLM_OK; p++, row++) {
       if (p >= c->n_sinks && p < q_end) {
         const int t = first_free_tier(c, layer, it->seq);
-        rc = push(&l, it->seq, M40LLM_ROW_INPUT, row, t, claim(c, layer, it->seq, p, t));
+        rc = push(&l, it->seq, M40LLM_ROW_INPUT, row, t, claim(c, layer, it->seq, p, t), p);
       } else {
-        rc = push(&l, it->seq, M40LLM_ROW_INPUT, row, M40LLM_ROW_KEPT, p);
+        rc = push(&l, it->seq, M40LLM_ROW_INPUT, row, M40LLM_ROW_KEPT, p, p);
       }
     }
   }
@@ -133,7 +134,7 @@ int m40llm_tiers_move(m40llm_kvcache *c, int layer, int seq, int begin, int end,
     if (from == tier) continue;
     m40llm_tier_slot_pos(c, from, layer, seq)[slot] = -1;
     freed[from]++;
-    rc = push(&l, seq, from, slot, tier, claim(c, layer, seq, p, tier));
+    rc = push(&l, seq, from, slot, tier, claim(c, layer, seq, p, tier), p);
   }
   if (rc == M40LLM_OK) rc = flush(&l);
   for (int t = 0; t < c->n_tiers && rc == M40LLM_OK; t++)
@@ -164,10 +165,10 @@ int m40llm_tiers_read(m40llm_kvcache *c, uint16_t *k_out, uint16_t *v_out, int l
   for (int r = 0; r < n_tokens && rc == M40LLM_OK; r++) {
     const int p = pos + r;
     if (m40llm_is_protected(c, layer, seq, p))
-      rc = push(&l, seq, M40LLM_ROW_KEPT, p, M40LLM_ROW_OUTPUT, r);
+      rc = push(&l, seq, M40LLM_ROW_KEPT, p, M40LLM_ROW_OUTPUT, r, p);
     else
       rc = push(&l, seq, m40llm_where_tier(where[p]), m40llm_where_slot(where[p]),
-                M40LLM_ROW_OUTPUT, r);
+                M40LLM_ROW_OUTPUT, r, p);
   }
   return rc == M40LLM_OK ? flush(&l) : rc;
 }

@@ -256,8 +256,8 @@ impl KvCacheConfig {
     /// tiers, [`KvCache::tier_rows`] and [`KvCache::tier_of`] say where they are,
     /// [`KvCache::tier_stats`] what the whole cache holds. The tiers' rows must add up to at
     /// least `max_seq_len - sinks - window` (checked by [`bytes_needed`](Self::bytes_needed)
-    /// and [`KvCache::new`]). On CUDA, causal attention
-    /// and the calls that export weights or importance are not run on a tiered cache yet
+    /// and [`KvCache::new`]). The calls that export weights or importance work over tiers as
+    /// over a uniform cache; on CUDA, causal attention is not run on a tiered cache yet
     /// ([`Status::Unsupported`](crate::Status)).
     ///
     /// ```
