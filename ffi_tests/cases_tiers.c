@@ -426,9 +426,11 @@ static void check_stats(m40llm_kvcache *c, const model *m) {
       positions += s->len;
     }
   double bits = 16.0 * (double)kept;
+  const double map_bits = 32.0 / (2.0 * m->o.n_kv_heads * m->o.head_dim); /* a tier row's map entry */
   for (int t = 0; t < m->o.n_tiers; t++)
     bits += (double)rows[t] *
-            (format_bits(m->o.tiers[t].k_format) + format_bits(m->o.tiers[t].v_format)) / 2.0;
+            ((format_bits(m->o.tiers[t].k_format) + format_bits(m->o.tiers[t].v_format)) / 2.0 +
+             map_bits);
   m40llm_tier_stats st = M40LLM_TIER_STATS_INIT;
   if (!T_OK(m40llm_kvcache_tier_stats(&st, c))) return;
   int ok = st.n_tiers == m->o.n_tiers && st.kept_rows == kept && st.moved_rows == m->moved &&
@@ -554,6 +556,11 @@ static void history(m40llm_context *ctx, int sinks, int window, int small, int o
   model_truncate(&m, 0, 0);
   if (append_both(ctx, c, &m, 0, 0, 33) != M40LLM_OK) goto out;
   check_all(ctx, c, &m);
+  if (!small) { /* a batch over M40LLM_PLAN_MAX_ITEMS rows: a call of two launches' worth */
+    int32_t ids[131];
+    for (int i = 0; i < 131; i++) ids[i] = (i * 7) % 3;
+    check_attention(ctx, c, &m, 1, ids, 131);
+  }
 out:
   m40llm_kvcache_destroy(c);
   model_free(&m);
@@ -799,6 +806,7 @@ void t_cases_tiers(m40llm_context *ctx, int small) {
   history(ctx, 4, 32, small, 0);
   history(ctx, 0, 16, small, 0);
   history(ctx, 3, 0, small, 0);
+  history(ctx, 0, 0, small, 0); /* no FP16 slots: every row in a tier */
   history(ctx, 4, 32, small, 1);
   history(ctx, 2, 0, small, 1);
   if (on_cuda(ctx)) unsupported_on_cuda(ctx);

@@ -13,6 +13,9 @@ which today rotates every quantized tensor, NONE = 1, K = 2, KV = 3), n_sinks an
 (protected tokens kept FP16 where a tensor is quantized). The struct version is the highest the
 loaded library accepts (m40llm_kvcache_options_init); a v3 cache without rotation asks for NONE
 explicitly (v3's default AUTO rotates), a v1/v2 cache has neither rotation nor protected tokens.
+Version 4 adds tiers (n_tiers, tiers[4] of (k_format, v_format, rows)): a tiered cache, with
+tier_move, tier_of, tier_stats and the importance export for a placement policy of the caller's
+(lib_tiers.py).
 """
 import ctypes as C
 import os
@@ -43,7 +46,21 @@ class KvOptionsV3(C.Structure):
                                        ("window", C.c_int)]
 
 
-KV_OPTIONS = {1: KvOptionsV1, 2: KvOptionsV2, 3: KvOptionsV3}
+class KvTier(C.Structure):
+    _fields_ = [("k_format", C.c_int), ("v_format", C.c_int), ("rows", C.c_int)]
+
+
+class KvOptionsV4(C.Structure):
+    _fields_ = KvOptionsV3._fields_ + [("n_tiers", C.c_int), ("tiers", KvTier * 4)]
+
+
+class TierStats(C.Structure):
+    _fields_ = [("version", C.c_uint), ("n_tiers", C.c_int), ("rows", C.c_int64 * 4),
+                ("free_rows", C.c_int64 * 4), ("kept_rows", C.c_int64),
+                ("bits_per_value", C.c_double), ("moved_rows", C.c_int64)]
+
+
+KV_OPTIONS = {1: KvOptionsV1, 2: KvOptionsV2, 3: KvOptionsV3, 4: KvOptionsV4}
 
 
 class LibraryError(RuntimeError):
@@ -79,9 +96,13 @@ class Library:
         L.m40llm_kvcache_attn_last_token_f32q.argtypes = [fp, P, I, I, fp, F]
         L.m40llm_kvcache_attn_batch_f32q.argtypes = [fp, P, I, np.ctypeslib.ndpointer(np.int32),
                                                      I, fp, F]
+        if hasattr(L, "m40llm_kvcache_tier_stats"):  # libraries with tiers
+            L.m40llm_kvcache_tier_move.argtypes = [P, I, I, I, I, I]
+            L.m40llm_kvcache_tier_of.argtypes = [C.POINTER(I), P, I, I, I]
+            L.m40llm_kvcache_tier_stats.argtypes = [C.POINTER(TierStats), P]
         self.version = L.m40llm_version_string().decode()
         self.kv_options_version = 1
-        for ver in (3, 2):
+        for ver in (4, 3, 2):
             if L.m40llm_kvcache_options_init(C.byref(KV_OPTIONS[ver]()), ver) == 0:
                 self.kv_options_version = ver
                 break
@@ -96,8 +117,11 @@ class Library:
             raise LibraryError(f"{what}: {self.lib.m40llm_status_string(rc).decode()} "
                                f"({self.lib.m40llm_last_error_message().decode()})")
 
-    def needs_version(self, k_format, v_format=-1, rotation=ROTATE_NONE, n_sinks=0, window=0):
+    def needs_version(self, k_format, v_format=-1, rotation=ROTATE_NONE, n_sinks=0, window=0,
+                      tiers=()):
         """The options struct version a cache with these settings needs."""
+        if tiers:
+            return 4
         if rotation != ROTATE_NONE or n_sinks or window:
             return 3
         return 1 if k_format == 0 and v_format in (-1, 0) else 2
@@ -106,9 +130,11 @@ class Library:
         return self.needs_version(k_format, v_format, rotation, n_sinks, window) <= self.kv_options_version
 
     def cache(self, n_layers, n_heads, n_kv_heads, head_dim, max_seq_len, k_format=0, v_format=-1,
-              max_seqs=1, rotation=ROTATE_NONE, n_sinks=0, window=0):
+              max_seqs=1, rotation=ROTATE_NONE, n_sinks=0, window=0, tiers=()):
+        """tiers: (k_format, v_format, rows) per tier (options version 4); the cache's formats
+        are then the first tier's."""
         return Cache(self, n_layers, n_heads, n_kv_heads, head_dim, max_seq_len, k_format,
-                     v_format, max_seqs, rotation, n_sinks, window)
+                     v_format, max_seqs, rotation, n_sinks, window, tiers)
 
     def close(self):
         if self.ctx:
@@ -118,12 +144,14 @@ class Library:
 
 class Cache:
     def __init__(self, lib, n_layers, n_heads, n_kv_heads, head_dim, max_seq_len, k_format,
-                 v_format, max_seqs, rotation=ROTATE_NONE, n_sinks=0, window=0):
+                 v_format, max_seqs, rotation=ROTATE_NONE, n_sinks=0, window=0, tiers=()):
         self.lib = lib
         L = lib.lib
+        if tiers:
+            k_format, v_format = tiers[0][0], tiers[0][1]
         if v_format == k_format:
             v_format = -1
-        need = lib.needs_version(k_format, v_format, rotation, n_sinks, window)
+        need = lib.needs_version(k_format, v_format, rotation, n_sinks, window, tiers)
         ver = lib.kv_options_version
         if need > ver:
             raise LibraryError(f"this library has kvcache options version {ver}, these settings "
@@ -135,6 +163,10 @@ class Cache:
             o.v_format = v_format
         if ver >= 3:
             o.rotation, o.n_sinks, o.window = rotation, n_sinks, window
+        if tiers:
+            o.n_tiers = len(tiers)
+            for t, (kf_, vf_, rows) in enumerate(tiers):
+                o.tiers[t].k_format, o.tiers[t].v_format, o.tiers[t].rows = kf_, vf_, rows
         o.n_layers, o.n_heads, o.n_kv_heads, o.head_dim = n_layers, n_heads, n_kv_heads, head_dim
         o.max_seqs, o.max_seq_len, o.format = max_seqs, max_seq_len, k_format
         self.H, self.G, self.D = n_heads, n_kv_heads, head_dim
@@ -190,6 +222,39 @@ class Cache:
             rc = _attn(L, op + t * qrow, self.h, layer, ids, qp + t * qrow)
             if rc:
                 self.lib.check(rc, "attn_batch_f32q")
+        return out
+
+    def tier_move(self, layer, begin, end, tier, seq=0):
+        L = self.lib.lib
+        self.lib.check(L.m40llm_kvcache_tier_move(self.h, layer, seq, begin, end, tier), "tier_move")
+
+    def tier_of(self, layer, pos, seq=0):
+        t = C.c_int()
+        self.lib.check(self.lib.lib.m40llm_kvcache_tier_of(C.byref(t), self.h, layer, seq, pos),
+                       "tier_of")
+        return t.value
+
+    def tier_stats(self):
+        st = TierStats()
+        st.version = 1
+        self.lib.check(self.lib.lib.m40llm_kvcache_tier_stats(C.byref(st), self.h), "tier_stats")
+        n = st.n_tiers
+        return dict(rows=list(st.rows[:n]), free_rows=list(st.free_rows[:n]),
+                    kept_rows=st.kept_rows, bits_per_value=st.bits_per_value,
+                    moved_rows=st.moved_rows)
+
+    def attn_importance(self, layer, q, importance, decay, seq=0):
+        """Attention of one q row [H, D] over the cache, and importance [G, stride] (float32,
+        updated in place: decay * itself + the largest weight over each K/V head's query heads)."""
+        q = np.ascontiguousarray(q, np.float32)
+        out = np.empty_like(q)
+        ids = np.array([seq], np.int32)
+        f = _fn(self.lib.lib, "m40llm_kvcache_attn_importance_ex",
+                [C.c_void_p, C.c_void_p, C.c_size_t, C.c_float, C.c_void_p, C.c_int, C.c_void_p,
+                 C.c_int, C.c_void_p, C.c_int, C.c_float])
+        rc = f(out.ctypes.data, importance.ctypes.data, importance.shape[1], decay, self.h, layer,
+               ids.ctypes.data, 1, q.ctypes.data, 0, 0.0)
+        self.lib.check(rc, "attn_importance_ex")
         return out
 
     def close(self):

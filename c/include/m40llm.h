@@ -531,8 +531,9 @@ typedef struct m40llm_tier_stats {
   int64_t rows[M40LLM_MAX_TIERS];        /* rows each tier holds */
   int64_t free_rows[M40LLM_MAX_TIERS];   /* rows each tier has room for still */
   int64_t kept_rows;                     /* positions read from FP16 slots (sinks, windows) */
-  /* stored bits per K/V value over every position held: each tier's codes and parameters, 16
-   * for a kept row (its FP16 slot); 0 while the cache holds no position */
+  /* stored bits per K/V value over every position held: each tier's codes and parameters and
+   * its 4-byte slot map entry a row (the backend's copy: 32 / (2 x n_kv_heads x head_dim) bits
+   * a value), 16 for a kept row (its FP16 slot); 0 while the cache holds no position */
   double bits_per_value;
   int64_t moved_rows; /* rows m40llm_kvcache_tier_move has moved since the cache was created */
 } m40llm_tier_stats;

@@ -932,7 +932,8 @@ int m40llm_kvcache_tier_stats(m40llm_tier_stats *out, const m40llm_kvcache *cach
     size_t row = 0;
     for (int p = 0; p < M40LLM_KV_PLANES; p++)
       row += cache->tier_k[t].layout.row_bytes[p] + cache->tier_v[t].layout.row_bytes[p];
-    bytes += (double)st.rows[t] * (double)row;
+    /* a head's share of the row's 4-byte slot map entry (tier_map) */
+    bytes += (double)st.rows[t] * ((double)row + 4.0 / o->n_kv_heads);
   }
   st.bits_per_value = positions > 0 ? 8.0 * bytes / ((double)positions * 2.0 * o->head_dim) : 0.0;
   st.moved_rows = cache->tier_moved;

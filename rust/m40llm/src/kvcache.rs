@@ -166,8 +166,9 @@ pub struct TierStats {
     pub free_rows: Vec<u64>,
     /// Positions read from FP16 slots (sinks, windows).
     pub kept_rows: u64,
-    /// Stored bits per K/V value over every position held (each tier's codes and parameters,
-    /// 16 for a kept row); 0 while the cache holds no position.
+    /// Stored bits per K/V value over every position held (each tier's codes and parameters
+    /// and its 4-byte slot map entry a row, 16 for a kept row); 0 while the cache holds no
+    /// position.
     pub bits_per_value: f64,
     /// Rows [`KvCache::tier_move`] has moved since the cache was created.
     pub moved_rows: u64,
