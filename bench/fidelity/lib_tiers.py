@@ -18,7 +18,9 @@ FP16-cache reference). Runs:
   heads: a token's heads share its tier), and before the append that takes a row out of the
   window, the row's place is made: it goes to the first tier that has room or whose least
   important row is less important than it, and the rows below cascade one tier down each
-  (m40llm_kvcache_tier_move, re-quantized from their values). Rows only ever go down.
+  (m40llm_kvcache_tier_move, re-quantized from their values). Rows only ever go down;
+- `recent`: the same cascade with the position as the score and no export: a row leaving the
+  window takes the top tier, and the oldest row of each full tier moves one tier down.
 Bits per value: m40llm_kvcache_tier_stats's (codes, parameters, the tiers' slot maps, the FP16
 sinks and window) at the full context. Writes results/lib_tiers_<N>.json and prints a table.
 """
@@ -48,7 +50,8 @@ def fmt_id(name):
 
 class LibTiered:
     """kv_hook / attend for Model.forward over a tiered library cache; policy 'age' (the
-    library's placement) or 'importance' (the cascade above)."""
+    library's placement), 'importance' (the cascade above) or 'recent' (the same cascade with
+    the position as the score)."""
 
     def __init__(self, lib, m, N, tiers, policy, interval):
         self.c = lib.cache(m.L, m.H, m.G, m.D, N, rotation=la.ROTATE_AUTO, n_sinks=SINKS,
@@ -69,10 +72,12 @@ class LibTiered:
         samples = np.zeros(N)          # samples taken since each position was appended
         tier = np.full(N, -1, np.int64)  # the mirror of the library's placement
         count = [0] * len(self.cap)
+        recency = np.arange(N, dtype=np.float64)
         for t in range(N):
             e = t - WINDOW  # the row this append takes out of the window
             if e >= SINKS:
-                mean = np.divide(score_sum, samples, out=np.zeros(N), where=samples > 0)
+                mean = (recency if self.policy == "recent" else
+                        np.divide(score_sum, samples, out=np.zeros(N), where=samples > 0))
                 dest = None
                 for u in range(len(self.cap)):
                     if count[u] < self.cap[u]:
@@ -95,7 +100,7 @@ class LibTiered:
             self.c.append(layer, K[t:t + 1], V[t:t + 1])
             if e >= SINKS and t < SINKS + WINDOW + 8:  # the library agrees with the mirror
                 assert self.c.tier_of(layer, e) == tier[e], (layer, e)
-            if t % self.interval == self.interval - 1:
+            if self.policy == "importance" and t % self.interval == self.interval - 1:
                 out[t] = self.c.attn_importance(layer, q[t], imp, 0.0)
                 score_sum[:t + 1] += imp[:, :t + 1].max(axis=0)
                 samples[:t + 1] += 1
@@ -143,7 +148,7 @@ def main():
     ap.add_argument("--shares", default="0.002,0.348,0.516,0.134",
                     help="each tier's share of the rows that leave the window (K8V8,K8V4,K4V3,K4V2)")
     ap.add_argument("--interval", type=int, default=4)
-    ap.add_argument("--runs", default="uniform,age,importance")
+    ap.add_argument("--runs", default="uniform,age,recent,importance")
     ap.add_argument("--uniform", default="Q4/Q4,Q4/Q3,Q8/Q3")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     ap.add_argument("--verbose", action="store_true")
