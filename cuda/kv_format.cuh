@@ -408,15 +408,11 @@ struct KvPair {
 #define M40LLM_COMMA ,
 
 // The pairs a tier may have (m40llm_kv_tier: K Q8 or Q4; V Q8, Q4, Q3 or Q2) that no uniform
-// cache has: only the FP32 family's plain kernels are built for them (attention_fp32_tiers.cu).
+// cache has: only the FP32 family's kernels are built for them (attention_fp32_tiers.cu, and
+// with scores attention_fp32_tiers_scores.cu).
 #define M40LLM_TIER_ONLY_PAIRS(X)                                                     \
   X(KvPair<KvQ8 M40LLM_COMMA KvQ3>) X(KvPair<KvQ8 M40LLM_COMMA KvQ2>)                \
   X(KvPair<KvQ4 M40LLM_COMMA KvQ8>)
-template <typename P>
-constexpr bool kTierOnlyPair =
-    (std::is_same<typename P::K, KvQ8>::value &&
-     (std::is_same<typename P::V, KvQ3>::value || std::is_same<typename P::V, KvQ2>::value)) ||
-    (std::is_same<typename P::K, KvQ4>::value && std::is_same<typename P::V, KvQ8>::value);
 
 // Calls f(Format{}) with the format type of `format`: where a format number becomes a type. A
 // format the device side lacks is M40LLM_ERR_UNSUPPORTED.
