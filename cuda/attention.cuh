@@ -132,14 +132,14 @@ __device__ __forceinline__ int split_pos_shift(const m40llm_attn_plan &plan, int
   const int len = plan.role == M40LLM_PLAN_TIER ? plan.full_len[item] : plan.len[item];
   const m40llm_attn_parts parts =
       m40llm_attn_item_parts(len, plan.window_begin[item], plan.sinks, plan.window);
-  int j = split - plan.split_begin[item];
-  for (int k = 0; k < 3; k++) {
-    const int splits = (parts.count[k] + plan.kept_chunk - 1) / plan.kept_chunk;
-    if (j < splits)
-      return k == 0 ? 0 : plan.window_begin[item] + (k == 2 ? parts.count[1] : 0) - parts.first[k];
-    j -= splits;
-  }
-  return 0;
+  // Parts 0-2 by name, not by index: an indexed part puts them in local memory on sm_52.
+  const int c = plan.kept_chunk, wb = plan.window_begin[item];
+  int j = split - plan.split_begin[item] - (parts.count[0] + c - 1) / c;
+  if (j < 0) return 0;
+  j -= (parts.count[1] + c - 1) / c;
+  if (j < 0) return wb - parts.first[1];
+  j -= (parts.count[2] + c - 1) / c;
+  return j < 0 ? wb + parts.count[1] - parts.first[2] : 0;
 }
 
 // A head's (max, sum) partial of a block whose sequence has several splits.
@@ -317,17 +317,17 @@ struct CallExport {
 int tier_attention(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, int n_seqs,
                    const float *q, float *out, float scale, const CallExport &x);
 
-// Launches a kernel of any family, as a programmatic dependent of the kernel before it where
-// `dependent`.
+// Launches a kernel of any family on `stream`, as a programmatic dependent of the kernel before
+// it there where `dependent`.
 template <typename Kernel>
-int launch_attention_kernel(m40llm_cuda_state *st, const char *what, Kernel kernel, dim3 grid,
+int launch_attention_kernel(cudaStream_t stream, const char *what, Kernel kernel, dim3 grid,
                             int threads, size_t smem, bool dependent, const AttnArgs &a,
                             const m40llm_attn_plan &plan) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = dim3((unsigned)threads);
   cfg.dynamicSmemBytes = smem;
-  cfg.stream = st->stream;
+  cfg.stream = stream;
   cudaLaunchAttribute attr;
   attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr.val.programmaticStreamSerializationAllowed = 1;

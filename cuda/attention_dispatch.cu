@@ -115,13 +115,13 @@ int attend(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, const int
     kept.head_stride = (size_t)c->slots * o->head_dim;
     kept.seq_stride = (size_t)o->n_kv_heads * kept.head_stride;
     plan.role = M40LLM_PLAN_KEPT;
-    rc = launch_attention_kernel(st, "launching the attention split kernel (kept rows)",
+    rc = launch_attention_kernel(st->stream, "launching the attention split kernel (kept rows)",
                                  kept_pass.kernel, grid, kept_pass.threads, kept_pass.smem,
                                  kept_pass.dependent, kept, plan);
     if (rc != M40LLM_OK) return rc;
     plan.role = M40LLM_PLAN_CODES;
   }
-  rc = launch_attention_kernel(st, "launching the attention split kernel", pass.kernel, grid,
+  rc = launch_attention_kernel(st->stream, "launching the attention split kernel", pass.kernel, grid,
                                pass.threads, pass.smem, pass.dependent, a, plan);
   if (rc != M40LLM_OK) return rc;
   if (plan.max_splits > 1 && (rc = combine_launch(st, a, plan, combine_dependent)) != M40LLM_OK)

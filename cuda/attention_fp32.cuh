@@ -186,6 +186,9 @@ __global__ void __launch_bounds__(kAttnThreads, attn_min_blocks(wide_tile(GT, DM
   constexpr bool kFoldKMin = KF::kHasMin && fold_min(GT);
   constexpr bool kSumKMin = KF::kHasMin && !kFoldKMin;
   constexpr bool kLean = lean_kernel(GT, DMAX, kExact);
+  // Scores at a tier's slot map's positions: tiers are of quantized pairs, so F16's instances
+  // (which run kept parts only in a tiered call) leave the map's cost out of every score.
+  constexpr bool kMapped = kScores && KF::kScaled && VF::kScaled;
   static_assert(LPR >= 2 && LPR <= 32 && KC >= 1 && T <= 32, "tile shape");
 
   extern __shared__ float smem[];
@@ -246,9 +249,10 @@ __global__ void __launch_bounds__(kAttnThreads, attn_min_blocks(wide_tile(GT, DM
   if (kScores && tid == 0) {
     s_scores = ((long long)b.item * a.n_heads + b.h0) * plan.weights_stride +
                split_pos_shift(plan, b.item, b.split);
-    s_map = plan.role == M40LLM_PLAN_TIER && !b.kept
-                ? plan.map + (size_t)plan.seq[b.item] * plan.map_stride
-                : nullptr;
+    if (kMapped)
+      s_map = plan.role == M40LLM_PLAN_TIER && !b.kept
+                  ? plan.map + (size_t)plan.seq[b.item] * plan.map_stride
+                  : nullptr;
   }
 
   // Score pass: LPR lanes per K row, each with up to KC 16-byte chunks of it.
@@ -382,7 +386,7 @@ __global__ void __launch_bounds__(kAttnThreads, attn_min_blocks(wide_tile(GT, DM
         const int g = mine ? i / T : 0, r = i % T;
         const float x = mine ? sp[r * GT + g] : -INFINITY;
         if (kScores && mine && r < rows && g < nh) {
-          const int32_t *map = s_map;
+          const int32_t *map = kMapped ? s_map : nullptr;
           plan.weights[s_scores + g * plan.weights_stride + (map ? map[t0 + r] : t0 + r)] = x;
         }
         float tile_max = x;

@@ -5,14 +5,22 @@
 // item's rows of that tier), and the FP16 slots' kept parts in the first tier's launch where the
 // FP32 kernel runs them (else in an F16 launch of their own). Every split writes a partial,
 // numbered so that each item's partials of all launches lie together, and the one combine of
-// the uniform caches merges them. A call that exports weights or importance runs the kernels'
-// instances with scores: a tier's rows write theirs at the positions of the tier's slot map
-// (m40llm_kvcache.tier_map, kept by the row ops), and the uniform caches' weights kernel reads
-// them over the call's partials.
+// the uniform caches merges them. The launches run side by side, on streams forked from the
+// context's (m40llm_cuda_state::side), each planned for its share of the call's rows: together
+// they fill the GPU as one launch would, without a launch's ramp and tail per tier. (One launch
+// for all tiers would need a kernel of every pair at once and the plans in device memory: each
+// is passed by value, near the 4 KB of parameters sm_52 allows.) A call that exports weights
+// or importance runs the kernels' instances with scores: a tier's rows write theirs at the
+// positions of the tier's slot map (m40llm_kvcache.tier_map, kept by the row ops), and the
+// uniform caches' weights kernel reads them over the call's partials.
 #include "attention.cuh"
 #include "backend_cuda.h"
 
 namespace {
+
+int cuda_call(cudaError_t err, const char *what) {
+  return err == cudaSuccess ? M40LLM_OK : m40llm_cuda_error(err, what);
+}
 
 constexpr int kMaxLaunches = M40LLM_MAX_TIERS + 1;  // the tiers and, at most, the kept parts
 
@@ -40,6 +48,15 @@ void set_tensors(AttnArgs *a, KvPlanes k, KvPlanes v, size_t rows, const m40llm_
   a->seq_stride = (size_t)o->n_kv_heads * a->head_stride;
 }
 
+// The blocks a tier's launch is planned for: its share of a launch's `target` by rows, since
+// the launches run side by side (at least an SM's worth: a launch of fewer leaves SMs idle
+// where the others end first).
+int share_of_target(int target, int64_t rows, int64_t all_rows, int sm_count) {
+  if (all_rows <= 0) return target;
+  const int64_t share = ((int64_t)target * rows + all_rows - 1) / all_rows;
+  return share < sm_count ? (sm_count < target ? sm_count : target) : (int)share;
+}
+
 // A call's launches for up to M40LLM_PLAN_MAX_ITEMS sequences, planned before any is made.
 struct TierCall {
   int n = 0;
@@ -64,14 +81,22 @@ int plan_call(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, int n_
   const size_t slot_row = m40llm_kv_protected_row(o, c->slots, layer, 0, 0, 0) * o->head_dim;
   const AttnArgs a = common_args(c, scale);
   bool kept_done = c->slots == 0;
+  int64_t all_rows = 0;
+  for (int i = 0; i < n_items; i++)
+    for (int t = 0; t < c->n_tiers; t++) all_rows += m40llm_tier_counts(c, layer, seq_ids[i])[t];
   call->n = 0;
   for (int t = 0; t < c->n_tiers; t++) {
-    for (int i = 0; i < n_items; i++) rows[i] = m40llm_tier_counts(c, layer, seq_ids[i])[t];
+    int64_t tier_rows = 0;
+    for (int i = 0; i < n_items; i++) {
+      rows[i] = m40llm_tier_counts(c, layer, seq_ids[i])[t];
+      tier_rows += rows[i];
+    }
     const int rc = with_tier_pair(o->tiers[t].k_format, o->tiers[t].v_format, [&](auto pair) -> int {
       // The FP32 family's pass: the one that runs M40LLM_PLAN_TIER.
       SplitPasses passes;
       const int rc = fp32_split_pass<decltype(pair)>(st, o->head_dim, g, scores, &passes.pass);
       if (rc != M40LLM_OK) return rc;
+      passes.pass.target = share_of_target(passes.pass.target, tier_rows, all_rows, st->sm_count);
       passes.direct = passes.fine = passes.pass;
       if (!kept_done && !passes.pass.parts) {  // the kept parts in an F16 launch of their own
         int32_t none[M40LLM_PLAN_MAX_ITEMS] = {0};
@@ -116,6 +141,36 @@ int plan_call(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, int n_
   return M40LLM_OK;
 }
 
+// The side streams and their events, once a context: of the stream's priority, and not
+// synchronizing with the legacy default stream (the events order them).
+int side_streams(m40llm_cuda_state *st) {
+  if (st->has_side) return M40LLM_OK;
+  int priority = 0;
+  M40LLM_CUDA_TRY(cudaStreamGetPriority(st->stream, &priority));
+  M40LLM_CUDA_TRY(cudaEventCreateWithFlags(&st->fork, cudaEventDisableTiming));
+  int made = 0;  // streams with their events
+  cudaError_t err = cudaSuccess;
+  for (; made < M40LLM_MAX_TIERS; made++) {
+    err = cudaStreamCreateWithPriority(&st->side[made], cudaStreamNonBlocking, priority);
+    if (err != cudaSuccess) break;
+    if ((err = cudaEventCreateWithFlags(&st->join[made], cudaEventDisableTiming)) != cudaSuccess) {
+      (void)cudaStreamDestroy(st->side[made]);
+      break;
+    }
+  }
+  if (made == M40LLM_MAX_TIERS) {
+    st->has_side = true;
+    return M40LLM_OK;
+  }
+  const int rc = m40llm_cuda_error(err, "creating a tiered call's streams");
+  for (int i = 0; i < made; i++) {
+    (void)cudaStreamDestroy(st->side[i]);
+    (void)cudaEventDestroy(st->join[i]);
+  }
+  (void)cudaEventDestroy(st->fork);
+  return rc;
+}
+
 }  // namespace
 
 // The most partials a call's launches write for M40LLM_PLAN_MAX_ITEMS sequences, reserved: each
@@ -123,6 +178,8 @@ int plan_call(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, int n_
 // kept parts' splits and the empty ones.
 int m40llm_cuda_tier_reserve(const m40llm_kvcache *c) {
   m40llm_cuda_state *st = cuda_state(c->ctx);
+  const int rc = side_streams(st);
+  if (rc != M40LLM_OK) return rc;
   const m40llm_kvcache_options *o = &c->opts;
   const Grouping g = grouping_for(o);
   int64_t splits = 2 * M40LLM_PLAN_MAX_ITEMS;
@@ -173,8 +230,18 @@ int tier_attention(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, i
     a.part_o = static_cast<float *>(ws);
     a.part_m = a.part_o + n_part * o->head_dim;
     a.part_l = a.part_m + n_part;
+    int live = 0;  // launches with splits: the first on the stream, the others beside it
+    for (int l = 0; l < call.n; l++) live += call.plan[l].total_splits > 0;
+    if (live > 1 && (rc = cuda_call(cudaEventRecord(st->fork, st->stream),
+                                    "forking a tiered call's streams")) != M40LLM_OK)
+      break;
+    int made = 0, joins = 0;
     for (int l = 0; l < call.n && rc == M40LLM_OK; l++) {
       if (call.plan[l].total_splits == 0) continue;
+      cudaStream_t stream = made == 0 ? st->stream : st->side[made - 1];
+      if (made > 0 && (rc = cuda_call(cudaStreamWaitEvent(stream, st->fork, 0),
+                                      "forking a tiered call's streams")) != M40LLM_OK)
+        break;
       AttnArgs al = call.args[l];
       al.q = a.q;
       al.out = a.out;
@@ -185,11 +252,24 @@ int tier_attention(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, i
       call.plan[l].weights_stride = (int64_t)xn.weights_stride;
       const SplitPass &p = call.pass[l];
       rc = launch_attention_kernel(
-          st, "launching the attention split kernel (a tier)", p.kernel,
+          stream, "launching the attention split kernel (a tier)", p.kernel,
           dim3((unsigned)call.plan[l].total_splits, (unsigned)grouping_for(o).units), p.threads,
-          p.smem, p.dependent, al, call.plan[l]);
+          p.smem, p.dependent && made == 0, al, call.plan[l]);
+      if (rc == M40LLM_OK && made > 0 &&
+          (rc = cuda_call(cudaEventRecord(st->join[joins], stream),
+                          "joining a tiered call's streams")) == M40LLM_OK)
+        joins++;
+      made++;
     }
-    if (rc == M40LLM_OK) rc = combine_launch(st, a, call.combine, combine_dependent);
+    // Every side stream with work is joined, after a failure too: nothing of the call is left
+    // unordered behind the stream (or a capture unjoined).
+    for (int j = 0; j < joins; j++) {
+      const int jr = cuda_call(cudaStreamWaitEvent(st->stream, st->join[j], 0),
+                               "joining a tiered call's streams");
+      if (rc == M40LLM_OK) rc = jr;
+    }
+    // After the joins the kernel before the combine on the stream is an event's wait.
+    if (rc == M40LLM_OK) rc = combine_launch(st, a, call.combine, combine_dependent && made < 2);
     if (rc == M40LLM_OK && xn.weights) {  // over every position of the items (combine.len)
       call.combine.weights = xn.weights;
       call.combine.weights_stride = (int64_t)xn.weights_stride;

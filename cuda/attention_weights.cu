@@ -166,7 +166,7 @@ int weights_launch(m40llm_cuda_state *st, const AttnArgs &a, const m40llm_attn_p
   }
   const unsigned z = (unsigned)(chunks < 65535 ? chunks : 65535);
   if (!imp.rows)
-    return launch_attention_kernel(st, "launching attn_weights_kernel", attn_weights_kernel,
+    return launch_attention_kernel(st->stream, "launching attn_weights_kernel", attn_weights_kernel,
                                    dim3((unsigned)plan.n_items, (unsigned)a.n_heads, z),
                                    kWeightsThreads, 0, false, a, plan);
   const dim3 grid((unsigned)plan.n_items, (unsigned)(a.n_heads / a.group), z);

@@ -123,7 +123,14 @@ void cuda_fini(m40llm_context *ctx) {
   if (!st) return;
   // Teardown cannot report failures; a broken context still releases what it can.
   (void)cudaSetDevice(ctx->device);
-  (void)cudaStreamSynchronize(st->stream);
+  (void)cudaStreamSynchronize(st->stream);  // a tiered call's side streams are joined into it
+  if (st->has_side) {
+    for (int i = 0; i < M40LLM_MAX_TIERS; i++) {
+      (void)cudaStreamDestroy(st->side[i]);
+      (void)cudaEventDestroy(st->join[i]);
+    }
+    (void)cudaEventDestroy(st->fork);
+  }
   (void)cudaFree(st->workspace);
   (void)cudaFree(st->io_stage);
   (void)cudaFree(st->scores);

@@ -37,6 +37,12 @@ struct m40llm_cuda_state {
   // Whether the FP32 split and the combine kernels' images wait for the grid before them:
   // 0 = not asked yet, 1 yes, -1 no.
   signed char fp32_dependent, combine_dependent;
+  // A tiered cache's call (attention_tiers.cu) runs its launches side by side: the first on
+  // `stream`, each other on a stream of its own, forked from and joined back into `stream` by
+  // events (in a capture, branches of the graph). Made with the first tiered cache.
+  cudaStream_t side[M40LLM_MAX_TIERS];
+  cudaEvent_t fork, join[M40LLM_MAX_TIERS];
+  bool has_side;
   // Pointers that passed the pointer-kind check (m40llm_cuda_check_pointer), round robin;
   // cleared by every free on the context.
   bool check_pointers;  // the context's option: false skips m40llm_cuda_check_pointer

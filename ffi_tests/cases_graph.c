@@ -457,9 +457,93 @@ done:
   m40llm_context_destroy(ctx);
 }
 
+/* A tiered cache's calls, whose launches run on streams forked from the context's and joined
+ * back into it (branches of the graph), captured and launched: output and weights bit for bit
+ * those of the same calls made eagerly after, with rows in every tier, FP16 sinks and window,
+ * and a sequence whose rows are in one tier (fewer launches: another graph's shape). */
+static void tiers_case(m40llm_context *ctx) {
+  t_set_case("graph of a tiered cache's calls");
+  enum { H = 8, KV = 2, D = 64, LEN = 400, ROWS = 3 };
+  static const int pairs[4][2] = {{M40LLM_KV_Q8, M40LLM_KV_Q8}, {M40LLM_KV_Q8, M40LLM_KV_Q4},
+                                  {M40LLM_KV_Q4, M40LLM_KV_Q3}, {M40LLM_KV_Q4, M40LLM_KV_Q2}};
+  m40llm_kvcache_options o = M40LLM_KVCACHE_OPTIONS_INIT;
+  o.n_layers = 1;
+  o.n_heads = H;
+  o.n_kv_heads = KV;
+  o.head_dim = D;
+  o.max_seqs = 3;
+  o.max_seq_len = LEN;
+  o.n_sinks = 4;
+  o.window = 16;
+  o.n_tiers = 4;
+  for (int t = 0; t < 4; t++) o.tiers[t] = (m40llm_kv_tier){pairs[t][0], pairs[t][1], LEN};
+  o.format = pairs[0][0];
+  o.v_format = pairs[0][1];
+  m40llm_kvcache *c = NULL;
+  if (!T_OK(m40llm_kvcache_create(&c, ctx, &o))) return;
+  const int lens[3] = {LEN, 77, 150};
+  const size_t kv_n = (size_t)LEN * KV * D, qn = (size_t)ROWS * H * D, wn = (size_t)ROWS * H * LEN;
+  const size_t half = 2 * qn + wn; /* a run's outputs: plain, with weights, the weights */
+  float *k = malloc(kv_n * sizeof(float)), *v = malloc(kv_n * sizeof(float));
+  float *q = malloc(qn * sizeof(float)), *host = malloc(2 * half * sizeof(float));
+  float *dk = NULL, *dv = NULL, *dq = NULL, *dev = NULL;
+  m40llm_graph *g = NULL;
+  if (!T_CHECK(k && v && q && host)) goto done;
+  t_fill_kv_values(k, (size_t)LEN * KV, D, 0);
+  t_fill_kv_values(v, (size_t)LEN * KV, D, 1);
+  t_fill_uniform(q, qn, -1.0f, 1.0f);
+  dk = t_dev_upload(ctx, k, kv_n * sizeof(float));
+  dv = t_dev_upload(ctx, v, kv_n * sizeof(float));
+  dq = t_dev_upload(ctx, q, qn * sizeof(float));
+  dev = t_dev_alloc(ctx, 2 * half * sizeof(float));
+  if (!dk || !dv || !dq || !dev || !T_OK(m40llm_memset(ctx, dev, 0, 2 * half * sizeof(float))))
+    goto done;
+  for (int s = 0; s < 3; s++)
+    if (!T_OK(m40llm_kvcache_append_f32(c, 0, s, dk, dv, lens[s]))) goto done;
+  /* sequence 0 over all four tiers, 1 in tier 0 only, 2 in tiers 0 and 3 */
+  if (!T_OK(m40llm_kvcache_tier_move(c, 0, 0, 60, 160, 1)) ||
+      !T_OK(m40llm_kvcache_tier_move(c, 0, 0, 160, 300, 2)) ||
+      !T_OK(m40llm_kvcache_tier_move(c, 0, 0, 300, LEN, 3)) ||
+      !T_OK(m40llm_kvcache_tier_move(c, 0, 2, 10, 90, 3)))
+    goto done;
+  const int32_t ids[ROWS] = {0, 1, 2};
+  for (int run = 0; run < 2; run++) { /* the graph's, then the eager calls' */
+    float *out = dev + (size_t)run * half;
+    if (run == 0 && !T_OK(m40llm_graph_capture_begin(ctx))) goto done;
+    int rc = m40llm_kvcache_attn_batch_f32q(out, c, 0, ids, ROWS, dq, 0.0f);
+    if (rc == M40LLM_OK)
+      rc = m40llm_kvcache_attn_weights_ex(out + qn, out + 2 * qn, LEN, c, 0, ids, ROWS, dq,
+                                          M40LLM_DTYPE_F32, 0.0f);
+    T_OK(rc);
+    if (run == 0 && (!T_OK(m40llm_graph_capture_end(rc == M40LLM_OK ? &g : NULL, ctx, NULL)) ||
+                     !g || !T_OK(m40llm_graph_launch(g))))
+      goto done;
+  }
+  if (!t_dev_download(ctx, host, dev, 2 * half * sizeof(float))) goto done;
+  T_CHECKF(memcmp(host, host + half, half * sizeof(float)) == 0,
+           "the graph's outputs and weights differ from the eager calls'");
+  for (int i = 0; i < ROWS; i++) { /* each row's first head's weights sum to 1 */
+    double sum = 0.0;
+    for (int p = 0; p < lens[i]; p++) sum += host[2 * qn + (size_t)i * H * LEN + p];
+    T_CHECKF(fabs(sum - 1.0) < 1e-5, "weights of row %d, head 0 sum to %.9g", i, sum);
+  }
+done:
+  m40llm_graph_destroy(g);
+  m40llm_free(ctx, dk);
+  m40llm_free(ctx, dv);
+  m40llm_free(ctx, dq);
+  m40llm_free(ctx, dev);
+  free(k);
+  free(v);
+  free(q);
+  free(host);
+  m40llm_kvcache_destroy(c);
+}
+
 void t_cases_graph(m40llm_context *ctx, m40llm_context *cpu, int small) {
   api_case(ctx);
   weights_case();
+  tiers_case(ctx);
   const int steps = small ? 5 : 9;
   /* GQA with groups of 4 (head_dim 64 and a model's 128) and of 3 (quantized, K Q8 / V Q4,
    * with protected tokens: the window moves every step); prompts of 1, 31, 33, 257 tokens. */

@@ -35,6 +35,10 @@
 #   abexport  the exporting calls' A/B on the M40 path: the previous main's compute_52
 #             bench_attention (.ab/bins/base) against this tree's, F16 and Q4, with --weights and
 #             with --importance, over weights_cost.py's shapes: $OUT/abexport/*/ab.md
+#             (EXPORT_FORMATS="F16" times one format)
+#   abtiers   the tiered caches' A/B on the M40 path: the previous main's compute_52
+#             bench_attention (.ab/bins/base) against this tree's, bench/tiers.sh's tiered runs
+#             and shapes: $OUT/abtiers/*/ab.md
 #   tiers     tiered caches (bench/tiers.sh): one tier against the uniform cache of its formats
 #             (the same bytes), and a four-tier mix, native and compute_52-PTX builds:
 #             $OUT/tiers_native, $OUT/tiers_ptx52
@@ -199,13 +203,26 @@ ab_export() {
   mkdir -p /tmp/abx_bins/base /tmp/abx_bins/new
   cp .ab/bins/base/bench_attention /tmp/abx_bins/base/ &&
     cp .gpu-carry/bench52/bench_attention /tmp/abx_bins/new/ || return 1
-  for fmt in F16 Q4; do
+  for fmt in ${EXPORT_FORMATS:-F16 Q4}; do
     for mode in weights importance; do
       AB_BINS=/tmp/abx_bins AB_BUILD=/tmp/m40llm-abx bash bench/ab.sh .ab/base \
         "$out/abexport/$fmt-$mode" "${AB_ROUNDS:-2}" -- --format "$fmt" "--$mode" \
         "${shapes[@]}" || rc=1
     done
   done
+  return $rc
+}
+
+ab_tiers() {
+  local rc=0 name mix shapes=()
+  for s in $(bash bench/tiers.sh --shapes); do shapes+=(--shape "$s"); done
+  mkdir -p /tmp/abt_bins/base /tmp/abt_bins/new
+  cp .ab/bins/base/bench_attention /tmp/abt_bins/base/ &&
+    cp .gpu-carry/bench52/bench_attention /tmp/abt_bins/new/ || return 1
+  while read -r name mix; do
+    AB_BINS=/tmp/abt_bins AB_BUILD=/tmp/m40llm-abt bash bench/ab.sh .ab/base \
+      "$out/abtiers/$name" "${AB_ROUNDS:-2}" -- --tiers "$mix" "${shapes[@]}" || rc=1
+  done < <(bash bench/tiers.sh --mixes)
   return $rc
 }
 
@@ -235,6 +252,7 @@ for s in $steps; do
     importance) run_step importance weights_cost importance ;;
     tiers) run_step tiers tiers_bench ;;
     abexport) run_step abexport ab_export ;;
+    abtiers) run_step abtiers ab_tiers ;;
     *) echo "unknown step $s"; exit 2 ;;
   esac
 done

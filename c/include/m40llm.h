@@ -51,6 +51,11 @@
  *   Stream order holds as for any kernel. A kernel you launch after a call as a programmatic
  *   dependent must itself wait (cudaGridDependencySynchronize) before it touches the call's q,
  *   out or cache, as any programmatic dependent must.
+ * - A tiered cache's attention call (m40llm_kvcache_options.n_tiers) runs its launches on
+ *   streams of the context's own (made with the first tiered cache, of the context stream's
+ *   priority), forked from the context's stream by an event and joined back into it before
+ *   the call's last kernel: stream order holds as for any call, and in a graph capture they
+ *   are branches of the graph.
  *
  * Graphs (CUDA backend)
  * - A decode step's calls can be captured into a CUDA graph on the context's stream
@@ -415,10 +420,9 @@ typedef struct m40llm_kvcache_options {
    * other maps are host memory, 4 bytes per tier row and per position for every (layer,
    * sequence). Both backends run tiered caches; on CUDA, in this version, causal attention
    * fails on them with M40LLM_ERR_UNSUPPORTED (nothing written); decode attention runs the
-   * uniform caches' kernels a launch per tier and merges them (each tier beyond the first
-   * adds a launch's fixed cost: a few microseconds a call), with exported weights and
-   * importance as for a uniform cache. A CUDA graph captures a call's row writes as the
-   * host's maps stood: as with lengths, capture each step anew. */
+   * uniform caches' kernels a launch per tier, side by side, and merges them, with exported
+   * weights and importance as for a uniform cache. A CUDA graph captures a call's row writes
+   * as the host's maps stood: as with lengths, capture each step anew. */
   int n_tiers;
   m40llm_kv_tier tiers[M40LLM_MAX_TIERS];
 } m40llm_kvcache_options;
