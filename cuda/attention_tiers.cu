@@ -255,14 +255,17 @@ int tier_attention(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, i
           stream, "launching the attention split kernel (a tier)", p.kernel,
           dim3((unsigned)call.plan[l].total_splits, (unsigned)grouping_for(o).units), p.threads,
           p.smem, p.dependent && made == 0, al, call.plan[l]);
-      if (rc == M40LLM_OK && made > 0 &&
-          (rc = cuda_call(cudaEventRecord(st->join[joins], stream),
-                          "joining a tiered call's streams")) == M40LLM_OK)
-        joins++;
+      if (made > 0) {  // joined whether its launch failed or not: it is in a capture either way
+        const int jr = cuda_call(cudaEventRecord(st->join[joins], stream),
+                                 "joining a tiered call's streams");
+        if (jr == M40LLM_OK) joins++;
+        else (void)cudaStreamSynchronize(stream);  // unjoinable: not left running behind the call
+        if (rc == M40LLM_OK) rc = jr;
+      }
       made++;
     }
-    // Every side stream with work is joined, after a failure too: nothing of the call is left
-    // unordered behind the stream (or a capture unjoined).
+    // Every side stream that waited on the fork is joined, after a failure too: nothing of the
+    // call is left unordered behind the stream (or a capture unjoined).
     for (int j = 0; j < joins; j++) {
       const int jr = cuda_call(cudaStreamWaitEvent(st->stream, st->join[j], 0),
                                "joining a tiered call's streams");
