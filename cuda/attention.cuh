@@ -333,6 +333,5 @@ int launch_attention_kernel(cudaStream_t stream, const char *what, Kernel kernel
   attr.val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = &attr;
   cfg.numAttrs = dependent ? 1 : 0;
-  const cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, a, plan);
-  return err == cudaSuccess ? M40LLM_OK : m40llm_cuda_error(err, what);
+  return m40llm_cuda_status(cudaLaunchKernelEx(&cfg, kernel, a, plan), what);
 }

@@ -149,8 +149,9 @@ int combine_launch(m40llm_cuda_state *st, const AttnArgs &a, const m40llm_attn_p
   const unsigned items = (unsigned)plan.n_items;
   if (plan.max_splits <= kCombineFewSplits && a.head_dim <= kCombineFewMaxDim) {
     const dim3 grid(items, (unsigned)((a.n_heads + kCombineFewHeads - 1) / kCombineFewHeads));
-    return launch_attention_kernel(st->stream, "launching attn_combine_few_kernel", attn_combine_few_kernel,
-                                   grid, 32 * kCombineFewHeads, 0, dependent, a, plan);
+    return launch_attention_kernel(st->stream, "launching attn_combine_few_kernel",
+                                   attn_combine_few_kernel, grid, 32 * kCombineFewHeads, 0,
+                                   dependent, a, plan);
   }
   return launch_attention_kernel(st->stream, "launching attn_combine_kernel", attn_combine_kernel,
                                  dim3(items, (unsigned)a.n_heads), kCombineThreads, 0, dependent,

@@ -121,8 +121,8 @@ int attend(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, const int
     if (rc != M40LLM_OK) return rc;
     plan.role = M40LLM_PLAN_CODES;
   }
-  rc = launch_attention_kernel(st->stream, "launching the attention split kernel", pass.kernel, grid,
-                               pass.threads, pass.smem, pass.dependent, a, plan);
+  rc = launch_attention_kernel(st->stream, "launching the attention split kernel", pass.kernel,
+                               grid, pass.threads, pass.smem, pass.dependent, a, plan);
   if (rc != M40LLM_OK) return rc;
   if (plan.max_splits > 1 && (rc = combine_launch(st, a, plan, combine_dependent)) != M40LLM_OK)
     return rc;

@@ -18,10 +18,6 @@
 
 namespace {
 
-int cuda_call(cudaError_t err, const char *what) {
-  return err == cudaSuccess ? M40LLM_OK : m40llm_cuda_error(err, what);
-}
-
 constexpr int kMaxLaunches = M40LLM_MAX_TIERS + 1;  // the tiers and, at most, the kept parts
 
 // What the launches of a call have in common; each sets its tensors.
@@ -232,14 +228,14 @@ int tier_attention(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, i
     a.part_l = a.part_m + n_part;
     int live = 0;  // launches with splits: the first on the stream, the others beside it
     for (int l = 0; l < call.n; l++) live += call.plan[l].total_splits > 0;
-    if (live > 1 && (rc = cuda_call(cudaEventRecord(st->fork, st->stream),
+    if (live > 1 && (rc = m40llm_cuda_status(cudaEventRecord(st->fork, st->stream),
                                     "forking a tiered call's streams")) != M40LLM_OK)
       break;
     int made = 0, joins = 0;
     for (int l = 0; l < call.n && rc == M40LLM_OK; l++) {
       if (call.plan[l].total_splits == 0) continue;
       cudaStream_t stream = made == 0 ? st->stream : st->side[made - 1];
-      if (made > 0 && (rc = cuda_call(cudaStreamWaitEvent(stream, st->fork, 0),
+      if (made > 0 && (rc = m40llm_cuda_status(cudaStreamWaitEvent(stream, st->fork, 0),
                                       "forking a tiered call's streams")) != M40LLM_OK)
         break;
       AttnArgs al = call.args[l];
@@ -256,7 +252,7 @@ int tier_attention(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, i
           dim3((unsigned)call.plan[l].total_splits, (unsigned)grouping_for(o).units), p.threads,
           p.smem, p.dependent && made == 0, al, call.plan[l]);
       if (made > 0) {  // joined whether its launch failed or not: it is in a capture either way
-        const int jr = cuda_call(cudaEventRecord(st->join[joins], stream),
+        const int jr = m40llm_cuda_status(cudaEventRecord(st->join[joins], stream),
                                  "joining a tiered call's streams");
         if (jr == M40LLM_OK) joins++;
         else (void)cudaStreamSynchronize(stream);  // unjoinable: not left running behind the call
@@ -267,7 +263,7 @@ int tier_attention(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, i
     // Every side stream that waited on the fork is joined, after a failure too: nothing of the
     // call is left unordered behind the stream (or a capture unjoined).
     for (int j = 0; j < joins; j++) {
-      const int jr = cuda_call(cudaStreamWaitEvent(st->stream, st->join[j], 0),
+      const int jr = m40llm_cuda_status(cudaStreamWaitEvent(st->stream, st->join[j], 0),
                                "joining a tiered call's streams");
       if (rc == M40LLM_OK) rc = jr;
     }

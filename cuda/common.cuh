@@ -72,6 +72,11 @@ int m40llm_cuda_may_grow(m40llm_cuda_state *st, const char *what);
 int m40llm_cuda_grow(m40llm_cuda_state *st, void **buf, size_t *buf_bytes, size_t bytes,
                      const char *what);
 
+// A CUDA call's result as a status (detail named `what` on failure).
+inline int m40llm_cuda_status(cudaError_t err, const char *what) {
+  return err == cudaSuccess ? M40LLM_OK : m40llm_cuda_error(err, what);
+}
+
 #define M40LLM_CUDA_TRY(call)                                           \
   do {                                                                  \
     cudaError_t m40llm_err_ = (call);                                   \

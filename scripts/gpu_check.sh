@@ -145,13 +145,22 @@ decode_step() {  # builds only decode_loop in build-native (the native step buil
   return $rc
 }
 
+# bench/ab.sh on the M40 path: the previous main's compute_52 bench_attention (.ab/bins/base)
+# against this tree's (.gpu-carry/bench52), AB_ROUNDS rounds (2).
+#   ab_m40 OUTDIR [bench_attention args]
+ab_m40() {
+  local dir=$1; shift
+  mkdir -p /tmp/ab52_bins/base /tmp/ab52_bins/new &&
+    cp .ab/bins/base/bench_attention /tmp/ab52_bins/base/ &&
+    cp .gpu-carry/bench52/bench_attention /tmp/ab52_bins/new/ &&
+    AB_BINS=/tmp/ab52_bins AB_BUILD=/tmp/m40llm-ab52 bash bench/ab.sh .ab/base "$dir" \
+      "${AB_ROUNDS:-2}" ${1:+--} "$@"
+}
+
 ab() {
   local rc=0
   bash bench/ab.sh .ab/base /tmp/ab_native 2 || rc=1
-  mkdir -p /tmp/ab_bins/base /tmp/ab_bins/new
-  cp .ab/bins/base/bench_attention /tmp/ab_bins/base/ &&
-    cp .gpu-carry/bench52/bench_attention /tmp/ab_bins/new/ &&
-    AB_BINS=/tmp/ab_bins AB_BUILD=/tmp/m40llm-ab52 bash bench/ab.sh .ab/base /tmp/ab_ptx52 2 || rc=1
+  ab_m40 /tmp/ab_ptx52 || rc=1
   tar czf "$out/ab.tgz" -C /tmp ab_native ab_ptx52
   return $rc
 }
@@ -174,16 +183,12 @@ ab_formats() {
   # shellcheck disable=SC2206  # AB_EXTRA_SHAPES: more B,H,Hkv,D,L shapes, space-separated
   FORMAT_SHAPES+=(${AB_EXTRA_SHAPES:-})
   for spec in "${FORMAT_SHAPES[@]}"; do shapes+=(--shape "$spec"); done
-  mkdir -p /tmp/abf_bins/base /tmp/abf_bins/new
-  cp .ab/bins/base/bench_attention /tmp/abf_bins/base/ &&
-    cp .gpu-carry/bench52/bench_attention /tmp/abf_bins/new/ || return 1
   for spec in F16 Q8 Q4 Q8Q4 "Q8 --kv-rotation none --kv-protect 0,0" \
               "Q4 --kv-rotation none --kv-protect 0,0"; do
     local name=${spec%% *}
     [ "$name" != "$spec" ] && name+=-plain
     # shellcheck disable=SC2086  # spec is a format and its options
-    AB_BINS=/tmp/abf_bins AB_BUILD=/tmp/m40llm-abf bash bench/ab.sh .ab/base \
-      "$out/abformats/$name" "${AB_ROUNDS:-2}" -- --format $spec "${shapes[@]}" || rc=1
+    ab_m40 "$out/abformats/$name" --format $spec "${shapes[@]}" || rc=1
   done
   return $rc
 }
@@ -200,14 +205,9 @@ weights_cost() {  # mode (weights or importance); needs build-native (the native
 ab_export() {
   local rc=0 fmt mode shapes=()
   for s in $(python3 bench/weights_cost.py --list-shapes); do shapes+=(--shape "$s"); done
-  mkdir -p /tmp/abx_bins/base /tmp/abx_bins/new
-  cp .ab/bins/base/bench_attention /tmp/abx_bins/base/ &&
-    cp .gpu-carry/bench52/bench_attention /tmp/abx_bins/new/ || return 1
   for fmt in ${EXPORT_FORMATS:-F16 Q4}; do
     for mode in weights importance; do
-      AB_BINS=/tmp/abx_bins AB_BUILD=/tmp/m40llm-abx bash bench/ab.sh .ab/base \
-        "$out/abexport/$fmt-$mode" "${AB_ROUNDS:-2}" -- --format "$fmt" "--$mode" \
-        "${shapes[@]}" || rc=1
+      ab_m40 "$out/abexport/$fmt-$mode" --format "$fmt" "--$mode" "${shapes[@]}" || rc=1
     done
   done
   return $rc
@@ -216,12 +216,8 @@ ab_export() {
 ab_tiers() {
   local rc=0 name mix shapes=()
   for s in $(bash bench/tiers.sh --shapes); do shapes+=(--shape "$s"); done
-  mkdir -p /tmp/abt_bins/base /tmp/abt_bins/new
-  cp .ab/bins/base/bench_attention /tmp/abt_bins/base/ &&
-    cp .gpu-carry/bench52/bench_attention /tmp/abt_bins/new/ || return 1
   while read -r name mix; do
-    AB_BINS=/tmp/abt_bins AB_BUILD=/tmp/m40llm-abt bash bench/ab.sh .ab/base \
-      "$out/abtiers/$name" "${AB_ROUNDS:-2}" -- --tiers "$mix" "${shapes[@]}" || rc=1
+    ab_m40 "$out/abtiers/$name" --tiers "$mix" "${shapes[@]}" || rc=1
   done < <(bash bench/tiers.sh --mixes)
   return $rc
 }
