@@ -242,6 +242,11 @@ int fp32_split_pass(m40llm_cuda_state *st, int head_dim, const Grouping &g, bool
 // otherwise pass.kernel is null.
 template <typename P>
 int mma_split_passes(m40llm_cuda_state *st, int head_dim, SplitPasses *out);
+// The same for a tiered call's launches (M40LLM_PLAN_TIER: a tier's rows and the kept parts'
+// splits; no exported scores), for every tier pair (attention_mma_tiers.cu); pass and direct
+// are one.
+template <typename P>
+int mma_tier_passes(m40llm_cuda_state *st, int head_dim, SplitPasses *out);
 
 // Plans a launch over items of lengths lens and picks its pass: the tensor-core family's staged
 // pass unless its splits come out too short for staging (then the direct pass), its fine pass

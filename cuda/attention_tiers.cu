@@ -1,18 +1,19 @@
 // Decode attention over a tiered cache (m40llm_kvcache_options.n_tiers > 0). Each tier is a
 // uniform cache of its own formats whose rows, in any order (softmax does not care), fill slots
-// 0 .. count - 1 of its planes, so the uniform caches' split kernels run it as they are: a
-// launch per tier of the kernel for the tier's pair, over a plan of M40LLM_PLAN_TIER (each
-// item's rows of that tier), and the FP16 slots' kept parts in the first tier's launch where the
-// FP32 kernel runs them (else in an F16 launch of their own). Every split writes a partial,
-// numbered so that each item's partials of all launches lie together, and the one combine of
-// the uniform caches merges them. The launches run side by side, on streams forked from the
-// context's (m40llm_cuda_state::side), each planned for its share of the call's rows: together
-// they fill the GPU as one launch would, without a launch's ramp and tail per tier. (One launch
-// for all tiers would need a kernel of every pair at once and the plans in device memory: each
-// is passed by value, near the 4 KB of parameters sm_52 allows.) A call that exports weights
-// or importance runs the kernels' instances with scores: a tier's rows write theirs at the
-// positions of the tier's slot map (m40llm_kvcache.tier_map, kept by the row ops), and the
-// uniform caches' weights kernel reads them over the call's partials.
+// 0 .. count - 1 of its planes, so the split kernels run it as a uniform cache's: a launch per
+// tier of the kernel for the tier's pair (on sm_80+ the tensor-core kernel's tier instances,
+// attention_mma_tiers.cu; else the FP32 kernel), over a plan of M40LLM_PLAN_TIER (each item's
+// rows of that tier), and the FP16 slots' kept parts in the first tier's launch where its kernel
+// runs them (else in an F16 launch of their own). Every split writes a partial, numbered so that
+// each item's partials of all launches lie together, and the one combine of the uniform caches
+// merges them. The launches run side by side, on streams forked from the context's
+// (m40llm_cuda_state::side), each planned for its share of the call's rows: together they fill
+// the GPU as one launch would, without a launch's ramp and tail per tier. (One launch for all
+// tiers would need a kernel of every pair at once and the plans in device memory: each is passed
+// by value, near the 4 KB of parameters sm_52 allows.) A call that exports weights or importance
+// runs the FP32 kernels' instances with scores (the tensor-core kernels export none): a tier's
+// rows write theirs at the positions of the tier's slot map (m40llm_kvcache.tier_map, kept by
+// the row ops), and the uniform caches' weights kernel reads them over the call's partials.
 #include "attention.cuh"
 #include "backend_cuda.h"
 
@@ -53,6 +54,21 @@ int share_of_target(int target, int64_t rows, int64_t all_rows, int sm_count) {
   return share < sm_count ? (sm_count < target ? sm_count : target) : (int)share;
 }
 
+// A tier's passes: the tensor-core family's where it has them (not for exported scores), else
+// the FP32 family's.
+template <typename P>
+int tier_passes(m40llm_cuda_state *st, int head_dim, const Grouping &g, bool scores,
+                SplitPasses *out) {
+  *out = SplitPasses{};
+  if (kTensorCores && !scores) {
+    const int rc = mma_tier_passes<P>(st, head_dim, out);
+    if (rc != M40LLM_OK || out->pass.kernel) return rc;
+  }
+  const int rc = fp32_split_pass<P>(st, head_dim, g, scores, &out->pass);
+  out->direct = out->fine = out->pass;
+  return rc;
+}
+
 // A call's launches for up to M40LLM_PLAN_MAX_ITEMS sequences, planned before any is made.
 struct TierCall {
   int n = 0;
@@ -69,17 +85,20 @@ int plan_call(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, int n_
   const m40llm_kvcache_options *o = &c->opts;
   const Grouping g = grouping_for(o);
   int32_t full_len[M40LLM_PLAN_MAX_ITEMS], window_begin[M40LLM_PLAN_MAX_ITEMS];
-  int32_t rows[M40LLM_PLAN_MAX_ITEMS];
+  int32_t rows[M40LLM_PLAN_MAX_ITEMS], kept_rows[M40LLM_PLAN_MAX_ITEMS];
+  int64_t all_rows = 0, all_kept = 0;
   for (int i = 0; i < n_items; i++) {
     full_len[i] = *m40llm_len_slot(c, layer, seq_ids[i]);
     window_begin[i] = m40llm_window_begin(c, layer, seq_ids[i]);
+    const m40llm_attn_parts parts =
+        m40llm_attn_item_parts(full_len[i], window_begin[i], c->n_sinks, c->window);
+    kept_rows[i] = c->slots > 0 ? parts.count[0] + parts.count[1] + parts.count[2] : 0;
+    all_kept += kept_rows[i];
+    for (int t = 0; t < c->n_tiers; t++) all_rows += m40llm_tier_counts(c, layer, seq_ids[i])[t];
   }
   const size_t slot_row = m40llm_kv_protected_row(o, c->slots, layer, 0, 0, 0) * o->head_dim;
   const AttnArgs a = common_args(c, scale);
   bool kept_done = c->slots == 0;
-  int64_t all_rows = 0;
-  for (int i = 0; i < n_items; i++)
-    for (int t = 0; t < c->n_tiers; t++) all_rows += m40llm_tier_counts(c, layer, seq_ids[i])[t];
   call->n = 0;
   for (int t = 0; t < c->n_tiers; t++) {
     int64_t tier_rows = 0;
@@ -88,13 +107,18 @@ int plan_call(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, int n_
       tier_rows += rows[i];
     }
     const int rc = with_tier_pair(o->tiers[t].k_format, o->tiers[t].v_format, [&](auto pair) -> int {
-      // The FP32 family's pass: the one that runs M40LLM_PLAN_TIER.
       SplitPasses passes;
-      const int rc = fp32_split_pass<decltype(pair)>(st, o->head_dim, g, scores, &passes.pass);
+      const int rc = tier_passes<decltype(pair)>(st, o->head_dim, g, scores, &passes);
       if (rc != M40LLM_OK) return rc;
-      passes.pass.target = share_of_target(passes.pass.target, tier_rows, all_rows, st->sm_count);
-      passes.direct = passes.fine = passes.pass;
-      if (!kept_done && !passes.pass.parts) {  // the kept parts in an F16 launch of their own
+      // The tensor-core kernel reads the kept rows as an item's first rows (no splits of their
+      // own), the FP32 kernel's lean ones in splits of their own.
+      const bool lead = !kept_done && passes.pass.mixed;
+      if (lead)
+        for (int i = 0; i < n_items; i++) rows[i] += kept_rows[i];
+      for (SplitPass *sp : {&passes.pass, &passes.direct, &passes.fine})
+        sp->target = share_of_target(sp->target, tier_rows + (lead ? all_kept : 0),
+                                     all_rows + all_kept, st->sm_count);
+      if (!kept_done && !lead && !passes.pass.parts) {  // the kept parts in an F16 launch
         int32_t none[M40LLM_PLAN_MAX_ITEMS] = {0};
         SplitPass *kept = &call->pass[call->n];
         const int rc = fp32_split_pass<KvPair<KvF16, KvF16>>(st, o->head_dim, g, scores, kept);
@@ -114,11 +138,11 @@ int plan_call(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, int n_
       }
       m40llm_attn_plan *p = &call->plan[call->n];
       SplitPass pass = plan_split_pass(st, passes, g, seq_ids, rows, n_items, p);
-      const bool with_kept = !kept_done;  // this launch's FP32 kernel reads the FP16 slots
+      const bool with_kept = !kept_done;  // this launch's kernel reads the FP16 slots
       p->kept_k = with_kept ? c->k.fp16 + slot_row : nullptr;
       p->kept_v = with_kept ? c->v.fp16 + slot_row : nullptr;
       m40llm_attn_plan_tier(p, full_len, window_begin, c->n_sinks, c->window,
-                            with_kept ? kept_chunk(pass.tile) : 0);
+                            with_kept && !lead ? kept_chunk(pass.tile) : 0);
       p->map = m40llm_tier_map_at(c, t, layer, 0);
       p->map_stride = o->tiers[t].rows;
       kept_done = true;
@@ -184,13 +208,13 @@ int m40llm_cuda_tier_reserve(const m40llm_kvcache *c) {
   for (int t = 0; t < c->n_tiers; t++) {
     int target = 0;
     const int rc = with_tier_pair(o->tiers[t].k_format, o->tiers[t].v_format, [&](auto pair) -> int {
-      SplitPass p;
+      SplitPasses p;
       int rc = M40LLM_OK;
-      for (const bool scores : {false, true})  // a plain call's pass, and one with weights
+      for (const bool scores : {false, true})  // a plain call's passes, and one with weights
         if (rc == M40LLM_OK &&
-            (rc = fp32_split_pass<decltype(pair)>(st, o->head_dim, g, scores, &p)) == M40LLM_OK &&
-            p.target > target)
-          target = p.target;
+            (rc = tier_passes<decltype(pair)>(st, o->head_dim, g, scores, &p)) == M40LLM_OK)
+          for (const SplitPass &sp : {p.pass, p.direct, p.fine})
+            target = sp.target > target ? sp.target : target;
       return rc;
     });
     if (rc != M40LLM_OK) return rc;

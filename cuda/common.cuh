@@ -9,6 +9,10 @@
 // KV format numbers (m40llm_kv_format) index the per-kernel tables below.
 constexpr int kKvFormats = M40LLM_KV_Q2 + 1;
 
+// The tensor-core split kernel's variants: K/V through registers, staged in shared memory
+// (sm_90), and a tiered call's launch (attention_mma.cuh).
+enum { kMmaDirect = 0, kMmaStaged = 1, kMmaTier = 2, kMmaVariants = 3 };
+
 struct m40llm_cuda_state {
   cudaStream_t stream;
   bool owns_stream;
@@ -32,8 +36,8 @@ struct m40llm_cuda_state {
     int smem;            // its dynamic shared memory, in bytes
     int occupancy;       // resident blocks per SM
     bool dependent;      // whether its image waits for the grid before it (sm_90+)
-  } mma[kKvFormats][kKvFormats][2][2][9];  // the tensor-core kernels, by [K format][V format][staged]
-                        // [half-width blocks][head_dim / 16]
+  } mma[kKvFormats][kKvFormats][kMmaVariants][2][9];  // the tensor-core kernels, by [K format]
+                        // [V format][variant][half-width blocks][head_dim / 16]
   // Whether the FP32 split and the combine kernels' images wait for the grid before them:
   // 0 = not asked yet, 1 yes, -1 no.
   signed char fp32_dependent, combine_dependent;

@@ -236,10 +236,10 @@ typedef struct m40llm_device_info {
   int native_code;         /* 1 if the GPU runs SASS built in for it (an "NN-real" of its major
                               version, at most its own); 0 if the driver JIT-compiled PTX
                               (once per process, or from its disk cache) */
-  int tensor_cores;        /* 1 if F16 caches with head_dim 32..128, a multiple of 16, and Q8/Q4
-                              caches with head_dim 32, 64, 96 or 128 run the tensor-core
-                              attention kernels here (sm_80+ code on an sm_80+ GPU); 0 if every
-                              cache runs the FP32 kernels */
+  int tensor_cores;        /* 1 if F16 caches with head_dim 32..128, a multiple of 16, and
+                              quantized and tiered caches with head_dim 32, 64, 96 or 128 run
+                              the tensor-core attention kernels here (sm_80+ code on an sm_80+
+                              GPU); 0 if every cache runs the FP32 kernels */
 } m40llm_device_info;
 #define M40LLM_DEVICE_INFO_INIT \
   { M40LLM_DEVICE_INFO_VERSION, 0, 0, {0}, 0, 0, 0, 0, 0, 0, 0, 0 }
@@ -420,8 +420,9 @@ typedef struct m40llm_kvcache_options {
    * other maps are host memory, 4 bytes per tier row and per position for every (layer,
    * sequence). Both backends run tiered caches; on CUDA, in this version, causal attention
    * fails on them with M40LLM_ERR_UNSUPPORTED (nothing written); decode attention runs the
-   * uniform caches' kernels a launch per tier, side by side, and merges them, with exported
-   * weights and importance as for a uniform cache. A CUDA graph captures a call's row writes
+   * uniform caches' kernels a launch per tier (on sm_80+ the tensor-core kernels, at the
+   * head_dims they have), side by side, and merges them, with exported weights and importance
+   * as for a uniform cache (from the FP32 kernels). A CUDA graph captures a call's row writes
    * as the host's maps stood: as with lengths, capture each step anew. */
   int n_tiers;
   m40llm_kv_tier tiers[M40LLM_MAX_TIERS];
@@ -597,8 +598,9 @@ int m40llm_kvcache_max_seq_len_on_device(int *out_max_seq_len, m40llm_context *c
  *  yields zeros. Its V is still multiplied by that 0, so it must be finite. A score of +inf or
  *  NaN (NaN in K, 0 x inf, infinities of both signs) makes the head's output NaN. The CUDA backend
  *  accumulates in FP32. Its arithmetic is FP32 too (Q8/Q4 codes are exact in FP32), except for
- *  F16 caches with head_dim 32, 48, 64, 80, 96, 112 or 128, and Q8/Q4 caches with head_dim 32,
- *  64, 96 or 128, on sm_80+ GPUs, when the library was built with an sm_80+ architecture:
+ *  F16 caches with head_dim 32, 48, 64, 80, 96, 112 or 128, and quantized and tiered caches
+ *  with head_dim 32, 64, 96 or 128, on sm_80+ GPUs, when the library was built with an sm_80+
+ *  architecture:
  *  there, tensor cores multiply FP16 K/V (or the codes, as exact FP16 integers, with the scales
  *  applied in FP32) by q and by the softmax weights, each passed as two FP16 terms (hi + lo, 22
  *  significant bits), with the products exact and the sums in FP32. Both paths agree with the

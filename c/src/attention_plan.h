@@ -57,8 +57,10 @@ enum {
   M40LLM_PLAN_PARTS = 4,
   /* one launch of a tiered cache's call (m40llm_attn_plan_tier): len[i] is the rows of one part
    * (a tier's, from slot 0), each preceded, where kept_k is set, by the item's kept parts
-   * (parts 0-2 of full_len and window_begin, splits of kept_chunk rows); block x of item i is
-   * split split_base[i] + x - split_begin[i] of the call, and every split writes a partial */
+   * (parts 0-2 of full_len and window_begin): in splits of kept_chunk rows of their own, or
+   * with kept_chunk 0 as the first rows of len[i] (the item's rows numbered as in a MIXED plan,
+   * the tier's slots from 0 as its codes); block x of item i is split split_base[i] + x -
+   * split_begin[i] of the call, and every split writes a partial */
   M40LLM_PLAN_TIER = 5
 };
 
@@ -105,7 +107,7 @@ M40LLM_PLAN_INLINE m40llm_attn_tier_split m40llm_attn_tier_split_of(const m40llm
   m40llm_attn_tier_split s;
   s.split = plan->split_base[i] + j;
   s.kept = 0;
-  if (plan->kept_k) {
+  if (plan->kept_k && plan->kept_chunk > 0) {
     const m40llm_attn_parts parts =
         m40llm_attn_item_parts(plan->full_len[i], plan->window_begin[i], plan->sinks, plan->window);
     for (int k = 0; k < 3; k++) {
@@ -148,7 +150,8 @@ void m40llm_attn_plan_mixed(m40llm_attn_plan *plan, const int32_t *window_begin,
 /* Re-cuts a built plan (over one part's rows of each item) as a launch of a tiered cache's call,
  * M40LLM_PLAN_TIER: an item without rows has no splits, and with kept_chunk > 0 the item's kept
  * parts (m40llm_attn_item_parts of full_len and window_begin) come first, in splits of
- * kept_chunk rows. kept_k and kept_v are the caller's (kept_k set where kept_chunk > 0). */
+ * kept_chunk rows. kept_k and kept_v are the caller's (kept_k set where kept_chunk > 0, or
+ * where the plan was built over the kept rows and the tier's together, kept_chunk 0). */
 void m40llm_attn_plan_tier(m40llm_attn_plan *plan, const int32_t *full_len,
                            const int32_t *window_begin, int32_t sinks, int32_t window,
                            int32_t kept_chunk);

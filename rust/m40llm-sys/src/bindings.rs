@@ -500,8 +500,9 @@ extern "C" {
   yields zeros. Its V is still multiplied by that 0, so it must be finite. A score of +inf or
   NaN (NaN in K, 0 x inf, infinities of both signs) makes the head's output NaN. The CUDA backend
   accumulates in FP32. Its arithmetic is FP32 too (Q8/Q4 codes are exact in FP32), except for
-  F16 caches with head_dim 32, 48, 64, 80, 96, 112 or 128, and Q8/Q4 caches with head_dim 32,
-  64, 96 or 128, on sm_80+ GPUs, when the library was built with an sm_80+ architecture:
+  F16 caches with head_dim 32, 48, 64, 80, 96, 112 or 128, and quantized and tiered caches
+  with head_dim 32, 64, 96 or 128, on sm_80+ GPUs, when the library was built with an sm_80+
+  architecture:
   there, tensor cores multiply FP16 K/V (or the codes, as exact FP16 integers, with the scales
   applied in FP32) by q and by the softmax weights, each passed as two FP16 terms (hi + lo, 22
   significant bits), with the products exact and the sums in FP32. Both paths agree with the

@@ -1,0 +1,23 @@
+// The tensor-core family's passes for a tiered call's launches (M40LLM_PLAN_TIER), and their
+// instances: every tier pair, a translation unit of their own so that a build compiles them
+// beside the uniform caches' (the kernel: attention_mma.cuh).
+#include "attention_mma.cuh"
+
+template <typename P>
+int mma_tier_passes(m40llm_cuda_state *st, int head_dim, SplitPasses *p) {
+  p->pass = p->direct = p->fine = SplitPass{};
+  const int warps = mma_warps(head_dim);
+  int rc = pass_for<P, kMmaTier>(st, head_dim, warps, &p->pass);
+  if (rc == M40LLM_OK && p->pass.kernel)
+    rc = pass_for<P, kMmaTier>(st, head_dim, warps / 2, &p->fine);
+  if (rc != M40LLM_OK) return rc;
+  p->direct = p->pass;
+  if (!p->fine.kernel) p->fine = p->pass;
+  return M40LLM_OK;
+}
+
+#define M40LLM_INSTANTIATE(P) \
+  template int mma_tier_passes<P>(m40llm_cuda_state *, int, SplitPasses *);
+M40LLM_KV_PAIRS(M40LLM_INSTANTIATE)
+M40LLM_TIER_ONLY_PAIRS(M40LLM_INSTANTIATE)
+#undef M40LLM_INSTANTIATE
