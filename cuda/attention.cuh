@@ -319,8 +319,16 @@ struct CallExport {
 };
 
 // Decode attention over a tiered cache (attention_tiers.cu): FP32 rows of n_seqs sequences.
-int tier_attention(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, int n_seqs,
-                   const float *q, float *out, float scale, const CallExport &x);
+// limits: each row's visible positions (those before limits[i]), or null for every position of
+// its sequence; with limits the FP32 kernels' instances with scores run the call (they mask a
+// tier's rows by its slot map; the tensor-core kernels read no map).
+int tier_attention(const m40llm_kvcache *c, int layer, const int32_t *seq_ids,
+                   const int32_t *limits, int n_seqs, const float *q, float *out, float scale,
+                   const CallExport &x);
+// Causal attention over a tiered cache without a sliding window: each query row as a decode
+// row of its sequence that sees the positions up to its own (the tiers read once a row).
+int tier_attention_causal(const m40llm_kvcache *c, int layer, const m40llm_append_item *items,
+                          int n_items, const float *q, float *out, float scale);
 
 // Launches a kernel of any family on `stream`, as a programmatic dependent of the kernel before
 // it there where `dependent`.

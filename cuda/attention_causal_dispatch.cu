@@ -125,15 +125,17 @@ int m40llm_cuda_attention_causal(const m40llm_kvcache *c, int layer,
                                  const m40llm_append_item *items, int n_items, const void *q,
                                  void *out, int dtype, float scale, int window) {
   M40LLM_CUDA_ENTER(c->ctx);
-  if (c->n_tiers > 0)
+  if (c->n_tiers > 0 && window > 0)
     return m40llm_fail(M40LLM_ERR_UNSUPPORTED,
-                       "causal attention over a tiered cache: the CPU backend only in this "
-                       "version");
+                       "causal attention over a tiered cache with a sliding window (%d): the CPU "
+                       "backend only in this version",
+                       window);
   const size_t row = (size_t)c->opts.n_heads * (size_t)c->opts.head_dim;
   size_t rows = 0;
   for (int i = 0; i < n_items; i++) rows += (size_t)items[i].n_tokens;
   return with_f32_rows(cuda_state(c->ctx), q, out, rows * row, dtype,
                        [&](const float *q32, float *out32) {
+    if (c->n_tiers > 0) return tier_attention_causal(c, layer, items, n_items, q32, out32, scale);
     return with_kv_pair(c->k.layout.fmt->format, c->v.layout.fmt->format, [&](auto pair) -> int {
       using P = decltype(pair);
       size_t done = 0;  // rows of the launches before

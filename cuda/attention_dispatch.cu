@@ -194,7 +194,8 @@ int m40llm_cuda_attention(const m40llm_kvcache *c, int layer, const int32_t *seq
   if (c->n_tiers > 0)
     return with_f32_rows(cuda_state(c->ctx), q, out, (size_t)n_seqs * row, dtype,
                          [&](const float *q32, float *out32) {
-                           return tier_attention(c, layer, seq_ids, n_seqs, q32, out32, scale, ex);
+                           return tier_attention(c, layer, seq_ids, nullptr, n_seqs, q32, out32,
+                                                 scale, ex);
                          });
   return with_f32_rows(cuda_state(c->ctx), q, out, (size_t)n_seqs * row, dtype,
                        [&](const float *q32, float *out32) {

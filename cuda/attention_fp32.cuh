@@ -187,7 +187,9 @@ __global__ void __launch_bounds__(kAttnThreads, attn_min_blocks(wide_tile(GT, DM
   constexpr bool kSumKMin = KF::kHasMin && !kFoldKMin;
   constexpr bool kLean = lean_kernel(GT, DMAX, kExact);
   // Scores at a tier's slot map's positions: tiers are of quantized pairs, so F16's instances
-  // (which run kept parts only in a tiered call) leave the map's cost out of every score.
+  // (which run kept parts only in a tiered call) leave the map's cost out of every score. The
+  // same map masks a tier's rows at or past the item's full_len (a causal call's query row sees
+  // the positions before its own and its own only; in a decode call every row is before it).
   constexpr bool kMapped = kScores && KF::kScaled && VF::kScaled;
   static_assert(LPR >= 2 && LPR <= 32 && KC >= 1 && T <= 32, "tile shape");
 
@@ -196,7 +198,8 @@ __global__ void __launch_bounds__(kAttnThreads, attn_min_blocks(wide_tile(GT, DM
   __shared__ __align__(16) float s_alpha[GT];
   __shared__ long long s_scores;  // plan.weights: where row p_begin of the block's first head goes
   __shared__ int s_split;         // M40LLM_PLAN_TIER: the block's split in the call
-  __shared__ const int32_t *s_map;  // plan.weights of a tier's rows: their positions, or null
+  __shared__ const int32_t *s_map;  // a tier's rows: their positions, or null
+  __shared__ int s_limit;           // with s_map: the first position the item does not see
   const int D = kExact ? DMAX : a.head_dim;  // compile-time offsets where head_dim is its class's
   float *sq = smem;              // q, pre-scaled into the log2 domain, at QIndex<DMAX>
   float *sp = smem + GT * DMAX;  // [T][GT]: a position's weights for every head together
@@ -249,10 +252,12 @@ __global__ void __launch_bounds__(kAttnThreads, attn_min_blocks(wide_tile(GT, DM
   if (kScores && tid == 0) {
     s_scores = ((long long)b.item * a.n_heads + b.h0) * plan.weights_stride +
                split_pos_shift(plan, b.item, b.split);
-    if (kMapped)
+    if (kMapped) {
       s_map = plan.role == M40LLM_PLAN_TIER && !b.kept
                   ? plan.map + (size_t)plan.seq[b.item] * plan.map_stride
                   : nullptr;
+      s_limit = plan.full_len[b.item];
+    }
   }
 
   // Score pass: LPR lanes per K row, each with up to KC 16-byte chunks of it.
@@ -384,10 +389,12 @@ __global__ void __launch_bounds__(kAttnThreads, attn_min_blocks(wide_tile(GT, DM
         const int i = i0 + (tid & 31);
         const bool mine = i < GT * T;
         const int g = mine ? i / T : 0, r = i % T;
-        const float x = mine ? sp[r * GT + g] : -INFINITY;
-        if (kScores && mine && r < rows && g < nh) {
+        float x = mine ? sp[r * GT + g] : -INFINITY;
+        if (kScores && mine && r < rows) {
           const int32_t *map = kMapped ? s_map : nullptr;
-          plan.weights[s_scores + g * plan.weights_stride + (map ? map[t0 + r] : t0 + r)] = x;
+          const int pos = map ? map[t0 + r] : t0 + r;
+          if (map && pos >= s_limit) x = -INFINITY;
+          if (g < nh && plan.weights) plan.weights[s_scores + g * plan.weights_stride + pos] = x;
         }
         float tile_max = x;
 #pragma unroll

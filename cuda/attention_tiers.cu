@@ -79,8 +79,10 @@ struct TierCall {
 };
 
 // Plans the call over items seq_ids[0 .. n_items); scores: the instances that export them.
-int plan_call(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, int n_items, float scale,
-              bool scores, TierCall *call) {
+// limits: each item's visible positions (a causal call's query row: the positions before it and
+// its own), or null for every position of its sequence.
+int plan_call(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, const int32_t *limits,
+              int n_items, float scale, bool scores, TierCall *call) {
   m40llm_cuda_state *st = cuda_state(c->ctx);
   const m40llm_kvcache_options *o = &c->opts;
   const Grouping g = grouping_for(o);
@@ -88,8 +90,9 @@ int plan_call(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, int n_
   int32_t rows[M40LLM_PLAN_MAX_ITEMS], kept_rows[M40LLM_PLAN_MAX_ITEMS];
   int64_t all_rows = 0, all_kept = 0;
   for (int i = 0; i < n_items; i++) {
-    full_len[i] = *m40llm_len_slot(c, layer, seq_ids[i]);
+    full_len[i] = limits ? limits[i] : *m40llm_len_slot(c, layer, seq_ids[i]);
     window_begin[i] = m40llm_window_begin(c, layer, seq_ids[i]);
+    if (window_begin[i] > full_len[i]) window_begin[i] = full_len[i];  // no window row visible
     const m40llm_attn_parts parts =
         m40llm_attn_item_parts(full_len[i], window_begin[i], c->n_sinks, c->window);
     kept_rows[i] = c->slots > 0 ? parts.count[0] + parts.count[1] + parts.count[2] : 0;
@@ -225,8 +228,9 @@ int m40llm_cuda_tier_reserve(const m40llm_kvcache *c) {
   return m40llm_cuda_workspace(st, attn_partial_bytes((int)splits, o->n_heads, o->head_dim), &ws);
 }
 
-int tier_attention(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, int n_seqs,
-                   const float *q, float *out, float scale, const CallExport &x) {
+int tier_attention(const m40llm_kvcache *c, int layer, const int32_t *seq_ids,
+                   const int32_t *limits, int n_seqs, const float *q, float *out, float scale,
+                   const CallExport &x) {
   m40llm_cuda_state *st = cuda_state(c->ctx);
   const m40llm_kvcache_options *o = &c->opts;
   const size_t row = (size_t)o->n_heads * o->head_dim;
@@ -237,7 +241,8 @@ int tier_attention(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, i
     const CallExport xn = x.at(first);
     TierCall call;
     void *ws = nullptr;
-    if ((rc = plan_call(c, layer, seq_ids + first, n, scale, xn.weights != nullptr, &call)) !=
+    if ((rc = plan_call(c, layer, seq_ids + first, limits ? limits + first : nullptr, n, scale,
+                        xn.weights != nullptr || limits != nullptr, &call)) !=
             M40LLM_OK ||
         (rc = m40llm_cuda_workspace(
              st, attn_partial_bytes(call.combine.total_splits, o->n_heads, o->head_dim), &ws)) !=
@@ -299,5 +304,26 @@ int tier_attention(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, i
       rc = weights_launch(st, a, call.combine, xn.imp);
     }
   }
+  return rc;
+}
+
+int tier_attention_causal(const m40llm_kvcache *c, int layer, const m40llm_append_item *items,
+                          int n_items, const float *q, float *out, float scale) {
+  const size_t row = (size_t)c->opts.n_heads * c->opts.head_dim;
+  const CallExport none{nullptr, 0, {nullptr, 0, 0.0f}, c->opts.n_heads, c->opts.n_kv_heads};
+  int32_t ids[M40LLM_PLAN_MAX_ITEMS], limits[M40LLM_PLAN_MAX_ITEMS];
+  int n = 0, rc = M40LLM_OK;
+  size_t done = 0;  // query rows of the calls before
+  for (int i = 0; i < n_items && rc == M40LLM_OK; i++)
+    for (int j = 0; j < items[i].n_tokens && rc == M40LLM_OK; j++) {
+      ids[n] = items[i].seq;
+      limits[n] = items[i].pos + j + 1;
+      if (++n == M40LLM_PLAN_MAX_ITEMS || (i == n_items - 1 && j == items[i].n_tokens - 1)) {
+        rc = tier_attention(c, layer, ids, limits, n, q + done * row, out + done * row, scale,
+                            none);
+        done += (size_t)n;
+        n = 0;
+      }
+    }
   return rc;
 }

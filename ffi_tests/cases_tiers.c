@@ -7,8 +7,8 @@
  * float64 (1e-5 relative), each sequence alone and all in one batch, and the same calls'
  * exported weights and importance (against the float64 softmax: 1e-4 relative + 1e-7, the
  * entries past a length untouched). A one-tier cache without a window equals the uniform cache
- * of its formats bit for bit (on CUDA: within 1e-5). The CUDA backend refuses causal attention
- * on tiered caches in this version.
+ * of its formats bit for bit (on CUDA: within 1e-5). Causal attention against float64 (the
+ * CUDA backend refuses it with a sliding window in this version).
  */
 #include <math.h>
 #include <stddef.h>
@@ -787,31 +787,92 @@ out:
   free(back);
 }
 
-/* What the CUDA backend does not run on a tiered cache yet: causal attention (the CPU backend
- * runs it). */
-static void unsupported_on_cuda(m40llm_context *ctx) {
-  t_set_case("tiers: causal attention on CUDA");
+/* Causal attention over a tiered cache against float64: query row i of a sequence of length L
+ * with T rows sees positions L - T + i - W + 1 .. L - T + i (W: the window, 0 for none), the
+ * rows that left the FP16 window during the appends included (T past the window + 1: a tier's
+ * rows masked by position). The CUDA backend refuses a window (nothing written). */
+static void causal_rows(m40llm_context *ctx, int window) {
+  t_set_case("tiers: causal attention, window %d", window);
   const m40llm_kvcache_options o = tiered_options(300, 4, 32);
+  const int heads = o.n_kv_heads, d = o.head_dim, nh = o.n_heads;
+  const size_t qrow = (size_t)nh * d;
+  const int32_t ids[3] = {0, 2, 1}, counts[3] = {70, 57, 1}, lens[3] = {260, 57, 140};
+  int rows = 0;
+  for (int s = 0; s < 3; s++) rows += counts[s];
   m40llm_kvcache *c = NULL;
   model m;
-  const size_t qrow = (size_t)o.n_heads * o.head_dim;
+  memset(&m, 0, sizeof m); /* model_free of an unmade model frees nothing */
+  float *q = malloc((size_t)rows * qrow * sizeof(float));
+  float *out = malloc((size_t)rows * qrow * sizeof(float));
+  double *kvals = malloc((size_t)300 * heads * d * sizeof(double));
+  double *vvals = malloc((size_t)300 * heads * d * sizeof(double));
   float *dq = NULL, *dout = NULL;
-  if (!T_CHECK(model_init(&m, &o)) || !T_OK(m40llm_kvcache_create(&c, ctx, &o)) ||
-      append_both(ctx, c, &m, 0, 0, 40) != M40LLM_OK)
+  if (!T_CHECK(q && out && kvals && vvals) || !T_CHECK(model_init(&m, &o)) ||
+      !T_OK(m40llm_kvcache_create(&c, ctx, &o)))
     goto out;
-  dq = t_dev_alloc(ctx, qrow * sizeof(float));
-  dout = t_dev_alloc(ctx, qrow * sizeof(float));
-  if (!dq || !dout || !T_OK(m40llm_memset(ctx, dq, 0, qrow * sizeof(float)))) goto out;
-  const int32_t id = 0, count = 1;
+  for (int s = 0; s < 3; s++)
+    while (seq_of(&m, 0, ids[s])->len < lens[s]) {
+      const int left = lens[s] - seq_of(&m, 0, ids[s])->len, n = t_rand_int(1, 50);
+      if (append_both(ctx, c, &m, 0, ids[s], n < left ? n : left) != M40LLM_OK) goto out;
+    }
+  t_fill_uniform(q, (size_t)rows * qrow, -1.0f, 1.0f);
+  memset(out, 0xFF, (size_t)rows * qrow * sizeof(float));
+  dq = t_dev_upload(ctx, q, (size_t)rows * qrow * sizeof(float));
+  dout = t_dev_upload(ctx, out, (size_t)rows * qrow * sizeof(float));
+  if (!dq || !dout) goto out;
   m40llm_causal_options co = M40LLM_CAUSAL_OPTIONS_INIT;
-  T_FAIL_WITH(m40llm_kvcache_attn_causal_f32q(dout, c, 0, &id, &count, 1, dq, &co),
-              M40LLM_ERR_UNSUPPORTED, "tiered");
-  check_seq(ctx, c, &m, 0, 0); /* the cache is as it was */
+  co.window = window;
+  if (window > 0 && on_cuda(ctx)) {
+    T_FAIL_WITH(m40llm_kvcache_attn_causal_f32q(dout, c, 0, ids, counts, 3, dq, &co),
+                M40LLM_ERR_UNSUPPORTED, "tiered cache with a sliding window");
+    if (t_dev_download(ctx, out, dout, (size_t)rows * qrow * sizeof(float)))
+      T_CHECKF(t_all_bytes(out, (size_t)rows * qrow * sizeof(float), 0xFF),
+               "the refused call wrote its output");
+    goto out;
+  }
+  if (!T_OK(m40llm_kvcache_attn_causal_f32q(dout, c, 0, ids, counts, 3, dq, &co)) ||
+      !t_dev_download(ctx, out, dout, (size_t)rows * qrow * sizeof(float)))
+    goto out;
+  for (int s = 0, row = 0; s < 3; s++) {
+    const m_seq *sq = seq_of(&m, 0, ids[s]);
+    for (int p = 0; p < sq->len; p++)
+      for (int kv = 0; kv < 2; kv++)
+        memcpy((kv ? vvals : kvals) + (size_t)p * heads * d,
+               sq->val + (size_t)p * m.row + (size_t)kv * heads * d,
+               (size_t)heads * d * sizeof(double));
+    for (int i = 0; i < counts[s]; i++, row++) {
+      const int end = sq->len - counts[s] + i + 1;
+      const int begin = window > 0 && end > window ? end - window : 0;
+      int bad = 0;
+      double worst = 0.0;
+      for (int h = 0; h < nh; h++) {
+        double qd[256], r[256];
+        float qr[256];
+        for (int e = 0; e < d; e++) qd[e] = q[(size_t)row * qrow + (size_t)h * d + e];
+        t_rotate_f64(qd, d);
+        for (int e = 0; e < d; e++) qr[e] = (float)qd[e];
+        const size_t g = (size_t)(h / (nh / heads)) * d, first = (size_t)begin * heads * d;
+        t_ref_head(qr, kvals + first + g, vvals + first + g, end - begin, d, heads * d,
+                   1.0 / sqrt((double)d), r);
+        t_rotate_f64(r, d);
+        const double err = t_rel_l2(out + (size_t)row * qrow + (size_t)h * d, r, (size_t)d);
+        bad += !(err <= 1e-5);
+        worst = err > worst ? err : worst;
+      }
+      T_CHECKF(bad == 0, "seq %d (length %d, %d rows) row %d (sees %d..%d): %d heads off "
+               "float64, relative L2 up to %.3g (bound 1e-5)",
+               ids[s], sq->len, counts[s], i, begin, end - 1, bad, worst);
+    }
+  }
 out:
   m40llm_free(ctx, dq);
   m40llm_free(ctx, dout);
   m40llm_kvcache_destroy(c);
   model_free(&m);
+  free(q);
+  free(out);
+  free(kvals);
+  free(vvals);
 }
 
 void t_cases_tiers(m40llm_context *ctx, int small) {
@@ -828,5 +889,6 @@ void t_cases_tiers(m40llm_context *ctx, int small) {
   history(ctx, 2, 0, small, 1);
   history(ctx, 4, 128, small, 2);
   history(ctx, 1, 8, small, 3);
-  if (on_cuda(ctx)) unsupported_on_cuda(ctx);
+  causal_rows(ctx, 0);
+  causal_rows(ctx, 45);
 }

@@ -418,11 +418,13 @@ typedef struct m40llm_kvcache_options {
    * window stay FP16, as in any quantized cache. Bytes (m40llm_kvcache_bytes_needed): the FP16
    * slots, each tier's rows, and each tier's slot -> position map (4 bytes a tier row); the
    * other maps are host memory, 4 bytes per tier row and per position for every (layer,
-   * sequence). Both backends run tiered caches; on CUDA, in this version, causal attention
-   * fails on them with M40LLM_ERR_UNSUPPORTED (nothing written); decode attention runs the
-   * uniform caches' kernels a launch per tier (on sm_80+ the tensor-core kernels, at the
-   * head_dims they have), side by side, and merges them, with exported weights and importance
-   * as for a uniform cache (from the FP32 kernels). A CUDA graph captures a call's row writes
+   * sequence). Both backends run tiered caches. On CUDA decode attention runs the uniform
+   * caches' kernels a launch per tier (on sm_80+ the tensor-core kernels, at the head_dims they
+   * have), side by side, and merges them, with exported weights and importance as for a
+   * uniform cache (from the FP32 kernels); causal attention runs each query row as a decode row
+   * that sees the positions up to its own (FP32 kernels; see m40llm_kvcache_attn_causal_f32q),
+   * and with a sliding window (m40llm_causal_options.window) fails with
+   * M40LLM_ERR_UNSUPPORTED in this version (nothing written). A CUDA graph captures a call's row writes
    * as the host's maps stood: as with lengths, capture each step anew. */
   int n_tiers;
   m40llm_kv_tier tiers[M40LLM_MAX_TIERS];
@@ -743,10 +745,14 @@ int m40llm_causal_options_init(m40llm_causal_options *opts, unsigned version);
  *  sinks and the newest `window` positions of m40llm_kvcache_options) from their FP16 copies,
  *  the others dequantized, for every row alike. Arithmetic, masking rules (-inf scores, V
  *  finite), accuracy and the CPU backend's float64 as for the decode call; the CUDA backend
- *  runs FP32 kernels on every GPU (no tensor cores yet). The library reads seq_ids and q_counts
- *  once, into the cache's own copy, before it writes anything (they may share memory with out),
- *  and checks everything first: on any error nothing is written. No allocation. Threading and
- *  ordering as for every call on the cache (stream-ordered on CUDA). */
+ *  runs FP32 kernels on every GPU (no tensor cores yet). On a tiered cache
+ *  (m40llm_kvcache_options.n_tiers) the CUDA backend runs each query row as a decode row of its
+ *  sequence, masking the tier rows past it by their positions: it reads the tiers once per
+ *  row (fine for verification's few rows, T times a decode call's reads for T rows), and it
+ *  refuses a window (opts->window >= 1) with M40LLM_ERR_UNSUPPORTED. The library reads seq_ids
+ *  and q_counts once, into the cache's own copy, before it writes anything (they may share
+ *  memory with out), and checks everything first: on any error nothing is written. No
+ *  allocation. Threading and ordering as for every call on the cache (stream-ordered on CUDA). */
 int m40llm_kvcache_attn_causal_f32q(float *out, m40llm_kvcache *cache, int layer,
                                     const int32_t *seq_ids, const int32_t *q_counts,
                                     int n_seqs, const float *q,

@@ -683,10 +683,14 @@ extern "C" {
   sinks and the newest `window` positions of m40llm_kvcache_options) from their FP16 copies,
   the others dequantized, for every row alike. Arithmetic, masking rules (-inf scores, V
   finite), accuracy and the CPU backend's float64 as for the decode call; the CUDA backend
-  runs FP32 kernels on every GPU (no tensor cores yet). The library reads seq_ids and q_counts
-  once, into the cache's own copy, before it writes anything (they may share memory with out),
-  and checks everything first: on any error nothing is written. No allocation. Threading and
-  ordering as for every call on the cache (stream-ordered on CUDA).*/
+  runs FP32 kernels on every GPU (no tensor cores yet). On a tiered cache
+  (m40llm_kvcache_options.n_tiers) the CUDA backend runs each query row as a decode row of its
+  sequence, masking the tier rows past it by their positions: it reads the tiers once per
+  row (fine for verification's few rows, T times a decode call's reads for T rows), and it
+  refuses a window (opts->window >= 1) with M40LLM_ERR_UNSUPPORTED. The library reads seq_ids
+  and q_counts once, into the cache's own copy, before it writes anything (they may share
+  memory with out), and checks everything first: on any error nothing is written. No
+  allocation. Threading and ordering as for every call on the cache (stream-ordered on CUDA).*/
     pub fn m40llm_kvcache_attn_causal_f32q(
         out: *mut f32,
         cache: *mut m40llm_kvcache,

@@ -258,7 +258,8 @@ impl KvCacheConfig {
     /// [`KvCache::tier_stats`] what the whole cache holds. The tiers' rows must add up to at
     /// least `max_seq_len - sinks - window` (checked by [`bytes_needed`](Self::bytes_needed)
     /// and [`KvCache::new`]). The calls that export weights or importance work over tiers as
-    /// over a uniform cache; on CUDA, causal attention is not run on a tiered cache yet
+    /// over a uniform cache; on CUDA, causal attention over a tiered cache runs each query
+    /// row as a decode row (the tiers read once a row) and refuses a sliding window
     /// ([`Status::Unsupported`](crate::Status)).
     ///
     /// ```
