@@ -2,7 +2,8 @@
 // work lies, how a block hands its result to the output or to the combine kernel, and how each
 // family describes its launches to the dispatcher (attention_dispatch.cu).
 //   attention_fp32.cu     the FP32 split kernel (every GPU; the M40's)
-//   attention_mma.cu      the tensor-core split kernel (sm_80+ builds)
+//   attention_mma.cuh     the tensor-core split kernel (sm_80+ builds; instances in
+//                         attention_mma.cu and attention_mma_tiers.cu)
 //   attention_combine.cu  the combine kernels, which merge a sequence's split partials
 #pragma once
 
@@ -128,7 +129,9 @@ __device__ __forceinline__ int tier_split_number(const m40llm_attn_plan &plan) {
 // ring runs hold the window's positions, in order, from window_begin on. (A tier's rows are
 // slots in no order: their positions are plan.map's.) split: the launch's block x.
 __device__ __forceinline__ int split_pos_shift(const m40llm_attn_plan &plan, int item, int split) {
-  if (plan.role == M40LLM_PLAN_ALL || (plan.role == M40LLM_PLAN_TIER && !plan.kept_k)) return 0;
+  if (plan.role == M40LLM_PLAN_ALL ||
+      (plan.role == M40LLM_PLAN_TIER && (!plan.kept_k || plan.kept_chunk == 0)))
+    return 0;  // (kept rows that lead an item are the tensor-core kernels', which export none)
   const int len = plan.role == M40LLM_PLAN_TIER ? plan.full_len[item] : plan.len[item];
   const m40llm_attn_parts parts =
       m40llm_attn_item_parts(len, plan.window_begin[item], plan.sinks, plan.window);
@@ -242,9 +245,9 @@ int fp32_split_pass(m40llm_cuda_state *st, int head_dim, const Grouping &g, bool
 // otherwise pass.kernel is null.
 template <typename P>
 int mma_split_passes(m40llm_cuda_state *st, int head_dim, SplitPasses *out);
-// The same for a tiered call's launches (M40LLM_PLAN_TIER: a tier's rows and the kept parts'
-// splits; no exported scores), for every tier pair (attention_mma_tiers.cu); pass and direct
-// are one.
+// The same for a tiered call's launches (M40LLM_PLAN_TIER: a tier's rows, after an item's kept
+// rows in the launch that reads them; no exported scores), for every tier pair
+// (attention_mma_tiers.cu); pass and direct are one.
 template <typename P>
 int mma_tier_passes(m40llm_cuda_state *st, int head_dim, SplitPasses *out);
 

@@ -118,9 +118,11 @@ int plan_call(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, const 
       const bool lead = !kept_done && passes.pass.mixed;
       if (lead)
         for (int i = 0; i < n_items; i++) rows[i] += kept_rows[i];
+      // Shares of the rows the tier launches take (the kept rows where they lead an item; in
+      // splits of their own or a launch of their own they are no launch's share).
       for (SplitPass *sp : {&passes.pass, &passes.direct, &passes.fine})
         sp->target = share_of_target(sp->target, tier_rows + (lead ? all_kept : 0),
-                                     all_rows + all_kept, st->sm_count);
+                                     all_rows + (passes.pass.mixed ? all_kept : 0), st->sm_count);
       if (!kept_done && !lead && !passes.pass.parts) {  // the kept parts in an F16 launch
         int32_t none[M40LLM_PLAN_MAX_ITEMS] = {0};
         SplitPass *kept = &call->pass[call->n];
@@ -314,16 +316,17 @@ int tier_attention_causal(const m40llm_kvcache *c, int layer, const m40llm_appen
   int32_t ids[M40LLM_PLAN_MAX_ITEMS], limits[M40LLM_PLAN_MAX_ITEMS];
   int n = 0, rc = M40LLM_OK;
   size_t done = 0;  // query rows of the calls before
+  const auto flush = [&] {
+    rc = tier_attention(c, layer, ids, limits, n, q + done * row, out + done * row, scale, none);
+    done += (size_t)n;
+    n = 0;
+  };
   for (int i = 0; i < n_items && rc == M40LLM_OK; i++)
     for (int j = 0; j < items[i].n_tokens && rc == M40LLM_OK; j++) {
       ids[n] = items[i].seq;
       limits[n] = items[i].pos + j + 1;
-      if (++n == M40LLM_PLAN_MAX_ITEMS || (i == n_items - 1 && j == items[i].n_tokens - 1)) {
-        rc = tier_attention(c, layer, ids, limits, n, q + done * row, out + done * row, scale,
-                            none);
-        done += (size_t)n;
-        n = 0;
-      }
+      if (++n == M40LLM_PLAN_MAX_ITEMS) flush();
     }
+  if (rc == M40LLM_OK && n > 0) flush();
   return rc;
 }

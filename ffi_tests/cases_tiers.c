@@ -790,13 +790,15 @@ out:
 /* Causal attention over a tiered cache against float64: query row i of a sequence of length L
  * with T rows sees positions L - T + i - W + 1 .. L - T + i (W: the window, 0 for none), the
  * rows that left the FP16 window during the appends included (T past the window + 1: a tier's
- * rows masked by position). The CUDA backend refuses a window (nothing written). */
-static void causal_rows(m40llm_context *ctx, int window) {
-  t_set_case("tiers: causal attention, window %d", window);
-  const m40llm_kvcache_options o = tiered_options(300, 4, 32);
+ * rows masked by position); 158 rows, more than one launch's 128 on CUDA. The CUDA backend
+ * refuses a window (nothing written). shape: other_shape's. */
+static void causal_rows(m40llm_context *ctx, int window, int shape) {
+  const m40llm_kvcache_options o = other_shape(tiered_options(300, 4, 32), shape);
+  t_set_case("tiers: causal attention, window %d, %d/%d heads, head_dim %d", window, o.n_heads,
+             o.n_kv_heads, o.head_dim);
   const int heads = o.n_kv_heads, d = o.head_dim, nh = o.n_heads;
   const size_t qrow = (size_t)nh * d;
-  const int32_t ids[3] = {0, 2, 1}, counts[3] = {70, 57, 1}, lens[3] = {260, 57, 140};
+  const int32_t ids[3] = {0, 2, 1}, counts[3] = {100, 57, 1}, lens[3] = {260, 57, 140};
   int rows = 0;
   for (int s = 0; s < 3; s++) rows += counts[s];
   m40llm_kvcache *c = NULL;
@@ -889,6 +891,7 @@ void t_cases_tiers(m40llm_context *ctx, int small) {
   history(ctx, 2, 0, small, 1);
   history(ctx, 4, 128, small, 2);
   history(ctx, 1, 8, small, 3);
-  causal_rows(ctx, 0);
-  causal_rows(ctx, 45);
+  causal_rows(ctx, 0, 0);
+  causal_rows(ctx, 0, 1); /* the FP16 slots in a launch of their own on CUDA */
+  causal_rows(ctx, 45, 0);
 }

@@ -239,7 +239,8 @@ typedef struct m40llm_device_info {
   int tensor_cores;        /* 1 if F16 caches with head_dim 32..128, a multiple of 16, and
                               quantized and tiered caches with head_dim 32, 64, 96 or 128 run
                               the tensor-core attention kernels here (sm_80+ code on an sm_80+
-                              GPU); 0 if every cache runs the FP32 kernels */
+                              GPU; calls that export weights or importance, and causal calls,
+                              run FP32 kernels); 0 if every cache runs the FP32 kernels */
 } m40llm_device_info;
 #define M40LLM_DEVICE_INFO_INIT \
   { M40LLM_DEVICE_INFO_VERSION, 0, 0, {0}, 0, 0, 0, 0, 0, 0, 0, 0 }

@@ -22,16 +22,17 @@ typedef struct m40llm_attn_plan {
   int32_t split_begin[M40LLM_PLAN_MAX_ITEMS + 1]; /* item i owns splits [begin[i], begin[i+1]) */
   /* Caches with protected tokens (m40llm_attn_plan_protect): which rows this launch takes, the
    * cache's sinks and window, and each item's first window position. */
-  int32_t role; /* M40LLM_PLAN_ALL, _KEPT, _CODES, _MIXED or _PARTS */
+  int32_t role; /* M40LLM_PLAN_ALL, _KEPT, _CODES, _MIXED, _PARTS or _TIER */
   int32_t sinks, window;
-  int32_t kept_chunk; /* rows per split of the kept parts */
+  int32_t kept_chunk; /* rows per split of the kept parts (M40LLM_PLAN_TIER: 0 where they lead
+                         an item's rows) */
   int32_t window_begin[M40LLM_PLAN_MAX_ITEMS];
   /* M40LLM_PLAN_TIER: item i's first split in the call's numbering of partials (the combine's
    * plan), and its positions (len is the part's rows) */
   int32_t split_base[M40LLM_PLAN_MAX_ITEMS];
   int32_t full_len[M40LLM_PLAN_MAX_ITEMS];
-  /* M40LLM_PLAN_MIXED and _PARTS: this layer's FP16 slots of K and V, [seq][kv_head][slot][dim]
-   * (the backend's device memory; set by the caller) */
+  /* M40LLM_PLAN_MIXED, _PARTS and _TIER: this layer's FP16 slots of K and V,
+   * [seq][kv_head][slot][dim] (the backend's device memory; set by the caller) */
   const void *kept_k, *kept_v;
   /* m40llm_kvcache_attn_weights_ex: where item i's query head h writes its scores of
    * position p, weights[(i * n_heads + h) * weights_stride + p] (NULL: none); every split then
