@@ -129,9 +129,9 @@ __device__ __forceinline__ int tier_split_number(const m40llm_attn_plan &plan) {
 // ring runs hold the window's positions, in order, from window_begin on. (A tier's rows are
 // slots in no order: their positions are plan.map's.) split: the launch's block x.
 __device__ __forceinline__ int split_pos_shift(const m40llm_attn_plan &plan, int item, int split) {
-  if (plan.role == M40LLM_PLAN_ALL ||
-      (plan.role == M40LLM_PLAN_TIER && (!plan.kept_k || plan.kept_chunk == 0)))
-    return 0;  // (kept rows that lead an item are the tensor-core kernels', which export none)
+  // (A TIER plan's kept rows lead an item, kept_chunk 0, only in the tensor-core kernels',
+  // which export no scores.)
+  if (plan.role == M40LLM_PLAN_ALL || (plan.role == M40LLM_PLAN_TIER && !plan.kept_k)) return 0;
   const int len = plan.role == M40LLM_PLAN_TIER ? plan.full_len[item] : plan.len[item];
   const m40llm_attn_parts parts =
       m40llm_attn_item_parts(len, plan.window_begin[item], plan.sinks, plan.window);

@@ -590,7 +590,11 @@ __global__ void __launch_bounds__(32 * W, mma_min_blocks(32 * NC + 16 * TAIL, W)
   __shared__ SoftmaxState s_state[W][G];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
-  const SplitBlock<P> b = split_block<P, TIER>(a, plan, G);
+  SplitBlock<P> b = split_block<P, false>(a, plan, G);
+  if constexpr (TIER) {  // the call's number of the split; its rows are the plan's, as built
+    b.split = plan.split_base[b.item] + b.split - plan.split_begin[b.item];
+    b.n_splits = plan.max_splits;  // at least 2: always a partial, merged with the others'
+  }
   wait_for_prerequisite_grid();
   if (plan.max_splits > 1) allow_dependent_launch();  // as in attn_split_kernel
 

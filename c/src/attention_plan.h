@@ -97,9 +97,11 @@ M40LLM_PLAN_INLINE m40llm_attn_parts m40llm_attn_item_parts(int32_t len, int32_t
   return p;
 }
 
-/* Split j of item i in a launch of M40LLM_PLAN_TIER: its number in the call (the combine's
- * plan), whether it is of a kept part, and its rows: FP16 slot rows of a kept part, else the
- * part's rows from slot 0 (none for the empty splits m40llm_attn_plan_tier_number adds). */
+/* Split j of item i in a launch of M40LLM_PLAN_TIER whose kept parts have splits of their own
+ * (kept_chunk > 0 where kept_k is set; the tensor-core kernels, whose kept rows lead an item,
+ * number their splits themselves): its number in the call (the combine's plan), whether it is
+ * of a kept part, and its rows: FP16 slot rows of a kept part, else the part's rows from slot 0
+ * (none for the empty splits m40llm_attn_plan_tier_number adds). */
 typedef struct m40llm_attn_tier_split {
   int32_t split, kept, begin, end;
 } m40llm_attn_tier_split;
@@ -109,7 +111,7 @@ M40LLM_PLAN_INLINE m40llm_attn_tier_split m40llm_attn_tier_split_of(const m40llm
   m40llm_attn_tier_split s;
   s.split = plan->split_base[i] + j;
   s.kept = 0;
-  if (plan->kept_k && plan->kept_chunk > 0) {
+  if (plan->kept_k) {
     const m40llm_attn_parts parts =
         m40llm_attn_item_parts(plan->full_len[i], plan->window_begin[i], plan->sinks, plan->window);
     for (int k = 0; k < 3; k++) {
