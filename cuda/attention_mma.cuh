@@ -1,8 +1,8 @@
 // The split kernel on tensor cores (sm_80+) and its passes: same blocks, partials and combine as
 // the FP32 kernel in attention_fp32.cu, for MHA and GQA: under FP32 FMAs (one per query head per
 // K/V element) GQA runs out of issue slots before the memory does, and even one query head per
-// K/V head issues fewer instructions per byte on tensor cores. mma.m16n8k16 multiplies FP16 exactly and accumulates
-// in FP32; the FP32 operands (q, and the softmax weights p) each go in as two FP16 terms,
+// K/V head issues fewer instructions per byte on tensor cores. mma.m16n8k16 multiplies FP16
+// exactly and accumulates in FP32; the FP32 operands (q, and the softmax weights p) each go in as two FP16 terms,
 // x = hi + lo, which carries 22 of FP32's 24 significand bits. q is scaled by a power of two
 // first so that both terms stay normal FP16 numbers.
 //
