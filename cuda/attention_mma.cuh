@@ -2,9 +2,9 @@
 // the FP32 kernel in attention_fp32.cu, for MHA and GQA: under FP32 FMAs (one per query head per
 // K/V element) GQA runs out of issue slots before the memory does, and even one query head per
 // K/V head issues fewer instructions per byte on tensor cores. mma.m16n8k16 multiplies FP16
-// exactly and accumulates in FP32; the FP32 operands (q, and the softmax weights p) each go in as two FP16 terms,
-// x = hi + lo, which carries 22 of FP32's 24 significand bits. q is scaled by a power of two
-// first so that both terms stay normal FP16 numbers.
+// exactly and accumulates in FP32; the FP32 operands (q, and the softmax weights p) each go in
+// as two FP16 terms, x = hi + lo, which carries 22 of FP32's 24 significand bits. q is scaled by
+// a power of two first so that both terms stay normal FP16 numbers.
 //
 // A warp takes 16 positions per step. Matrix rows 0-7 are the query heads' hi terms and rows
 // 8-15 their lo terms, so one MMA takes both and the two halves of the result add up (a lane
@@ -607,7 +607,8 @@ __global__ void __launch_bounds__(32 * W, mma_min_blocks(32 * NC + 16 * TAIL, W)
   SplitBlock<P> cb = b;
   if (mixed) {
     const m40llm_attn_parts parts =
-        m40llm_attn_item_parts(item_len[b.item], plan.window_begin[b.item], plan.sinks, plan.window);
+        m40llm_attn_item_parts(item_len[b.item], plan.window_begin[b.item], plan.sinks,
+                               plan.window);
     const int first = parts.count[0] + parts.count[1] + parts.count[2];
     const int codes = TIER ? 0 : parts.first[3];
     cb.p_begin = codes + max(b.p_begin - first, 0);
