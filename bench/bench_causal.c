@@ -7,8 +7,11 @@
  *            1.3x
  * Time: CUDA events around REPS calls on the context's stream, after a warm-up, the median of
  * SAMPLES such runs, per call. FLOPs: 4 x head_dim per (query head, visible position): the QK
- * dot and the PV sum, as FLOP/s against the device's FP32 peak (SMs x FP32 lanes x 2 x clock;
- * the kernel is the FP32 one on every GPU for now).
+ * dot and the PV sum, as FLOP/s against the device's FP32 peak (SMs x FP32 lanes x 2 x clock)
+ * and, where the context runs the tensor-core kernels (m40llm_device_info.tensor_cores: sm_80+,
+ * head_dims up to 128 here), its dense FP16 tensor-core peak with FP32 accumulation (SMs x
+ * FLOP per clock x clock; sm_80 and sm_90 only). The tensor-core kernel takes q and the softmax
+ * weights as two FP16 terms each, so its MMAs do twice the FLOPs counted here.
  * Usage: bench_causal [out.json [device]] (default bench_causal.json, device 0). */
 #define _POSIX_C_SOURCE 199309L
 #include <cuda_runtime_api.h>
@@ -86,6 +89,11 @@ static int fp32_lanes(int major, int minor) {
   return 64;
 }
 
+/* Dense FP16 tensor-core FLOP per clock per SM with FP32 accumulation (A100, H100), else 0. */
+static int tc_flop_per_clock(int major, int minor) {
+  return major == 9 && minor == 0 ? 4096 : major == 8 && minor == 0 ? 2048 : 0;
+}
+
 int main(int argc, char **argv) {
   const char *json_path = argc > 1 ? argv[1] : "bench_causal.json";
   const int device = argc > 2 ? atoi(argv[2]) : 0;
@@ -105,17 +113,22 @@ int main(int argc, char **argv) {
   bench b = {0};
   BENCH_CHECK(m40llm_context_create(&b.ctx, &co), 1);
   BENCH_CHECK(m40llm_context_device_info(&info, b.ctx), 1);
-  printf("%s, sm_%d%d, kernels for sm_%d (%s); FP32 peak %.1f TFLOP/s\n", info.name, major, minor,
-         info.kernel_arch, info.native_code ? "native" : "PTX JIT", peak / 1e12);
+  const double tc_peak =
+      info.tensor_cores ? (double)sms * tc_flop_per_clock(major, minor) * clock_khz * 1e3 : 0.0;
+  printf("%s, sm_%d%d, kernels for sm_%d (%s); FP32 peak %.1f TFLOP/s, tensor-core peak %.1f "
+         "(0: FP32 kernels, or not known)\n", info.name, major, minor, info.kernel_arch,
+         info.native_code ? "native" : "PTX JIT", peak / 1e12, tc_peak / 1e12);
   FILE *json = fopen(json_path, "w");
   if (!json) {
     fprintf(stderr, "bench_causal: cannot write %s\n", json_path);
     return 1;
   }
-  fprintf(json, "{\"device\": \"%s\", \"kernel_arch\": %d, \"fp32_peak_flops\": %.6g, \"rows\": [",
-          info.name, info.kernel_arch, peak);
-  printf("%-8s %4s %6s %6s %12s %10s %8s %10s\n", "kind", "dim", "T", "P", "us/call", "TFLOP/s",
-         "of peak", "x decode");
+  fprintf(json,
+          "{\"device\": \"%s\", \"kernel_arch\": %d, \"tensor_cores\": %d, \"fp32_peak_flops\": "
+          "%.6g, \"tc_peak_flops\": %.6g, \"rows\": [",
+          info.name, info.kernel_arch, info.tensor_cores, peak, tc_peak);
+  printf("%-8s %4s %6s %6s %12s %10s %8s %8s %10s\n", "kind", "dim", "T", "P", "us/call", "TFLOP/s",
+         "of FP32", "of TC", "x decode");
   int first = 1;
   const int dims[2] = {128, 64};
   for (int di = 0; di < 2; di++) {
@@ -155,16 +168,17 @@ int main(int argc, char **argv) {
           const double flops = (double)HEADS * 4.0 * b.dim *
                                ((double)t * p + (double)t * (t + 1) / 2.0);
           const double rate = flops / (us * 1e-6);
-          printf("%-8s %4d %6d %6d %12.1f %10.2f %7.1f%%", kind ? "spec" : "prefill", b.dim, t, p,
-                 us, rate / 1e12, 100.0 * rate / peak);
+          const double of_tc = tc_peak > 0.0 ? rate / tc_peak : 0.0;
+          printf("%-8s %4d %6d %6d %12.1f %10.2f %7.1f%% %7.1f%%", kind ? "spec" : "prefill", b.dim,
+                 t, p, us, rate / 1e12, 100.0 * rate / peak, 100.0 * of_tc);
           if (kind) printf(" %10.2f", us / dec);
           printf("\n");
           fprintf(json,
                   "%s\n  {\"kind\": \"%s\", \"head_dim\": %d, \"heads\": %d, \"kv_heads\": %d, "
                   "\"T\": %d, \"P\": %d, \"us\": %.3f, \"flops_per_s\": %.6g, \"of_fp32_peak\": "
-                  "%.4f, \"decode_us\": %.3f}",
+                  "%.4f, \"of_tc_peak\": %.4f, \"decode_us\": %.3f}",
                   first ? "" : ",", kind ? "spec" : "prefill", b.dim, HEADS, KV_HEADS, t, p, us,
-                  rate, rate / peak, dec);
+                  rate, rate / peak, of_tc, dec);
           first = 0;
         }
     }

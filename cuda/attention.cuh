@@ -3,7 +3,7 @@
 // family describes its launches to the dispatcher (attention_dispatch.cu).
 //   attention_fp32.cu     the FP32 split kernel (every GPU; the M40's)
 //   attention_mma.cuh     the tensor-core split kernel (sm_80+ builds; instances in
-//                         attention_mma.cu and attention_mma_tiers.cu)
+//                         attention_mma.cu, attention_mma_tiers.cu, attention_mma_causal.cu)
 //   attention_combine.cu  the combine kernels, which merge a sequence's split partials
 #pragma once
 
@@ -250,6 +250,10 @@ int mma_split_passes(m40llm_cuda_state *st, int head_dim, SplitPasses *out);
 // (attention_mma_tiers.cu); pass and direct are one.
 template <typename P>
 int mma_tier_passes(m40llm_cuda_state *st, int head_dim, SplitPasses *out);
+// The same for causal rows (kMmaCausal: an item's query rows packed into a tile's rows, each
+// masked at its own position; attention_mma_causal.cu), for the uniform caches' pairs.
+template <typename P>
+int mma_causal_passes(m40llm_cuda_state *st, int head_dim, SplitPasses *out);
 
 // Plans a launch over items of lengths lens and picks its pass: the tensor-core family's staged
 // pass unless its splits come out too short for staging (then the direct pass), its fine pass
@@ -320,6 +324,15 @@ struct CallExport {
     return x;
   }
 };
+
+// Attention of one launch's worth of items (at most M40LLM_PLAN_MAX_ITEMS) of a uniform cache
+// (attention_dispatch.cu), `rows` FP32 query rows each, [item][rows][n_heads][head_dim]: with
+// rows 1 the decode call's (lens: the items' lengths); with more, causal rows on the tensor
+// cores (the caller has asked mma_causal_passes), row t of item i seeing the positions before
+// lens[i] - rows + t + 1. Never allocates: a causal launch's splits are cut to the workspace.
+template <typename P>
+int attend_rows(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, const int32_t *lens,
+                int n, int rows, const float *q, float *out, float scale);
 
 // Decode attention over a tiered cache (attention_tiers.cu): FP32 rows of n_seqs sequences.
 // limits: each row's visible positions (those before limits[i]), or null for every position of

@@ -1,7 +1,10 @@
-// Causal attention from the host: cuts a call's items into launches of kCausalMaxItems, plans
-// each (blocks per item, splits along positions where the blocks alone would not fill the GPU)
-// and launches the FP32 causal kernel (attention_causal_fp32.cu) and, for split plans, the
-// decode call's combine (attention_combine.cu), one query row per combine item.
+// Causal attention from the host. On tensor cores (sm_80+, no sliding window): the decode
+// call's planner and combine over the items' rows packed into the split kernel's tiles
+// (causal_on_tensor_cores, attend_rows). Otherwise: cuts a call's items into launches of
+// kCausalMaxItems, plans each (blocks per item, splits along positions where the blocks alone
+// would not fill the GPU) and launches the FP32 causal kernel (attention_causal_fp32.cu) and,
+// for split plans, the decode call's combine (attention_combine.cu), one query row per combine
+// item.
 #include "attention_causal.cuh"
 #include "io_rows.cuh"
 #include "backend_cuda.h"
@@ -119,6 +122,43 @@ int causal_launch(const m40llm_kvcache *c, int layer, const m40llm_append_item *
   return combine_launch(st, ca, cplan, combine_dependent);
 }
 
+// Causal rows on tensor cores (sm_80+; no sliding window): each item's rows in pieces of at
+// most kCausalMmaMaxRows (a piece is an item of its own: the rows before it are in the cache),
+// a run of consecutive pieces of one row count (contiguous in q and out) in launches of up to
+// M40LLM_PLAN_MAX_ITEMS (attend_rows: the decode call's plan, passes and combine). A batch of
+// equal counts is one launch; a ragged one, a launch per change of count. One-row pieces are
+// the decode call's.
+template <typename P>
+int causal_on_tensor_cores(const m40llm_kvcache *c, int layer, const m40llm_append_item *items,
+                           int n_items, const float *q, float *out, float scale) {
+  const size_t row = (size_t)c->opts.n_heads * (size_t)c->opts.head_dim;
+  int32_t ids[M40LLM_PLAN_MAX_ITEMS], lens[M40LLM_PLAN_MAX_ITEMS];
+  int n = 0, rows = 0;
+  size_t first = 0;  // the run's first row
+  const auto flush = [&]() {
+    const int rc = n > 0 ? attend_rows<P>(c, layer, ids, lens, n, rows, q + first * row,
+                                          out + first * row, scale)
+                         : M40LLM_OK;
+    first += (size_t)n * rows;
+    n = 0;
+    return rc;
+  };
+  for (int i = 0; i < n_items; i++) {
+    for (int r0 = 0; r0 < items[i].n_tokens; r0 += kCausalMmaMaxRows) {
+      const int piece = items[i].n_tokens - r0 < kCausalMmaMaxRows ? items[i].n_tokens - r0
+                                                                   : kCausalMmaMaxRows;
+      if (n == M40LLM_PLAN_MAX_ITEMS || (n > 0 && piece != rows)) {
+        const int rc = flush();
+        if (rc != M40LLM_OK) return rc;
+      }
+      rows = piece;
+      ids[n] = items[i].seq;
+      lens[n++] = items[i].pos + r0 + piece;
+    }
+  }
+  return flush();
+}
+
 }  // namespace
 
 int m40llm_cuda_attention_causal(const m40llm_kvcache *c, int layer,
@@ -138,6 +178,13 @@ int m40llm_cuda_attention_causal(const m40llm_kvcache *c, int layer,
     if (c->n_tiers > 0) return tier_attention_causal(c, layer, items, n_items, q32, out32, scale);
     return with_kv_pair(c->k.layout.fmt->format, c->v.layout.fmt->format, [&](auto pair) -> int {
       using P = decltype(pair);
+      if (window == 0) {
+        SplitPasses mma;
+        const int rc = mma_causal_passes<P>(cuda_state(c->ctx), c->opts.head_dim, &mma);
+        if (rc != M40LLM_OK) return rc;
+        if (mma.pass.kernel)
+          return causal_on_tensor_cores<P>(c, layer, items, n_items, q32, out32, scale);
+      }
       size_t done = 0;  // rows of the launches before
       for (int first = 0; first < n_items; first += kCausalMaxItems) {
         const int n = n_items - first < kCausalMaxItems ? n_items - first : kCausalMaxItems;

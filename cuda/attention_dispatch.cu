@@ -30,25 +30,42 @@ int split_passes_for(m40llm_cuda_state *st, const m40llm_kvcache_options *o, con
   return rc;
 }
 
-// One launch's worth of sequences (at most M40LLM_PLAN_MAX_ITEMS: the plan is a kernel argument).
+// One launch's worth of sequences (at most M40LLM_PLAN_MAX_ITEMS: the plan is a kernel argument),
+// `rows` query rows each (attend_rows).
 // weights: NULL, or the first item's rows of exported weights (m40llm_attn_plan); imp: with
 // weights, NULL or the first item's rows of importance the weights are reduced into.
 template <typename P>
 int attend(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, const int32_t *lens,
-           int n_seqs, const float *q, float *out, float scale, float *weights,
+           int n_seqs, int rows, const float *q, float *out, float scale, float *weights,
            size_t weights_stride, const ImportanceArgs &imp) {
   m40llm_cuda_state *st = cuda_state(c->ctx);
   const m40llm_kvcache_options *o = &c->opts;
-  const Grouping g = grouping_for(o);
+  Grouping g = grouping_for(o);
+  const int n_heads = rows * o->n_heads;  // an item's query heads, row by row
+  if (rows > 1) {  // K/V head h's rows (row, head) in tiles of the kernel's 8
+    g.gt = kMaxGroupTile;
+    g.head_tiles = (rows * g.group + kMaxGroupTile - 1) / kMaxGroupTile;
+    g.units = o->n_kv_heads * g.head_tiles;
+  }
 
   // Everything asked of the runtime is asked before the first launch, so a failed query never
   // follows a queued kernel.
   SplitPasses passes;
   bool combine_dependent = false;
-  int rc = split_passes_for<P>(st, o, g, weights != nullptr, &passes);
+  int rc = rows > 1 ? mma_causal_passes<P>(st, o->head_dim, &passes)
+                    : split_passes_for<P>(st, o, g, weights != nullptr, &passes);
   if (rc != M40LLM_OK || (rc = combine_prepare(st, &combine_dependent)) != M40LLM_OK) return rc;
   m40llm_attn_plan plan;
-  const SplitPass pass = plan_split_pass(st, passes, g, seq_ids, lens, n_seqs, &plan);
+  SplitPass pass = plan_split_pass(st, passes, g, seq_ids, lens, n_seqs, &plan);
+  // Causal rows' partials take rows times a decode call's: fewer splits where the workspace
+  // reserved at creation would not hold them (the call never allocates).
+  while (rows > 1 && plan.max_splits > 1 &&
+         attn_partial_bytes(plan.total_splits, n_heads, o->head_dim) > st->workspace_bytes) {
+    passes.pass.target /= 2;
+    passes.direct.target /= 2;
+    passes.fine.target /= 2;
+    pass = plan_split_pass(st, passes, g, seq_ids, lens, n_seqs, &plan);
+  }
   // Protected tokens: a pass that reads the kept rows itself takes them in the same splits
   // (M40LLM_PLAN_MIXED). Otherwise they get splits of their own: in the same launch where the
   // FP32 kernel runs them (M40LLM_PLAN_PARTS), else read by the FP32 kernel's F16 instance from
@@ -58,7 +75,12 @@ int attend(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, const int
   if (c->slots > 0) {
     slot_row = m40llm_kv_protected_row(o, c->slots, layer, 0, 0, 0) * o->head_dim;
     int32_t window_begin[M40LLM_PLAN_MAX_ITEMS];
-    for (int i = 0; i < n_seqs; i++) window_begin[i] = m40llm_window_begin(c, layer, seq_ids[i]);
+    // A causal item that ends before the window (a prompt's piece but the last) sees none of
+    // it: its window starts at its end, its positions before it all codes.
+    for (int i = 0; i < n_seqs; i++) {
+      const int32_t wb = m40llm_window_begin(c, layer, seq_ids[i]);
+      window_begin[i] = wb < lens[i] ? wb : lens[i];
+    }
     plan.kept_k = c->k.fp16 + slot_row;
     plan.kept_v = c->v.fp16 + slot_row;
     if (pass.mixed) {
@@ -86,16 +108,17 @@ int attend(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, const int
   plan.weights_stride = (int64_t)weights_stride;
   if (plan.max_splits > 1 || weights) {
     void *ws = nullptr;
-    rc = m40llm_cuda_workspace(st, attn_partial_bytes(plan.total_splits, o->n_heads, o->head_dim), &ws);
+    rc = m40llm_cuda_workspace(st, attn_partial_bytes(plan.total_splits, n_heads, o->head_dim),
+                               &ws);
     if (rc != M40LLM_OK) return rc;
-    const size_t n_part = (size_t)plan.total_splits * o->n_heads;
+    const size_t n_part = (size_t)plan.total_splits * n_heads;
     a.part_o = static_cast<float *>(ws);
     a.part_m = a.part_o + n_part * o->head_dim;
     a.part_l = a.part_m + n_part;
   }
   a.seq_stride = (size_t)o->n_kv_heads * o->max_seq_len * o->head_dim;
   a.head_stride = (size_t)o->max_seq_len * o->head_dim;
-  a.n_heads = o->n_heads;
+  a.n_heads = n_heads;
   a.group = g.group;
   a.head_tiles = g.head_tiles;
   a.head_dim = o->head_dim;
@@ -130,6 +153,19 @@ int attend(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, const int
 }
 
 }  // namespace
+
+template <typename P>
+int attend_rows(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, const int32_t *lens,
+                int n, int rows, const float *q, float *out, float scale) {
+  return attend<P>(c, layer, seq_ids, lens, n, rows, q, out, scale, nullptr, 0,
+                   ImportanceArgs{nullptr, 0, 0.0f});
+}
+
+#define M40LLM_INSTANTIATE(P)                                                                  \
+  template int attend_rows<P>(const m40llm_kvcache *, int, const int32_t *, const int32_t *, \
+                              int, int, const float *, float *, float);
+M40LLM_KV_PAIRS(M40LLM_INSTANTIATE)
+#undef M40LLM_INSTANTIATE
 
 int m40llm_cuda_reserve_for(m40llm_kvcache *c) {
   M40LLM_CUDA_ENTER(c->ctx);
@@ -207,7 +243,7 @@ int m40llm_cuda_attention(const m40llm_kvcache *c, int layer, const int32_t *seq
         int32_t lens[M40LLM_PLAN_MAX_ITEMS];
         for (int i = 0; i < n; i++) lens[i] = *m40llm_len_slot(c, layer, seq_ids[first + i]);
         const CallExport xn = ex.at(first);
-        const int rc = attend<P>(c, layer, seq_ids + first, lens, n, q32 + (size_t)first * row,
+        const int rc = attend<P>(c, layer, seq_ids + first, lens, n, 1, q32 + (size_t)first * row,
                                  out32 + (size_t)first * row, scale, xn.weights,
                                  xn.weights_stride, xn.imp);
         if (rc != M40LLM_OK) return rc;

@@ -18,7 +18,8 @@
 // 32 NC + 16 ends with a 16-dim tail: one k step, 8 bytes per lane.
 //
 // Instances: attention_mma.cu (the uniform caches' pairs), attention_mma_tiers.cu (a tiered
-// call's launches, M40LLM_PLAN_TIER: every tier pair).
+// call's launches, M40LLM_PLAN_TIER: every tier pair), attention_mma_causal.cu (causal rows:
+// the uniform caches' pairs).
 #pragma once
 
 #include "attention.cuh"
@@ -565,16 +566,26 @@ struct StagedSteps : HalfSteps<NC, TAIL> {
 // a tier's slots, after the item's kept rows where the launch reads those (as in a MIXED plan:
 // no splits of their own, which as blocks of a few rows each cost a third of a large batch's
 // time), and it always writes a partial at the call's number of its split.
-template <typename P, int NC, int TAIL, bool STAGED, int W, bool TIER>
+//
+// CAUSAL: several query rows of each item, T = a.n_heads / (the cache's query heads), packed
+// into the MMA's 8 rows (query row t's head h of K/V head g is tile row t x group + h of K/V
+// head g's tiles, a.head_tiles of them), so that all of them take one read of the K/V; row t
+// sees the positions before plan.len - T + t + 1. q and out are [item][T][heads][dim], which
+// is [item][a.n_heads][dim]: partials and the combine take each row's heads as an item's.
+//
+// V: kMmaDirect, kMmaStaged, kMmaTier or kMmaCausal.
+template <typename P, int NC, int TAIL, int V, int W>
 __global__ void __launch_bounds__(32 * W, mma_min_blocks(32 * NC + 16 * TAIL, W))
     attn_mma_kernel(const AttnArgs a, const m40llm_attn_plan plan) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  constexpr bool STAGED = V == kMmaStaged, TIER = V == kMmaTier, CAUSAL = V == kMmaCausal;
   constexpr int D = 32 * NC + 16 * TAIL;
   constexpr int G = kMaxGroupTile;
   static_assert(G == 8, "query heads fill rows 0-7 of the MMA");
   constexpr bool kQuant = !std::is_same<P, KvPair<KvF16, KvF16>>::value;
   static_assert(!kQuant || (TAIL == 0 && !STAGED), "quantized rows: whole groups, registers");
   static_assert(!TIER || kQuant, "tiers are quantized pairs");
+  static_assert(!CAUSAL || !STAGED, "causal rows: through registers");
   constexpr bool kKMin = kQuant && P::K::kHasMin, kVMin = kQuant && P::V::kHasMin;
 #if M40LLM_MMA_STAGED_HERE
   constexpr bool kStaged = STAGED;
@@ -595,6 +606,29 @@ __global__ void __launch_bounds__(32 * W, mma_min_blocks(32 * NC + 16 * TAIL, W)
     b.split = plan.split_base[b.item] + b.split - plan.split_begin[b.item];
     b.n_splits = plan.max_splits;  // at least 2: always a partial, merged with the others'
   }
+  // The query head (within the item) of tile row r: b.h0 + r, but for CAUSAL's packed rows.
+  // lim: the positions lane row g sees (CAUSAL).
+  int x0 = 0, kv0 = 0, n_q = 0, lim = 0;
+  if constexpr (CAUSAL) {
+    x0 = (int)(blockIdx.y % a.head_tiles) * G;
+    kv0 = (int)(blockIdx.y / a.head_tiles) * a.group;
+    n_q = (int)(gridDim.y / a.head_tiles) * a.group;
+    const int rows = a.n_heads / n_q;
+    b.nh = min(G, rows * a.group - x0);
+    lim = plan.len[b.item] - rows + (x0 + g) / a.group + 1;
+  }
+  const auto head_of = [&](int r) {
+    if constexpr (CAUSAL) {
+      const int x = x0 + r;
+      return x / a.group * n_q + kv0 + x % a.group;
+    } else {
+      return b.h0 + r;
+    }
+  };
+  const auto q_row = [&](int r) {  // tile row r's q
+    if constexpr (CAUSAL) return a.q + ((size_t)b.item * a.n_heads + head_of(r)) * D;
+    else return a.q + ((size_t)b.item * a.n_heads + b.h0 + r) * D;
+  };
   wait_for_prerequisite_grid();
   if (plan.max_splits > 1) allow_dependent_launch();  // as in attn_split_kernel
 
@@ -623,12 +657,12 @@ __global__ void __launch_bounds__(32 * W, mma_min_blocks(32 * NC + 16 * TAIL, W)
   float qf[NC][8], qt[4];
   float qmax = 0.0f;
   {
-    const float *qrow = a.q + ((size_t)b.item * a.n_heads + b.h0 + g) * D;
+    const float *qrow = q_row(g);
     float q_scale = a.q_scale;
     if constexpr (kQuant) {
       if (a.rot_k) {  // rotated to meet K, a warp a head, through shared memory
         for (int h = warp; h < G; h += W) {
-          const float *row = a.q + ((size_t)b.item * a.n_heads + b.h0 + h) * D;
+          const float *row = q_row(h);
           float v[NC];
 #pragma unroll
           for (int c = 0; c < NC; c++) v[c] = h < b.nh ? row[lane + 32 * c] * a.q_scale : 0.0f;
@@ -711,10 +745,12 @@ __global__ void __launch_bounds__(32 * W, mma_min_blocks(32 * NC + 16 * TAIL, W)
   for (int i = 0; i < 2; i++) ot[i][0] = ot[i][1] = ot[i][2] = ot[i][3] = 0.0f;
 
   // A warp's steps from p0 on to p_end through src: its K/V rows as FP16 (kQ false) or codes.
-  const auto steps = [&](auto &src, int p0, int p_end, auto quant) {
+  // CAUSAL: this lane's row sees rows before row_lim of them.
+  const auto steps = [&](auto &src, int p0, int p_end, int row_lim, auto quant) {
     constexpr bool kQ = decltype(quant)::value;
   for (; p0 < p_end; p0 += kMmaRows * W) {
       const int rows = min(kMmaRows, p_end - p0);
+      const int seen = CAUSAL ? min(rows, row_lim - p0) : rows;
       src.before_scores(p0);
 
       // Scores: lane (g, t) gets heads g, positions 8j + 2t + {0, 1}.
@@ -754,7 +790,7 @@ __global__ void __launch_bounds__(32 * W, mma_min_blocks(32 * NC + 16 * TAIL, W)
       for (int j = 0; j < 2; j++)
 #pragma unroll
         for (int x = 0; x < 2; x++) {
-          s[j][x] = 8 * j + 2 * t + x < rows ? s[j][x] * down : -INFINITY;
+          s[j][x] = 8 * j + 2 * t + x < seen ? s[j][x] * down : -INFINITY;
           tile_max = fmaxf(tile_max, s[j][x]);
         }
       tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
@@ -827,23 +863,27 @@ __global__ void __launch_bounds__(32 * W, mma_min_blocks(32 * NC + 16 * TAIL, W)
     }
   };
   if constexpr (kQuant) {
-    steps(src, p0, p_end, std::true_type{});
+    steps(src, p0, p_end, lim, std::true_type{});  // the codes' rows are positions
     if (mixed) {  // the kept parts, from the FP16 slots
       const m40llm_attn_parts parts = m40llm_attn_item_parts(
           item_len[b.item], plan.window_begin[b.item], plan.sinks, plan.window);
       const size_t slots = (size_t)(plan.sinks + plan.window) * D;
-      const size_t base = ((size_t)plan.seq[b.item] * (a.n_heads / a.group) +
-                           blockIdx.y / a.head_tiles) * slots;
+      // K/V heads: CAUSAL's a.n_heads counts every row's heads.
+      const int n_kv = CAUSAL ? (int)gridDim.y / a.head_tiles : a.n_heads / a.group;
+      const size_t base = ((size_t)plan.seq[b.item] * n_kv + blockIdx.y / a.head_tiles) * slots;
       const int hi = min(b.p_end, parts.count[0] + parts.count[1] + parts.count[2]);
       if (b.p_begin < hi) {
         const int q0 = b.p_begin + kMmaRows * warp;
         KeptSteps<NC, W> kept(static_cast<const __half *>(plan.kept_k) + base,
                               static_cast<const __half *>(plan.kept_v) + base, parts, q0, hi, lane);
-        steps(kept, q0, hi, std::false_type{});
+        // Kept row r is position r among the sinks, then window_begin + r - count[0].
+        const int c0 = parts.count[0];
+        const int kept_lim = lim < c0 ? lim : c0 + max(0, lim - plan.window_begin[b.item]);
+        steps(kept, q0, hi, kept_lim, std::false_type{});
       }
     }
   } else {
-    steps(src, p0, p_end, std::false_type{});
+    steps(src, p0, p_end, lim, std::false_type{});
   }
   if (plan.max_splits == 1) allow_dependent_launch();
 
@@ -899,7 +939,7 @@ __global__ void __launch_bounds__(32 * W, mma_min_blocks(32 * NC + 16 * TAIL, W)
   float f[PL];
 #pragma unroll
   for (int p = 0; p < PL; p++) f[p] = !final_out ? wt[p] : head.normalise(wt[p]);
-  if (!final_out && warp == 0 && lane < b.nh) store_split_stats(a, b.split, b.h0 + lane, head);
+  if (!final_out && warp == 0 && lane < b.nh) store_split_stats(a, b.split, head_of(lane), head);
   constexpr int D4 = D / 4;
   const float4(*s_o4)[G][D4] = reinterpret_cast<const float4(*)[G][D4]>(s_dyn);
   // A fixed trip count, fully unrolled, stores predicated: every pass's shuffles and shared
@@ -915,7 +955,7 @@ __global__ void __launch_bounds__(32 * W, mma_min_blocks(32 * NC + 16 * TAIL, W)
     if (kQuant && a.rot_v) {
       if (i < b.nh * D4) reinterpret_cast<float4 *>(s_scratch)[i] = acc;
     } else if (i < b.nh * D4) {
-      store_split_out4(a, b, b.h0 + hh, 4 * d4, acc);
+      store_split_out4(a, b, head_of(hh), 4 * d4, acc);
     }
   }
   if constexpr (kQuant) {
@@ -927,7 +967,7 @@ __global__ void __launch_bounds__(32 * W, mma_min_blocks(32 * NC + 16 * TAIL, W)
         for (int c = 0; c < NC; c++) v[c] = s_scratch[h * D + lane + 32 * c];
         warp_rotate(v, D, a.rot_scale);
 #pragma unroll
-        for (int c = 0; c < NC; c++) store_split_value(a, b, b.h0 + h, lane + 32 * c, v[c]);
+        for (int c = 0; c < NC; c++) store_split_value(a, b, head_of(h), lane + 32 * c, v[c]);
       }
     }
   }
@@ -943,26 +983,27 @@ constexpr bool kQuantPair = !std::is_same<P, KvPair<KvF16, KvF16>>::value;
 // The widths the host launches: mma_warps(), and half that loading through registers (plans of
 // more blocks than one wave of the wider ones). Quantized pairs: whole groups (head_dim a
 // multiple of 32, as the formats require), through registers; a tier's kernels are those.
-template <typename P, int NC, int TAIL, bool STAGED, int W, bool TIER>
+template <typename P, int NC, int TAIL, int V, int W>
 constexpr SplitKernel instance() {
   constexpr int kWarps = mma_warps(32 * NC + 16 * TAIL);
-  if constexpr (kTensorCores && (W == kWarps || (W == kWarps / 2 && !STAGED)) &&
-                !(kQuantPair<P> && (TAIL || STAGED)) && (!TIER || kQuantPair<P>))
-    return attn_mma_kernel<P, NC, TAIL, STAGED, W, TIER>;
+  constexpr bool kStaged = V == kMmaStaged;
+  if constexpr (kTensorCores && (W == kWarps || (W == kWarps / 2 && !kStaged)) &&
+                !(kQuantPair<P> && (TAIL || kStaged)) && (V != kMmaTier || kQuantPair<P>))
+    return attn_mma_kernel<P, NC, TAIL, V, W>;
   else
     return nullptr;
 }
 
-template <typename P, bool STAGED, int W, bool TIER>
+template <typename P, int V, int W>
 SplitKernel kernel_for_dim(int head_dim) {
   switch (head_dim) {
-    case 32: return instance<P, 1, 0, STAGED, W, TIER>();
-    case 48: return instance<P, 1, 1, STAGED, W, TIER>();
-    case 64: return instance<P, 2, 0, STAGED, W, TIER>();
-    case 80: return instance<P, 2, 1, STAGED, W, TIER>();
-    case 96: return instance<P, 3, 0, STAGED, W, TIER>();
-    case 112: return instance<P, 3, 1, STAGED, W, TIER>();
-    case 128: return instance<P, 4, 0, STAGED, W, TIER>();
+    case 32: return instance<P, 1, 0, V, W>();
+    case 48: return instance<P, 1, 1, V, W>();
+    case 64: return instance<P, 2, 0, V, W>();
+    case 80: return instance<P, 2, 1, V, W>();
+    case 96: return instance<P, 3, 0, V, W>();
+    case 112: return instance<P, 3, 1, V, W>();
+    case 128: return instance<P, 4, 0, V, W>();
     default: return nullptr;
   }
 }
@@ -971,10 +1012,9 @@ SplitKernel kernel_for_dim(int head_dim) {
 // Whether it can run is for the caller to ask the runtime.
 template <typename P, int V>
 SplitKernel kernel_for(int head_dim, int warps) {
-  constexpr bool kStaged = V == kMmaStaged, kTier = V == kMmaTier;
-  if (warps == 8) return kernel_for_dim<P, kStaged, 8, kTier>(head_dim);
-  if (warps == 4) return kernel_for_dim<P, kStaged, 4, kTier>(head_dim);
-  if (warps == 2) return kernel_for_dim<P, kStaged, 2, kTier>(head_dim);
+  if (warps == 8) return kernel_for_dim<P, V, 8>(head_dim);
+  if (warps == 4) return kernel_for_dim<P, V, 4>(head_dim);
+  if (warps == 2) return kernel_for_dim<P, V, 2>(head_dim);
   return nullptr;
 }
 
@@ -1005,10 +1045,10 @@ int stages_for(const m40llm_cuda_state *st, int head_dim, int warps, size_t stat
   return stages >= 2 ? stages : 0;
 }
 
-// The kernel of a variant (kMmaDirect, kMmaStaged or kMmaTier) where this build has it for this
-// GPU (sm_80+; a compute_52-only build runs the FP32 kernel on every GPU, and only sm_90+ images
-// stage). The first call per kernel sizes its shared memory and asks its occupancy. No kernel:
-// a null one.
+// The kernel of a variant (kMmaDirect, kMmaStaged, kMmaTier or kMmaCausal) where this build has
+// it for this GPU (sm_80+; a compute_52-only build runs the FP32 kernel on every GPU, and only
+// sm_90+ images stage). The first call per kernel sizes its shared memory and asks its
+// occupancy. No kernel: a null one.
 template <typename P, int V>
 int pass_for(m40llm_cuda_state *st, int head_dim, int warps, SplitPass *out) {
   constexpr bool staged = V == kMmaStaged;
@@ -1044,6 +1084,21 @@ int pass_for(m40llm_cuda_state *st, int head_dim, int warps, SplitPass *out) {
   out->target = st->sm_count * info.occupancy * kMmaWaves;
   out->dependent = info.dependent;
   out->mixed = kQuantPair<P>;  // a tier's launch too: the kept rows lead an item's
+  return M40LLM_OK;
+}
+
+// The passes of a variant that loads through registers only (kMmaTier, kMmaCausal): blocks of
+// mma_warps() warps, and of half that for plans of more blocks than a wave; pass and direct
+// are one.
+template <typename P, int V>
+int mma_register_passes(m40llm_cuda_state *st, int head_dim, SplitPasses *p) {
+  p->pass = p->direct = p->fine = SplitPass{};
+  const int warps = mma_warps(head_dim);
+  int rc = pass_for<P, V>(st, head_dim, warps, &p->pass);
+  if (rc == M40LLM_OK && p->pass.kernel) rc = pass_for<P, V>(st, head_dim, warps / 2, &p->fine);
+  if (rc != M40LLM_OK) return rc;
+  p->direct = p->pass;
+  if (!p->fine.kernel) p->fine = p->pass;
   return M40LLM_OK;
 }
 

@@ -5,15 +5,7 @@
 
 template <typename P>
 int mma_tier_passes(m40llm_cuda_state *st, int head_dim, SplitPasses *p) {
-  p->pass = p->direct = p->fine = SplitPass{};
-  const int warps = mma_warps(head_dim);
-  int rc = pass_for<P, kMmaTier>(st, head_dim, warps, &p->pass);
-  if (rc == M40LLM_OK && p->pass.kernel)
-    rc = pass_for<P, kMmaTier>(st, head_dim, warps / 2, &p->fine);
-  if (rc != M40LLM_OK) return rc;
-  p->direct = p->pass;
-  if (!p->fine.kernel) p->fine = p->pass;
-  return M40LLM_OK;
+  return mma_register_passes<P, kMmaTier>(st, head_dim, p);
 }
 
 #define M40LLM_INSTANTIATE(P) \

@@ -161,6 +161,10 @@ constexpr int kMmaMaxStages = 4;
 constexpr int kMmaStagedMinDim = 80;
 constexpr int kMmaStagedMaxDim = 112;
 constexpr int kMmaStagedMinSteps = 8;
+// Causal rows on tensor cores (kMmaCausal): an item's rows in pieces of at most this many, each
+// piece an item of its own: bounds a launch's grid (K/V heads x rows x group / 8 tiles) and its
+// partials (rows x a decode call's).
+constexpr int kCausalMmaMaxRows = 64;
 
 // ---- Append (append.cu) ----
 // Threads per block, and at most this many blocks (a grid-stride loop covers the rest).

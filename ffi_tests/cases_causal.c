@@ -1,9 +1,9 @@
 /*
  * Causal attention over the cache (m40llm_kvcache_attn_causal_f32q) on any context: ragged
- * batches of (cached prefix P, new rows T) with T = 1, 2-16, 17-33, 512 (4096 outside small
- * mode), P = 0 and P > 0, GQA groups 1, 3, 4, 8, head_dim 64, 80, 128, 256, sliding windows,
- * every K/V format (rotated, with protected tokens; Q3 and Q2 V with Q4 K). Output
- * poisoned first (NaN), every row checked:
+ * batches of (cached prefix P, new rows T) with T = 1, 2-16, 17-33, 64, 512 (4096 outside small
+ * mode), P = 0 and P > 0, GQA groups 1, 3, 4, 7, 8, 16, head_dim 64, 80, 96, 128, 256, sliding
+ * windows, batches of one count (speculative verification), every K/V format (rotated, with
+ * protected tokens; Q3 and Q2 V with Q4 K). Output poisoned first (NaN), every row checked:
  * - F16: against an independent float64 reference over the FP16 values appended (1e-5 relative
  *   L2 a row);
  * - quantized: against the CPU backend's causal call on a cache given the same rows (its
@@ -335,8 +335,11 @@ done:
 void t_cases_causal(m40llm_context *ctx, m40llm_context *cpu, int small) {
   errors(ctx);
   const int F = M40LLM_KV_F16, Q8 = M40LLM_KV_Q8, Q4 = M40LLM_KV_Q4;
-  const causal_shape f16[] = {{F, F, 4, 4, 64}, {F, F, 8, 2, 80},  {F, F, 8, 1, 128},
-                              {F, F, 8, 1, 256}, {F, F, 6, 2, 64}, {F, F, 16, 4, 128}};
+  /* Groups 1, 4, 8, 3, 4, 16, 7: on tensor cores a tile of 8 rows packs (row, head) pairs of a
+   * K/V head, so tiles start and end inside rows and a group of 16 spans two tiles a row. */
+  const causal_shape f16[] = {{F, F, 4, 4, 64},  {F, F, 8, 2, 80},  {F, F, 8, 1, 128},
+                              {F, F, 8, 1, 256}, {F, F, 6, 2, 64},  {F, F, 16, 4, 128},
+                              {F, F, 16, 1, 64}, {F, F, 14, 2, 96}};
   const int nf = sizeof f16 / sizeof f16[0];
   /* Ragged: T 1, 2-16, 17-33 on prefixes of 0, short and past a few tiles; 512 on 0 and 100. */
   const int P1[] = {0, 37, 0, 100, 0, 300, 5, 64, 1000};
@@ -356,7 +359,7 @@ void t_cases_causal(m40llm_context *ctx, m40llm_context *cpu, int small) {
   run_case(ctx, cpu, f16[2], P2, T2, 2, 128);
   /* Quantized: rotated, protected (4 sinks, a window of 32), groups 1 and 4, d 64 and 128. */
   const causal_shape quant[] = {{Q8, Q8, 4, 4, 64}, {Q4, Q4, 8, 2, 128}, {Q8, Q4, 8, 1, 128},
-                                {Q8, Q8, 4, 1, 256}};
+                                {Q8, Q8, 4, 1, 256}, {Q4, Q4, 9, 3, 64}};
   const int P3[] = {0, 3, 40, 200, 0}, T3[] = {1, 5, 16, 33, 70};
   for (int i = 0; i < (int)(sizeof quant / sizeof quant[0]); i++) {
     run_case(ctx, cpu, quant[i], P3, T3, 5, 0);
@@ -374,6 +377,19 @@ void t_cases_causal(m40llm_context *ctx, m40llm_context *cpu, int small) {
     run_case(ctx, cpu, low[i], P3, T3, 5, 0);
     t1_equals_decode(ctx, cpu, low[i]);
   }
+  /* Speculative rows, one count for all (one launch on tensor cores), on prefixes long enough to
+   * split; 64 rows on a long prefix: partials of 64 rows, more than the workspace reserved for
+   * decode calls holds, so the plan takes fewer splits. */
+  const int P7[] = {small ? 1200 : 5000, small ? 2000 : 7000, 40}, T7[] = {6, 6, 6};
+  run_case(ctx, cpu, f16[1], P7, T7, 3, 0);
+  run_case(ctx, cpu, quant[1], P7, T7, 3, 0);
+  const int P8[] = {small ? 3000 : 9000}, T8[] = {64};
+  run_case(ctx, cpu, f16[0], P8, T8, 1, 0);
+  /* Protected tokens and prompts longer than 64 rows plus the window: on tensor cores the rows
+   * before the last 64 are items that end before the window (their positions all codes). */
+  const int P9[] = {10, 300}, T9[] = {160, 200};
+  run_case(ctx, cpu, quant[0], P9, T9, 2, 0);
+  run_case(ctx, cpu, quant[4], P9, T9, 2, 0);
   if (!small) {
     /* A long prompt; speculative shapes on long prefixes (the split path); a wide batch. */
     const int P4[] = {0, 1500}, T4[] = {4096, 4096};

@@ -26,6 +26,8 @@
 #             bandwidth, issue 20's targets), A/B against .ab/bins/base where carried: $OUT/m40
 #   abcausal  bench/ab_causal.py: the causal kernel's A/B, the previous main's compute_52
 #             bench_causal (.ab/bins/base) against this tree's (.gpu-carry/bench52): $OUT/abcausal
+#   abcausalnative  the same on this GPU's own build: the previous main's (.ab/base, carried)
+#             and this tree's bench_causal built here for it: $OUT/abcausalnative
 #   weights   what m40llm_kvcache_attn_weights_ex costs over the plain call (bench/weights_cost.py:
 #             F16 and Q4, both with and without weights, alternating rounds), native and
 #             compute_52-PTX builds: $OUT/weights_native, $OUT/weights_ptx52
@@ -172,6 +174,18 @@ m40_proxy() {
     --rounds "${M40_ROUNDS:-2}" --work /tmp/m40_proxy
 }
 
+ab_causal_native() {
+  local base=/tmp/m40llm-ab-native
+  cmake -S .ab/base -B "$base" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+    -DCMAKE_CUDA_ARCHITECTURES="$arch" -DM40LLM_BUILD_BENCH=ON -DM40LLM_BUILD_TESTS=OFF \
+    -DM40LLM_BUILD_EXAMPLES=OFF && cmake --build "$base" --target bench_causal &&
+    cmake -S . -B build-native -G Ninja -DCMAKE_BUILD_TYPE=Release \
+      -DCMAKE_CUDA_ARCHITECTURES="$arch" && cmake --build build-native --target bench_causal ||
+    return 1
+  python3 bench/ab_causal.py "$out/abcausalnative" --base "$base/bench/bench_causal" \
+    --new build-native/bench/bench_causal --rounds "${AB_ROUNDS:-2}"
+}
+
 ab_causal() {
   python3 bench/ab_causal.py "$out/abcausal" --base .ab/bins/base/bench_causal \
     --new .gpu-carry/bench52/bench_causal --rounds "${AB_ROUNDS:-2}"
@@ -243,6 +257,7 @@ for s in $steps; do
     ab) run_step ab ab ;;
     m40) run_step m40 m40_proxy ;;
     abcausal) run_step abcausal ab_causal ;;
+    abcausalnative) run_step abcausalnative ab_causal_native ;;
     abformats) run_step abformats ab_formats ;;
     weights) run_step weights weights_cost weights ;;
     importance) run_step importance weights_cost importance ;;
