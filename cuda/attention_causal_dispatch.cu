@@ -123,7 +123,8 @@ int causal_launch(const m40llm_kvcache *c, int layer, const m40llm_append_item *
 }
 
 // Causal rows on tensor cores (sm_80+; no sliding window): each item's rows in pieces of at
-// most kCausalMmaMaxRows (a piece is an item of its own: the rows before it are in the cache),
+// most kCausalMmaMaxRows, fewer where the grids need (a piece is an item of its own: the rows
+// before it are in the cache),
 // a run of consecutive pieces of one row count (contiguous in q and out) in launches of up to
 // M40LLM_PLAN_MAX_ITEMS (attend_rows: the decode call's plan, passes and combine). A batch of
 // equal counts is one launch; a ragged one, a launch per change of count. One-row pieces are
@@ -132,6 +133,9 @@ template <typename P>
 int causal_on_tensor_cores(const m40llm_kvcache *c, int layer, const m40llm_append_item *items,
                            int n_items, const float *q, float *out, float scale) {
   const size_t row = (size_t)c->opts.n_heads * (size_t)c->opts.head_dim;
+  // The combine's grid takes an item's rows x heads along y (at most 65535).
+  const int by_grid = 65535 / c->opts.n_heads > 1 ? 65535 / c->opts.n_heads : 1;
+  const int most = kCausalMmaMaxRows < by_grid ? kCausalMmaMaxRows : by_grid;
   int32_t ids[M40LLM_PLAN_MAX_ITEMS], lens[M40LLM_PLAN_MAX_ITEMS];
   int n = 0, rows = 0;
   size_t first = 0;  // the run's first row
@@ -144,9 +148,8 @@ int causal_on_tensor_cores(const m40llm_kvcache *c, int layer, const m40llm_appe
     return rc;
   };
   for (int i = 0; i < n_items; i++) {
-    for (int r0 = 0; r0 < items[i].n_tokens; r0 += kCausalMmaMaxRows) {
-      const int piece = items[i].n_tokens - r0 < kCausalMmaMaxRows ? items[i].n_tokens - r0
-                                                                   : kCausalMmaMaxRows;
+    for (int r0 = 0; r0 < items[i].n_tokens; r0 += most) {
+      const int piece = items[i].n_tokens - r0 < most ? items[i].n_tokens - r0 : most;
       if (n == M40LLM_PLAN_MAX_ITEMS || (n > 0 && piece != rows)) {
         const int rc = flush();
         if (rc != M40LLM_OK) return rc;
