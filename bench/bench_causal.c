@@ -12,7 +12,9 @@
  * head_dims up to 128 here), its dense FP16 tensor-core peak with FP32 accumulation (SMs x
  * FLOP per clock x clock; sm_80 and sm_90 only). The tensor-core kernel takes q and the softmax
  * weights as two FP16 terms each, so its MMAs do twice the FLOPs counted here.
- * Usage: bench_causal [out.json [device]] (default bench_causal.json, device 0). */
+ * Usage: bench_causal [out.json [device [format]]] (default bench_causal.json, device 0, F16;
+ * format: F16, Q8, Q4 or Q8Q4 (K Q8, V Q4), with the library's defaults for it: rotation, sinks
+ * and window). */
 #define _POSIX_C_SOURCE 199309L
 #include <cuda_runtime_api.h>
 #include <stdio.h>
@@ -97,6 +99,16 @@ static int tc_flop_per_clock(int major, int minor) {
 int main(int argc, char **argv) {
   const char *json_path = argc > 1 ? argv[1] : "bench_causal.json";
   const int device = argc > 2 ? atoi(argv[2]) : 0;
+  const char *format = argc > 3 ? argv[3] : "F16";
+  int k_format, v_format;
+  if (!strcmp(format, "F16")) k_format = v_format = M40LLM_KV_F16;
+  else if (!strcmp(format, "Q8")) k_format = v_format = M40LLM_KV_Q8;
+  else if (!strcmp(format, "Q4")) k_format = v_format = M40LLM_KV_Q4;
+  else if (!strcmp(format, "Q8Q4")) k_format = M40LLM_KV_Q8, v_format = M40LLM_KV_Q4;
+  else {
+    fprintf(stderr, "bench_causal: format %s: F16, Q8, Q4 or Q8Q4\n", format);
+    return 1;
+  }
   int sms = 0, clock_khz = 0, major = 0, minor = 0;
   if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
       cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, device) != cudaSuccess ||
@@ -116,17 +128,17 @@ int main(int argc, char **argv) {
   const double tc_peak =
       info.tensor_cores ? (double)sms * tc_flop_per_clock(major, minor) * clock_khz * 1e3 : 0.0;
   printf("%s, sm_%d%d, kernels for sm_%d (%s); FP32 peak %.1f TFLOP/s, tensor-core peak %.1f "
-         "(0: FP32 kernels, or not known)\n", info.name, major, minor, info.kernel_arch,
-         info.native_code ? "native" : "PTX JIT", peak / 1e12, tc_peak / 1e12);
+         "(0: FP32 kernels, or not known); K/V %s\n", info.name, major, minor, info.kernel_arch,
+         info.native_code ? "native" : "PTX JIT", peak / 1e12, tc_peak / 1e12, format);
   FILE *json = fopen(json_path, "w");
   if (!json) {
     fprintf(stderr, "bench_causal: cannot write %s\n", json_path);
     return 1;
   }
   fprintf(json,
-          "{\"device\": \"%s\", \"kernel_arch\": %d, \"tensor_cores\": %d, \"fp32_peak_flops\": "
-          "%.6g, \"tc_peak_flops\": %.6g, \"rows\": [",
-          info.name, info.kernel_arch, info.tensor_cores, peak, tc_peak);
+          "{\"device\": \"%s\", \"kernel_arch\": %d, \"tensor_cores\": %d, \"format\": \"%s\", "
+          "\"fp32_peak_flops\": %.6g, \"tc_peak_flops\": %.6g, \"rows\": [",
+          info.name, info.kernel_arch, info.tensor_cores, format, peak, tc_peak);
   printf("%-8s %4s %6s %6s %12s %10s %8s %8s %10s\n", "kind", "dim", "T", "P", "us/call", "TFLOP/s",
          "of FP32", "of TC", "x decode");
   int first = 1;
@@ -136,6 +148,7 @@ int main(int argc, char **argv) {
     m40llm_kvcache_options o = M40LLM_KVCACHE_OPTIONS_INIT;
     o.n_layers = 1, o.n_heads = HEADS, o.n_kv_heads = KV_HEADS, o.head_dim = b.dim;
     o.max_seqs = 1, o.max_seq_len = MAX_T + MAX_P;
+    o.format = k_format, o.v_format = v_format;
     BENCH_CHECK(m40llm_kvcache_create(&b.cache, b.ctx, &o), 1);
     const size_t kv_floats = (size_t)CHUNK * KV_HEADS * b.dim, q_floats = (size_t)MAX_T * HEADS * b.dim;
     float *h = malloc((kv_floats > q_floats ? kv_floats : q_floats) * sizeof(float));
