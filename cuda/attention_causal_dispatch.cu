@@ -124,11 +124,10 @@ int causal_launch(const m40llm_kvcache *c, int layer, const m40llm_append_item *
 
 // Causal rows on tensor cores (sm_80+; no sliding window): each item's rows in pieces of at
 // most kCausalMmaMaxRows, fewer where the grids need (a piece is an item of its own: the rows
-// before it are in the cache),
-// a run of consecutive pieces of one row count (contiguous in q and out) in launches of up to
-// M40LLM_PLAN_MAX_ITEMS (attend_rows: the decode call's plan, passes and combine). A batch of
-// equal counts is one launch; a ragged one, a launch per change of count. One-row pieces are
-// the decode call's.
+// before it are in the cache), a run of consecutive pieces of one row count (contiguous in q
+// and out) in launches of up to M40LLM_PLAN_MAX_ITEMS (attend_rows: the decode call's plan,
+// passes and combine). A batch of equal counts is one launch; a ragged one, a launch per change
+// of count. One-row pieces are the decode call's.
 template <typename P>
 int causal_on_tensor_cores(const m40llm_kvcache *c, int layer, const m40llm_append_item *items,
                            int n_items, const float *q, float *out, float scale) {
