@@ -327,12 +327,13 @@ struct CallExport {
 
 // Attention of one launch's worth of items (at most M40LLM_PLAN_MAX_ITEMS) of a uniform cache
 // (attention_dispatch.cu), `rows` FP32 query rows each, [item][rows][n_heads][head_dim]: with
-// rows 1 the decode call's (lens: the items' lengths); with more, causal rows on the tensor
-// cores (the caller has asked mma_causal_passes), row t of item i seeing the positions before
-// lens[i] - rows + t + 1. Never allocates: a causal launch's splits are cut to the workspace.
+// rows 1 and no window the decode call's (lens: the items' lengths); otherwise causal rows on
+// the tensor cores (the caller has asked mma_causal_passes), row t of item i seeing the
+// positions before lens[i] - rows + t + 1 (with window W > 0, the last W of them). Never
+// allocates: a causal launch's splits are cut to the workspace.
 template <typename P>
 int attend_rows(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, const int32_t *lens,
-                int n, int rows, const float *q, float *out, float scale);
+                int n, int rows, int window, const float *q, float *out, float scale);
 
 // Decode attention over a tiered cache (attention_tiers.cu): FP32 rows of n_seqs sequences.
 // limits: each row's visible positions (those before limits[i]), or null for every position of

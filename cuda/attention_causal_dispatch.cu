@@ -1,6 +1,7 @@
-// Causal attention from the host. On tensor cores (sm_80+, no sliding window): the decode
-// call's planner and combine over the items' rows packed into the split kernel's tiles
-// (causal_on_tensor_cores, attend_rows). Otherwise: cuts a call's items into launches of
+// Causal attention from the host. On tensor cores (sm_80+, items whose sliding windows leave
+// out at most kCausalMmaMaxUnseen of their positions): the decode call's planner and combine
+// over the items' rows packed into the split kernel's tiles (causal_on_tensor_cores,
+// attend_rows). Otherwise: cuts a call's items into launches of
 // kCausalMaxItems, plans each (blocks per item, splits along positions where the blocks alone
 // would not fill the GPU) and launches the FP32 causal kernel (attention_causal_fp32.cu) and,
 // for split plans, the decode call's combine (attention_combine.cu), one query row per combine
@@ -122,15 +123,15 @@ int causal_launch(const m40llm_kvcache *c, int layer, const m40llm_append_item *
   return combine_launch(st, ca, cplan, combine_dependent);
 }
 
-// Causal rows on tensor cores (sm_80+; no sliding window): each item's rows in pieces of at
+// Causal rows on tensor cores (sm_80+; a window masks): each item's rows in pieces of at
 // most kCausalMmaMaxRows, fewer where the grids need (a piece is an item of its own: the rows
 // before it are in the cache), a run of consecutive pieces of one row count (contiguous in q
 // and out) in launches of up to M40LLM_PLAN_MAX_ITEMS (attend_rows: the decode call's plan,
 // passes and combine). A batch of equal counts is one launch; a ragged one, a launch per change
-// of count. One-row pieces are the decode call's.
+// of count. One-row pieces without a window are the decode call's.
 template <typename P>
 int causal_on_tensor_cores(const m40llm_kvcache *c, int layer, const m40llm_append_item *items,
-                           int n_items, const float *q, float *out, float scale) {
+                           int n_items, const float *q, float *out, float scale, int window) {
   const size_t row = (size_t)c->opts.n_heads * (size_t)c->opts.head_dim;
   // The combine's grid takes an item's rows x heads along y (at most 65535).
   const int by_grid = 65535 / c->opts.n_heads > 1 ? 65535 / c->opts.n_heads : 1;
@@ -139,8 +140,8 @@ int causal_on_tensor_cores(const m40llm_kvcache *c, int layer, const m40llm_appe
   int n = 0, rows = 0;
   size_t first = 0;  // the run's first row
   const auto flush = [&]() {
-    const int rc = n > 0 ? attend_rows<P>(c, layer, ids, lens, n, rows, q + first * row,
-                                          out + first * row, scale)
+    const int rc = n > 0 ? attend_rows<P>(c, layer, ids, lens, n, rows, window,
+                                          q + first * row, out + first * row, scale)
                          : M40LLM_OK;
     first += (size_t)n * rows;
     n = 0;
@@ -180,20 +181,37 @@ int m40llm_cuda_attention_causal(const m40llm_kvcache *c, int layer,
     if (c->n_tiers > 0) return tier_attention_causal(c, layer, items, n_items, q32, out32, scale);
     return with_kv_pair(c->k.layout.fmt->format, c->v.layout.fmt->format, [&](auto pair) -> int {
       using P = decltype(pair);
-      if (window == 0) {
-        SplitPasses mma;
-        const int rc = mma_causal_passes<P>(cuda_state(c->ctx), c->opts.head_dim, &mma);
+      SplitPasses mma;
+      int rc = mma_causal_passes<P>(cuda_state(c->ctx), c->opts.head_dim, &mma);
+      if (rc != M40LLM_OK) return rc;
+      // Items in runs of one road, in order: the tensor cores read every position before an
+      // item's last row (a window masks them), so an item whose windows leave out more than
+      // kCausalMmaMaxUnseen of them takes the FP32 kernel, which reads only what its rows see.
+      const auto on_mma = [&](const m40llm_append_item &it) {
+        const long long begin = window > 0 && it.pos - window + 1 > 0 ? it.pos - window + 1 : 0;
+        return mma.pass.kernel && begin <= kCausalMmaMaxUnseen * (it.pos + it.n_tokens);
+      };
+      size_t done = 0;  // rows of the runs before
+      for (int first = 0, end; first < n_items; first = end) {
+        const bool mma_run = on_mma(items[first]);
+        for (end = first + 1; end < n_items && on_mma(items[end]) == mma_run; end++) {
+        }
+        size_t run_rows = 0;
+        for (int i = first; i < end; i++) run_rows += (size_t)items[i].n_tokens;
+        if (mma_run) {
+          rc = causal_on_tensor_cores<P>(c, layer, items + first, end - first, q32 + done * row,
+                                         out32 + done * row, scale, window);
+        } else {
+          size_t at = done;
+          for (int i = first; rc == M40LLM_OK && i < end; i += kCausalMaxItems) {
+            const int n = end - i < kCausalMaxItems ? end - i : kCausalMaxItems;
+            rc = causal_launch<P>(c, layer, items + i, n, q32 + at * row, out32 + at * row, scale,
+                                  window);
+            for (int j = i; j < i + n; j++) at += (size_t)items[j].n_tokens;
+          }
+        }
         if (rc != M40LLM_OK) return rc;
-        if (mma.pass.kernel)
-          return causal_on_tensor_cores<P>(c, layer, items, n_items, q32, out32, scale);
-      }
-      size_t done = 0;  // rows of the launches before
-      for (int first = 0; first < n_items; first += kCausalMaxItems) {
-        const int n = n_items - first < kCausalMaxItems ? n_items - first : kCausalMaxItems;
-        const int rc = causal_launch<P>(c, layer, items + first, n, q32 + done * row,
-                                        out32 + done * row, scale, window);
-        if (rc != M40LLM_OK) return rc;
-        for (int i = 0; i < n; i++) done += (size_t)items[first + i].n_tokens;
+        done += run_rows;
       }
       return M40LLM_OK;
     });

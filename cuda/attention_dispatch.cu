@@ -36,13 +36,14 @@ int split_passes_for(m40llm_cuda_state *st, const m40llm_kvcache_options *o, con
 // weights, NULL or the first item's rows of importance the weights are reduced into.
 template <typename P>
 int attend(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, const int32_t *lens,
-           int n_seqs, int rows, const float *q, float *out, float scale, float *weights,
-           size_t weights_stride, const ImportanceArgs &imp) {
+           int n_seqs, int rows, int window, const float *q, float *out, float scale,
+           float *weights, size_t weights_stride, const ImportanceArgs &imp) {
   m40llm_cuda_state *st = cuda_state(c->ctx);
   const m40llm_kvcache_options *o = &c->opts;
   Grouping g = grouping_for(o);
   const int n_heads = rows * o->n_heads;  // an item's query heads, row by row
-  if (rows > 1) {  // K/V head h's rows (row, head) in tiles of the kernel's 8
+  const bool causal = rows > 1 || window > 0;
+  if (causal) {  // K/V head h's rows (row, head) in tiles of the kernel's 8
     g.gt = kMaxGroupTile;
     g.head_tiles = (rows * g.group + kMaxGroupTile - 1) / kMaxGroupTile;
     g.units = o->n_kv_heads * g.head_tiles;
@@ -52,14 +53,14 @@ int attend(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, const int
   // follows a queued kernel.
   SplitPasses passes;
   bool combine_dependent = false;
-  int rc = rows > 1 ? mma_causal_passes<P>(st, o->head_dim, &passes)
-                    : split_passes_for<P>(st, o, g, weights != nullptr, &passes);
+  int rc = causal ? mma_causal_passes<P>(st, o->head_dim, &passes)
+                  : split_passes_for<P>(st, o, g, weights != nullptr, &passes);
   if (rc != M40LLM_OK || (rc = combine_prepare(st, &combine_dependent)) != M40LLM_OK) return rc;
   m40llm_attn_plan plan;
   SplitPass pass = plan_split_pass(st, passes, g, seq_ids, lens, n_seqs, &plan);
   // Causal rows' partials take rows times a decode call's: fewer splits where the workspace
   // reserved at creation would not hold them (the call never allocates).
-  while (rows > 1 && plan.max_splits > 1 &&
+  while (causal && plan.max_splits > 1 &&
          attn_partial_bytes(plan.total_splits, n_heads, o->head_dim) > st->workspace_bytes) {
     passes.pass.target /= 2;
     passes.direct.target /= 2;
@@ -106,6 +107,7 @@ int attend(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, const int
   a.part_o = a.part_m = a.part_l = nullptr;
   plan.weights = weights;
   plan.weights_stride = (int64_t)weights_stride;
+  plan.causal_window = window;
   if (plan.max_splits > 1 || weights) {
     void *ws = nullptr;
     rc = m40llm_cuda_workspace(st, attn_partial_bytes(plan.total_splits, n_heads, o->head_dim),
@@ -156,14 +158,14 @@ int attend(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, const int
 
 template <typename P>
 int attend_rows(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, const int32_t *lens,
-                int n, int rows, const float *q, float *out, float scale) {
-  return attend<P>(c, layer, seq_ids, lens, n, rows, q, out, scale, nullptr, 0,
+                int n, int rows, int window, const float *q, float *out, float scale) {
+  return attend<P>(c, layer, seq_ids, lens, n, rows, window, q, out, scale, nullptr, 0,
                    ImportanceArgs{nullptr, 0, 0.0f});
 }
 
 #define M40LLM_INSTANTIATE(P)                                                                  \
   template int attend_rows<P>(const m40llm_kvcache *, int, const int32_t *, const int32_t *, \
-                              int, int, const float *, float *, float);
+                              int, int, int, const float *, float *, float);
 M40LLM_KV_PAIRS(M40LLM_INSTANTIATE)
 #undef M40LLM_INSTANTIATE
 
@@ -243,9 +245,9 @@ int m40llm_cuda_attention(const m40llm_kvcache *c, int layer, const int32_t *seq
         int32_t lens[M40LLM_PLAN_MAX_ITEMS];
         for (int i = 0; i < n; i++) lens[i] = *m40llm_len_slot(c, layer, seq_ids[first + i]);
         const CallExport xn = ex.at(first);
-        const int rc = attend<P>(c, layer, seq_ids + first, lens, n, 1, q32 + (size_t)first * row,
-                                 out32 + (size_t)first * row, scale, xn.weights,
-                                 xn.weights_stride, xn.imp);
+        const int rc = attend<P>(c, layer, seq_ids + first, lens, n, 1, 0,
+                                 q32 + (size_t)first * row, out32 + (size_t)first * row, scale,
+                                 xn.weights, xn.weights_stride, xn.imp);
         if (rc != M40LLM_OK) return rc;
       }
       return M40LLM_OK;

@@ -571,7 +571,8 @@ struct StagedSteps : HalfSteps<NC, TAIL> {
 // into the MMA's 8 rows (query row t's head h of K/V head g is tile row t x group + h of K/V
 // head g's tiles, a.head_tiles of them), so that all of them take one read of the K/V; row t
 // sees the positions before plan.len - T + t + 1. q and out are [item][T][heads][dim], which
-// is [item][a.n_heads][dim]: partials and the combine take each row's heads as an item's.
+// is [item][a.n_heads][dim]: partials and the combine take each row's heads as an item's. With
+// plan.causal_window W, a row sees the last W of those positions only.
 //
 // V: kMmaDirect, kMmaStaged, kMmaTier or kMmaCausal.
 template <typename P, int NC, int TAIL, int V, int W>
@@ -607,8 +608,8 @@ __global__ void __launch_bounds__(32 * W, mma_min_blocks(32 * NC + 16 * TAIL, W)
     b.n_splits = plan.max_splits;  // at least 2: always a partial, merged with the others'
   }
   // The query head (within the item) of tile row r: b.h0 + r, but for CAUSAL's packed rows.
-  // lim: the positions lane row g sees (CAUSAL).
-  int x0 = 0, kv0 = 0, n_q = 0, lim = 0;
+  // [from, lim): the positions lane row g sees (CAUSAL).
+  int x0 = 0, kv0 = 0, n_q = 0, lim = 0, from = 0;
   if constexpr (CAUSAL) {
     x0 = (int)(blockIdx.y % a.head_tiles) * G;
     kv0 = (int)(blockIdx.y / a.head_tiles) * a.group;
@@ -616,6 +617,7 @@ __global__ void __launch_bounds__(32 * W, mma_min_blocks(32 * NC + 16 * TAIL, W)
     const int rows = a.n_heads / n_q;
     b.nh = min(G, rows * a.group - x0);
     lim = plan.len[b.item] - rows + (x0 + g) / a.group + 1;
+    from = plan.causal_window > 0 ? lim - plan.causal_window : 0;
   }
   const auto head_of = [&](int r) {
     if constexpr (CAUSAL) {
@@ -745,12 +747,13 @@ __global__ void __launch_bounds__(32 * W, mma_min_blocks(32 * NC + 16 * TAIL, W)
   for (int i = 0; i < 2; i++) ot[i][0] = ot[i][1] = ot[i][2] = ot[i][3] = 0.0f;
 
   // A warp's steps from p0 on to p_end through src: its K/V rows as FP16 (kQ false) or codes.
-  // CAUSAL: this lane's row sees rows before row_lim of them.
-  const auto steps = [&](auto &src, int p0, int p_end, int row_lim, auto quant) {
+  // CAUSAL: this lane's row sees rows row_from .. row_lim - 1 of them.
+  const auto steps = [&](auto &src, int p0, int p_end, int row_from, int row_lim, auto quant) {
     constexpr bool kQ = decltype(quant)::value;
   for (; p0 < p_end; p0 += kMmaRows * W) {
       const int rows = min(kMmaRows, p_end - p0);
       const int seen = CAUSAL ? min(rows, row_lim - p0) : rows;
+      const int unseen = CAUSAL ? row_from - p0 : 0;  // rows before it: masked
       src.before_scores(p0);
 
       // Scores: lane (g, t) gets heads g, positions 8j + 2t + {0, 1}.
@@ -790,7 +793,8 @@ __global__ void __launch_bounds__(32 * W, mma_min_blocks(32 * NC + 16 * TAIL, W)
       for (int j = 0; j < 2; j++)
 #pragma unroll
         for (int x = 0; x < 2; x++) {
-          s[j][x] = 8 * j + 2 * t + x < seen ? s[j][x] * down : -INFINITY;
+          const int r = 8 * j + 2 * t + x;
+          s[j][x] = r < seen && (!CAUSAL || r >= unseen) ? s[j][x] * down : -INFINITY;
           tile_max = fmaxf(tile_max, s[j][x]);
         }
       tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
@@ -863,7 +867,7 @@ __global__ void __launch_bounds__(32 * W, mma_min_blocks(32 * NC + 16 * TAIL, W)
     }
   };
   if constexpr (kQuant) {
-    steps(src, p0, p_end, lim, std::true_type{});  // the codes' rows are positions
+    steps(src, p0, p_end, from, lim, std::true_type{});  // the codes' rows are positions
     if (mixed) {  // the kept parts, from the FP16 slots
       const m40llm_attn_parts parts = m40llm_attn_item_parts(
           item_len[b.item], plan.window_begin[b.item], plan.sinks, plan.window);
@@ -876,14 +880,15 @@ __global__ void __launch_bounds__(32 * W, mma_min_blocks(32 * NC + 16 * TAIL, W)
         const int q0 = b.p_begin + kMmaRows * warp;
         KeptSteps<NC, W> kept(static_cast<const __half *>(plan.kept_k) + base,
                               static_cast<const __half *>(plan.kept_v) + base, parts, q0, hi, lane);
-        // Kept row r is position r among the sinks, then window_begin + r - count[0].
-        const int c0 = parts.count[0];
-        const int kept_lim = lim < c0 ? lim : c0 + max(0, lim - plan.window_begin[b.item]);
-        steps(kept, q0, hi, kept_lim, std::false_type{});
+        // Kept row r is position r among the sinks, then window_begin + r - count[0]: the
+        // kept rows before position p, kept(p).
+        const int c0 = parts.count[0], wb = plan.window_begin[b.item];
+        const auto kept_before = [&](int p) { return p < c0 ? p : c0 + max(0, p - wb); };
+        steps(kept, q0, hi, kept_before(from), kept_before(lim), std::false_type{});
       }
     }
   } else {
-    steps(src, p0, p_end, lim, std::false_type{});
+    steps(src, p0, p_end, from, lim, std::false_type{});
   }
   if (plan.max_splits == 1) allow_dependent_launch();
 

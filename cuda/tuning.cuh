@@ -165,6 +165,10 @@ constexpr int kMmaStagedMinSteps = 8;
 // piece an item of its own: bounds a launch's grid (K/V heads x rows x group / 8 tiles) and its
 // partials (rows x a decode call's).
 constexpr int kCausalMmaMaxRows = 64;
+// A sliding window's causal rows take the tensor cores where the positions before every row's
+// window (which they read, masked) are at most this share of an item's: at 3-10x the FP32
+// kernel's speed they still come out ahead (H200, bench/RESULTS.md). Not tuned.
+constexpr double kCausalMmaMaxUnseen = 0.75;
 
 // ---- Append (append.cu) ----
 // Threads per block, and at most this many blocks (a grid-stride loop covers the rest).

@@ -390,6 +390,12 @@ void t_cases_causal(m40llm_context *ctx, m40llm_context *cpu, int small) {
   const int P9[] = {10, 300}, T9[] = {160, 200};
   run_case(ctx, cpu, quant[0], P9, T9, 2, 0);
   run_case(ctx, cpu, quant[4], P9, T9, 2, 0);
+  /* Windows that leave out less than three quarters of a sequence (on tensor cores: masked),
+   * on a long prefix (splits wholly before some rows' windows) and with protected tokens. */
+  const int P10[] = {small ? 1500 : 3000, 40}, T10[] = {16, 70};
+  run_case(ctx, cpu, f16[1], P10, T10, 2, small ? 600 : 1000);
+  run_case(ctx, cpu, quant[1], P10, T10, 2, small ? 600 : 1000);
+  run_case(ctx, cpu, quant[0], P10, T10, 2, 50);
   if (!small) {
     /* A long prompt; speculative shapes on long prefixes (the split path); a wide batch. */
     const int P4[] = {0, 1500}, T4[] = {4096, 4096};

@@ -239,9 +239,9 @@ typedef struct m40llm_device_info {
   int tensor_cores;        /* 1 if F16 caches with head_dim 32..128, a multiple of 16, and
                               quantized and tiered caches with head_dim 32, 64, 96 or 128 run
                               the tensor-core attention kernels here (sm_80+ code on an sm_80+
-                              GPU; calls that export weights or importance, causal calls with a
-                              sliding window or over a tiered cache, and quantized causal calls at
-                              other head_dims run FP32 kernels); 0 if every cache runs the FP32
+                              GPU; calls that export weights or importance, causal calls over a
+                              tiered cache, and causal rows whose sliding window leaves out most
+                              of their sequence run FP32 kernels); 0 if every cache runs the FP32
                               kernels */
 } m40llm_device_info;
 #define M40LLM_DEVICE_INFO_INIT \
@@ -749,13 +749,15 @@ int m40llm_causal_options_init(m40llm_causal_options *opts, unsigned version);
  *  the others dequantized, for every row alike. Arithmetic, masking rules (-inf scores, V
  *  finite), accuracy and the CPU backend's float64 as for the decode call. The CUDA backend
  *  runs the decode call's kernels where m40llm_device_info.tensor_cores says they run on tensor
- *  cores (sm_80+; the cache's formats and head_dim as there), without a window: the query rows
- *  of a sequence are packed into the kernel's tiles with its query heads (a tile: 8 (row, head)
- *  pairs of one K/V head), so that a tile's rows share each read of the K/V; rows 1 .. 64 of a
- *  sequence in one item (more: in items of 64), one launch per run of sequences with the same
- *  count (a ragged batch: a launch per change of count), rows of T = 1 as the decode call's.
- *  Elsewhere (every GPU before sm_80, the M40's path; head_dim 256; a sliding window) it runs an
- *  FP32 causal kernel. On a tiered cache
+ *  cores (sm_80+; the cache's formats and head_dim as there): the query rows of a sequence are
+ *  packed into the kernel's tiles with its query heads (a tile: 8 (row, head) pairs of one K/V
+ *  head), so that a tile's rows share each read of the K/V; rows 1 .. 64 of a sequence in one
+ *  item (more: in items of 64), one launch per run of sequences with the same count (a ragged
+ *  batch: a launch per change of count), rows of T = 1 without a window as the decode call's.
+ *  They read every position before a sequence's last row, a window masking those a row does
+ *  not see, so a sequence whose windows leave out more than three quarters of its positions
+ *  takes the FP32 causal kernel, which reads only what its rows see; so does every sequence
+ *  on GPUs before sm_80 (the M40's path) and at head_dim 256. On a tiered cache
  *  (m40llm_kvcache_options.n_tiers) the CUDA backend runs each query row as a decode row of its
  *  sequence, masking the tier rows past it by their positions: it reads the tiers once per
  *  row (fine for verification's few rows, T times a decode call's reads for T rows), and it

@@ -44,6 +44,9 @@ typedef struct m40llm_attn_plan {
    * positions, and those at or past full_len[i] are masked) */
   const int32_t *map;
   int32_t map_stride;
+  /* The tensor-core kernel's causal rows (kMmaCausal): a query row sees only the last
+   * causal_window positions up to its own (0: all of them) */
+  int32_t causal_window;
 } m40llm_attn_plan;
 
 enum {
