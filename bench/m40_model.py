@@ -58,12 +58,11 @@ def wide_tile(gt, dmax, exact=True):
 
 
 def dense_tiles(gt, dmax, kfmt, vfmt, exact=True):
-    """Quantized tiles at a head_dim of its class: up to 4 heads (V under 8 bits beside 4), and
-    wide 8-head tiles (cuda/attention_fp32.cu)."""
+    """Quantized tiles at a head_dim of its class: up to 4 heads (V under 8 bits beside 4); and
+    wide 8-head tiles, F16 ones too (cuda/attention_fp32.cuh)."""
     if (kfmt, vfmt) == ("KvF16", "KvF16") or not exact:
-        return False
-    return (gt <= 2 or (gt <= 4 and vfmt not in ("KvQ8", "KvF16"))
-            or wide_tile(gt, dmax, exact) and not (vfmt == "KvQ4" and dmax == 128))
+        return wide_tile(gt, dmax, exact)
+    return gt <= 2 or (gt <= 4 and vfmt not in ("KvQ8", "KvF16")) or wide_tile(gt, dmax, exact)
 
 
 def tile_rows(gt, dmax, device=True, tight=False, exact=True, dense=False):
@@ -105,20 +104,20 @@ SHAPES = [(1, 32, 32, 128, 8192), (1, 32, 32, 128, 32768), (8, 32, 32, 128, 8192
           (1, 32, 8, 128, 1024)]
 
 # H100, compute_52 PTX build (the M40's code through the JIT), µs a call: bench/RESULTS.md,
-# "Dense tiles for quantized formats", gpu_check.sh abformats
-# (bench/results_m40q/dense/final/abformats/*/ab.md, the new side). "_plain":
-# no rotation, no protected tokens (what the codes kernel alone does); Q8, Q4, Q8Q4: the defaults
-# (rotated, protected).
+# "Wide 8-head tiles share each q load between two rows", gpu_check.sh abformats
+# (bench/results_m40q/wide8_q2/abformats/*/ab.md, the new side; B8 64/8's Q4, Q4_plain and Q8Q4
+# from q4_dense/, the second run). "_plain": no rotation, no protected tokens (what the codes
+# kernel alone does); Q8, Q4, Q8Q4: the defaults (rotated, protected).
 H100_MEASURED = {
-    (1, 32, 32, 128, 8192): dict(F16=52.85, Q8=35.77, Q4=32.85, Q8Q4=34.59, Q8_plain=33.26, Q4_plain=28.70),
-    (1, 32, 32, 128, 32768): dict(F16=186.29, Q8=113.76, Q4=95.50, Q8Q4=105.02, Q8_plain=109.98, Q4_plain=90.20),
-    (8, 32, 32, 128, 8192): dict(F16=359.47, Q8=214.78, Q4=188.56, Q8Q4=199.38, Q8_plain=203.14, Q4_plain=172.58),
-    (8, 32, 8, 128, 8192): dict(F16=110.51, Q8=101.54, Q4=106.21, Q8Q4=102.93, Q8_plain=89.08, Q4_plain=93.14),
-    (1, 32, 8, 128, 32768): dict(F16=58.98, Q8=52.38, Q4=55.20, Q8Q4=53.82, Q8_plain=48.90, Q4_plain=51.90),
-    (8, 64, 8, 128, 8192): dict(F16=151.44, Q8=175.60, Q4=182.96, Q8Q4=178.06, Q8_plain=163.01, Q4_plain=169.36),
-    (8, 32, 8, 64, 8192): dict(F16=60.62, Q8=58.06, Q4=65.29, Q8Q4=61.39, Q8_plain=52.14, Q4_plain=58.83),
-    (32, 32, 8, 128, 2048): dict(F16=111.28, Q8=115.30, Q4=117.98, Q8Q4=115.50, Q8_plain=89.59, Q4_plain=94.12),
-    (1, 32, 8, 128, 1024): dict(F16=9.28, Q8=10.91, Q4=9.60, Q8Q4=9.92, Q8_plain=10.06, Q4_plain=8.60),
+    (1, 32, 32, 128, 8192): dict(F16=52.96, Q8=35.84, Q4=32.88, Q8Q4=34.69, Q8_plain=33.25, Q4_plain=28.72),
+    (1, 32, 32, 128, 32768): dict(F16=186.80, Q8=113.47, Q4=95.58, Q8Q4=105.47, Q8_plain=109.71, Q4_plain=90.38),
+    (8, 32, 32, 128, 8192): dict(F16=360.08, Q8=214.66, Q4=190.66, Q8Q4=199.23, Q8_plain=202.37, Q4_plain=172.72),
+    (8, 32, 8, 128, 8192): dict(F16=110.66, Q8=100.11, Q4=105.78, Q8Q4=103.01, Q8_plain=88.61, Q4_plain=93.04),
+    (1, 32, 8, 128, 32768): dict(F16=59.39, Q8=52.10, Q4=55.07, Q8Q4=54.18, Q8_plain=48.60, Q4_plain=51.79),
+    (8, 64, 8, 128, 8192): dict(F16=115.31, Q8=135.54, Q4=163.76, Q8Q4=146.80, Q8_plain=121.94, Q4_plain=150.00),
+    (8, 32, 8, 64, 8192): dict(F16=60.98, Q8=57.89, Q4=65.69, Q8Q4=61.45, Q8_plain=51.89, Q4_plain=59.32),
+    (32, 32, 8, 128, 2048): dict(F16=111.52, Q8=114.54, Q4=117.63, Q8Q4=116.06, Q8_plain=89.23, Q4_plain=94.12),
+    (1, 32, 8, 128, 1024): dict(F16=9.31, Q8=10.93, Q4=9.67, Q8Q4=9.98, Q8_plain=10.04, Q4_plain=8.60),
 }
 # The protected tokens' fixed cost: the combine every protected call has, and where the kernel is
 # not a lean one (8-head tiles, runtime head_dims), their second launch. The H100 PTX run's step
@@ -149,6 +148,11 @@ def backward_loops(instrs):
     return out
 
 
+def at_addr(instrs, addr):
+    """The index of the first instruction at or after addr."""
+    return next(j for j, y in enumerate(instrs) if y.addr >= addr)
+
+
 def slots(instrs, lo, hi):
     """Instructions and issue slots in instrs[lo:hi]; a dual-issue pair is one slot."""
     n = hi - lo
@@ -156,18 +160,20 @@ def slots(instrs, lo, hi):
     return n, n - pairs
 
 
-def class_slots(instrs, lo, hi):
-    """Issue slots by class in instrs[lo:hi] (a pair's slot goes half to each)."""
+def class_slots(instrs, lo, hi, skip=()):
+    """Issue slots by class in instrs[lo:hi] but those in skip (a pair's slot goes half to each)."""
     c = collections.Counter()
     for j in range(lo, hi):
+        if j in skip:
+            continue
         x = instrs[j]
         paired = x.pair and j + 1 < hi or (j > lo and instrs[j - 1].pair)
         c[sc.op_class(x.op)] += 0.5 if paired else 1.0
     return c
 
 
-def class_instrs(instrs, lo, hi):
-    return collections.Counter(sc.op_class(instrs[j].op) for j in range(lo, hi))
+def class_instrs(instrs, lo, hi, skip=()):
+    return collections.Counter(sc.op_class(instrs[j].op) for j in range(lo, hi) if j not in skip)
 
 
 def scale(c, f):
@@ -246,8 +252,18 @@ def analyse(instrs, gt, dmax, tight, quantized=False, exact=True, dense=False):
     vals = gt * (32 if gt == 1 else t)  # LH lanes a head: a whole warp for a one-head tile
     busy = min(WARPS, -(-vals // 32))
     iters = -(-vals // (32 * WARPS))
-    soft_slots = class_slots(instrs, s_lo, s_hi)
-    soft_instr = class_instrs(instrs, s_lo, s_hi)
+    # The lazy rescale's branch (a warp vote, then a conditional branch over the max's reduction
+    # and the rescale) is taken on a block's first tile and rarely after: counted as not taken.
+    rare = []
+    for j in range(s_lo, s_hi):
+        if instrs[j].op == "VOTE" and ".ANY" in instrs[j].opcode:
+            k = next((k for k in range(j + 1, min(j + 8, s_hi)) if instrs[k].op == "BRA"), None)
+            target = branch_target(instrs[k]) if k is not None else None
+            if target is not None and target > instrs[k].addr:
+                rare.append((k + 1, at_addr(instrs, target)))
+    skip = {j for x, y in rare for j in range(x, y)}
+    soft_slots = class_slots(instrs, s_lo, s_hi, skip)
+    soft_instr = class_instrs(instrs, s_lo, s_hi, skip)
     inner = [(x, y) for x, y in loops if s_lo <= x and y < s_hi]
     if inner and iters > 1:
         x, y = max(inner, key=lambda l: l[1] - l[0])
@@ -258,8 +274,22 @@ def analyse(instrs, gt, dmax, tight, quantized=False, exact=True, dense=False):
     soft_slots = add(scale(soft_slots, busy), scale(class_slots(instrs, s_lo, g + 1), WARPS - busy))
     soft_instr = add(scale(soft_instr, busy), scale(class_instrs(instrs, s_lo, g + 1), WARPS - busy))
     phases = {"loads": (a, b1 + 1), "score": (b1 + 1, s_lo), "output": (b3, b + 1)}
-    ph_slots = {k: scale(class_slots(instrs, lo, hi), WARPS) for k, (lo, hi) in phases.items()}
-    ph_instr = {k: scale(class_instrs(instrs, lo, hi), WARPS) for k, (lo, hi) in phases.items()}
+    # The output's rescale, where some head's max rose: the instructions a warp skips where the
+    # barrier's result (B2R.RESULT's predicate) is false, up to the SSY target around them; as
+    # rare as the softmax's branch.
+    rescale = set()
+    b2r = next((j for j in range(b3, b + 1) if instrs[j].op == "B2R"), None)
+    if b2r is not None:
+        p = re.search(r"P\d", instrs[b2r].args).group(0)
+        skip = next((j for j in range(b2r, b + 1) if instrs[j].op == "SYNC"
+                     and (instrs[j].pred or "").strip() == "@!" + p), None)
+        if skip is not None:
+            ssy = max(j for j in range(b3, skip) if instrs[j].op == "SSY")
+            rescale = set(range(skip + 1, at_addr(instrs, int(instrs[ssy].args.split()[0], 16))))
+    ph_slots = {k: scale(class_slots(instrs, lo, hi, rescale), WARPS)
+                for k, (lo, hi) in phases.items()}
+    ph_instr = {k: scale(class_instrs(instrs, lo, hi, rescale), WARPS)
+                for k, (lo, hi) in phases.items()}
     ph_slots["softmax"], ph_instr["softmax"] = soft_slots, soft_instr
     tile_slots = add(*ph_slots.values())
     tile_instr = add(*ph_instr.values())
@@ -317,8 +347,11 @@ def sm90_kernels_from_ptx(lib):
     ptxas stands in for the driver's JIT); None where the library has no such PTX."""
     txt = subprocess.run(["cuobjdump", "-ptx", lib], capture_output=True, text=True).stdout
     chunks = re.split(r"\n(?=member |Fatbin (?:ptx|elf) code:)", txt)
-    ptx = next((c for c in chunks if ".entry" in c and "attn_fp32_kernel" in c), None)
-    if ptx is None:
+    # attention_fp32.cu's: the most plain instances (kScores false), ahead of the other
+    # translation units that instantiate the template (scores, tiers).
+    plain = lambda c: len(re.findall(r"\.entry \S*attn_fp32_kernel\S*Lb0EEEv", c))
+    ptx = max(chunks, key=plain, default=None)
+    if ptx is None or plain(ptx) == 0:
         return None
     with tempfile.TemporaryDirectory(prefix="m40model") as d:
         src, cubin = os.path.join(d, "attention_fp32.ptx"), os.path.join(d, "attention_fp32.sm_90.cubin")
@@ -483,7 +516,10 @@ def report(args, m40k, m40rows, variants, h100k, h100rows, eff, effs):
     L.append("- Main loop: the innermost backward branch around a tile's three `__syncthreads` (loads and "
              "score pass | softmax | output pass). On a full tile every warp runs all of it except the "
              "softmax pass, a thread a (head, position): ceil(GT x T / 32) warps run it (one for a one-head tile), the others skip it. "
-             "The output's rescale (only on tiles where some head's max rose) is counted on every tile.")
+             "The output's rescale (only on tiles where some head's max rose) and the wide tiles' lazy "
+             "rescale (a warp vote's branch over the max's reduction: taken where a score passes the "
+             "max by more than 8 in log2 units, so on a block's first tile and rarely after) are "
+             "counted as not taken.")
     L.append("- Element: one dim of one position of K, or of V, for one K/V head; a tile holds 2 x T x DMAX. "
              "Per element = a tile's warp instructions (or issue slots) x 32 / its elements: thread-level, idle "
              "lanes included. Issue slots = instructions less dual-issued pairs (`{ }` in sm_5x SASS: two "

@@ -88,16 +88,16 @@ __host__ __device__ constexpr int v_columns(int gt, int dmax, bool exact) {
 
 // Quantized tiles at a compile-time head_dim take twice the rows on sm_5x/6x (tuning.cuh's
 // tile_rows): up to 4 heads, except where V is Q8 beside 4 heads (its 32 + 8 bytes of codes and
-// scales a thread spilled, 3-6% slower: compute_52 on an H100, B8 32/8 D128 L8K); wide 8-head
-// tiles (2 heads' scores a lane), except over a Q4 V at head_dim 128, where they were 0.99-1.02x
-// the time (Q8, Q4Q2 and head_dim 256: 0.85-0.98x).
+// scales a thread spilled, 3-6% slower: compute_52 on an H100, B8 32/8 D128 L8K); and wide 8-head
+// tiles, F16 ones too, whose score pass's two rows a lane (score_rows) start from 4 chunks of a
+// row a lane (over a Q4 V at head_dim 128, before the two rows, they were 0.99-1.02x the time;
+// with them 0.87-0.95x).
 template <typename P>
 __host__ __device__ constexpr bool dense_tiles(int gt, int dmax, bool exact) {
   if constexpr (P::K::kScaled || P::V::kScaled) {
-    return exact && (gt <= 2 || (gt <= 4 && P::V::kCodeBits < 8) ||
-                     (wide_tile(gt, dmax, exact) && !(P::V::kCodeBits == 4 && dmax == 128)));
+    return exact && (gt <= 2 || (gt <= 4 && P::V::kCodeBits < 8) || wide_tile(gt, dmax, exact));
   } else {
-    return false;
+    return wide_tile(gt, dmax, exact);
   }
 }
 
@@ -174,7 +174,8 @@ __global__ void __launch_bounds__(kAttnThreads, attn_min_blocks(wide_tile(GT, DM
   constexpr bool kQuant = P::K::kScaled || P::V::kScaled;
   constexpr bool kWide = wide_tile(GT, DMAX, kExact);
   constexpr int T = tile_rows(GT, DMAX, kQuant && !kExact, kWide, dense_tiles<P>(GT, DMAX, kExact));
-  constexpr int LPR = kAttnThreads / T;       // lanes per K row in the score pass (2..16)
+  constexpr int KR = score_rows(kWide, T, DMAX);  // K rows a lane takes in the score pass
+  constexpr int LPR = kAttnThreads * KR / T;  // lanes per K row in the score pass (2..16)
   constexpr int KC = DMAX / 8 / LPR;          // 16-byte K chunks per lane, at most
   // V columns per thread in the output pass (split_smem_floats sizes for them: wide_v)
   constexpr int COLS = v_columns<typename P::V>(GT, DMAX, kExact);
@@ -186,16 +187,25 @@ __global__ void __launch_bounds__(kAttnThreads, attn_min_blocks(wide_tile(GT, DM
   constexpr bool kFoldKMin = KF::kHasMin && fold_min(GT);
   constexpr bool kSumKMin = KF::kHasMin && !kFoldKMin;
   constexpr bool kLean = lean_kernel(GT, DMAX, kExact);
+  // The softmax rescales lazily in wide tiles, whose 8 heads' scores made it 11% of a tile's
+  // issue slots. Tiles of up to 4 heads keep the eager pass: in their 64 registers the lazy one
+  // ran 2-4% slower through the compute_52 PTX on an H100 (group 4, head_dim 128). So do the
+  // instances that export scores: natively (sm_90), B8 8/1 D256 L8K with weights, one block an
+  // SM, went from 95 to 109 us with it.
+  constexpr bool kLazy = kWide && !kScores;
   // Scores at a tier's slot map's positions: tiers are of quantized pairs, so F16's instances
   // (which run kept parts only in a tiered call) leave the map's cost out of every score. The
   // same map masks a tier's rows at or past the item's full_len (a causal call's query row sees
   // the positions before its own and its own only; in a decode call every row is before it).
   constexpr bool kMapped = kScores && KF::kScaled && VF::kScaled;
   static_assert(LPR >= 2 && LPR <= 32 && KC >= 1 && T <= 32, "tile shape");
+  static_assert(KR == 1 || kLean, "a lane's second row is checked against the tile's end only "
+                                  "where rows past it read as zeros");
 
   extern __shared__ float smem[];
   __shared__ SoftmaxState s_state[GT];
   __shared__ __align__(16) float s_alpha[GT];
+  __shared__ float s_lsum[kLazy ? GT * T : 1];  // each (head, tile row)'s share of its sum
   __shared__ long long s_scores;  // plan.weights: where row p_begin of the block's first head goes
   __shared__ int s_split;         // M40LLM_PLAN_TIER: the block's split in the call
   __shared__ const int32_t *s_map;  // a tier's rows: their positions, or null
@@ -247,6 +257,8 @@ __global__ void __launch_bounds__(kAttnThreads, attn_min_blocks(wide_tile(GT, DM
     }
   }
   if (tid < GT) s_state[tid] = SoftmaxState::empty();
+  if (kLazy)
+    for (int i = tid; i < GT * T; i += kAttnThreads) s_lsum[i] = 0.0f;
   // Exported scores (m40llm_kvcache_attn_weights_ex): the block's place in the caller's rows
   // from shared memory, so that no register holds it through the loop when there are none.
   if (kScores && tid == 0) {
@@ -260,7 +272,8 @@ __global__ void __launch_bounds__(kAttnThreads, attn_min_blocks(wide_tile(GT, DM
     }
   }
 
-  // Score pass: LPR lanes per K row, each with up to KC 16-byte chunks of it.
+  // Score pass: LPR lanes per K row, each with up to KC 16-byte chunks of it and of the rows
+  // T / KR, 2T / KR, ... after it.
   const int k_row = tid / LPR, k_lane = tid % LPR;
   const int chunks = D / 8;
   // Output pass: COLS columns per thread; row groups stride over the tile's positions.
@@ -307,12 +320,15 @@ __global__ void __launch_bounds__(kAttnThreads, attn_min_blocks(wide_tile(GT, DM
       // tile instead of one per row batch. kLean: rows past the tile's end read as zeros (every
       // format decodes them to 0): their scores are replaced by -inf and their weights are 0, so
       // the passes below need no per-row branch.
-      KRaw kraw[KC];
+      KRaw kraw[KR][KC];
 #pragma unroll
-      for (int j = 0; j < KC; j++) {
-        const bool live = k_row < rows && k_lane + j * LPR < chunks;
-        if (live) kraw[j] = kw.template load<8>(a.k, j * LPR * 8);
-        else if (kLean) kraw[j] = KRaw{};
+      for (int r = 0; r < KR; r++) {
+#pragma unroll
+        for (int j = 0; j < KC; j++) {
+          const bool live = k_row + r * (T / KR) < rows && k_lane + j * LPR < chunks;
+          if (live) kraw[r][j] = kw.template load<8>(a.k, r * (T / KR) * D + j * LPR * 8);
+          else if (kLean) kraw[r][j] = KRaw{};
+        }
       }
       VRaw vraw[VR];
       auto vwi = vw;  // a step a row: no product per row and tile
@@ -326,53 +342,65 @@ __global__ void __launch_bounds__(kAttnThreads, attn_min_blocks(wide_tile(GT, DM
 
 #pragma unroll
       for (int g0 = 0; g0 < GT; g0 += GH) {
-        float acc[GH];
+        float acc[KR][GH];
 #pragma unroll
-        for (int g = 0; g < GH; g++) acc[g] = 0.0f;
+        for (int r = 0; r < KR; r++)
+#pragma unroll
+          for (int g = 0; g < GH; g++) acc[r][g] = 0.0f;
 #pragma unroll
         for (int j = 0; j < KC; j++) {
           const int c = k_lane + j * LPR;
           if ((kLean || k_row < rows) && c < chunks) {  // q past head_dim is not staged
-            float kf[8];
-            KF::template widen<8>(kraw[j], kf);
-            float k_scale = KF::template scale<8>(kraw[j]);
-            const float k_min = KF::template min<8>(kraw[j]);
-            if constexpr (kFoldKMin) {  // as for V below
-              const bool flat = k_scale == 0.0f;
-              const float off = flat ? 1.0f : __fdividef(k_min, k_scale);
+            float kf[KR][8], k_scale[KR], k_min[KR];
 #pragma unroll
-              for (int i = 0; i < 8; i++) kf[i] += off;
-              k_scale = flat ? k_min : k_scale;
+            for (int r = 0; r < KR; r++) {
+              KF::template widen<8>(kraw[r][j], kf[r]);
+              k_scale[r] = KF::template scale<8>(kraw[r][j]);
+              k_min[r] = KF::template min<8>(kraw[r][j]);
+              if constexpr (kFoldKMin) {  // as for V below
+                const bool flat = k_scale[r] == 0.0f;
+                const float off = flat ? 1.0f : __fdividef(k_min[r], k_scale[r]);
+#pragma unroll
+                for (int i = 0; i < 8; i++) kf[r][i] += off;
+                k_scale[r] = flat ? k_min[r] : k_scale[r];
+              }
             }
 #pragma unroll
             for (int g = 0; g < GH; g++) {
               const float *qg = qp + (g0 + g) * DMAX + j * LPR * 4;
               const float4 qa = *reinterpret_cast<const float4 *>(qg);
               const float4 qb = *reinterpret_cast<const float4 *>(qg + DMAX / 2);
-              float s = KF::kScaled ? 0.0f : acc[g];
-              s = fmaf(qa.x, kf[0], s);
-              s = fmaf(qa.y, kf[1], s);
-              s = fmaf(qa.z, kf[2], s);
-              s = fmaf(qa.w, kf[3], s);
-              s = fmaf(qb.x, kf[4], s);
-              s = fmaf(qb.y, kf[5], s);
-              s = fmaf(qb.z, kf[6], s);
-              s = fmaf(qb.w, kf[7], s);
-              if constexpr (KF::kScaled) s = fmaf(k_scale, s, acc[g]);
-              if constexpr (kSumKMin) s = fmaf(k_min, sqsum[(g0 + g) * (DMAX / 8) + c], s);
-              acc[g] = s;
+#pragma unroll
+              for (int r = 0; r < KR; r++) {
+                float s = KF::kScaled ? 0.0f : acc[r][g];
+                s = fmaf(qa.x, kf[r][0], s);
+                s = fmaf(qa.y, kf[r][1], s);
+                s = fmaf(qa.z, kf[r][2], s);
+                s = fmaf(qa.w, kf[r][3], s);
+                s = fmaf(qb.x, kf[r][4], s);
+                s = fmaf(qb.y, kf[r][5], s);
+                s = fmaf(qb.z, kf[r][6], s);
+                s = fmaf(qb.w, kf[r][7], s);
+                if constexpr (KF::kScaled) s = fmaf(k_scale[r], s, acc[r][g]);
+                if constexpr (kSumKMin) s = fmaf(k_min[r], sqsum[(g0 + g) * (DMAX / 8) + c], s);
+                acc[r][g] = s;
+              }
             }
           }
         }
         // Each of a row's LPR / GH lane runs ends with one head's whole score (8 heads over 4
-        // lanes: each lane with 2).
-        const float score = lane_sums<GH, LPR>(acc, k_lane);
+        // lanes: each lane with 2), row by row.
         constexpr int kRun = GH < LPR ? LPR / GH : 1, kPer = GH > LPR ? GH / LPR : 1;
-        if (k_lane % kRun == 0) {
 #pragma unroll
-          for (int i = 0; i < kPer; i++)
-            sp[k_row * GT + g0 + k_lane / kRun * kPer + i] =
-                k_row < rows ? (kPer == 1 ? score : acc[i]) : -INFINITY;
+        for (int r = 0; r < KR; r++) {
+          const float score = lane_sums<GH, LPR>(acc[r], k_lane);
+          const int row = k_row + r * (T / KR);
+          if (k_lane % kRun == 0) {
+#pragma unroll
+            for (int i = 0; i < kPer; i++)
+              sp[row * GT + g0 + k_lane / kRun * kPer + i] =
+                  row < rows ? (kPer == 1 ? score : acc[r][i]) : -INFINITY;
+          }
         }
       }
       __syncthreads();
@@ -380,7 +408,10 @@ __global__ void __launch_bounds__(kAttnThreads, attn_min_blocks(wide_tile(GT, DM
       // Online softmax over the tile: a thread a (head, position), T adjacent lanes a head, so
       // that every lane of a busy warp has a weight to work out. Whether any head's max rose
       // comes back from the barrier: the output is rescaled only then (alpha is exactly 1
-      // otherwise).
+      // otherwise). kLazy: a head's max moves only when a score of the warp's heads passes it by
+      // more than kSoftmaxSlack (its weights stay under 2^kSoftmaxSlack), so most tiles take no
+      // reduction and no rescale, and each thread adds its position's weight to its own share of
+      // the sum (s_lsum), summed once after the loop.
       bool raised = false;
 #pragma unroll
       for (int pass = 0; pass < kSoftPasses; pass++) {
@@ -396,24 +427,46 @@ __global__ void __launch_bounds__(kAttnThreads, attn_min_blocks(wide_tile(GT, DM
           if (map && pos >= s_limit) x = -INFINITY;
           if (g < nh && plan.weights) plan.weights[s_scores + g * plan.weights_stride + pos] = x;
         }
-        float tile_max = x;
+        if constexpr (kLazy) {
+          float m = s_state[g].m, alpha = 1.0f;
+          if (__any_sync(0xffffffffu, x > m + kSoftmaxSlack)) {
+            float tile_max = x;
 #pragma unroll
-        for (int off = T / 2; off > 0; off >>= 1)
-          tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, off));
-        SoftmaxState st = s_state[g];
-        const float alpha = st.raise(tile_max);
-        const float w = st.weight(x);
-        float sum = w;
+            for (int off = T / 2; off > 0; off >>= 1)
+              tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, off));
+            const float m_new = fmaxf(m, tile_max);
+            alpha = exp2f(m - SoftmaxState::reference(m_new));
+            m = m_new;
+            raised |= mine && alpha != 1.0f;
+            __syncwarp();  // every lane has read s_state[g] before its first lane replaces it
+            if (mine && r == 0) s_state[g].m = m;
+          }
+          if (mine) {
+            const float w = exp2_ftz(x - SoftmaxState::reference(m));
+            sp[r * GT + g] = w;
+            s_lsum[i] = fmaf(s_lsum[i], alpha, w);
+            if (r == 0) s_alpha[g] = alpha;
+          }
+        } else {
+          float tile_max = x;
 #pragma unroll
-        for (int off = T / 2; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-        st.l += sum;
-        raised |= mine && alpha != 1.0f;
-        __syncwarp();  // every lane has read s_state[g] before its head's first lane replaces it
-        if (mine) {
-          sp[r * GT + g] = w;
-          if (r == 0) {
-            s_state[g] = st;
-            s_alpha[g] = alpha;
+          for (int off = T / 2; off > 0; off >>= 1)
+            tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, off));
+          SoftmaxState st = s_state[g];
+          const float alpha = st.raise(tile_max);
+          const float w = st.weight(x);
+          float sum = w;
+#pragma unroll
+          for (int off = T / 2; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+          st.l += sum;
+          raised |= mine && alpha != 1.0f;
+          __syncwarp();  // every lane has read s_state[g] before its head's first lane replaces it
+          if (mine) {
+            sp[r * GT + g] = w;
+            if (r == 0) {
+              s_state[g] = st;
+              s_alpha[g] = alpha;
+            }
           }
         }
       }
@@ -497,6 +550,11 @@ __global__ void __launch_bounds__(kAttnThreads, attn_min_blocks(wide_tile(GT, DM
   if (plan.max_splits == 1) allow_dependent_launch();
 
   __syncthreads();  // q and weights are dead: reuse their space for the row-group reduction
+  if (kLazy && tid < GT) {  // each head's sum from its rows' shares (the next barrier orders it)
+    float l = 0.0f;
+    for (int r = 0; r < T; r++) l += s_lsum[tid * T + r];
+    s_state[tid].l = l;
+  }
   float *red = smem;  // [row_group][GT][D]
   if (pv_active) {
 #pragma unroll

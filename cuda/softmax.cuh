@@ -12,6 +12,19 @@
 #include <float.h>
 #include <math.h>
 
+// A kernel may keep its running max until a score passes it by more than this (log2 units), so
+// that its weights stay under 2^8 and most tiles skip the max's reduction and the rescale; the
+// state's (m, l) is then exact about the max it kept, which any merge takes as it is.
+constexpr float kSoftmaxSlack = 8.0f;
+
+// exp2 with subnormal results flushed to 0 (MUFU.EX2 and its range step: 2 instructions on sm_52
+// where exp2f takes 5): for a weight, 2^-126 of the max's is below what any sum it joins resolves.
+__device__ __forceinline__ float exp2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // A plain aggregate, so that it can live in shared memory: start from SoftmaxState::empty().
 struct SoftmaxState {
   float m, l;

@@ -36,12 +36,12 @@ __host__ __device__ constexpr int attn_min_blocks(bool wide) { return wide ? 4 :
 // at once (32 + 32 bytes of F16 a thread; sm_5x/6x 16 + 16 for tiles of 8 heads in 64 registers,
 // and for `tight` ones: 4 heads with a quantized K or V and head_dim known only at run time,
 // where 32 + 32 spill and the M40's bandwidth x latency needs less). `dense` (sm_5x/6x): a
-// quantized tile at a compile-time head_dim (dense_tiles in attention_fp32.cu: up to 4 heads,
+// quantized tile at a compile-time head_dim (dense_tiles in attention_fp32.cuh: up to 4 heads,
 // and most wide ones) takes twice the rows, up to 32: its codes are a quarter to half F16's
 // bytes, so F16's rows left few bytes in flight and paid a tile's barriers and softmax per 16
-// (compute_52 on an H100, Q4 at 4 heads: 0.65-0.90x the time). The host pass (no
-// __CUDA_ARCH__) takes the largest value, which sizes shared memory and the splits' granularity
-// for every device pass.
+// (compute_52 on an H100, Q4 at 4 heads: 0.65-0.90x the time); so does an F16 wide tile, for
+// its score pass's two rows a lane (score_rows). The host pass (no __CUDA_ARCH__) takes the
+// largest value, which sizes shared memory and the splits' granularity for every device pass.
 __host__ __device__ constexpr int tile_rows(int group_tile, int dmax, bool tight, bool wide,
                                             bool dense = false) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 700
@@ -64,6 +64,15 @@ __host__ __device__ constexpr int heads_per_pass(int group_tile, bool wide) {
 #else
   return wide ? group_tile : group_tile > 4 ? 2 : group_tile;
 #endif
+}
+
+// K rows a lane takes in the score pass: 2 in a wide tile whose lanes would otherwise hold 4 or
+// more chunks of a row (head_dim 128 at 32 positions, 256 at 16), so that each chunk of q loaded
+// from shared memory serves two rows: half the score pass's shared loads, whose L1 wavefronts
+// bound the wide kernels on an H100 through the compute_52 PTX (L1/TEX at 78%, issue at 45%;
+// with two rows 0.72-0.77x the time at group 8: bench/RESULTS.md, "Wide 8-head tiles share...").
+__host__ __device__ constexpr int score_rows(bool wide, int t, int dmax) {
+  return wide && dmax / 8 / (kAttnThreads / t) >= 4 ? 2 : 1;
 }
 
 // V columns per thread in the output pass: heads x columns accumulators stay at 8-16 registers.

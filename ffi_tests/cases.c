@@ -773,6 +773,7 @@ void t_cases_attention_basic(m40llm_context *ctx) {
   attention_extreme_logits(ctx, 4, 2, 16);
   attention_extreme_logits(ctx, 16, 2, 128); /* the tensor-core kernel on sm_80+ */
   attention_extreme_logits(ctx, 12, 4, 80);  /* the same with a 16-dim tail */
+  attention_extreme_logits(ctx, 8, 1, 256);  /* the M40's wide 8-head tile, its lazy rescale */
   attention_ids_alias_out(ctx);
   t_set_case("");
 }
@@ -869,6 +870,7 @@ void t_cases_attention_masked(m40llm_context *ctx) {
   for (int i = 0; i < 3; i++) {
     attention_masked_shape(ctx, 4, 4, dims[i]); /* group 1 */
     attention_masked_shape(ctx, 8, 2, dims[i]); /* group 4 */
+    attention_masked_shape(ctx, 8, 1, dims[i]); /* group 8: wide tiles at 128 and 256 */
   }
   t_set_case("");
 }
