@@ -81,11 +81,18 @@ def pv_columns(gt, wide=False):
     return 8 if gt == 1 else 4 if gt == 2 or (gt == 4 and wide) else 2
 
 
-def smem_bytes(gt, dmax, head_dim, k_min, wide_v=False, dense=False):
-    k_min = k_min and not gt > 4  # fold_min
+def v_columns(gt, dmax, exact, vfmt):
+    """cuda/attention_fp32.cuh's v_columns: a wide tile over a V of 4 bits or fewer takes 4."""
+    if vfmt == "KvF16":
+        return pv_columns(gt, False)
+    return 4 if vfmt != "KvQ8" and wide_tile(gt, dmax, exact) else pv_columns(gt, exact)
+
+
+def smem_bytes(gt, dmax, head_dim, vfmt="KvF16", dense=False):
     t = tile_rows(gt, dmax, device=False, dense=dense)
-    a = gt * (dmax + t + (dmax // 8 if k_min else 0))
-    rg = THREADS // (head_dim // pv_columns(gt, wide_v))
+    a = gt * (dmax + t)
+    cols = v_columns(gt, dmax, head_dim == dmax, vfmt)
+    rg = THREADS // (head_dim // cols) // (2 if gt * cols >= 32 else 1)  # partial_row_groups
     return 4 * max(a, rg * gt * head_dim)
 
 
@@ -96,7 +103,6 @@ PAIRS = [("KvF16", "KvF16"), ("KvQ8", "KvQ8"), ("KvQ4", "KvQ4"), ("KvQ8", "KvQ4"
          ("KvQ4", "KvQ2")]
 PAIR_NAME = {("KvF16", "KvF16"): "F16", ("KvQ8", "KvQ8"): "Q8", ("KvQ4", "KvQ4"): "Q4",
              ("KvQ8", "KvQ4"): "Q8Q4", ("KvQ4", "KvQ3"): "Q4Q3", ("KvQ4", "KvQ2"): "Q4Q2"}
-K_HAS_MIN = {"KvF16": False, "KvQ8": False, "KvQ4": True}
 
 # bench/formats.sh's shapes (B, H, Hkv, D, L)
 SHAPES = [(1, 32, 32, 128, 8192), (1, 32, 32, 128, 32768), (8, 32, 32, 128, 8192), (8, 32, 8, 128, 8192),
@@ -379,7 +385,7 @@ def plan_chunks(lens, units, target, min_blocks, min_chunk, tile):
 
 
 def occupancy(kern, gt, dmax, head_dim, kfmt, dev, vfmt="KvF16"):
-    sm = smem_bytes(gt, dmax, head_dim, K_HAS_MIN[kfmt], vfmt != "KvF16" and head_dim == dmax,
+    sm = smem_bytes(gt, dmax, head_dim, vfmt,
                     dense_tiles(gt, dmax, kfmt, vfmt, head_dim == dmax)) + kern.get("smem", 0)
     return m40_resources.occupancy(kern.get("regs", 64), sm, THREADS, dev)["blocks_per_sm"], sm
 

@@ -26,7 +26,7 @@ int fp32_split_pass(m40llm_cuda_state *st, int head_dim, const Grouping &g, bool
   const bool exact = head_dim == dmax;  // its class's
   const bool dense = dense_tiles<P>(g.gt, dmax, exact);
   SplitPass pass{kernel, kAttnThreads,
-                 split_smem_floats(g.gt, dmax, head_dim, P::K::kHasMin,
+                 split_smem_floats(g.gt, dmax, head_dim,
                                    v_columns<typename P::V>(g.gt, dmax, exact), dense) *
                      sizeof(float),
                  tile_rows(g.gt, dmax, false, false, dense), 0, 0, false, false,

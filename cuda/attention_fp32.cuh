@@ -69,18 +69,50 @@ __device__ __forceinline__ float lane_sums(float (&acc)[N], int k_lane) {
 __host__ __device__ constexpr int pv_row_groups(int head_dim, int cols) {
   return kAttnThreads / (head_dim / cols);
 }
+// Where a thread holds 32 accumulators (8 heads x 4 V columns), the upper half of the row groups
+// adds its partials into the lower half's before the reduction: 16 KB at head_dim 128 and 256,
+// not 32, which would leave sm_52 3 blocks an SM where the registers allow 4.
+__host__ __device__ constexpr bool halve_partials(int gt, int cols) { return gt * cols >= 32; }
+__host__ __device__ constexpr int partial_row_groups(int head_dim, int cols, int gt) {
+  return pv_row_groups(head_dim, cols) / (halve_partials(gt, cols) ? 2 : 1);
+}
 
-// Formats with a min fold it into the codes (value = (code + min / scale) x scale) in 8-head
-// tiles: the sums that keep it apart (per head, or q's per chunk) would spill on sm_52 in 64
-// registers, and cost a wide tile more slots than the fold.
-__host__ __device__ constexpr bool fold_min(int gt) { return gt > 4; }
+// Formats with a min (Q4, Q3, Q2) are dequantized in registers, value = factor x scale + min,
+// one FMA an element from the biased factors (kv_format.cuh: no FP32 instruction to widen them):
+// K always (a chunk's 8 FMAs, against the sums' subtract an element and 2 multiply-adds a head),
+// and V where a row's COLS columns are fewer than twice its GT heads (against GT multiplies of
+// the weights by the scale and GT multiply-adds of the min's sum, o_min, a row; at 2 heads and 4
+// columns the sum took fewer slots on sm_52). The sums keep exact codes: over biased ones they
+// would cancel kBias x sum(w) against the min.
+template <typename F>
+__host__ __device__ constexpr bool dequant_v(int gt, int cols) {
+  return F::kHasMin && cols < 2 * gt;
+}
+
+// A group's factors as the kernel multiplies them, with the scale and the min that go with them:
+// biased where the kernel dequantizes (kBiased), else exact codes.
+template <typename F, bool kBiased, int N, typename R>
+__device__ __forceinline__ void factors(const R &raw, float (&f)[N], float &scale, float &min) {
+  scale = F::template scale<N>(raw);
+  min = F::template min<N>(raw);
+  if constexpr (kBiased && F::kHasMin) {
+    F::template widen_biased<N>(raw, f);
+    min = fmaf(-F::kBias, scale, min);
+  } else {
+    F::template widen<N>(raw, f);
+  }
+}
+
+// 8-head tiles of 64 registers (not wide) whose K and V both have a min spill at a compile-time
+// head_dim on sm_52: they take the run-time one's kernel (kernel_for_d).
+__host__ __device__ constexpr bool narrow_both_min_spills(int gt) { return gt > 4; }
 
 // V columns a thread of a kernel over V format VF takes (tuning.cuh's pv_columns; a wide tile
 // over a V of fewer than 4 bits takes 4, whole bytes of each plane: a cursor loads them).
 template <typename VF>
 __host__ __device__ constexpr int v_columns(int gt, int dmax, bool exact) {
   if constexpr (VF::kScaled) {
-    return wide_tile(gt, dmax, exact) && VF::kCodeBits < 4 ? 4 : pv_columns(gt, exact);
+    return wide_tile(gt, dmax, exact) && VF::kCodeBits <= 4 ? 4 : pv_columns(gt, exact);
   } else {
     return pv_columns(gt, false);
   }
@@ -102,13 +134,11 @@ __host__ __device__ constexpr bool dense_tiles(int gt, int dmax, bool exact) {
 }
 
 // cols: the kernel's V columns a thread (v_columns); dense: dense_tiles.
-constexpr int split_smem_floats(int gt, int dmax, int head_dim, bool k_min, int cols,
-                                bool dense) {
-  k_min = k_min && !fold_min(gt);
-  return gt * (dmax + tile_rows(gt, dmax, false, false, dense) + (k_min ? dmax / 8 : 0)) >
-                 pv_row_groups(head_dim, cols) * gt * head_dim
-             ? gt * (dmax + tile_rows(gt, dmax, false, false, dense) + (k_min ? dmax / 8 : 0))
-             : pv_row_groups(head_dim, cols) * gt * head_dim;
+constexpr int split_smem_floats(int gt, int dmax, int head_dim, int cols, bool dense) {
+  return gt * (dmax + tile_rows(gt, dmax, false, false, dense)) >
+                 partial_row_groups(head_dim, cols, gt) * gt * head_dim
+             ? gt * (dmax + tile_rows(gt, dmax, false, false, dense))
+             : partial_row_groups(head_dim, cols, gt) * gt * head_dim;
 }
 
 // Where the q of head g keeps dim d in shared memory: [GT][2][DMAX / 8][4], dims 0-3 of every
@@ -159,8 +189,9 @@ __host__ __device__ constexpr bool lean_kernel(int gt, int dmax, bool exact) {
 // DMAX, a multiple of 8).
 //
 // Quantized formats: a lane's 8-dim K chunk and a thread's COLS V columns lie in one group, so
-// the scale (and min) apply once per chunk: score += scale * (q . codes) + min * sum(q), and
-// o += (w * scale) * codes with sum(w * min) kept apart and added to o at the end.
+// the scale (and min) apply once per chunk: Q8's score += scale * (q . codes), and o += (w *
+// scale) * codes (or scaled codes) with sum(w * min) kept apart and added to o at the end where
+// V has a min and is not dequantized (dequant_v).
 //
 // Rotated K/V (a.rot_k, a.rot_v): q is rotated on its way into shared memory and the output
 // back before it is stored, a warp a head (rotation.cuh). Protected tokens: the plan gives the
@@ -184,8 +215,6 @@ __global__ void __launch_bounds__(kAttnThreads, attn_min_blocks(wide_tile(GT, DM
   constexpr int kSoftPasses = (GT * T + kAttnThreads - 1) / kAttnThreads;  // softmax, per thread
   using KF = typename P::K;
   using VF = typename P::V;
-  constexpr bool kFoldKMin = KF::kHasMin && fold_min(GT);
-  constexpr bool kSumKMin = KF::kHasMin && !kFoldKMin;
   constexpr bool kLean = lean_kernel(GT, DMAX, kExact);
   // The softmax rescales lazily in wide tiles, whose 8 heads' scores made it 11% of a tile's
   // issue slots. Tiles of up to 4 heads keep the eager pass: in their 64 registers the lazy one
@@ -246,16 +275,6 @@ __global__ void __launch_bounds__(kAttnThreads, attn_min_blocks(wide_tile(GT, DM
       sq[g * DMAX + QIndex<DMAX>()(d)] = g < nh ? q[i] * a.q_scale : 0.0f;
     }
   }
-  float *sqsum = smem + GT * (DMAX + T);  // [GT][DMAX / 8], K formats with a min only
-  if constexpr (kSumKMin) {
-    __syncthreads();
-    for (int i = tid; i < GT * (D / 8); i += kAttnThreads) {
-      const int g = i / (D / 8), c = i % (D / 8);
-      float sum = 0.0f;
-      for (int j = 0; j < 8; j++) sum += sq[g * DMAX + QIndex<DMAX>()(8 * c + j)];
-      sqsum[g * (DMAX / 8) + c] = sum;
-    }
-  }
   if (tid < GT) s_state[tid] = SoftmaxState::empty();
   if (kLazy)
     for (int i = tid; i < GT * T; i += kAttnThreads) s_lsum[i] = 0.0f;
@@ -282,10 +301,7 @@ __global__ void __launch_bounds__(kAttnThreads, attn_min_blocks(wide_tile(GT, DM
   const int rg = tid / pv_tpr;
   const int col = (tid % pv_tpr) * COLS;
   const bool pv_active = rg < row_groups;
-  // V folds its min also where a thread holds 16 accumulators (GT x COLS): the fold's COLS adds
-  // a row cost no more than the sum's GT multiply-adds, and o_min's GT registers spill there.
-  constexpr bool kFoldVMin = fold_min(GT) || GT * COLS >= 16;
-  constexpr bool kSumMin = VF::kHasMin && !kFoldVMin;
+  constexpr bool kSumMin = VF::kHasMin && !dequant_v<VF>(GT, COLS);
   float o[GT][COLS];
   float o_min[kSumMin ? GT : 1];  // sum(w * min) over the rows, per head
 #pragma unroll
@@ -310,10 +326,8 @@ __global__ void __launch_bounds__(kAttnThreads, attn_min_blocks(wide_tile(GT, DM
     using VF = decltype(v_format);
     using KRaw = typename KF::template Raw<8>;
     using VRaw = typename VF::template Raw<COLS>;
-    constexpr bool kFoldKMin = KF::kHasMin && fold_min(GT);
-    constexpr bool kSumKMin = KF::kHasMin && !kFoldKMin;
-    constexpr bool kFoldMin = VF::kHasMin && kFoldVMin;
-    constexpr bool kSumMin = VF::kHasMin && !kFoldMin;
+    constexpr bool kDequantV = dequant_v<VF>(GT, COLS);
+    constexpr bool kSumMin = VF::kHasMin && !kDequantV;
     for (int t0 = p_begin; t0 < p_end; t0 += T, kw.step(tile_step), vw.step(tile_step)) {
       const int rows = min(T, p_end - t0);
       // Every load of the tile goes out before anything waits on one: one memory latency per
@@ -354,15 +368,10 @@ __global__ void __launch_bounds__(kAttnThreads, attn_min_blocks(wide_tile(GT, DM
             float kf[KR][8], k_scale[KR], k_min[KR];
 #pragma unroll
             for (int r = 0; r < KR; r++) {
-              KF::template widen<8>(kraw[r][j], kf[r]);
-              k_scale[r] = KF::template scale<8>(kraw[r][j]);
-              k_min[r] = KF::template min<8>(kraw[r][j]);
-              if constexpr (kFoldKMin) {  // as for V below
-                const bool flat = k_scale[r] == 0.0f;
-                const float off = flat ? 1.0f : __fdividef(k_min[r], k_scale[r]);
+              factors<KF, true>(kraw[r][j], kf[r], k_scale[r], k_min[r]);
+              if constexpr (KF::kHasMin) {
 #pragma unroll
-                for (int i = 0; i < 8; i++) kf[r][i] += off;
-                k_scale[r] = flat ? k_min[r] : k_scale[r];
+                for (int i = 0; i < 8; i++) kf[r][i] = fmaf(kf[r][i], k_scale[r], k_min[r]);
               }
             }
 #pragma unroll
@@ -372,7 +381,8 @@ __global__ void __launch_bounds__(kAttnThreads, attn_min_blocks(wide_tile(GT, DM
               const float4 qb = *reinterpret_cast<const float4 *>(qg + DMAX / 2);
 #pragma unroll
               for (int r = 0; r < KR; r++) {
-                float s = KF::kScaled ? 0.0f : acc[r][g];
+                constexpr bool kScaleSum = KF::kScaled && !KF::kHasMin;  // else kf holds values
+                float s = kScaleSum ? 0.0f : acc[r][g];
                 s = fmaf(qa.x, kf[r][0], s);
                 s = fmaf(qa.y, kf[r][1], s);
                 s = fmaf(qa.z, kf[r][2], s);
@@ -381,8 +391,7 @@ __global__ void __launch_bounds__(kAttnThreads, attn_min_blocks(wide_tile(GT, DM
                 s = fmaf(qb.y, kf[r][5], s);
                 s = fmaf(qb.z, kf[r][6], s);
                 s = fmaf(qb.w, kf[r][7], s);
-                if constexpr (KF::kScaled) s = fmaf(k_scale[r], s, acc[r][g]);
-                if constexpr (kSumKMin) s = fmaf(k_min[r], sqsum[(g0 + g) * (DMAX / 8) + c], s);
+                if constexpr (kScaleSum) s = fmaf(k_scale[r], s, acc[r][g]);
                 acc[r][g] = s;
               }
             }
@@ -487,21 +496,16 @@ __global__ void __launch_bounds__(kAttnThreads, attn_min_blocks(wide_tile(GT, DM
         for (int i = 0; i < VR; i++) {
           const int r = rg + i * row_groups;  // past the tile only where head_dim < DMAX
           if (kLean ? kExact || r < T : r < rows) {
-            float vf[COLS];
-            VF::template widen<COLS>(vraw[i], vf);
-            float v_scale = VF::template scale<COLS>(vraw[i]);
-            const float v_min = VF::template min<COLS>(vraw[i]);
-            if constexpr (kFoldMin) {
-              // A group of equal values has scale 0 and codes 0: then value = (0 + 1) x min.
-              // (8-head tiles: see fold_min.)
-              const bool flat = v_scale == 0.0f;
-              const float off = flat ? 1.0f : __fdividef(v_min, v_scale);
+            float vf[COLS], v_scale, v_min;
+            factors<VF, kDequantV>(vraw[i], vf, v_scale, v_min);
+            if constexpr (kDequantV) {  // values in registers
 #pragma unroll
-              for (int c = 0; c < COLS; c++) vf[c] += off;
-              v_scale = flat ? v_min : v_scale;
+              for (int c = 0; c < COLS; c++) vf[c] = fmaf(vf[c], v_scale, v_min);
             }
-            // The scale goes on whichever is fewer: this row's COLS codes, or its GT weights.
-            constexpr bool kScaleCodes = VF::kScaled && COLS < GT;
+            // Otherwise the scale goes on whichever is fewer: this row's COLS codes, or its GT
+            // weights.
+            constexpr bool kScaleCodes = VF::kScaled && !kDequantV && COLS < GT;
+            constexpr bool kScaleWeights = VF::kScaled && !kDequantV && !kScaleCodes;
             if constexpr (kScaleCodes) {
 #pragma unroll
               for (int c = 0; c < COLS; c++) vf[c] *= v_scale;
@@ -512,7 +516,7 @@ __global__ void __launch_bounds__(kAttnThreads, attn_min_blocks(wide_tile(GT, DM
               load_weights<GH>(sp + r * GT + g0, w);
 #pragma unroll
               for (int g = 0; g < GH; g++) {
-                const float wv = VF::kScaled && !kScaleCodes ? w[g] * v_scale : w[g];
+                const float wv = kScaleWeights ? w[g] * v_scale : w[g];
 #pragma unroll
                 for (int c = 0; c < COLS; c++) o[g0 + g][c] = fmaf(wv, vf[c], o[g0 + g][c]);
                 if constexpr (kSumMin) o_min[g0 + g] = fmaf(w[g], v_min, o_min[g0 + g]);
@@ -555,15 +559,24 @@ __global__ void __launch_bounds__(kAttnThreads, attn_min_blocks(wide_tile(GT, DM
     for (int r = 0; r < T; r++) l += s_lsum[tid * T + r];
     s_state[tid].l = l;
   }
-  float *red = smem;  // [row_group][GT][D]
-  if (pv_active) {
+  float *red = smem;  // [partial row group][GT][D]
+  constexpr bool kHalve = halve_partials(GT, COLS);
+  const int red_groups = kHalve ? row_groups / 2 : row_groups;
+  const int red_rg = rg < red_groups ? rg : rg - red_groups;
 #pragma unroll
-    for (int g = 0; g < GT; g++)
+  for (int half = kHalve ? 1 : 0; half >= 0; half--) {  // kHalve: the upper row groups first
+    if (pv_active && (rg >= red_groups) == (half == 1)) {
 #pragma unroll
-      for (int i = 0; i < COLS; i++)
-        red[(rg * GT + g) * D + col + i] = kSumMin ? o[g][i] + o_min[g] : o[g][i];
+      for (int g = 0; g < GT; g++)
+#pragma unroll
+        for (int i = 0; i < COLS; i++) {
+          float &x = red[(red_rg * GT + g) * D + col + i];
+          const float mine = kSumMin ? o[g][i] + o_min[g] : o[g][i];
+          x = kHalve && half == 0 ? x + mine : mine;
+        }
+    }
+    __syncthreads();
   }
-  __syncthreads();
   // The block's coordinates again rather than kept in registers through the loop (on sm_52 they
   // would be spilled).
   SplitBlock<P> fin = split_block<P, false, false>(a, plan, GT);
@@ -579,7 +592,7 @@ __global__ void __launch_bounds__(kAttnThreads, attn_min_blocks(wide_tile(GT, DM
     // before the combine): the rows summed into row group 0's place, then a warp a head.
     for (int idx = tid; idx < fin.nh * D; idx += kAttnThreads) {
       float acc = 0.0f;
-      for (int r = 0; r < row_groups; r++) acc += red[r * GT * D + idx];
+      for (int r = 0; r < red_groups; r++) acc += red[r * GT * D + idx];
       red[idx] = acc;
     }
     __syncthreads();
@@ -602,7 +615,7 @@ __global__ void __launch_bounds__(kAttnThreads, attn_min_blocks(wide_tile(GT, DM
   for (int idx = tid; idx < fin.nh * D; idx += kAttnThreads) {
     const int g = idx / D, d = idx % D;
     float acc = 0.0f;
-    for (int r = 0; r < row_groups; r++) acc += red[(r * GT + g) * D + d];
+    for (int r = 0; r < red_groups; r++) acc += red[(r * GT + g) * D + d];
     store_split_result(a, fin, fin.h0 + g, d, acc, s_state[g]);
   }
 }
@@ -615,11 +628,12 @@ int dmax_for(int head_dim) {
 }
 
 // A head_dim equal to its class's gets a kernel of its own (every offset a constant: fewer
-// instructions and registers), except where K and V both fold a min into 8-head tiles of 64
-// registers: there it spills on sm_52. kScores: the instances that export scores.
+// instructions and registers), except narrow_both_min_spills'. kScores: the instances that export
+// scores.
 template <typename P, int GT, int DMAX, bool kScores>
 SplitKernel kernel_for_d(int head_dim) {
-  if constexpr (wide_tile(GT, DMAX, true) || !(P::K::kHasMin && P::V::kHasMin && fold_min(GT))) {
+  if constexpr (wide_tile(GT, DMAX, true) ||
+                !(P::K::kHasMin && P::V::kHasMin && narrow_both_min_spills(GT))) {
     if (head_dim == DMAX) return attn_fp32_kernel<P, GT, DMAX, true, kScores>;
   }
   return attn_fp32_kernel<P, GT, DMAX, false, kScores>;

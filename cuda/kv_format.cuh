@@ -123,6 +123,15 @@ struct KvF16 {
   }
 };
 
+// (x & kMask) | bits in one instruction (LOP3): from C, with both constants, the compiler makes
+// two of it.
+template <unsigned kMask>
+__device__ __forceinline__ unsigned and_or(unsigned x, unsigned bits) {
+  unsigned d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(x), "n"(kMask), "r"(bits));
+  return d;
+}
+
 // Codes of N elements of a quantized format in one load: N * bits / 8 bytes.
 template <int Bytes>
 struct CodeVec;
@@ -252,6 +261,27 @@ struct KvAsym : KvQuant<Format, kFormat_, kBits, __half2> {
   __device__ static float scale(const R &raw) { return __low2float(raw.param); }
   template <int N, typename R>
   __device__ static float min(const R &raw) { return __high2float(raw.param); }
+
+  // The attention kernels' factors: kBias + code by integer operations only (widen's FP32
+  // subtract is an instruction an element): the code in the top mantissa bits of a float of
+  // exponent kBits, so kBias = 2^kBits (a larger bias, the code lower down, saves a shift of 8
+  // codes but costs precision: a sum of q x factor then cancels kBias x sum(q) against the min).
+  // value = factor x scale + (min - kBias x scale), which may round otherwise than widen's code x
+  // scale + min (the CPU backend's decode, in one rounding): calls that return values keep widen.
+  static constexpr float kBias = (float)(1 << kBits);
+  static constexpr unsigned kBiasBits = (127u + kBits) << 23;
+  static constexpr int kTop = 23 - kBits;  // the code's bit 0 in a factor
+  // bits [from, from + n) of x at bits [to, to + n), under the bits of kBias (or of `under`)
+  template <int n, int to = kTop>
+  __device__ static unsigned biased(unsigned x, int from, unsigned under = kBiasBits) {
+    return and_or<((1u << n) - 1) << to>(from <= to ? x << (to - from) : x >> (from - to), under);
+  }
+  template <int N, typename R>
+  __device__ static void widen_biased(const R &raw, float (&f)[N]) {
+    const unsigned word = (unsigned)raw.codes;
+#pragma unroll
+    for (int i = 0; i < N; i++) f[i] = __uint_as_float(biased<kBits>(word, kBits * i));
+  }
 };
 
 // Q4: nibbles (element 2j low, 2j + 1 high), one FP16 (scale, min) pair per group.
@@ -372,6 +402,13 @@ struct KvQ3 : KvAsym<KvQ3, M40LLM_KV_Q3, 3> {
 #pragma unroll
     for (int i = 0; i < N; i++)
       f[i] = __int_as_float(0x4B000000u | ((low >> (2 * i)) & 3u) | ((high >> i) & 4u)) - 8388608.0f;
+  }
+  template <int N>
+  __device__ static void widen_biased(const Raw<N> &raw, float (&f)[N]) {
+    const unsigned low = (unsigned)raw.low, high = (unsigned)raw.high;
+#pragma unroll
+    for (int i = 0; i < N; i++)  // bit 2 (bit i of high) above bits 0-1
+      f[i] = __uint_as_float(biased<2>(low, 2 * i, biased<1, kTop + 2>(high, i)));
   }
   // One group, a lane an element (asym_code): the 2-bit plane as Q2's, the bit plane's 4 bytes
   // one ballot.

@@ -47,7 +47,8 @@
 #   abformats the M40 path's K/V formats: the previous main's compute_52 bench_attention
 #             (.ab/bins/base) against this tree's, bench/ab.sh over bench/formats_shapes.sh for
 #             F16, Q8, Q4, Q8Q4 (library defaults) and Q8, Q4 plain: $OUT/abformats/*/ab.md
-#             (AB_EXTRA_SHAPES="B,H,Hkv,D,L ..." adds shapes)
+#             (AB_EXTRA_SHAPES="B,H,Hkv,D,L ..." adds shapes; AB_FORMATS="Q4Q3;Q4Q2" takes
+#             those formats instead)
 # Logs and results go to $OUT (or ./gpu-out). Every GPU test must run: a skip is a failure here.
 set -uo pipefail
 out=${OUT:-$PWD/gpu-out}
@@ -197,8 +198,11 @@ ab_formats() {
   # shellcheck disable=SC2206  # AB_EXTRA_SHAPES: more B,H,Hkv,D,L shapes, space-separated
   FORMAT_SHAPES+=(${AB_EXTRA_SHAPES:-})
   for spec in "${FORMAT_SHAPES[@]}"; do shapes+=(--shape "$spec"); done
-  for spec in F16 Q8 Q4 Q8Q4 "Q8 --kv-rotation none --kv-protect 0,0" \
-              "Q4 --kv-rotation none --kv-protect 0,0"; do
+  local specs=(F16 Q8 Q4 Q8Q4 "Q8 --kv-rotation none --kv-protect 0,0"
+               "Q4 --kv-rotation none --kv-protect 0,0")
+  # AB_FORMATS: other format specs, ';'-separated (e.g. "Q4Q3;Q4Q2")
+  [ -n "${AB_FORMATS:-}" ] && IFS=';' read -r -a specs <<<"$AB_FORMATS"
+  for spec in "${specs[@]}"; do
     local name=${spec%% *}
     [ "$name" != "$spec" ] && name+=-plain
     # shellcheck disable=SC2086  # spec is a format and its options
