@@ -63,9 +63,8 @@ __device__ __forceinline__ float lane_sums(float (&acc)[N], int k_lane) {
 // branch on plan.weights in the tile loop cost the sm_52 kernels 3-5% more issue slots and made
 // some spill, a tax on every call for what a few ask for.
 
-// Shared memory of the split kernel, in floats: q [GT][D], the weight tile [T][GT] and, for a K
-// format with a min, q's sums over each 8-dim chunk [GT][D / 8] while looping; then the
-// per-row-group output partials [row_groups][GT][D] for the final reduction.
+// Shared memory of the split kernel, in floats: q [GT][D] and the weight tile [T][GT] while
+// looping; then the per-row-group output partials [row_groups][GT][D] for the final reduction.
 __host__ __device__ constexpr int pv_row_groups(int head_dim, int cols) {
   return kAttnThreads / (head_dim / cols);
 }
@@ -108,7 +107,8 @@ __device__ __forceinline__ void factors(const R &raw, float (&f)[N], float &scal
 __host__ __device__ constexpr bool narrow_both_min_spills(int gt) { return gt > 4; }
 
 // V columns a thread of a kernel over V format VF takes (tuning.cuh's pv_columns; a wide tile
-// over a V of fewer than 4 bits takes 4, whole bytes of each plane: a cursor loads them).
+// over a V of 4 bits or fewer takes 4: whole bytes of each plane, which a cursor loads, and
+// fewer parameters and loads a value).
 template <typename VF>
 __host__ __device__ constexpr int v_columns(int gt, int dmax, bool exact) {
   if constexpr (VF::kScaled) {
