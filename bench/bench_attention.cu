@@ -310,6 +310,13 @@ static std::vector<Shape> full_grid(bool quick) {
       for (int l : {512, 2048, 8192, 32768}) g.push_back({b, hd.h, hd.hkv, hd.d, l});
       if (b == 1) g.push_back({b, hd.h, hd.hkv, hd.d, 131072});
     }
+  // head_dim 256 (groups 8, 2, 2 and 1) and group 7, at fewer batches and lengths (issue 16).
+  const HD more[] = {{8, 1, 256}, {16, 8, 256}, {32, 16, 256}, {32, 32, 256}, {28, 4, 128}};
+  for (const HD &hd : more) {
+    for (int l : {8192, 32768}) g.push_back({1, hd.h, hd.hkv, hd.d, l});
+    g.push_back({8, hd.h, hd.hkv, hd.d, 8192});
+    g.push_back({32, hd.h, hd.hkv, hd.d, 2048});
+  }
   return g;
 }
 

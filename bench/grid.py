@@ -8,6 +8,8 @@ HEAD_CONFIGS = [(32, 32, 128), (32, 8, 128), (64, 8, 128), (32, 8, 64)]  # (H, H
 BATCHES = [1, 8, 32, 64]
 CONTEXTS = [512, 2048, 8192, 32768]
 LONG_CONTEXT = 131072  # batch 1 only
+# head_dim 256 (groups 8, 2, 2, 1) and group 7: batch 1 at 8K and 32K, batch 8 at 8K, 32 at 2K.
+MORE_CONFIGS = [(8, 1, 256), (16, 8, 256), (32, 16, 256), (32, 32, 256), (28, 4, 128)]
 
 
 def full_grid(quick=False):
@@ -22,6 +24,8 @@ def full_grid(quick=False):
                 g.append((b, h, hkv, d, l))
             if b == 1:
                 g.append((b, h, hkv, d, LONG_CONTEXT))
+    for (h, hkv, d) in MORE_CONFIGS:
+        g += [(1, h, hkv, d, 8192), (1, h, hkv, d, 32768), (8, h, hkv, d, 8192), (32, h, hkv, d, 2048)]
     return g
 
 

@@ -81,9 +81,10 @@ __device__ __forceinline__ uint32_t word(const uint4 &v, int i) {
 
 __device__ __forceinline__ uint32_t word(const uint2 &v, int i) { return i == 0 ? v.x : v.y; }
 
-// One 16-position step of K or V rows (D halves each) for this lane: rows 8j + g, 16 bytes of
-// every 32-dim chunk and 8 of the tail (p points at the lane's first chunk). Rows past the end
-// (rows <= 0: no step) read as zeros: their weight is 0, and 0 x garbage could be NaN.
+// One 16-position step of K or V rows (D halves each, the lane's NC chunks of them) for this
+// lane: rows 8j + g, 16 bytes of each of its 32-dim chunks and 8 of the tail (p points at the
+// lane's first chunk). Rows past the end (rows <= 0: no step) read as zeros: their weight is 0,
+// and 0 x garbage could be NaN.
 template <int NC, int TAIL>
 struct Step {
   uint4 c[2][NC];
@@ -106,9 +107,8 @@ __device__ __forceinline__ typename HalfVec<N>::Raw load_halves(SharedHalves p, 
   return *reinterpret_cast<const typename HalfVec<N>::Raw *>(p.p + n);
 }
 
-template <typename KV, int NC, int TAIL, typename P>
+template <typename KV, int D, int NC, int TAIL, typename P>
 __device__ __forceinline__ void load_step(Step<NC, TAIL> &r, P p, int rows, int g, int t) {
-  constexpr int D = 32 * NC + 16 * TAIL;
 #pragma unroll
   for (int j = 0; j < 2; j++) {
     const bool ok = 8 * j + g < rows;
@@ -132,17 +132,16 @@ struct HalfSteps {
 // A protected cache's kept rows (M40LLM_PLAN_MIXED) as RegisterSteps loads FP16 rows, over the
 // item's parts 0-2 in order: kept row r at its FP16 slot, so a split's kept rows are one loop
 // (one memory round trip a step) whichever runs of the ring they cross.
-template <int NC, int W>
+template <int NC, int W, int D>
 struct KeptSteps : HalfSteps<NC, 0> {
-  static constexpr int D = 32 * NC;
   static constexpr int kBlockRows = kMmaRows * W;
   const __half *kbase, *vbase;  // the (sequence, K/V head)'s slot 0, at this lane's dims
   int end0, end1, first1, first2;  // parts 0 and 1 end at kept rows end0, end1; part 0 at slot 0
   int p_end;
 
   __device__ KeptSteps(const __half *k, const __half *v, const m40llm_attn_parts &pa, int p0,
-                       int p_end_, int lane)
-      : kbase(k + 8 * (lane & 3)), vbase(v + 8 * (lane & 3)), end0(pa.count[0]),
+                       int p_end_, int lane, int dim0)
+      : kbase(k + dim0 + 8 * (lane & 3)), vbase(v + dim0 + 8 * (lane & 3)), end0(pa.count[0]),
         end1(pa.count[0] + pa.count[1]), first1(pa.first[1] - pa.count[0]),
         first2(pa.first[2] - end1), p_end(p_end_) {
     load(this->k, kbase, p0);
@@ -324,11 +323,11 @@ __device__ __forceinline__ ParamRow<T, NC> load_param_row(const T *p, bool ok) {
 // Quantized K/V loaded through registers, as RegisterSteps loads FP16 rows: the step's codes
 // (rows 8j + g, as a lane's B fragments take them) and the parameters of the positions whose
 // scores and weights the lane holds, 8(r / 2) + 2t + r % 2 for r = 0..3.
-template <typename P, int NC, int W>
+template <typename P, int NC, int W, int D>
 struct QuantSteps {
   using KC = MmaCodes<typename P::K>;
   using VC = MmaCodes<typename P::V>;
-  static constexpr int D = 32 * NC;
+  static constexpr int kGroups = D / 32;  // a row's parameters; the lane's NC of them from dim0
   static constexpr int kBlockRows = kMmaRows * W;
   typename KC::Codes kc[2][NC];
   typename VC::Codes vc[2][NC];
@@ -340,15 +339,18 @@ struct QuantSteps {
   const typename VC::Param *vparam;
   int p_end, g, t;
 
-  __device__ QuantSteps(const AttnArgs &a, const SplitBlock<P> &b, int p0, int lane,
+  __device__ QuantSteps(const AttnArgs &a, const SplitBlock<P> &b, int p0, int lane, int dim0,
                         void * /*smem*/, int /*stages*/)
       : p_end(b.p_end), g(lane >> 2), t(lane & 3) {
-    const size_t ke = b.k + (size_t)(p0 + g) * D + 8 * t, ve = b.v + (size_t)(p0 + g) * D + 8 * t;
+    const size_t ke = b.k + (size_t)(p0 + g) * D + dim0 + 8 * t;
+    const size_t ve = b.v + (size_t)(p0 + g) * D + dim0 + 8 * t;
     const size_t krow = b.k / D + p0 + 2 * t, vrow = b.v / D + p0 + 2 * t;
     kcode = KC::at(a.k.plane[M40LLM_KV_CODES], ke);
     vcode = VC::at(a.v.plane[M40LLM_KV_CODES], ve);
-    kparam = static_cast<const typename KC::Param *>(a.k.plane[M40LLM_KV_PARAMS]) + krow * NC;
-    vparam = static_cast<const typename VC::Param *>(a.v.plane[M40LLM_KV_PARAMS]) + vrow * NC;
+    kparam = static_cast<const typename KC::Param *>(a.k.plane[M40LLM_KV_PARAMS]) +
+             krow * kGroups + dim0 / 32;
+    vparam = static_cast<const typename VC::Param *>(a.v.plane[M40LLM_KV_PARAMS]) +
+             vrow * kGroups + dim0 / 32;
     load<KC>(kc, kpar, kcode, kparam, p_end - p0);
     load<VC>(vc, vpar, vcode, vparam, p_end - p0);
   }
@@ -366,18 +368,18 @@ struct QuantSteps {
 #pragma unroll
     for (int r = 0; r < 4; r++) {
       const int pos = 8 * (r >> 1) + (r & 1);
-      par[r] = load_param_row<Param, NC>(param + pos * NC, pos + 2 * t < rows);
+      par[r] = load_param_row<Param, NC>(param + pos * kGroups, pos + 2 * t < rows);
     }
   }
   __device__ void before_scores(int) {}
   __device__ void after_scores(int p0) {
     kcode = KC::add(kcode, (size_t)kBlockRows * D);
-    kparam += (size_t)kBlockRows * NC;
+    kparam += (size_t)kBlockRows * kGroups;
     load<KC>(kc, kpar, kcode, kparam, p_end - (p0 + kBlockRows));
   }
   __device__ void after_output(int p0) {
     vcode = VC::add(vcode, (size_t)kBlockRows * D);
-    vparam += (size_t)kBlockRows * NC;
+    vparam += (size_t)kBlockRows * kGroups;
     load<VC>(vc, vpar, vcode, vparam, p_end - (p0 + kBlockRows));
   }
   __device__ uint4 kb(int j, int c) const { return KC::halves(kc[j][c]); }
@@ -446,9 +448,8 @@ __device__ __forceinline__ void bulk_copy(void *dst, const void *src, uint32_t b
 // Loads through registers: K and V are double-buffered by halves. The next step's K loads go
 // out once the scores are taken, its V loads once the output is updated, so a warp always has
 // loads in flight; the first step's go out at construction, before q is read.
-template <typename KV, int NC, int TAIL, int W>
+template <typename KV, int NC, int TAIL, int W, int D>
 struct RegisterSteps : HalfSteps<NC, TAIL> {
-  static constexpr int D = 32 * NC + 16 * TAIL;
   static constexpr int kBlockRows = kMmaRows * W;  // positions the block's W warps take per step
   using HalfSteps<NC, TAIL>::k;
   using HalfSteps<NC, TAIL>::v;
@@ -456,22 +457,22 @@ struct RegisterSteps : HalfSteps<NC, TAIL> {
   int p_end, g, t;
 
   __device__ RegisterSteps(const AttnArgs &, const SplitBlock<KvPair<KV, KV>> &b, int p0,
-                           int lane, void * /*smem*/, int /*stages*/)
+                           int lane, int dim0, void * /*smem*/, int /*stages*/)
       : p_end(b.p_end), g(lane >> 2), t(lane & 3) {
-    const size_t offset = (size_t)(p0 + g) * D + 8 * t;
+    const size_t offset = (size_t)(p0 + g) * D + dim0 + 8 * t;
     kp = KV::add(b.k, offset);
     vp = KV::add(b.v, offset);
-    load_step<KV>(k, kp, p_end - p0, g, t);
-    load_step<KV>(v, vp, p_end - p0, g, t);
+    load_step<KV, D>(k, kp, p_end - p0, g, t);
+    load_step<KV, D>(v, vp, p_end - p0, g, t);
   }
   __device__ void before_scores(int) {}
   __device__ void after_scores(int p0) {
     kp = KV::add(kp, (size_t)kBlockRows * D);
-    load_step<KV>(k, kp, p_end - (p0 + kBlockRows), g, t);
+    load_step<KV, D>(k, kp, p_end - (p0 + kBlockRows), g, t);
   }
   __device__ void after_output(int p0) {
     vp = KV::add(vp, (size_t)kBlockRows * D);
-    load_step<KV>(v, vp, p_end - (p0 + kBlockRows), g, t);
+    load_step<KV, D>(v, vp, p_end - (p0 + kBlockRows), g, t);
   }
 };
 
@@ -499,7 +500,7 @@ struct StagedSteps : HalfSteps<NC, TAIL> {
   uint32_t parity = 0;
 
   __device__ StagedSteps(const AttnArgs &, const SplitBlock<KvPair<KV, KV>> &b, int p0,
-                         int lane_, void *smem, int stages_)
+                         int lane_, int /*dim0: whole rows*/, void *smem, int stages_)
       : kg(b.k), vg(b.v), p_end(b.p_end), stages(stages_), lane(lane_) {
     __shared__ uint64_t s_bar[kMmaMaxStages][W];
     const int warp = threadIdx.x >> 5;
@@ -525,12 +526,12 @@ struct StagedSteps : HalfSteps<NC, TAIL> {
   __device__ void before_scores(int p0) {
     barrier_wait(bar(slot), parity);
     const int g = lane >> 2, t = lane & 3;
-    load_step<KV>(k, SharedHalves{slot_rows(slot) + g * D + 8 * t}, p_end - p0, g, t);
+    load_step<KV, D>(k, SharedHalves{slot_rows(slot) + g * D + 8 * t}, p_end - p0, g, t);
   }
   __device__ void after_scores(int p0) {
     const int g = lane >> 2, t = lane & 3;
-    load_step<KV>(v, SharedHalves{slot_rows(slot) + (kMmaRows + g) * D + 8 * t}, p_end - p0, g,
-                  t);
+    load_step<KV, D>(v, SharedHalves{slot_rows(slot) + (kMmaRows + g) * D + 8 * t}, p_end - p0,
+                     g, t);
   }
   __device__ void after_output(int p0) {
     __syncwarp();  // every lane's reads of the slot are done (the MMAs consumed them)
@@ -549,10 +550,15 @@ struct StagedSteps : HalfSteps<NC, TAIL> {
 // 32 NC + 4t + 3: of q, of the output, and of the K and V rows it loads (rows 8j + g of a
 // 16-position step).
 //
+// Above head_dim 128 (mma_dim_split): DS warps take each step's positions, warp w the chunks
+// NC / DS x (w % DS) on of every row, and add their scores through shared memory (s_part) at
+// each step, so that each holds the output of its slice only: at head_dim 256 one warp's
+// accumulators (hi and lo rows) and K/V steps in flight would not fit its registers.
+//
 // Dynamic shared memory: the staged kernel's slots (StagedSteps), then, after the loop, the
-// warps' outputs [warp][head][dim] for the merge; a quantized pair's kernel has [head][dim]
-// more after them (rotated q on its way in, the output on its way back: kQuantScratch).
-// mma_smem_bytes() gives its size.
+// outputs of the warps along positions, [warp / DS][head][dim], for the merge; a quantized
+// pair's kernel has [head][dim] more after them (rotated q on its way in, the output on its way
+// back: kQuantScratch). smem_bytes() gives its size.
 //
 // Quantized K/V (P other than F16 with F16: QuantSteps): the codes go into the MMAs as FP16
 // integers, so score = sum over groups of scale x (q . codes) (+ min x sum(q) where K has a
@@ -588,6 +594,10 @@ __global__ void __launch_bounds__(32 * W, mma_min_blocks(32 * NC + 16 * TAIL, W)
   static_assert(!TIER || kQuant, "tiers are quantized pairs");
   static_assert(!CAUSAL || !STAGED, "causal rows: through registers");
   constexpr bool kKMin = kQuant && P::K::kHasMin, kVMin = kQuant && P::V::kHasMin;
+  constexpr int DS = mma_dim_split(D);  // warps a step's positions; NW chunks each, WP of them
+  constexpr int NW = NC / DS, WP = W / DS;
+  static_assert(DS == 1 || (DS == 2 && TAIL == 0 && NC % DS == 0 && W % DS == 0 && !STAGED),
+                "a head_dim split between pairs of warps: whole chunks each, through registers");
 #if M40LLM_MMA_STAGED_HERE
   constexpr bool kStaged = STAGED;
 #else
@@ -595,13 +605,14 @@ __global__ void __launch_bounds__(32 * W, mma_min_blocks(32 * NC + 16 * TAIL, W)
 #endif
   constexpr int kThreads = 32 * W;
   using Steps = std::conditional_t<
-      kQuant, QuantSteps<P, NC, W>,
+      kQuant, QuantSteps<P, NW, WP, D>,
       std::conditional_t<kStaged, StagedSteps<KvF16, NC, TAIL, W>,
-                         RegisterSteps<KvF16, NC, TAIL, W>>>;
+                         RegisterSteps<KvF16, NW, TAIL, WP, D>>>;
   extern __shared__ uint4 s_dyn[];
-  __shared__ SoftmaxState s_state[W][G];
+  __shared__ SoftmaxState s_state[WP][G];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
+  const int pw = warp / DS, c0 = NW * (warp % DS);  // its positions' warp, its first chunk
   SplitBlock<P> b = split_block<P, false>(a, plan, G);
   if constexpr (TIER) {  // the call's number of the split; its rows are the plan's, as built
     b.split = plan.split_base[b.item] + b.split - plan.split_begin[b.item];
@@ -650,10 +661,10 @@ __global__ void __launch_bounds__(32 * W, mma_min_blocks(32 * NC + 16 * TAIL, W)
     cb.p_begin = codes + max(b.p_begin - first, 0);
     cb.p_end = max(codes + b.p_end - first, cb.p_begin);
   }
-  int p0 = cb.p_begin + kMmaRows * warp;
+  int p0 = cb.p_begin + kMmaRows * pw;
   const int p_end = cb.p_end;
-  Steps src(a, cb, p0, lane, s_dyn, a.stages);
-  float *const s_scratch = reinterpret_cast<float *>(s_dyn) + W * G * D;  // [G][D], kQuant
+  Steps src(a, cb, p0, lane, 32 * c0, s_dyn, a.stages);
+  float *const s_scratch = reinterpret_cast<float *>(s_dyn) + WP * G * D;  // [G][D], kQuant
 
   // q in the log2 domain, then scaled by 2^e so its largest magnitude is near 2^13.
   float qf[NC][8], qt[4];
@@ -695,14 +706,17 @@ __global__ void __launch_bounds__(32 * W, mma_min_blocks(32 * NC + 16 * TAIL, W)
   if (qmax > 0.0f && qmax <= 3.0e38f) frexpf(qmax, &e);
   const int shift = max(-126, min(126, 13 - e));
   const float up = ldexpf(1.0f, shift), down = ldexpf(1.0f, -shift);
-  // A K min's share of a score, min x sum(q) over the group, in the scores' 2^e scale.
-  float qsum[NC];
+  // A K min's share of a score, min x sum(q) over the group, in the scores' 2^e scale: the
+  // warp's chunks (selected, not indexed: qf stays in registers).
+  float qsum[NW];
 #pragma unroll
-  for (int c = 0; c < NC; c++) {
+  for (int c = 0; c < NW; c++) {
     qsum[c] = 0.0f;
     if constexpr (kKMin) {
 #pragma unroll
-      for (int j = 0; j < 8; j++) qsum[c] += qf[c][j];
+      for (int n = 0; n < DS; n++)
+#pragma unroll
+        for (int j = 0; j < 8; j++) qsum[c] += n * NW == c0 ? qf[n * NW + c][j] : 0.0f;
       qsum[c] += __shfl_xor_sync(0xffffffffu, qsum[c], 1);
       qsum[c] += __shfl_xor_sync(0xffffffffu, qsum[c], 2);
       qsum[c] *= up;
@@ -733,12 +747,16 @@ __global__ void __launch_bounds__(32 * W, mma_min_blocks(32 * NC + 16 * TAIL, W)
   __syncthreads();
 
   SoftmaxState run = SoftmaxState::empty();  // over this warp's positions; l per lane
-  // Dims 32c + 8t + 2i + {0, 1}, from p's hi terms in [0..1] and its lo terms in [2..3]; the
-  // tail's dims 32 NC + 4t + 2i + {0, 1} the same way.
-  float o[NC][4][4], ot[2][4];
-  float omin[NC];  // a V min's share of this lane's positions' output, per group (kQuant)
+  // Dims 32 (c0 + c) + 8t + 2i + {0, 1}, from p's hi terms in [0..1] and its lo terms in
+  // [2..3]; the tail's dims 32 NC + 4t + 2i + {0, 1} the same way.
+  float o[NW][4][4], ot[2][4];
+  float omin[NW];  // a V min's share of this lane's positions' output, per group (kQuant)
+  // A split head_dim's partial scores, each warp's in turn (two, so a warp's next step's never
+  // overwrites what its partner has yet to read).
+  __shared__ float4 s_part[DS > 1 ? 2 : 1][DS > 1 ? W : 1][32];
+  int part = 0;
 #pragma unroll
-  for (int c = 0; c < NC; c++) {
+  for (int c = 0; c < NW; c++) {
     omin[c] = 0.0f;
 #pragma unroll
     for (int i = 0; i < 4; i++) o[c][i][0] = o[c][i][1] = o[c][i][2] = o[c][i][3] = 0.0f;
@@ -750,7 +768,7 @@ __global__ void __launch_bounds__(32 * W, mma_min_blocks(32 * NC + 16 * TAIL, W)
   // CAUSAL: this lane's row sees rows row_from .. row_lim - 1 of them.
   const auto steps = [&](auto &src, int p0, int p_end, int row_from, int row_lim, auto quant) {
     constexpr bool kQ = decltype(quant)::value;
-  for (; p0 < p_end; p0 += kMmaRows * W) {
+  for (; p0 < p_end; p0 += kMmaRows * WP) {
       const int rows = min(kMmaRows, p_end - p0);
       const int seen = CAUSAL ? min(rows, row_lim - p0) : rows;
       const int unseen = CAUSAL ? row_from - p0 : 0;  // rows before it: masked
@@ -763,11 +781,12 @@ __global__ void __launch_bounds__(32 * W, mma_min_blocks(32 * NC + 16 * TAIL, W)
         if constexpr (kQ) {
           s[j][0] = s[j][1] = 0.0f;
 #pragma unroll
-          for (int c = 0; c < NC; c++) {
+          for (int c = 0; c < NW; c++) {
             float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
             const uint4 kh = src.kb(j, c);
 #pragma unroll
-            for (int h = 0; h < 2; h++) mma16816(acc, s_qa[c][h][lane], word(kh, 2 * h), word(kh, 2 * h + 1));
+            for (int h = 0; h < 2; h++)
+              mma16816(acc, s_qa[c0 + c][h][lane], word(kh, 2 * h), word(kh, 2 * h + 1));
 #pragma unroll
             for (int x = 0; x < 2; x++) {
               s[j][x] += src.kscale(2 * j + x, c) * (acc[x] + acc[x + 2]);
@@ -777,14 +796,22 @@ __global__ void __launch_bounds__(32 * W, mma_min_blocks(32 * NC + 16 * TAIL, W)
         } else {
           float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-          for (int c = 0; c < NC; c++)
+          for (int c = 0; c < NW; c++)
 #pragma unroll
             for (int h = 0; h < 2; h++)
-              mma16816(acc, s_qa[c][h][lane], word(src.kb(j, c), 2 * h), word(src.kb(j, c), 2 * h + 1));
+              mma16816(acc, s_qa[c0 + c][h][lane], word(src.kb(j, c), 2 * h),
+                       word(src.kb(j, c), 2 * h + 1));
           if (TAIL) mma16816(acc, s_qta[lane], src.k.t[j].x, src.k.t[j].y);
           s[j][0] = hi_plus_lo(acc[0], acc[2]);
           s[j][1] = hi_plus_lo(acc[1], acc[3]);
         }
+      }
+      if constexpr (DS > 1) {  // the pair's slices added (a sum of two: the same in both warps)
+        s_part[part][warp][lane] = make_float4(s[0][0], s[0][1], s[1][0], s[1][1]);
+        asm volatile("bar.sync %0, 64;" ::"r"(1 + pw) : "memory");
+        const float4 o = s_part[part][warp ^ 1][lane];
+        s[0][0] += o.x, s[0][1] += o.y, s[1][0] += o.z, s[1][1] += o.w;
+        part ^= 1;
       }
 
       // Online softmax; the 4 lanes of a head hold its 16 scores.
@@ -802,7 +829,7 @@ __global__ void __launch_bounds__(32 * W, mma_min_blocks(32 * NC + 16 * TAIL, W)
       const float alpha = run.raise(tile_max);
       if constexpr (kVMin) {  // in the kept rows' steps too: the max is every step's
 #pragma unroll
-        for (int c = 0; c < NC; c++) omin[c] *= alpha;
+        for (int c = 0; c < NW; c++) omin[c] *= alpha;
       }
       float sum = 0.0f;
 #pragma unroll
@@ -820,16 +847,16 @@ __global__ void __launch_bounds__(32 * W, mma_min_blocks(32 * NC + 16 * TAIL, W)
         // Issue-bound: the output's rescale (a quarter of the step's instructions besides the
         // MMAs) only where some head's max rose, which after the first steps is rare. Not at
         // head_dim 64 and below, whose 128-register kernels then spilled and gained nothing.
-        if (NC <= 2 || __any_sync(0xffffffffu, alpha != 1.0f)) {
+        if (NW <= 2 || __any_sync(0xffffffffu, alpha != 1.0f)) {
 #pragma unroll
-          for (int c = 0; c < NC; c++)
+          for (int c = 0; c < NW; c++)
 #pragma unroll
             for (int i = 0; i < 4; i++)
 #pragma unroll
               for (int x = 0; x < 4; x++) o[c][i][x] *= alpha;
         }
 #pragma unroll
-        for (int c = 0; c < NC; c++) {
+        for (int c = 0; c < NW; c++) {
           uint4 pa;  // A fragment: positions 2t + {0, 1} (hi, lo), then 8 + 2t + {0, 1}
           split_pair(s[0][0] * src.vscale(0, c), s[0][1] * src.vscale(1, c), pa.x, pa.y);
           split_pair(s[1][0] * src.vscale(2, c), s[1][1] * src.vscale(3, c), pa.z, pa.w);
@@ -846,7 +873,7 @@ __global__ void __launch_bounds__(32 * W, mma_min_blocks(32 * NC + 16 * TAIL, W)
         split_pair(s[0][0], s[0][1], pa.x, pa.y);
         split_pair(s[1][0], s[1][1], pa.z, pa.w);
 #pragma unroll
-        for (int c = 0; c < NC; c++)
+        for (int c = 0; c < NW; c++)
 #pragma unroll
           for (int i = 0; i < 4; i++) {
 #pragma unroll
@@ -877,9 +904,10 @@ __global__ void __launch_bounds__(32 * W, mma_min_blocks(32 * NC + 16 * TAIL, W)
       const size_t base = ((size_t)plan.seq[b.item] * n_kv + blockIdx.y / a.head_tiles) * slots;
       const int hi = min(b.p_end, parts.count[0] + parts.count[1] + parts.count[2]);
       if (b.p_begin < hi) {
-        const int q0 = b.p_begin + kMmaRows * warp;
-        KeptSteps<NC, W> kept(static_cast<const __half *>(plan.kept_k) + base,
-                              static_cast<const __half *>(plan.kept_v) + base, parts, q0, hi, lane);
+        const int q0 = b.p_begin + kMmaRows * pw;
+        KeptSteps<NW, WP, D> kept(static_cast<const __half *>(plan.kept_k) + base,
+                                  static_cast<const __half *>(plan.kept_v) + base, parts, q0, hi,
+                                  lane, 32 * c0);
         // Kept row r is position r among the sinks, then window_begin + r - count[0]: the
         // kept rows before position p, kept(p).
         const int c0 = parts.count[0], wb = plan.window_begin[b.item];
@@ -894,16 +922,16 @@ __global__ void __launch_bounds__(32 * W, mma_min_blocks(32 * NC + 16 * TAIL, W)
 
   run.l += __shfl_xor_sync(0xffffffffu, run.l, 1);
   run.l += __shfl_xor_sync(0xffffffffu, run.l, 2);
-  if (t == 0) s_state[warp][g] = run;
+  if (t == 0 && c0 == 0) s_state[pw][g] = run;
   if constexpr (kStaged) __syncthreads();  // the outputs take the slots: no warp may read them
   float(*s_o)[G][D] = reinterpret_cast<float(*)[G][D]>(s_dyn);
 #pragma unroll
-  for (int c = 0; c < NC; c++) {
+  for (int c = 0; c < NW; c++) {
     if constexpr (kVMin) {
       omin[c] += __shfl_xor_sync(0xffffffffu, omin[c], 1);
       omin[c] += __shfl_xor_sync(0xffffffffu, omin[c], 2);
     }
-    float4 *dst = reinterpret_cast<float4 *>(&s_o[warp][g][32 * c + 8 * t]);
+    float4 *dst = reinterpret_cast<float4 *>(&s_o[pw][g][32 * (c0 + c) + 8 * t]);
 #pragma unroll
     for (int i = 0; i < 4; i += 2) {
       float4 r = make_float4(o[c][i][0] + o[c][i][2], o[c][i][1] + o[c][i][3],
@@ -913,16 +941,17 @@ __global__ void __launch_bounds__(32 * W, mma_min_blocks(32 * NC + 16 * TAIL, W)
     }
   }
   if (TAIL)
-    *reinterpret_cast<float4 *>(&s_o[warp][g][32 * NC + 4 * t]) = make_float4(
+    *reinterpret_cast<float4 *>(&s_o[pw][g][32 * NC + 4 * t]) = make_float4(
         ot[0][0] + ot[0][2], ot[0][1] + ot[0][3], ot[1][0] + ot[1][2], ot[1][1] + ot[1][3]);
   __syncthreads();
 
-  // Merge the warps. Every warp derives all (warp, head) weights at once, lane w G + h, so the
-  // exponentials are taken once per head rather than once per output element; a warp past the
-  // split's end has max -inf and weight 0. With one split the output is final: the weights then
-  // carry the 1 / sum.
-  // Pairs per lane: lane w G + h, then 32 lanes on; under 32 pairs, every lane % (W G) holds one.
-  constexpr int kPairs = W * G, PL = kPairs > 32 ? kPairs / 32 : 1, kSpan = kPairs > 32 ? 32 : kPairs;
+  // Merge the warps (the WP along positions). Every warp derives all (warp, head) weights at
+  // once, lane w G + h, so the exponentials are taken once per head rather than once per output
+  // element; a warp past the split's end has max -inf and weight 0. With one split the output is
+  // final: the weights then carry the 1 / sum.
+  // Pairs per lane: lane w G + h, then 32 lanes on; under 32 pairs, every lane % (WP G) holds
+  // one.
+  constexpr int kPairs = WP * G, PL = kPairs > 32 ? kPairs / 32 : 1, kSpan = kPairs > 32 ? 32 : kPairs;
   static_assert(kPairs % kSpan == 0 && 32 % kSpan == 0, "whole (warp, head) pairs per lane");
   const int pl = lane % kSpan;
   SoftmaxState w_state[PL];
@@ -955,7 +984,7 @@ __global__ void __launch_bounds__(32 * W, mma_min_blocks(32 * NC + 16 * TAIL, W)
     const int i = pass * kThreads + threadIdx.x, hh = min(i / D4, G - 1), d4 = i % D4;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-    for (int w = 0; w < W; w++)
+    for (int w = 0; w < WP; w++)
       fma4(__shfl_sync(0xffffffffu, f[w * G / 32], w * G % 32 + hh), s_o4[w][hh][d4], acc);
     if (kQuant && a.rot_v) {
       if (i < b.nh * D4) reinterpret_cast<float4 *>(s_scratch)[i] = acc;
@@ -987,12 +1016,15 @@ constexpr bool kQuantPair = !std::is_same<P, KvPair<KvF16, KvF16>>::value;
 
 // The widths the host launches: mma_warps(), and half that loading through registers (plans of
 // more blocks than one wave of the wider ones). Quantized pairs: whole groups (head_dim a
-// multiple of 32, as the formats require), through registers; a tier's kernels are those.
+// multiple of 32, as the formats require), through registers; a tier's kernels are those. Above
+// head_dim 128 (split between warps), through registers only.
 template <typename P, int NC, int TAIL, int V, int W>
 constexpr SplitKernel instance() {
   constexpr int kWarps = mma_warps(32 * NC + 16 * TAIL);
   constexpr bool kStaged = V == kMmaStaged;
+  constexpr bool kSplit = mma_dim_split(32 * NC + 16 * TAIL) > 1;
   if constexpr (kTensorCores && (W == kWarps || (W == kWarps / 2 && !kStaged)) &&
+                !(kSplit && kStaged) &&
                 !(kQuantPair<P> && (TAIL || kStaged)) && (V != kMmaTier || kQuantPair<P>))
     return attn_mma_kernel<P, NC, TAIL, V, W>;
   else
@@ -1009,6 +1041,8 @@ SplitKernel kernel_for_dim(int head_dim) {
     case 96: return instance<P, 3, 0, V, W>();
     case 112: return instance<P, 3, 1, V, W>();
     case 128: return instance<P, 4, 0, V, W>();
+    case 192: return instance<P, 6, 0, V, W>();
+    case 256: return instance<P, 8, 0, V, W>();
     default: return nullptr;
   }
 }
@@ -1027,7 +1061,8 @@ SplitKernel kernel_for(int head_dim, int warps) {
 // steps, that many steps per warp, which the outputs reuse after the loop; a quantized pair's
 // kernel, a head tile's rows more (its rotation scratch).
 size_t smem_bytes(int head_dim, int warps, int stages, bool quant) {
-  const size_t outputs = (size_t)warps * kMaxGroupTile * head_dim * sizeof(float);
+  const size_t outputs =
+      (size_t)(warps / mma_dim_split(head_dim)) * kMaxGroupTile * head_dim * sizeof(float);
   const size_t staged = (size_t)stages * warps * 2 * kMmaRows * head_dim * sizeof(__half);
   const size_t scratch = quant ? (size_t)kMaxGroupTile * head_dim * sizeof(float) : 0;
   return (staged > outputs ? staged : outputs) + scratch;

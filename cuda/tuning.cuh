@@ -148,6 +148,11 @@ constexpr bool kTensorCores = true;
 #endif
 // Warps per block: 8 below head_dim 128 (fewer, larger splits), 4 from it (2 blocks per SM).
 __host__ __device__ constexpr int mma_warps(int head_dim) { return head_dim >= 128 ? 4 : 8; }
+// Warps that share a step's positions above head_dim 128, each taking a slice of every row: a
+// warp's output accumulators (hi and lo rows, 16 head_dim / 32 a lane) and its K/V steps in
+// flight fit its registers up to 128 dims. head_dim 192 and 256 take two, which add their
+// slices' scores through shared memory at each step.
+__host__ __device__ constexpr int mma_dim_split(int head_dim) { return head_dim > 128 ? 2 : 1; }
 // Plans of more blocks than a wave whose blocks take at most this many positions use blocks of
 // half the warps: twice the resident blocks overlap one's start and end with the others' loops.
 constexpr int kMmaFineMaxChunk = 1024;

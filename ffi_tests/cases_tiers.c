@@ -497,17 +497,20 @@ static m40llm_kvcache_options tiered_options(int max_seq_len, int sinks, int win
  * 1: groups of 8 query heads at head_dim 96 (the FP32 kernel's runtime-head_dim instances,
  *    which run the FP16 slots in a launch of their own), and tier pairs that no uniform cache has;
  * 2: groups of 4 at head_dim 128 (the tensor-core kernels' 4-warp blocks);
- * 3: MHA at head_dim 32. */
+ * 3: MHA at head_dim 32;
+ * 4: groups of 8 at head_dim 256 (the tensor-core kernels' pairs of warps, each half the dims). */
 static m40llm_kvcache_options other_shape(m40llm_kvcache_options o, int shape) {
-  static const int pairs[4][4][2] = {
+  static const int pairs[5][4][2] = {
       {{0}},
       {{M40LLM_KV_Q4, M40LLM_KV_Q8}, {M40LLM_KV_Q8, M40LLM_KV_Q3},
        {M40LLM_KV_Q8, M40LLM_KV_Q2}, {M40LLM_KV_Q4, M40LLM_KV_Q4}},
       {{M40LLM_KV_Q8, M40LLM_KV_Q4}, {M40LLM_KV_Q4, M40LLM_KV_Q8},
        {M40LLM_KV_Q4, M40LLM_KV_Q2}, {M40LLM_KV_Q8, M40LLM_KV_Q3}},
       {{M40LLM_KV_Q4, M40LLM_KV_Q4}, {M40LLM_KV_Q8, M40LLM_KV_Q8},
-       {M40LLM_KV_Q4, M40LLM_KV_Q3}, {M40LLM_KV_Q8, M40LLM_KV_Q2}}};
-  static const int heads[4][3] = {{0}, {16, 2, 96}, {8, 2, 128}, {3, 3, 32}};
+       {M40LLM_KV_Q4, M40LLM_KV_Q3}, {M40LLM_KV_Q8, M40LLM_KV_Q2}},
+      {{M40LLM_KV_Q8, M40LLM_KV_Q4}, {M40LLM_KV_Q4, M40LLM_KV_Q4},
+       {M40LLM_KV_Q8, M40LLM_KV_Q8}, {M40LLM_KV_Q4, M40LLM_KV_Q2}}};
+  static const int heads[5][3] = {{0}, {16, 2, 96}, {8, 2, 128}, {3, 3, 32}, {16, 2, 256}};
   if (shape == 0) return o;
   o.n_heads = heads[shape][0];
   o.n_kv_heads = heads[shape][1];
@@ -891,6 +894,7 @@ void t_cases_tiers(m40llm_context *ctx, int small) {
   history(ctx, 2, 0, small, 1);
   history(ctx, 4, 128, small, 2);
   history(ctx, 1, 8, small, 3);
+  history(ctx, 2, 16, small, 4);
   causal_rows(ctx, 0, 0);
   causal_rows(ctx, 0, 1); /* the FP16 slots in a launch of their own on CUDA */
   causal_rows(ctx, 45, 0);

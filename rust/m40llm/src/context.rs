@@ -409,9 +409,10 @@ pub struct DeviceInfo {
     /// (once per process, or from its disk cache), and for the CPU backend. See
     /// [`BuildInfo::cuda_architectures`](crate::BuildInfo::cuda_architectures).
     pub native_code: bool,
-    /// Whether F16 caches with head_dim 32..=128, a multiple of 16, and Q8/Q4 caches with
-    /// head_dim 32, 64, 96 or 128 run the tensor-core attention kernels here (sm_80+ code on
-    /// an sm_80+ GPU); `false` where every cache runs the FP32 kernels.
+    /// Whether F16 caches with head_dim 32..=128, a multiple of 16, or 192 or 256, and
+    /// quantized caches with head_dim 32, 64, 96, 128, 192 or 256 run the tensor-core attention
+    /// kernels here (sm_80+ code on an sm_80+ GPU); `false` where every cache runs the FP32
+    /// kernels.
     pub tensor_cores: bool,
 }
 
