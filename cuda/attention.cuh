@@ -221,6 +221,10 @@ struct SplitPass {
   bool dependent;  // launched as a programmatic dependent of the kernel before it
   bool mixed;      // reads a protected cache's kept rows itself (M40LLM_PLAN_MIXED): one launch
   bool parts;      // FP32: runs the kept parts' splits too (M40LLM_PLAN_PARTS): one launch
+  // Blocks a small problem's plan still makes where each takes kMmaFillMinRows positions or
+  // more (0, or fewer positions: one an SM). The tensor-core kernel's 1-4 resident blocks an SM
+  // want all of theirs: with one an SM, an MQA head_dim 256 call left half an SM's warps idle.
+  int fill;
 };
 
 // The tensor-core family's passes for a cache (attention_mma.cu):
@@ -241,8 +245,8 @@ int fp32_split_pass(m40llm_cuda_state *st, int head_dim, const Grouping &g, bool
                     SplitPass *out);
 
 // The tensor-core family's passes where this build and GPU have its kernels for head_dim and
-// the formats (every pair; quantized ones at head_dims that are multiples of 32, up to 128);
-// otherwise pass.kernel is null.
+// the formats (every pair; quantized ones at head_dims that are multiples of 32, up to 128,
+// and 192 and 256); otherwise pass.kernel is null.
 template <typename P>
 int mma_split_passes(m40llm_cuda_state *st, int head_dim, SplitPasses *out);
 // The same for a tiered call's launches (M40LLM_PLAN_TIER: a tier's rows, after an item's kept
@@ -262,10 +266,13 @@ inline SplitPass plan_split_pass(m40llm_cuda_state *st, const SplitPasses &passe
                                  const Grouping &g, const int32_t *seq_ids, const int32_t *lens,
                                  int n, m40llm_attn_plan *plan) {
   SplitPass pass = passes.pass;
+  int64_t unit_rows = 0;  // positions x units: the work the blocks share
+  for (int i = 0; i < n; i++) unit_rows += (int64_t)lens[i] * g.units;
   const auto build = [&] {
     const int min_chunk = kSplitRowsPerHead * g.gt > pass.tile ? kSplitRowsPerHead * g.gt : pass.tile;
-    m40llm_attn_plan_build(plan, seq_ids, lens, n, g.units, pass.target, st->sm_count, min_chunk,
-                           pass.tile);
+    const bool fill = pass.fill > 0 && unit_rows >= (int64_t)kMmaFillMinRows * pass.fill;
+    m40llm_attn_plan_build(plan, seq_ids, lens, n, g.units, pass.target,
+                           fill ? pass.fill : st->sm_count, min_chunk, pass.tile);
   };
   build();
   if (pass.stages > 0 && plan->chunk < kMmaStagedMinSteps * pass.tile) {

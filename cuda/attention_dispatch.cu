@@ -62,9 +62,10 @@ int attend(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, const int
   // reserved at creation would not hold them (the call never allocates).
   while (causal && plan.max_splits > 1 &&
          attn_partial_bytes(plan.total_splits, n_heads, o->head_dim) > st->workspace_bytes) {
-    passes.pass.target /= 2;
-    passes.direct.target /= 2;
-    passes.fine.target /= 2;
+    for (SplitPass *sp : {&passes.pass, &passes.direct, &passes.fine}) {
+      sp->target /= 2;
+      sp->fill /= 2;
+    }
     pass = plan_split_pass(st, passes, g, seq_ids, lens, n_seqs, &plan);
   }
   // Protected tokens: a pass that reads the kept rows itself takes them in the same splits

@@ -30,7 +30,7 @@ int fp32_split_pass(m40llm_cuda_state *st, int head_dim, const Grouping &g, bool
                                    v_columns<typename P::V>(g.gt, dmax, exact), dense) *
                      sizeof(float),
                  tile_rows(g.gt, dmax, false, false, dense), 0, 0, false, false,
-                 (P::K::kScaled || P::V::kScaled) && lean_kernel(g.gt, dmax, exact)};
+                 (P::K::kScaled || P::V::kScaled) && lean_kernel(g.gt, dmax, exact), 0};
   int rc = kernel_waits(st, reinterpret_cast<const void *>(pass.kernel), &st->fp32_dependent,
                         &pass.dependent);
   if (rc != M40LLM_OK) return rc;

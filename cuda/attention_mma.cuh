@@ -1092,7 +1092,8 @@ int stages_for(const m40llm_cuda_state *st, int head_dim, int warps, size_t stat
 template <typename P, int V>
 int pass_for(m40llm_cuda_state *st, int head_dim, int warps, SplitPass *out) {
   constexpr bool staged = V == kMmaStaged;
-  *out = SplitPass{nullptr, 32 * warps, 0, kMmaRows * warps, 0, 0, false, false, false};
+  *out = SplitPass{nullptr, 32 * warps, 0, kMmaRows * warps / mma_dim_split(head_dim), 0, 0,
+                   false, false, false, 0};
   const SplitKernel k = kernel_for<P, V>(head_dim, warps);
   if (!k || st->cc_major < (staged ? 9 : 8) || (staged && !M40LLM_MMA_BULK_BUILT))
     return M40LLM_OK;
@@ -1122,6 +1123,7 @@ int pass_for(m40llm_cuda_state *st, int head_dim, int warps, SplitPass *out) {
   out->smem = (size_t)info.smem;
   out->stages = info.stages;
   out->target = st->sm_count * info.occupancy * kMmaWaves;
+  out->fill = out->target;
   out->dependent = info.dependent;
   out->mixed = kQuantPair<P>;  // a tier's launch too: the kept rows lead an item's
   return M40LLM_OK;

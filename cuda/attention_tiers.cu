@@ -120,9 +120,12 @@ int plan_call(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, const 
         for (int i = 0; i < n_items; i++) rows[i] += kept_rows[i];
       // Shares of the rows the tier launches take (the kept rows where they lead an item; in
       // splits of their own or a launch of their own they are no launch's share).
-      for (SplitPass *sp : {&passes.pass, &passes.direct, &passes.fine})
+      // A small launch plans one block an SM at least (not its kernel's fill: it shares the GPU).
+      for (SplitPass *sp : {&passes.pass, &passes.direct, &passes.fine}) {
         sp->target = share_of_target(sp->target, tier_rows + (lead ? all_kept : 0),
                                      all_rows + (passes.pass.mixed ? all_kept : 0), st->sm_count);
+        sp->fill = 0;
+      }
       if (!kept_done && !lead && !passes.pass.parts) {  // the kept parts in an F16 launch
         int32_t none[M40LLM_PLAN_MAX_ITEMS] = {0};
         SplitPass *kept = &call->pass[call->n];

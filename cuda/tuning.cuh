@@ -156,6 +156,11 @@ __host__ __device__ constexpr int mma_dim_split(int head_dim) { return head_dim 
 // Plans of more blocks than a wave whose blocks take at most this many positions use blocks of
 // half the warps: twice the resident blocks overlap one's start and end with the others' loops.
 constexpr int kMmaFineMaxChunk = 1024;
+// A small problem's plan makes as many blocks as the tensor-core kernel keeps resident (not one
+// an SM) where each still takes at least this many positions: B8 and B32 8/1 D256 (248 a block)
+// 0.88-0.90x the time; shorter blocks ran slower (B1 8/1 D256 L8K, 31 a block, 1.24x; B1 28/4
+// D128 L8K, 124, 1.16x; H200, bench/RESULTS.md).
+constexpr int kMmaFillMinRows = 192;
 // Resident warps per SM the register budget is set for: 8 above head_dim 64 (~200 registers),
 // 16 up to 64 (~115 registers).
 __host__ __device__ constexpr int mma_sm_warps(int head_dim) { return head_dim > 64 ? 8 : 16; }
