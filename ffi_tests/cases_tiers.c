@@ -894,7 +894,9 @@ void t_cases_tiers(m40llm_context *ctx, int small) {
   history(ctx, 2, 0, small, 1);
   history(ctx, 4, 128, small, 2);
   history(ctx, 1, 8, small, 3);
-  history(ctx, 2, 16, small, 4);
+  /* the tensor-core kernels' pairs of warps; on the CPU backend (no code by head_dim) it only
+   * added 40 s to test_api under ASan */
+  if (on_cuda(ctx)) history(ctx, 2, 16, small, 4);
   causal_rows(ctx, 0, 0);
   causal_rows(ctx, 0, 1); /* the FP16 slots in a launch of their own on CUDA */
   causal_rows(ctx, 45, 0);
