@@ -500,9 +500,9 @@ extern "C" {
   yields zeros. Its V is still multiplied by that 0, so it must be finite. A score of +inf or
   NaN (NaN in K, 0 x inf, infinities of both signs) makes the head's output NaN. The CUDA backend
   accumulates in FP32. Its arithmetic is FP32 too (Q8/Q4 codes are exact in FP32), except for
-  F16 caches with head_dim 32, 48, 64, 80, 96, 112 or 128, and quantized and tiered caches
-  with head_dim 32, 64, 96 or 128, on sm_80+ GPUs, when the library was built with an sm_80+
-  architecture:
+  F16 caches with head_dim 32, 48, 64, 80, 96, 112, 128, 192 or 256, and quantized and tiered
+  caches with head_dim 32, 64, 96, 128, 192 or 256, on sm_80+ GPUs, when the library was built
+  with an sm_80+ architecture:
   there, tensor cores multiply FP16 K/V (or the codes, as exact FP16 integers, with the scales
   applied in FP32) by q and by the softmax weights, each passed as two FP16 terms (hi + lo, 22
   significant bits), with the products exact and the sums in FP32. Both paths agree with the
@@ -692,7 +692,8 @@ extern "C" {
   They read every position before a sequence's last row, a window masking those a row does
   not see, so a sequence whose windows leave out more than three quarters of its positions
   takes the FP32 causal kernel, which reads only what its rows see; so does every sequence
-  on GPUs before sm_80 (the M40's path) and at head_dim 256. On a tiered cache
+  on GPUs before sm_80 (the M40's path) and at head_dims without tensor-core kernels. On a
+  tiered cache
   (m40llm_kvcache_options.n_tiers) the CUDA backend runs each query row as a decode row of its
   sequence, masking the tier rows past it by their positions: it reads the tiers once per
   row (fine for verification's few rows, T times a decode call's reads for T rows), and it
