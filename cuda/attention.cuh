@@ -233,9 +233,11 @@ struct SplitPass {
 //   direct  the same loading through registers, for plans whose splits are too short for
 //           staging to pay
 //   fine    the same in blocks of half the warps, for plans of more blocks than a wave
-// Each is the one before it where there is no other.
+//   broad   direct in blocks of mma_broad_warps(), for plans of at most a block an SM
+// Each of the first three is the one before it where there is no other; broad has no kernel
+// where there is none.
 struct SplitPasses {
-  SplitPass pass, direct, fine;
+  SplitPass pass, direct, fine, broad;
 };
 
 // The FP32 family's pass for the cache (never fails to have one). P: the KvPair of formats.
@@ -261,7 +263,8 @@ int mma_causal_passes(m40llm_cuda_state *st, int head_dim, SplitPasses *out);
 
 // Plans a launch over items of lengths lens and picks its pass: the tensor-core family's staged
 // pass unless its splits come out too short for staging (then the direct pass), its fine pass
-// where the plan has more blocks than a wave of short splits.
+// where the plan has more blocks than a wave of short splits, its broad pass where it has at
+// most a block an SM, of kMmaBroadMinRows positions or more, and an SM holds two.
 inline SplitPass plan_split_pass(m40llm_cuda_state *st, const SplitPasses &passes,
                                  const Grouping &g, const int32_t *seq_ids, const int32_t *lens,
                                  int n, m40llm_attn_plan *plan) {
@@ -282,6 +285,12 @@ inline SplitPass plan_split_pass(m40llm_cuda_state *st, const SplitPasses &passe
   if (pass.stages == 0 && passes.fine.threads < pass.threads && plan->chunk <= kMmaFineMaxChunk &&
       (int64_t)plan->total_splits * g.units > pass.target) {
     pass = passes.fine;
+    build();
+  }
+  // The broad pass's plan is the same: a plan of at most a block an SM is one of min_blocks.
+  if (passes.broad.kernel && pass.target >= 2 * st->sm_count &&
+      (int64_t)plan->total_splits * g.units <= st->sm_count && plan->chunk >= kMmaBroadMinRows) {
+    pass = passes.broad;
     build();
   }
   return pass;

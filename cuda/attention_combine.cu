@@ -28,15 +28,18 @@ __device__ __forceinline__ void load_partial(const AttnArgs &a, bool real, size_
 
 // Plans of more than kCombineFewSplits splits, or head_dim above kCombineFewMaxDim: one block
 // per (item, query head). Each warp merges every 8th split, lanes covering the head's dims 4 at
-// a time, kCombineBatch splits at a time: their loads go out together (written as one loop, the
-// compiler reused one split's registers for the next, a memory round trip per split). The
-// warps' states and outputs then merge in shared memory.
+// a time (K words a lane: 1 up to head_dim 128, else 2), combine_batch(K) splits at a time:
+// their loads go out together (written as one loop, the compiler reused one split's registers
+// for the next, a memory round trip per split). The warps' states and outputs then merge in
+// shared memory.
 constexpr int kCombineWarps = kCombineThreads / 32;
 
+template <int K>
 __global__ void __launch_bounds__(kCombineThreads, kCombineMinBlocksPerSm)
     attn_combine_kernel(const AttnArgs a, const m40llm_attn_plan plan) {
+  constexpr int B = combine_batch(K);
   __shared__ SoftmaxState s_state[kCombineWarps];
-  __shared__ float4 s_acc[kCombineWarps][64];  // head_dim <= 256 = 64 float4
+  __shared__ float4 s_acc[kCombineWarps][32 * K];
   const int item = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
   const int warp = tid >> 5, lane = tid & 31;
   const int first = plan.split_begin[item];
@@ -47,38 +50,40 @@ __global__ void __launch_bounds__(kCombineThreads, kCombineMinBlocksPerSm)
 
   const int D4 = a.head_dim / 4;
   SoftmaxState st = SoftmaxState::empty();
-  float4 acc[2] = {make_float4(0.f, 0.f, 0.f, 0.f), make_float4(0.f, 0.f, 0.f, 0.f)};
-  for (int s0 = warp; s0 < n; s0 += kCombineWarps * kCombineBatch) {
-    float ms[kCombineBatch], ls[kCombineBatch];
-    float4 v[kCombineBatch][2];
+  float4 acc[K];
+#pragma unroll
+  for (int k = 0; k < K; k++) acc[k] = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int s0 = warp; s0 < n; s0 += kCombineWarps * B) {
+    float ms[B], ls[B];
+    float4 v[B][K];
     float batch_max = -INFINITY;
 #pragma unroll
-    for (int b = 0; b < kCombineBatch; b++) {
+    for (int b = 0; b < B; b++) {
       const int s = s0 + b * kCombineWarps;
       load_partial(a, s < n, (size_t)(first + s) * a.n_heads + h, lane, ms[b], ls[b], v[b]);
       batch_max = fmaxf(batch_max, ms[b]);
     }
     const float alpha = st.raise(batch_max);
 #pragma unroll
-    for (int k = 0; k < 2; k++) {
+    for (int k = 0; k < K; k++) {
       acc[k].x *= alpha;
       acc[k].y *= alpha;
       acc[k].z *= alpha;
       acc[k].w *= alpha;
     }
 #pragma unroll
-    for (int b = 0; b < kCombineBatch; b++) {
+    for (int b = 0; b < B; b++) {
       if (s0 + b * kCombineWarps < n) {
         const float w = st.add_partial(ms[b], ls[b]);
 #pragma unroll
-        for (int k = 0; k < 2; k++)
+        for (int k = 0; k < K; k++)
           if (lane + 32 * k < D4) fma4(w, v[b][k], acc[k]);
       }
     }
   }
   if (lane == 0) s_state[warp] = st;
 #pragma unroll
-  for (int k = 0; k < 2; k++)
+  for (int k = 0; k < K; k++)
     if (lane + 32 * k < D4) s_acc[warp][lane + 32 * k] = acc[k];
   __syncthreads();
 
@@ -140,7 +145,7 @@ __global__ void __launch_bounds__(32 * kCombineFewHeads, 8)
 
 int combine_prepare(m40llm_cuda_state *st, bool *dependent) {
   // One file is built for one architecture list: either kernel's image answers for both.
-  return kernel_waits(st, reinterpret_cast<const void *>(attn_combine_kernel),
+  return kernel_waits(st, reinterpret_cast<const void *>(attn_combine_kernel<1>),
                       &st->combine_dependent, dependent);
 }
 
@@ -153,7 +158,12 @@ int combine_launch(m40llm_cuda_state *st, const AttnArgs &a, const m40llm_attn_p
                                    attn_combine_few_kernel, grid, 32 * kCombineFewHeads, 0,
                                    dependent, a, plan);
   }
-  return launch_attention_kernel(st->stream, "launching attn_combine_kernel", attn_combine_kernel,
-                                 dim3(items, (unsigned)a.n_heads), kCombineThreads, 0, dependent,
-                                 a, plan);
+  const dim3 grid(items, (unsigned)a.n_heads);
+  if (a.head_dim <= 128)
+    return launch_attention_kernel(st->stream, "launching attn_combine_kernel",
+                                   attn_combine_kernel<1>, grid, kCombineThreads, 0, dependent, a,
+                                   plan);
+  return launch_attention_kernel(st->stream, "launching attn_combine_kernel",
+                                 attn_combine_kernel<2>, grid, kCombineThreads, 0, dependent, a,
+                                 plan);
 }

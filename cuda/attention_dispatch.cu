@@ -62,7 +62,7 @@ int attend(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, const int
   // reserved at creation would not hold them (the call never allocates).
   while (causal && plan.max_splits > 1 &&
          attn_partial_bytes(plan.total_splits, n_heads, o->head_dim) > st->workspace_bytes) {
-    for (SplitPass *sp : {&passes.pass, &passes.direct, &passes.fine}) {
+    for (SplitPass *sp : {&passes.pass, &passes.direct, &passes.fine, &passes.broad}) {
       sp->target /= 2;
       sp->fill /= 2;
     }

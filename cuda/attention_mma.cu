@@ -4,7 +4,7 @@
 
 template <typename P>
 int mma_split_passes(m40llm_cuda_state *st, int head_dim, SplitPasses *p) {
-  p->pass = p->direct = p->fine = SplitPass{};
+  *p = SplitPasses{};
   const int warps = mma_warps(head_dim);
   const bool stage =
       !kQuantPair<P> && head_dim >= kMmaStagedMinDim && head_dim <= kMmaStagedMaxDim;
@@ -13,6 +13,8 @@ int mma_split_passes(m40llm_cuda_state *st, int head_dim, SplitPasses *p) {
     rc = pass_for<P, kMmaStaged>(st, head_dim, warps, &p->pass);
   if (rc == M40LLM_OK && p->direct.kernel)
     rc = pass_for<P, kMmaDirect>(st, head_dim, warps / 2, &p->fine);
+  if (rc == M40LLM_OK && p->direct.kernel && mma_broad_warps(head_dim))
+    rc = pass_for<P, kMmaDirect>(st, head_dim, mma_broad_warps(head_dim), &p->broad);
   if (rc != M40LLM_OK) return rc;
   if (!p->pass.kernel) p->pass = p->direct;
   if (!p->fine.kernel) p->fine = p->direct;

@@ -1015,7 +1015,8 @@ template <typename P>
 constexpr bool kQuantPair = !std::is_same<P, KvPair<KvF16, KvF16>>::value;
 
 // The widths the host launches: mma_warps(), and half that loading through registers (plans of
-// more blocks than one wave of the wider ones). Quantized pairs: whole groups (head_dim a
+// more blocks than one wave of the wider ones); the decode call's direct variant also
+// mma_broad_warps() (plans of at most a block an SM). Quantized pairs: whole groups (head_dim a
 // multiple of 32, as the formats require), through registers; a tier's kernels are those. Above
 // head_dim 128 (split between warps), through registers only.
 template <typename P, int NC, int TAIL, int V, int W>
@@ -1023,7 +1024,8 @@ constexpr SplitKernel instance() {
   constexpr int kWarps = mma_warps(32 * NC + 16 * TAIL);
   constexpr bool kStaged = V == kMmaStaged;
   constexpr bool kSplit = mma_dim_split(32 * NC + 16 * TAIL) > 1;
-  if constexpr (kTensorCores && (W == kWarps || (W == kWarps / 2 && !kStaged)) &&
+  constexpr bool kBroad = W == mma_broad_warps(32 * NC + 16 * TAIL) && V == kMmaDirect;
+  if constexpr (kTensorCores && (W == kWarps || (W == kWarps / 2 && !kStaged) || kBroad) &&
                 !(kSplit && kStaged) &&
                 !(kQuantPair<P> && (TAIL || kStaged)) && (V != kMmaTier || kQuantPair<P>))
     return attn_mma_kernel<P, NC, TAIL, V, W>;
@@ -1098,7 +1100,9 @@ int pass_for(m40llm_cuda_state *st, int head_dim, int warps, SplitPass *out) {
   if (!k || st->cc_major < (staged ? 9 : 8) || (staged && !M40LLM_MMA_BULK_BUILT))
     return M40LLM_OK;
   auto &info =
-      st->mma[P::K::kFormat][P::V::kFormat][V][warps < mma_warps(head_dim)][head_dim / 16];
+      st->mma[P::K::kFormat][P::V::kFormat][V]
+             [warps < mma_warps(head_dim) ? 1 : warps > mma_warps(head_dim) ? 2 : 0]
+             [head_dim / 16];
   if (info.usable == 0) {
     cudaFuncAttributes attr;
     M40LLM_CUDA_TRY(cudaFuncGetAttributes(&attr, k));
@@ -1134,7 +1138,7 @@ int pass_for(m40llm_cuda_state *st, int head_dim, int warps, SplitPass *out) {
 // are one.
 template <typename P, int V>
 int mma_register_passes(m40llm_cuda_state *st, int head_dim, SplitPasses *p) {
-  p->pass = p->direct = p->fine = SplitPass{};
+  *p = SplitPasses{};
   const int warps = mma_warps(head_dim);
   int rc = pass_for<P, V>(st, head_dim, warps, &p->pass);
   if (rc == M40LLM_OK && p->pass.kernel) rc = pass_for<P, V>(st, head_dim, warps / 2, &p->fine);

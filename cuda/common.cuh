@@ -36,8 +36,8 @@ struct m40llm_cuda_state {
     int smem;            // its dynamic shared memory, in bytes
     int occupancy;       // resident blocks per SM
     bool dependent;      // whether its image waits for the grid before it (sm_90+)
-  } mma[kKvFormats][kKvFormats][kMmaVariants][2][17];  // the tensor-core kernels, by [K format]
-                        // [V format][variant][half-width blocks][head_dim / 16]
+  } mma[kKvFormats][kKvFormats][kMmaVariants][3][17];  // the tensor-core kernels, by [K format]
+                        // [V format][variant][block width: mma_warps(), half, broad][head_dim / 16]
   // Whether the FP32 split and the combine kernels' images wait for the grid before them:
   // 0 = not asked yet, 1 yes, -1 no.
   signed char fp32_dependent, combine_dependent;

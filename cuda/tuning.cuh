@@ -115,11 +115,14 @@ constexpr int kMmaWaves = 1;
 constexpr int kCombineFewSplits = 8;
 constexpr int kCombineFewHeads = 4;
 constexpr int kCombineFewMaxDim = 128;
-// Longer plans: a block of kCombineThreads per (item, head), each warp loading kCombineBatch
-// splits at once (one memory round trip for 32 splits), in 64 registers (50% on sm_52).
+// Longer plans: a block of kCombineThreads per (item, head), each warp loading
+// combine_batch(K) splits at once, K float4 words a lane (one memory round trip for 48 splits
+// up to head_dim 128, for 32 above), in 64 registers (50% on sm_52; 8 splits of one word
+// spilled). Blocks of half a head's dims at head_dim 256 (K = 1, twice the blocks) ran slower
+// there: B1 8/1 D256 L32K 1.08x with the broad pass (H200, bench/RESULTS.md).
 constexpr int kCombineThreads = 256;
 constexpr int kCombineMinBlocksPerSm = 4;
-constexpr int kCombineBatch = 4;
+__host__ __device__ constexpr int combine_batch(int words) { return words == 1 ? 6 : 4; }
 // attn_weights_kernel (exported scores into weights): a block per (item, query head, about
 // kWeightsChunk positions of the longest item).
 constexpr int kWeightsThreads = 256;
@@ -148,6 +151,16 @@ constexpr bool kTensorCores = true;
 #endif
 // Warps per block: 8 below head_dim 128 (fewer, larger splits), 4 from it (2 blocks per SM).
 __host__ __device__ constexpr int mma_warps(int head_dim) { return head_dim >= 128 ? 4 : 8; }
+// Plans of at most one block an SM (few K/V heads at batch 1: MQA, 28/4) leave half the warps
+// an SM holds idle. Above head_dim 128, where each block still takes kMmaBroadMinRows positions
+// or more, they run blocks of twice the warps over the same splits: more warps in flight and no
+// more partials for the combine (more, shorter splits cost short calls more in the combine than
+// the idle warps did: "Small tensor-core plans fill..." in bench/RESULTS.md). At head_dim 128
+// such blocks ran as fast or slower (B1 28/4 D128 L8K 1.07x). 0: no such pass.
+__host__ __device__ constexpr int mma_broad_warps(int head_dim) {
+  return head_dim > 128 ? 2 * mma_warps(head_dim) : 0;
+}
+constexpr int kMmaBroadMinRows = 256;
 // Warps that share a step's positions above head_dim 128, each taking a slice of every row: a
 // warp's output accumulators (hi and lo rows, 16 head_dim / 32 a lane) and its K/V steps in
 // flight fit its registers up to 128 dims. head_dim 192 and 256 take two, which add their

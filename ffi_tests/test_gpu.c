@@ -658,6 +658,23 @@ static void test_long_gqa_splits(void) {
   if (!small) long_case(64, 8, 128, 40000 + t_rand_int(1, 999), 0.0f);
 }
 
+/* Plans of at most a block an SM whose blocks take 256 positions or more run the tensor-core
+ * kernel's broad blocks on sm_80+ (twice the warps, head_dim 192 and 256; mma_broad_warps): few K/V
+ * heads and one long sequence, its length set from the SM count so that every GPU plans it so
+ * (about 300 positions a block; the batch call's two long rows about 600). */
+static void test_broad_blocks(void) {
+  if (!on_cuda) return; /* the CPU backend plans no blocks */
+  m40llm_device_info info = M40LLM_DEVICE_INFO_INIT;
+  if (!T_OK(m40llm_context_device_info(&info, dev))) return;
+  const int sms = info.multiprocessors > 0 ? info.multiprocessors : 24;
+  static const int shapes[4][3] = {{8, 1, 256}, {28, 4, 256}, {8, 1, 192}, {12, 3, 192}};
+  for (int i = 0; i < 4; i++) {
+    const int nkv = shapes[i][1];
+    long_case(shapes[i][0], nkv, shapes[i][2], 300 * sms / nkv + t_rand_int(0, 99),
+              i % 2 ? t_rand_float(0.05f, 0.15f) : 0.0f);
+  }
+}
+
 /* ---- Batches ---------------------------------------------------------------------------------- */
 
 static void test_ragged_batch(void) {
@@ -865,6 +882,7 @@ int main(void) {
   test_repeated_split_calls();
   if (!small) test_long_contexts();
   test_long_gqa_splits();
+  test_broad_blocks();
   test_lockstep();
 
   t_set_case("final synchronize");
