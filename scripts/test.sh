@@ -20,8 +20,9 @@ configure_build_test() {  # name, cmake args...
 }
 
 if [ "$what" = all ] || [ "$what" = c ]; then
-  # The M40 (sm_52 SASS + compute_52 PTX) and Hopper (sm_90) in one fat binary: needs CUDA 11.8.
-  configure_build_test cuda -DCMAKE_CUDA_ARCHITECTURES="52-real;52-virtual;90-real"
+  # The M40 (sm_52 SASS + compute_52 PTX), Ampere (sm_80) and Hopper (sm_90) in one fat binary,
+  # m40llm-sys's default list: needs CUDA 11.8. The Rust tests below link this library.
+  configure_build_test cuda -DCMAKE_CUDA_ARCHITECTURES="52-real;52-virtual;80-real;90-real"
   # m40llm as users take it (add_subdirectory, find_package, pkg-config, a shared object,
   # BUILD_SHARED_LIBS), each from scratch; the installed routes use the CUDA build above.
   echo "== consumers"
@@ -71,23 +72,25 @@ if [ "$what" = all ] || [ "$what" = rust ]; then
   else
     echo "test.sh: no rustup: the MSRV ($msrv) check is NOT run" >&2
   fi
-  # The tests run on the CPU backend here (no GPU: the GPU tests skip), so the native library
-  # needs no sm_90 image: the cuda step above compiles it, and dropping it from the crate's
-  # default three (52, sm_80, sm_90) saves about 5 minutes on 2 cores. sm_80 stays: nothing
-  # else here compiles it. M40LLM_CUDA_ARCHS overrides this.
-  M40LLM_CUDA_ARCHS=${M40LLM_CUDA_ARCHS:-52,sm_80} cargo test --workspace
-  M40LLM_CUDA_ARCHS=${M40LLM_CUDA_ARCHS:-52,sm_80} cargo test --workspace --features m40llm/cudarc
+  # The tests link the library the cuda step built (M40LLM_LIB_DIR) where this run built it:
+  # compiling the same kernels again in build.rs took about 10 minutes on 2 cores, and
+  # check_package.sh above proves that build.rs compiles them. Run alone (`test.sh rust`),
+  # build.rs compiles them, for M40LLM_CUDA_ARCHS (default 52 here: the tests run on the CPU
+  # backend or skip without a GPU).
+  lib_env=(M40LLM_CUDA_ARCHS="${M40LLM_CUDA_ARCHS:-52}")
+  if [ "$what" = all ]; then lib_env=(M40LLM_LIB_DIR="$root/build-cuda"); fi
+  env "${lib_env[@]}" cargo test --workspace
+  env "${lib_env[@]}" cargo test --workspace --features m40llm/cudarc
   # The SmolLM2 example (candle + m40llm) is a workspace of its own: candle's dependencies need
   # Rust 1.89 to build (the library's MSRV check above never builds them). Its tests use a tiny
   # random-weight model (the real-model test is #[ignore]d: no download in CI) and hold the
   # tests of m40llm's candle interop (candle_interop_gpu reports skips without the cuda feature).
   # Building candle twice (clippy, test) takes about 3 minutes on 2 cores, from cold.
   echo "== rust smollm2"
-  # Its clippy takes the CPU-only library (as above); its tests link the CUDA one, built for the
-  # M40 alone (sm_52 + PTX) unless M40LLM_CUDA_ARCHS says otherwise: they run on the CPU
-  # backend or skip, and every GPU JIT-compiles the PTX.
+  # Its clippy takes the CPU-only library (as above); its tests link the CUDA one, as the
+  # workspace's did: they run on the CPU backend or skip.
   (cd smollm2 && cargo fmt -- --check &&
     M40LLM_NO_CUDA=1 cargo clippy --all-targets --locked -- -D warnings &&
-    M40LLM_CUDA_ARCHS=${M40LLM_CUDA_ARCHS:-52} cargo test --locked)
+    env "${lib_env[@]}" cargo test --locked)
 fi
 echo "test.sh: all steps passed"

@@ -16,6 +16,12 @@
 //!   capability or a list (`86`, `8.6`, `52,90`), each built as SASS + PTX. Used when
 //!   `M40LLM_CUDA_ARCHS` is unset.
 //! * `M40LLM_NO_CUDA=1` — build the CPU-only library even when a toolkit is installed.
+//! * `M40LLM_LIB_DIR` — link the `libm40llm.a` of a CMake build of the same version instead of
+//!   compiling: its build directory, or the `lib` directory of its install. What it was built
+//!   with (CUDA or not, the architectures, its C++ runtime) is read from the CMake package files
+//!   beside it (`m40llmConfig.cmake`, `m40llmConfigVersion.cmake`, `m40llmLinkDeps.cmake`);
+//!   with CUDA, `libcudart_static.a` comes from the toolkit found as above. The architecture and
+//!   `M40LLM_NO_CUDA` variables then do not apply.
 //! * `DOCS_RS` — set: build nothing (docs need only the committed bindings).
 
 use std::env;
@@ -36,6 +42,7 @@ const ENV_VARS: &[&str] = &[
     "M40LLM_CUDA_ARCHS",
     "CUDA_COMPUTE_CAP",
     "M40LLM_NO_CUDA",
+    "M40LLM_LIB_DIR",
     "DOCS_RS",
 ];
 
@@ -63,6 +70,10 @@ fn main() {
 
     if env::var_os("DOCS_RS").is_some() {
         println!("cargo:cuda=0");
+        return;
+    }
+    if let Some(dir) = env::var_os("M40LLM_LIB_DIR").filter(|d| !d.is_empty()) {
+        link_prebuilt(Path::new(&dir));
         return;
     }
 
@@ -189,6 +200,97 @@ fn main() {
         }
     }
     println!("cargo:rustc-link-lib=dylib=m");
+}
+
+/// Links the static library of a CMake build (`M40LLM_LIB_DIR`): the archive, and what its
+/// CMake package files say it needs.
+fn link_prebuilt(dir: &Path) {
+    let fail =
+        |what: String| -> ! { panic!("m40llm-sys: M40LLM_LIB_DIR={}: {what}", dir.display()) };
+    const WHERE: &str =
+        "(expected a CMake build directory of m40llm, or the lib directory of its install)";
+    let lib = dir.join("libm40llm.a");
+    if !lib.is_file() {
+        fail(format!("no libm40llm.a there {WHERE}"));
+    }
+    let package = [dir.to_path_buf(), dir.join("cmake").join("m40llm")]
+        .into_iter()
+        .find(|d| d.join("m40llmConfig.cmake").is_file())
+        .unwrap_or_else(|| fail(format!("no m40llmConfig.cmake beside libm40llm.a {WHERE}")));
+    let read = |name: &str| -> String {
+        let path = package.join(name);
+        println!("cargo:rerun-if-changed={}", path.display());
+        fs::read_to_string(&path)
+            .unwrap_or_else(|e| fail(format!("cannot read {}: {e}", path.display())))
+    };
+    let config = read("m40llmConfig.cmake");
+    let version = read("m40llmConfigVersion.cmake");
+    let deps = read("m40llmLinkDeps.cmake");
+    println!("cargo:rerun-if-changed={}", lib.display());
+
+    let want = env::var("CARGO_PKG_VERSION").expect("CARGO_PKG_VERSION");
+    let have = cmake_set(&version, "PACKAGE_VERSION").unwrap_or_default();
+    if have != want {
+        fail(format!(
+            "the library is version {have:?}, these bindings are for {want}"
+        ));
+    }
+    if cmake_set(&config, "m40llm_SHARED").as_deref() != Some("OFF") {
+        fail("the library is not a static archive (BUILD_SHARED_LIBS)".into());
+    }
+    let cuda = cmake_set(&config, "m40llm_WITH_CUDA").as_deref() == Some("ON");
+    if cfg!(feature = "cuda") && !cuda {
+        fail("the `cuda` feature is enabled but the library was built without CUDA".into());
+    }
+    println!("cargo:rustc-link-search=native={}", dir.display());
+    println!("cargo:rustc-link-lib=static=m40llm");
+    if cuda {
+        let tk = find_toolkit().unwrap_or_else(|| {
+            fail(format!(
+                "the library was built with CUDA and needs libcudart_static.a, but no CUDA \
+                 toolkit was found: {SETUP_HELP}"
+            ))
+        });
+        watch_toolkit_locations(Some(&tk));
+        let target_arch = env::var("CARGO_CFG_TARGET_ARCH").unwrap_or_default();
+        let cudart = find_cudart_dir(&tk, &target_arch).unwrap_or_else(|| {
+            fail(format!(
+                "no libcudart_static.a next to {}",
+                tk.nvcc.display()
+            ))
+        });
+        println!("cargo:rustc-link-search=native={}", cudart.display());
+        println!("cargo:rustc-link-lib=static=cudart_static");
+        println!("cargo:rustc-link-lib=dylib=dl");
+        println!("cargo:rustc-link-lib=dylib=rt");
+        let archs = cmake_set(&config, "m40llm_CUDA_ARCHITECTURES").unwrap_or_default();
+        println!("cargo:cuda=1");
+        println!("cargo:cuda_archs={archs}");
+    } else {
+        println!("cargo:cuda=0");
+    }
+    for runtime in cmake_set(&deps, "M40LLM_CXX_RUNTIME_LIBS")
+        .unwrap_or_default()
+        .split(';')
+        .filter(|l| !l.is_empty())
+    {
+        println!(
+            "cargo:rustc-link-lib=dylib={}",
+            runtime.trim_start_matches("-l")
+        );
+    }
+    println!("cargo:rustc-link-lib=dylib=pthread");
+    println!("cargo:rustc-link-lib=dylib=m");
+}
+
+/// The value of `set(NAME "value")` or `set(NAME value)` in a CMake file, unquoted.
+fn cmake_set(text: &str, name: &str) -> Option<String> {
+    let prefix = format!("set({name} ");
+    text.lines()
+        .map(str::trim)
+        .find_map(|l| l.strip_prefix(prefix.as_str()))
+        .and_then(|rest| rest.strip_suffix(')'))
+        .map(|v| v.trim().trim_matches('"').to_string())
 }
 
 fn env_flag(name: &str) -> bool {

@@ -10,11 +10,13 @@
 #      (rust/m40llm-sys/c and rust/m40llm-sys/cuda are symlinks that cargo must follow);
 #   2. the unpacked crate, copied outside the repository, builds and runs from a scratch crate
 #      that depends on it by path: CPU-only (M40LLM_NO_CUDA=1) always, and with CUDA when nvcc
-#      is available, for sm_52 + compute_52 unless M40LLM_CUDA_ARCHS is set (M40LLM_CHECK_CUDA=0
-#      skips that; =1 makes a missing nvcc an error);
+#      is available, for compute_52 PTX unless M40LLM_CUDA_ARCHS is set (M40LLM_CHECK_CUDA=0
+#      skips that; =1 makes a missing nvcc an error); M40LLM_LIB_DIR is ignored: the packaged
+#      sources are what is built;
 #   3. those builds write nothing into the unpacked crate (only into OUT_DIR).
 # Usage: rust/scripts/check_package.sh   (from anywhere; needs cargo and network for crates.io)
 set -euo pipefail
+unset M40LLM_LIB_DIR
 
 here=$(cd "$(dirname "$0")/.." && pwd)   # rust/
 repo=$(cd "$here/.." && pwd)
@@ -141,9 +143,9 @@ for c in "${NVCC:-}" "${CUDA_PATH:+$CUDA_PATH/bin/nvcc}" "${CUDA_HOME:+$CUDA_HOM
          /usr/local/cuda/bin/nvcc "$(command -v nvcc 2>/dev/null || true)"; do
   if [ -n "$c" ] && [ -x "$c" ]; then have_nvcc=1; break; fi
 done
-# What is checked is that the crate holds every file the CUDA build needs: one architecture
-# proves that (M40LLM_CUDA_ARCHS overrides it).
-archs=${M40LLM_CUDA_ARCHS:-52}
+# What is checked is that the crate holds every file the CUDA build needs and links: one
+# architecture proves that, PTX alone the cheapest (M40LLM_CUDA_ARCHS overrides it).
+archs=${M40LLM_CUDA_ARCHS:-compute_52}
 case "${M40LLM_CHECK_CUDA:-auto}" in
   0) log "CUDA build skipped (M40LLM_CHECK_CUDA=0)" ;;
   1) [ "$have_nvcc" = 1 ] || die "M40LLM_CHECK_CUDA=1 but no nvcc found"

@@ -7,8 +7,9 @@
 //! `NVCC`, `NVCC_CCBIN`, `CUDA_PATH`/`CUDA_HOME`/`CUDA_ROOT`, `M40LLM_NO_CUDA=1` (force CPU-only)
 //! and `M40LLM_CUDA_ARCHS` (comma-separated: `52` = sm_52 SASS + compute_52 PTX; `sm_90`/
 //! `90-real` = SASS only; `compute_52`/`52-virtual` = PTX only; default `52,sm_80,sm_90`, each
-//! where the toolkit builds it), or candle's `CUDA_COMPUTE_CAP`. `m40llm_build_info_get` reports
-//! at run time what a build carries.
+//! where the toolkit builds it), or candle's `CUDA_COMPUTE_CAP`. `M40LLM_LIB_DIR` links the
+//! library of a CMake build of the same version instead (its build directory, or its install's
+//! `lib`). `m40llm_build_info_get` reports at run time what a build carries.
 //!
 //! Everything here is `unsafe` and follows the C header's rules on ownership, ordering and
 //! threading. Use the safe `m40llm` crate unless you need the raw calls.
