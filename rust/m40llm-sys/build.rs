@@ -16,12 +16,12 @@
 //!   capability or a list (`86`, `8.6`, `52,90`), each built as SASS + PTX. Used when
 //!   `M40LLM_CUDA_ARCHS` is unset.
 //! * `M40LLM_NO_CUDA=1` — build the CPU-only library even when a toolkit is installed.
-//! * `M40LLM_LIB_DIR` — link the `libm40llm.a` of a CMake build of the same version instead of
-//!   compiling: its build directory, or the `lib` directory of its install. What it was built
-//!   with (CUDA or not, the architectures, its C++ runtime) is read from the CMake package files
-//!   beside it (`m40llmConfig.cmake`, `m40llmConfigVersion.cmake`, `m40llmLinkDeps.cmake`);
-//!   with CUDA, `libcudart_static.a` comes from the toolkit found as above. The architecture and
-//!   `M40LLM_NO_CUDA` variables then do not apply.
+//! * `M40LLM_LIB_DIR` — an absolute path: link the `libm40llm.a` of a CMake build of the same
+//!   version instead of compiling: its build directory, or the `lib` directory of its install.
+//!   What it was built with (CUDA or not, the architectures, its C++ runtime) is read from the
+//!   CMake package files beside it (`m40llmConfig.cmake`, `m40llmConfigVersion.cmake`,
+//!   `m40llmLinkDeps.cmake`); with CUDA, `libcudart_static.a` comes from the toolkit found as
+//!   above. The architecture and `M40LLM_NO_CUDA` variables then do not apply.
 //! * `DOCS_RS` — set: build nothing (docs need only the committed bindings).
 
 use std::env;
@@ -209,6 +209,9 @@ fn link_prebuilt(dir: &Path) {
         |what: String| -> ! { panic!("m40llm-sys: M40LLM_LIB_DIR={}: {what}", dir.display()) };
     const WHERE: &str =
         "(expected a CMake build directory of m40llm, or the lib directory of its install)";
+    if !dir.is_absolute() {
+        fail("not an absolute path (a build script runs in the crate's directory)".into());
+    }
     let lib = dir.join("libm40llm.a");
     if !lib.is_file() {
         fail(format!("no libm40llm.a there {WHERE}"));
