@@ -287,9 +287,11 @@ inline SplitPass plan_split_pass(m40llm_cuda_state *st, const SplitPasses &passe
     pass = passes.fine;
     build();
   }
-  // The broad pass's plan is the same: a plan of at most a block an SM is one of min_blocks.
-  if (passes.broad.kernel && pass.target >= 2 * st->sm_count &&
-      (int64_t)plan->total_splits * g.units <= st->sm_count && plan->chunk >= kMmaBroadMinRows) {
+  // Where the broad kernel holds one block an SM, its plan has no more blocks than this one
+  // (its target and fill are the SM count, this plan's minimum) and no shorter splits.
+  if (passes.broad.kernel && passes.broad.target <= st->sm_count &&
+      pass.target >= 2 * st->sm_count && (int64_t)plan->total_splits * g.units <= st->sm_count &&
+      plan->chunk >= kMmaBroadMinRows) {
     pass = passes.broad;
     build();
   }

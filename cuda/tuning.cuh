@@ -153,10 +153,10 @@ constexpr bool kTensorCores = true;
 __host__ __device__ constexpr int mma_warps(int head_dim) { return head_dim >= 128 ? 4 : 8; }
 // Plans of at most one block an SM (few K/V heads at batch 1: MQA, 28/4) leave half the warps
 // an SM holds idle. Above head_dim 128, where each block still takes kMmaBroadMinRows positions
-// or more, they run blocks of twice the warps over the same splits: more warps in flight and no
-// more partials for the combine (more, shorter splits cost short calls more in the combine than
-// the idle warps did: "Small tensor-core plans fill..." in bench/RESULTS.md). At head_dim 128
-// such blocks ran as fast or slower (B1 28/4 D128 L8K 1.07x). 0: no such pass.
+// or more, they run blocks of twice the warps, planned for no more blocks: more warps in flight
+// and no more partials for the combine (more, shorter splits cost short calls more in the
+// combine than the idle warps did: "Small tensor-core plans fill..." in bench/RESULTS.md). At
+// head_dim 128 such blocks ran as fast or slower (B1 28/4 D128 L8K 1.07x). 0: no such pass.
 __host__ __device__ constexpr int mma_broad_warps(int head_dim) {
   return head_dim > 128 ? 2 * mma_warps(head_dim) : 0;
 }

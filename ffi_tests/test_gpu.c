@@ -659,9 +659,12 @@ static void test_long_gqa_splits(void) {
 }
 
 /* Plans of at most a block an SM whose blocks take 256 positions or more run the tensor-core
- * kernel's broad blocks on sm_80+ (twice the warps, head_dim 192 and 256; mma_broad_warps): few K/V
- * heads and one long sequence, its length set from the SM count so that every GPU plans it so
- * (about 300 positions a block; the batch call's two long rows about 600). */
+ * kernel's broad blocks on sm_80+ (twice the warps, head_dim 192 and 256; mma_broad_warps): a
+ * long sequence of few K/V heads, about 300 positions a block at the device's SM count S.
+ * long_case's one-sequence call plans so at 8/1 on every GPU and at 28/4 at the H100's and
+ * H200's 132 SMs (not at every S); 12/3 plans more blocks than SMs (its 4-head tiles' splits
+ * take 256 positions at least) and takes the direct pass at the same length; the batch call
+ * (two long rows) plans every resident block (SplitPass::fill) on the direct pass. */
 static void test_broad_blocks(void) {
   if (!on_cuda) return; /* the CPU backend plans no blocks */
   m40llm_device_info info = M40LLM_DEVICE_INFO_INIT;
