@@ -158,12 +158,8 @@ int combine_launch(m40llm_cuda_state *st, const AttnArgs &a, const m40llm_attn_p
                                    attn_combine_few_kernel, grid, 32 * kCombineFewHeads, 0,
                                    dependent, a, plan);
   }
-  const dim3 grid(items, (unsigned)a.n_heads);
-  if (a.head_dim <= 128)
-    return launch_attention_kernel(st->stream, "launching attn_combine_kernel",
-                                   attn_combine_kernel<1>, grid, kCombineThreads, 0, dependent, a,
-                                   plan);
-  return launch_attention_kernel(st->stream, "launching attn_combine_kernel",
-                                 attn_combine_kernel<2>, grid, kCombineThreads, 0, dependent, a,
-                                 plan);
+  return launch_attention_kernel(
+      st->stream, "launching attn_combine_kernel",
+      a.head_dim <= 128 ? attn_combine_kernel<1> : attn_combine_kernel<2>,
+      dim3(items, (unsigned)a.n_heads), kCombineThreads, 0, dependent, a, plan);
 }
