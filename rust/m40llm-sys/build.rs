@@ -91,7 +91,6 @@ fn main() {
         watch_toolkit_locations(toolkit.as_ref());
     }
     let out_dir = PathBuf::from(env::var_os("OUT_DIR").expect("OUT_DIR"));
-    let target_arch = env::var("CARGO_CFG_TARGET_ARCH").unwrap_or_default();
 
     let mut c_build = cc::Build::new();
     c_build
@@ -181,17 +180,7 @@ fn main() {
             c_build.objects(&cu_objects);
             c_build.compile("m40llm");
 
-            let lib_dir = find_cudart_dir(&tk, &target_arch).unwrap_or_else(|| {
-                panic!(
-                    "m40llm-sys: found nvcc at {} but no libcudart_static.a next to it \
-                     (looked in lib64, targets/*/lib, /usr/lib/<arch>-linux-gnu)",
-                    tk.nvcc.display()
-                )
-            });
-            println!("cargo:rustc-link-search=native={}", lib_dir.display());
-            println!("cargo:rustc-link-lib=static=cudart_static");
-            println!("cargo:rustc-link-lib=dylib=dl");
-            println!("cargo:rustc-link-lib=dylib=rt");
+            link_cudart(&tk);
             println!("cargo:rustc-link-lib=dylib=pthread");
             // nvcc's host side is C++ (g++): its objects may need the C++ runtime.
             println!("cargo:rustc-link-lib=dylib=stdc++");
@@ -255,17 +244,7 @@ fn link_prebuilt(dir: &Path) {
             ))
         });
         watch_toolkit_locations(Some(&tk));
-        let target_arch = env::var("CARGO_CFG_TARGET_ARCH").unwrap_or_default();
-        let cudart = find_cudart_dir(&tk, &target_arch).unwrap_or_else(|| {
-            fail(format!(
-                "no libcudart_static.a next to {}",
-                tk.nvcc.display()
-            ))
-        });
-        println!("cargo:rustc-link-search=native={}", cudart.display());
-        println!("cargo:rustc-link-lib=static=cudart_static");
-        println!("cargo:rustc-link-lib=dylib=dl");
-        println!("cargo:rustc-link-lib=dylib=rt");
+        link_cudart(&tk);
         let archs = cmake_set(&config, "m40llm_CUDA_ARCHITECTURES").unwrap_or_default();
         println!("cargo:cuda=1");
         println!("cargo:cuda_archs={archs}");
@@ -284,6 +263,22 @@ fn link_prebuilt(dir: &Path) {
     }
     println!("cargo:rustc-link-lib=dylib=pthread");
     println!("cargo:rustc-link-lib=dylib=m");
+}
+
+/// Links the toolkit's static CUDA runtime and what it needs (`dl`, `rt`).
+fn link_cudart(tk: &Toolkit) {
+    let target_arch = env::var("CARGO_CFG_TARGET_ARCH").unwrap_or_default();
+    let dir = find_cudart_dir(tk, &target_arch).unwrap_or_else(|| {
+        panic!(
+            "m40llm-sys: found nvcc at {} but no libcudart_static.a next to it \
+             (looked in lib64, targets/*/lib, /usr/lib/<arch>-linux-gnu)",
+            tk.nvcc.display()
+        )
+    });
+    println!("cargo:rustc-link-search=native={}", dir.display());
+    println!("cargo:rustc-link-lib=static=cudart_static");
+    println!("cargo:rustc-link-lib=dylib=dl");
+    println!("cargo:rustc-link-lib=dylib=rt");
 }
 
 /// The value of `set(NAME "value")` or `set(NAME value)` in a CMake file, unquoted.
