@@ -84,7 +84,8 @@ __device__ __forceinline__ SplitBlock<P> split_block(const AttnArgs &a,
     b.kept = t.kept;
     b.p_begin = t.begin;
     b.p_end = t.end;
-  } else if (kProtected && kRange && plan.role != M40LLM_PLAN_ALL) {  // protected tokens: the split's part
+  } else if (kProtected && kRange && plan.role != M40LLM_PLAN_ALL &&
+             plan.role != M40LLM_PLAN_MIXED) {  // protected tokens: the split's part
     const m40llm_attn_parts parts =
         m40llm_attn_item_parts(plan.len[lo], plan.window_begin[lo], plan.sinks, plan.window);
     int j = b.split - plan.split_begin[lo], part = 3;
@@ -220,7 +221,8 @@ struct SplitPass {
   int stages;      // AttnArgs::stages
   bool dependent;  // launched as a programmatic dependent of the kernel before it
   bool mixed;      // reads a protected cache's kept rows itself (M40LLM_PLAN_MIXED): one launch
-  bool parts;      // FP32: runs the kept parts' splits too (M40LLM_PLAN_PARTS): one launch
+  bool parts;      // FP32: runs the kept parts' splits too (M40LLM_PLAN_PARTS): one launch (the
+                   // calls with scores, and a tiered call's launches)
   // Blocks a small problem's plan still makes where each takes kMmaFillMinRows positions or
   // more (0, or fewer positions: one an SM). The tensor-core kernel's 1-4 resident blocks an SM
   // want all of theirs: with one an SM, an MQA head_dim 256 call left half an SM's warps idle.

@@ -69,9 +69,10 @@ int attend(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, const int
     pass = plan_split_pass(st, passes, g, seq_ids, lens, n_seqs, &plan);
   }
   // Protected tokens: a pass that reads the kept rows itself takes them in the same splits
-  // (M40LLM_PLAN_MIXED). Otherwise they get splits of their own: in the same launch where the
-  // FP32 kernel runs them (M40LLM_PLAN_PARTS), else read by the FP32 kernel's F16 instance from
-  // the FP16 slots in a second launch over the same plan.
+  // (M40LLM_PLAN_MIXED: the tensor-core kernels, and the FP32 kernel's lean instances without
+  // scores where the splits are long, kFp32MixedMinRows). Otherwise they get splits of their
+  // own: in the same launch where the FP32 kernel runs them (M40LLM_PLAN_PARTS), else read by
+  // the FP32 kernel's F16 instance from the FP16 slots in a second launch over the same plan.
   SplitPass kept_pass{};
   size_t slot_row = 0;
   if (c->slots > 0) {
@@ -85,7 +86,7 @@ int attend(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, const int
     }
     plan.kept_k = c->k.fp16 + slot_row;
     plan.kept_v = c->v.fp16 + slot_row;
-    if (pass.mixed) {
+    if (pass.mixed && (!pass.parts || plan.chunk >= kFp32MixedMinRows)) {
       m40llm_attn_plan_mixed(&plan, window_begin, c->n_sinks, c->window);
     } else if (pass.parts) {
       m40llm_attn_plan_protect(&plan, window_begin, c->n_sinks, c->window, kept_chunk(pass.tile));

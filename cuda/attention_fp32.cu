@@ -25,12 +25,16 @@ int fp32_split_pass(m40llm_cuda_state *st, int head_dim, const Grouping &g, bool
       scores ? fp32_scores_kernel<P>(g.gt, head_dim) : fp32_plain_kernel<P>(g.gt, head_dim);
   const bool exact = head_dim == dmax;  // its class's
   const bool dense = dense_tiles<P>(g.gt, dmax, exact);
+  // A lean kernel reads a protected cache's kept rows in the splits of the codes (MIXED), but
+  // where it exports scores (whose positions it takes a split's rows to be one run of): there in
+  // splits of their own (PARTS).
+  const bool kept_too = (P::K::kScaled || P::V::kScaled) && lean_kernel(g.gt, dmax, exact);
   SplitPass pass{kernel, kAttnThreads,
                  split_smem_floats(g.gt, dmax, head_dim,
                                    v_columns<typename P::V>(g.gt, dmax, exact), dense) *
                      sizeof(float),
-                 tile_rows(g.gt, dmax, false, false, dense), 0, 0, false, false,
-                 (P::K::kScaled || P::V::kScaled) && lean_kernel(g.gt, dmax, exact), 0};
+                 tile_rows(g.gt, dmax, false, false, dense), 0, 0, false, kept_too && !scores,
+                 kept_too, 0};
   int rc = kernel_waits(st, reinterpret_cast<const void *>(pass.kernel), &st->fp32_dependent,
                         &pass.dependent);
   if (rc != M40LLM_OK) return rc;

@@ -184,6 +184,38 @@ __host__ __device__ constexpr bool lean_kernel(int gt, int dmax, bool exact) {
   return (gt <= 4 || wide_tile(gt, dmax, exact)) && exact;
 }
 
+// A lean quantized kernel's split as runs of rows: runs[0] the codes' positions, runs[1-3] the
+// kept parts' FP16 slot rows ([begin, end), empty where begin >= end). A split of a PARTS or TIER
+// plan is one run (a kept part's where kept); a MIXED plan's (mixed) cuts its range of the
+// item's rows, numbered as attention_plan.h says (the kept rows, then the codes), into them.
+__device__ __forceinline__ void split_runs(const m40llm_attn_plan &plan, bool mixed, int item,
+                                           int p_begin, int p_end, bool kept, int (&runs)[4][2]) {
+  if (!mixed) {
+#pragma unroll
+    for (int k = 0; k < 4; k++) runs[k][0] = runs[k][1] = p_begin;
+    runs[kept ? 1 : 0][1] = p_end;
+    return;
+  }
+  m40llm_attn_parts parts =
+      m40llm_attn_item_parts(plan.len[item], plan.window_begin[item], plan.sinks, plan.window);
+  // Where the kept slots are one run (a full ring, or one from the ring's start: all but after a
+  // truncation), the kept rows are taken in slot order, as one part: a split's tiles then end at
+  // fewer part boundaries.
+  if (parts.count[1] + parts.count[2] == plan.window ||
+      (parts.first[1] == plan.sinks && parts.count[2] == 0)) {
+    parts.count[0] += parts.count[1] + parts.count[2];
+    parts.count[1] = parts.count[2] = 0;
+  }
+  int r = 0;  // the part's first row in the split's numbering
+#pragma unroll
+  for (int k = 0; k < 4; k++) {
+    const int lo = max(p_begin, r), hi = max(min(p_end, r + parts.count[k]), lo);
+    runs[(k + 1) % 4][0] = parts.first[k] + lo - r;
+    runs[(k + 1) % 4][1] = parts.first[k] + hi - r;
+    r += parts.count[k];
+  }
+}
+
 // P: the KvPair of K and V formats. GT: query heads per block (power of two <= kMaxGroupTile);
 // heads past the group get a zero q and are never written. DMAX: head_dim class (head_dim <=
 // DMAX, a multiple of 8).
@@ -194,11 +226,13 @@ __host__ __device__ constexpr bool lean_kernel(int gt, int dmax, bool exact) {
 // V has a min and is not dequantized (dequant_v).
 //
 // Rotated K/V (a.rot_k, a.rot_v): q is rotated on its way into shared memory and the output
-// back before it is stored, a warp a head (rotation.cuh). Protected tokens: the plan gives the
-// kept parts splits of their own (m40llm_attn_plan_protect). A lean kernel runs them in the same
-// launch (M40LLM_PLAN_PARTS: a kept part's block walks the FP16 slots); otherwise a call is two
-// launches over the plan, the F16 instance for the FP16 slots, then this kernel for the codes,
-// and each block of a split that is the other launch's returns at once.
+// back before it is stored, a warp a head (rotation.cuh). Protected tokens: a lean kernel reads
+// the FP16 slots itself, the kept rows in the codes' splits (M40LLM_PLAN_MIXED) or, where it
+// exports scores or runs a tier's launch, in splits of their own (M40LLM_PLAN_PARTS,
+// M40LLM_PLAN_TIER); otherwise the plan gives them splits of their own
+// (m40llm_attn_plan_protect) and a call is two launches over it, the F16 instance for the FP16
+// slots, then this kernel for the codes, and each block of a split that is the other launch's
+// returns at once.
 template <typename P, int GT, int DMAX, bool kExact, bool kScores>
 __global__ void __launch_bounds__(kAttnThreads, attn_min_blocks(wide_tile(GT, DMAX, kExact)))
     attn_fp32_kernel(const AttnArgs a, const m40llm_attn_plan plan) {
@@ -216,6 +250,10 @@ __global__ void __launch_bounds__(kAttnThreads, attn_min_blocks(wide_tile(GT, DM
   using KF = typename P::K;
   using VF = typename P::V;
   constexpr bool kLean = lean_kernel(GT, DMAX, kExact);
+  // A block of a lean quantized kernel walks runs of rows of two pairs of tensors, the codes and
+  // the FP16 slots, one tile loop after the other: their thread coordinates are read afresh for
+  // each (held through the first loop for the second, they spilled on sm_52).
+  constexpr bool kRuns = kLean && kQuant;
   // The softmax rescales lazily in wide tiles, whose 8 heads' scores made it 11% of a tile's
   // issue slots. Tiles of up to 4 heads keep the eager pass: in their 64 registers the lazy one
   // ran 2-4% slower through the compute_52 PTX on an H100 (group 4, head_dim 128). So do the
@@ -239,6 +277,10 @@ __global__ void __launch_bounds__(kAttnThreads, attn_min_blocks(wide_tile(GT, DM
   __shared__ int s_split;         // M40LLM_PLAN_TIER: the block's split in the call
   __shared__ const int32_t *s_map;  // a tier's rows: their positions, or null
   __shared__ int s_limit;           // with s_map: the first position the item does not see
+  // A lean quantized kernel's kept runs of rows (split_runs' 1-3: FP16 slot rows); s_slot0: the
+  // block's first FP16 slot.
+  __shared__ int s_runs[kRuns ? 3 : 1][2];
+  __shared__ size_t s_slot0;
   const int D = kExact ? DMAX : a.head_dim;  // compile-time offsets where head_dim is its class's
   float *sq = smem;              // q, pre-scaled into the log2 domain, at QIndex<DMAX>
   float *sp = smem + GT * DMAX;  // [T][GT]: a position's weights for every head together
@@ -291,9 +333,8 @@ __global__ void __launch_bounds__(kAttnThreads, attn_min_blocks(wide_tile(GT, DM
     }
   }
 
-  // Score pass: LPR lanes per K row, each with up to KC 16-byte chunks of it and of the rows
-  // T / KR, 2T / KR, ... after it.
-  const int k_row = tid / LPR, k_lane = tid % LPR;
+  // Score pass (a thread's k_row and k_lane: in the tile loop): LPR lanes per K row, each with
+  // up to KC 16-byte chunks of it and of the rows T / KR, 2T / KR, ... after it.
   const int chunks = D / 8;
   // Output pass: COLS columns per thread; row groups stride over the tile's positions.
   const int pv_tpr = D / COLS;
@@ -302,6 +343,7 @@ __global__ void __launch_bounds__(kAttnThreads, attn_min_blocks(wide_tile(GT, DM
   const int col = (tid % pv_tpr) * COLS;
   const bool pv_active = rg < row_groups;
   constexpr bool kSumMin = VF::kHasMin && !dequant_v<VF>(GT, COLS);
+  constexpr bool kHoldsMin = kSumMin;  // o_min is live: every run's rescale scales it
   float o[GT][COLS];
   float o_min[kSumMin ? GT : 1];  // sum(w * min) over the rows, per head
 #pragma unroll
@@ -316,20 +358,24 @@ __global__ void __launch_bounds__(kAttnThreads, attn_min_blocks(wide_tile(GT, DM
   if constexpr (KF::kScaled) static_assert(LPR * 8 % KF::kGroup == 0, "K chunks a group apart");
   const ptrdiff_t tile_step = (ptrdiff_t)T * D;
   const int v_step = row_groups * D;
-  const float *qp = sq + k_lane * 4;
 
-  // The tile loop over one pair of tensors: the cache's K and V, or (a lean kernel's block of a
-  // kept part, M40LLM_PLAN_PARTS) the FP16 slots. Inside it KF, VF and the min flags are that
-  // pair's; kw and vw walk it from p_begin.
-  const auto tiles = [&](auto k_format, auto v_format, auto kw, auto vw) {
+  // The tile loop over rows [begin, end) of one pair of tensors: the cache's K and V, or (a lean
+  // kernel's kept rows) the FP16 slots. Inside it KF, VF and the min flags are that pair's; kw
+  // and vw walk it from begin.
+  const auto tiles = [&](auto k_format, auto v_format, auto kw, auto vw, int begin, int end) {
+    const int tid = kRuns ? opaque_thread() : (int)threadIdx.x;
+    const int k_row = tid / LPR, k_lane = tid % LPR;
+    const int rg = tid / pv_tpr;
+    const bool pv_active = rg < row_groups;
+    const float *qp = sq + k_lane * 4;
     using KF = decltype(k_format);
     using VF = decltype(v_format);
     using KRaw = typename KF::template Raw<8>;
     using VRaw = typename VF::template Raw<COLS>;
     constexpr bool kDequantV = dequant_v<VF>(GT, COLS);
-    constexpr bool kSumMin = VF::kHasMin && !kDequantV;
-    for (int t0 = p_begin; t0 < p_end; t0 += T, kw.step(tile_step), vw.step(tile_step)) {
-      const int rows = min(T, p_end - t0);
+    constexpr bool kSumMin = VF::kHasMin && !kDequantV;  // this run's rows add to o_min
+    for (int t0 = begin; t0 < end; t0 += T, kw.step(tile_step), vw.step(tile_step)) {
+      const int rows = min(T, end - t0);
       // Every load of the tile goes out before anything waits on one: one memory latency per
       // tile instead of one per row batch. kLean: rows past the tile's end read as zeros (every
       // format decodes them to 0): their scores are replaced by -inf and their weights are 0, so
@@ -489,7 +535,7 @@ __global__ void __launch_bounds__(kAttnThreads, attn_min_blocks(wide_tile(GT, DM
           for (int g = 0; g < GT; g++) {
 #pragma unroll
             for (int i = 0; i < COLS; i++) o[g][i] *= alpha[g];
-            if constexpr (kSumMin) o_min[g] *= alpha[g];
+            if constexpr (kHoldsMin) o_min[g] *= alpha[g];
           }
         }
 #pragma unroll
@@ -527,26 +573,44 @@ __global__ void __launch_bounds__(kAttnThreads, attn_min_blocks(wide_tile(GT, DM
       }
     }
   };
-  const size_t k_first = (size_t)(p_begin + k_row) * D + k_lane * 8;
-  const size_t v_first = (size_t)(p_begin + rg) * D + col;
-  const auto cache_tiles = [&] {
-    tiles(KF{}, VF{}, Walk<KF, kLean>(a.k, KF::add(b.k, k_first)),
-          Walk<VF, kLean>(a.v, VF::add(b.v, v_first)));
+  // A run's walks from its first row (one pair of tensors: the cache's, or the FP16 slots).
+  const auto run_tiles = [&](auto k_format, auto v_format, auto kp, auto vp, int begin, int end) {
+    const int tid = kRuns ? opaque_thread() : (int)threadIdx.x;
+    const int k_row = tid / LPR, k_lane = tid % LPR;
+    const int rg = tid / pv_tpr;
+    const int col = (tid % pv_tpr) * COLS;
+    using KF = decltype(k_format);
+    using VF = decltype(v_format);
+    const size_t row = (size_t)begin * D;
+    tiles(k_format, v_format,
+          Walk<KF, kLean>(a.k, KF::add(kp, row + (size_t)k_row * D + k_lane * 8)),
+          Walk<VF, kLean>(a.v, VF::add(vp, row + (size_t)rg * D + col)), begin, end);
   };
-  if constexpr (kLean && kQuant) {
-    if (b.kept) {  // this layer's FP16 slots, [seq][kv_head][slot][dim]
-      const size_t slot0 =
-          ((size_t)plan.seq[b.item] * (a.n_heads / a.group) + blockIdx.y / a.head_tiles) *
-          (size_t)(plan.sinks + plan.window) * D;
-      const __half *kk = static_cast<const __half *>(plan.kept_k) + slot0;
-      const __half *vk = static_cast<const __half *>(plan.kept_v) + slot0;
-      tiles(KvF16{}, KvF16{}, Walk<KvF16, true>(a.k, kk + k_first),
-            Walk<KvF16, true>(a.v, vk + v_first));
-    } else {
-      cache_tiles();
+  if constexpr (kRuns) {
+    // The codes' run first, its bounds in registers; the kept runs from shared memory (on sm_52
+    // registers held through a tile loop are spilled), published by the codes' loop's barriers
+    // (a barrier before the first tile's loads would wait out every thread's q loads).
+    int runs[4][2];
+    split_runs(plan, !kScores && plan.role == M40LLM_PLAN_MIXED, b.item, p_begin, p_end, b.kept,
+               runs);
+    if (tid == 0) {
+#pragma unroll
+      for (int k = 1; k < 4; k++) s_runs[k - 1][0] = runs[k][0], s_runs[k - 1][1] = runs[k][1];
+      if (plan.kept_k)  // this layer's FP16 slots, [seq][kv_head][slot][dim]
+        s_slot0 = ((size_t)plan.seq[b.item] * (a.n_heads / a.group) + blockIdx.y / a.head_tiles) *
+                  (size_t)(plan.sinks + plan.window) * D;
+    }
+    if (runs[0][0] < runs[0][1]) run_tiles(KF{}, VF{}, b.k, b.v, runs[0][0], runs[0][1]);
+    else __syncthreads();
+#pragma unroll 1
+    for (int k = 0; k < 3; k++) {
+      const int begin = s_runs[k][0], end = s_runs[k][1];
+      if (begin < end)
+        run_tiles(KvF16{}, KvF16{}, static_cast<const __half *>(plan.kept_k) + s_slot0,
+                  static_cast<const __half *>(plan.kept_v) + s_slot0, begin, end);
     }
   } else {
-    cache_tiles();
+    run_tiles(KF{}, VF{}, b.k, b.v, p_begin, p_end);
   }
   // A one-pass plan's next kernel is most likely the next call's split kernel: let in any
   // earlier, its blocks would hold SM slots through this loop (B32 32/8 D64 L512 on an H100:

@@ -65,6 +65,7 @@ int tier_passes(m40llm_cuda_state *st, int head_dim, const Grouping &g, bool sco
     if (rc != M40LLM_OK || out->pass.kernel) return rc;
   }
   const int rc = fp32_split_pass<P>(st, head_dim, g, scores, &out->pass);
+  out->pass.mixed = false;  // a tier launch's kept rows lead its items only on tensor cores
   out->direct = out->fine = out->pass;
   return rc;
 }

@@ -114,6 +114,14 @@ inline int kernel_waits(const m40llm_cuda_state *st, const void *kernel, signed 
   return M40LLM_OK;
 }
 
+// threadIdx.x as a value the compiler cannot reuse from an earlier read: what derives from it is
+// computed again where it is wanted, not held in registers (on sm_52, spilled) from before.
+__device__ __forceinline__ int opaque_thread() {
+  int t;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
+  return t;
+}
+
 // Programmatic dependent launch (sm_90+): the attention kernels launch as dependents of the
 // kernel before them in the stream, so that their launch and start overlap its end instead of
 // following it. Each waits, in every block and before it touches global memory, for the grids

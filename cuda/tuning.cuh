@@ -107,6 +107,13 @@ constexpr int kAttnWaves = 2;
 // smaller): short splits run a window's few rows side by side. 32 against 1 tile, 16, 64, 128,
 // 256 (M40 path, 9 shapes): best or within 2 us everywhere; longer ones up to 14 us slower.
 constexpr int kKeptSplitRows = 32;
+// Protected tokens on the FP32 kernel: plans whose splits take this many rows or more read the
+// kept rows in the codes' splits (M40LLM_PLAN_MIXED), shorter ones in splits of their own
+// (M40LLM_PLAN_PARTS). A split that holds kept rows and codes runs a tile or two more; where
+// splits are a few tiles long that block is the call's longest (M40 path on an H200, B1 32/8
+// D128 L1K, 64-row splits: 10.9 -> 13.3 us); at 256 rows and up the grid's fewer blocks win
+// (B32 32/8 D128 L2K Q4: 126 -> 90 us).
+constexpr int kFp32MixedMinRows = 256;
 constexpr int kMmaWaves = 1;
 
 // ---- Combine (attention_combine.cu) ----

@@ -55,7 +55,8 @@ enum {
   M40LLM_PLAN_CODES = 2, /* the quantized rows (part 3) */
   /* every row of each item in one launch, splits as for ALL: a split's rows are the item's parts
    * in order (parts 0-2 from the FP16 slots at kept_k/kept_v, then part 3), and the kernel cuts
-   * its range into them */
+   * its range into them (the FP32 kernel takes the kept rows in slot order where their slots are
+   * one run: the same rows, numbered otherwise) */
   M40LLM_PLAN_MIXED = 3,
   /* the splits of m40llm_attn_plan_protect, every part in one launch: a split of a kept part
    * reads the FP16 slots at kept_k/kept_v, the others the codes */
