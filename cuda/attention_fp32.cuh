@@ -227,12 +227,12 @@ __device__ __forceinline__ void split_runs(const m40llm_attn_plan &plan, bool mi
 //
 // Rotated K/V (a.rot_k, a.rot_v): q is rotated on its way into shared memory and the output
 // back before it is stored, a warp a head (rotation.cuh). Protected tokens: a lean kernel reads
-// the FP16 slots itself, the kept rows in the codes' splits (M40LLM_PLAN_MIXED) or, where it
-// exports scores or runs a tier's launch, in splits of their own (M40LLM_PLAN_PARTS,
-// M40LLM_PLAN_TIER); otherwise the plan gives them splits of their own
-// (m40llm_attn_plan_protect) and a call is two launches over it, the F16 instance for the FP16
-// slots, then this kernel for the codes, and each block of a split that is the other launch's
-// returns at once.
+// the FP16 slots itself, the kept rows in the codes' splits (M40LLM_PLAN_MIXED) or, where the
+// splits are short (kFp32MixedMinRows), it exports scores or it runs a tier's launch, in splits
+// of their own (M40LLM_PLAN_PARTS, M40LLM_PLAN_TIER); otherwise the plan gives them splits of
+// their own (m40llm_attn_plan_protect) and a call is two launches over it, the F16 instance for
+// the FP16 slots, then this kernel for the codes, and each block of a split that is the other
+// launch's returns at once.
 template <typename P, int GT, int DMAX, bool kExact, bool kScores>
 __global__ void __launch_bounds__(kAttnThreads, attn_min_blocks(wide_tile(GT, DMAX, kExact)))
     attn_fp32_kernel(const AttnArgs a, const m40llm_attn_plan plan) {
