@@ -253,8 +253,7 @@ __global__ void __launch_bounds__(kAttnThreads, attn_min_blocks(wide_tile(GT, DM
   // A block of a lean quantized kernel walks runs of rows of two pairs of tensors, the codes and
   // the FP16 slots, one tile loop after the other: their thread coordinates are read afresh for
   // each (held through the first loop for the second, they spilled on sm_52).
-  // (Not the instances that export scores: their plans are never MIXED, a split one run.)
-  constexpr bool kRuns = kLean && kQuant && !kScores;
+  constexpr bool kRuns = kLean && kQuant;
   // The softmax rescales lazily in wide tiles, whose 8 heads' scores made it 11% of a tile's
   // issue slots. Tiles of up to 4 heads keep the eager pass: in their 64 registers the lazy one
   // ran 2-4% slower through the compute_52 PTX on an H100 (group 4, head_dim 128). So do the
@@ -592,7 +591,8 @@ __global__ void __launch_bounds__(kAttnThreads, attn_min_blocks(wide_tile(GT, DM
     // registers held through a tile loop are spilled), published by the codes' loop's barriers
     // (a barrier before the first tile's loads would wait out every thread's q loads).
     int runs[4][2];
-    split_runs(plan, plan.role == M40LLM_PLAN_MIXED, b.item, p_begin, p_end, b.kept, runs);
+    split_runs(plan, !kScores && plan.role == M40LLM_PLAN_MIXED, b.item, p_begin, p_end, b.kept,
+               runs);
     if (tid == 0) {
 #pragma unroll
       for (int k = 1; k < 4; k++) s_runs[k - 1][0] = runs[k][0], s_runs[k - 1][1] = runs[k][1];
@@ -608,16 +608,6 @@ __global__ void __launch_bounds__(kAttnThreads, attn_min_blocks(wide_tile(GT, DM
       if (begin < end)
         run_tiles(KvF16{}, KvF16{}, static_cast<const __half *>(plan.kept_k) + s_slot0,
                   static_cast<const __half *>(plan.kept_v) + s_slot0, begin, end);
-    }
-  } else if constexpr (kLean && kQuant) {
-    if (b.kept) {  // this layer's FP16 slots, [seq][kv_head][slot][dim]
-      const size_t slot0 =
-          ((size_t)plan.seq[b.item] * (a.n_heads / a.group) + blockIdx.y / a.head_tiles) *
-          (size_t)(plan.sinks + plan.window) * D;
-      run_tiles(KvF16{}, KvF16{}, static_cast<const __half *>(plan.kept_k) + slot0,
-                static_cast<const __half *>(plan.kept_v) + slot0, p_begin, p_end);
-    } else {
-      run_tiles(KF{}, VF{}, b.k, b.v, p_begin, p_end);
     }
   } else {
     run_tiles(KF{}, VF{}, b.k, b.v, p_begin, p_end);
