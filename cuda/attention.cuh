@@ -221,8 +221,8 @@ struct SplitPass {
   int stages;      // AttnArgs::stages
   bool dependent;  // launched as a programmatic dependent of the kernel before it
   bool mixed;      // reads a protected cache's kept rows itself (M40LLM_PLAN_MIXED): one launch
-  bool parts;      // FP32: runs the kept parts' splits too (M40LLM_PLAN_PARTS): one launch (the
-                   // calls with scores, and a tiered call's launches)
+  bool parts;      // FP32: runs the kept parts' splits too (M40LLM_PLAN_PARTS): one launch (where
+                   // mixed is not set, or the plan's splits are under kFp32MixedMinRows)
   // Blocks a small problem's plan still makes where each takes kMmaFillMinRows positions or
   // more (0, or fewer positions: one an SM). The tensor-core kernel's 1-4 resident blocks an SM
   // want all of theirs: with one an SM, an MQA head_dim 256 call left half an SM's warps idle.

@@ -343,7 +343,6 @@ __global__ void __launch_bounds__(kAttnThreads, attn_min_blocks(wide_tile(GT, DM
   const int col = (tid % pv_tpr) * COLS;
   const bool pv_active = rg < row_groups;
   constexpr bool kSumMin = VF::kHasMin && !dequant_v<VF>(GT, COLS);
-  constexpr bool kHoldsMin = kSumMin;  // o_min is live: every run's rescale scales it
   float o[GT][COLS];
   float o_min[kSumMin ? GT : 1];  // sum(w * min) over the rows, per head
 #pragma unroll
@@ -373,7 +372,8 @@ __global__ void __launch_bounds__(kAttnThreads, attn_min_blocks(wide_tile(GT, DM
     using KRaw = typename KF::template Raw<8>;
     using VRaw = typename VF::template Raw<COLS>;
     constexpr bool kDequantV = dequant_v<VF>(GT, COLS);
-    constexpr bool kSumMin = VF::kHasMin && !kDequantV;  // this run's rows add to o_min
+    // This run's rows add to o_min; every run's rescale scales it (the kernel's kSumMin).
+    constexpr bool kRunSumMin = VF::kHasMin && !kDequantV;
     for (int t0 = begin; t0 < end; t0 += T, kw.step(tile_step), vw.step(tile_step)) {
       const int rows = min(T, end - t0);
       // Every load of the tile goes out before anything waits on one: one memory latency per
@@ -535,7 +535,7 @@ __global__ void __launch_bounds__(kAttnThreads, attn_min_blocks(wide_tile(GT, DM
           for (int g = 0; g < GT; g++) {
 #pragma unroll
             for (int i = 0; i < COLS; i++) o[g][i] *= alpha[g];
-            if constexpr (kHoldsMin) o_min[g] *= alpha[g];
+            if constexpr (kSumMin) o_min[g] *= alpha[g];
           }
         }
 #pragma unroll
@@ -565,7 +565,7 @@ __global__ void __launch_bounds__(kAttnThreads, attn_min_blocks(wide_tile(GT, DM
                 const float wv = kScaleWeights ? w[g] * v_scale : w[g];
 #pragma unroll
                 for (int c = 0; c < COLS; c++) o[g0 + g][c] = fmaf(wv, vf[c], o[g0 + g][c]);
-                if constexpr (kSumMin) o_min[g0 + g] = fmaf(w[g], v_min, o_min[g0 + g]);
+                if constexpr (kRunSumMin) o_min[g0 + g] = fmaf(w[g], v_min, o_min[g0 + g]);
               }
             }
           }
