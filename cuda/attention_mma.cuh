@@ -165,15 +165,31 @@ struct KeptSteps : HalfSteps<NC, 0> {
 };
 
 // A quantized format's codes as the tensor-core kernel takes them: a lane's 8 codes of a row
-// (within one 32-dim group) become FP16 integers, exactly, by byte permutes under the bits of
-// 1024 and one FP16 operation that takes the 1024 (and Q8's offset) off. The group's scale (and
-// min) stay FP32 and apply around the MMAs: to the scores per group, and folded into the
-// weights for the output. (Scaled codes rounded to FP16 would cost 2^-11 relative per element.)
+// (within one 32-dim group) become FP16 numbers, exactly, by byte permutes under the bits of
+// 1024 and FP16 FMAs that take the 1024 off. A format with a min gets its codes centred: Q4's
+// less 8, Q3's and Q2's on their range's midpoint (less 3.5 and 1.5, half-integers, exact in
+// FP16); min() is the centred codes' min, min + that centre x scale. Q8's offset binary
+// (code - 128) has no min. The group's scale (and min) stay FP32 and apply around the MMAs: to
+// the scores per group, and folded into the weights for the output. (Scaled codes rounded to
+// FP16 would cost 2^-11 relative per element.)
+// Why centred: the min's share is added apart (min x sum(q), sum(w x min)). For data around zero,
+// codes 0..15 made the MMA's sum and that share each about 7.5 x scale x sum(|q|) (or sum(w)),
+// and they cancelled: the MMA's rounding (22-bit operands, FP32 accumulation of a split's output)
+// came to 2e-4-9e-4 of the result at 422K positions with outlier channels (H200). Centred on an
+// integer, what is left is the output's accumulated half-step, sum(w x scale) / 2: a fifteenth
+// of Q4's range (5e-6 there), but a seventh of Q3's (9e-6) and a third of Q2's (1.6e-5), whose
+// codes hence go on the midpoint.
 //
 // Codes::Ptr, at(plane, e), add(p, n), load(p, n): a lane's codes' place (element e's) in the
 // codes plane, moved and loaded n elements on (n a multiple of the group).
 template <typename F>
 struct MmaCodes;
+
+// An FP16 (scale, min) pair's min for codes less `centre` (one FP32 FMA's rounding).
+__device__ __forceinline__ float centred_min(uint32_t p, float centre) {
+  return fmaf(centre, __half2float(__ushort_as_half(p & 0xFFFFu)),
+              __half2float(__ushort_as_half(p >> 16)));
+}
 
 // A lane's 8 codes as one word, element e's at byte e x bits / 8.
 template <typename Codes_, int kBits>
@@ -208,53 +224,61 @@ template <>
 struct MmaCodes<KvQ4> : MmaWord<uint32_t, 4> {  // 8 nibbles: element 2i low in byte i, 2i + 1 high
   using Param = uint32_t;  // FP16 (scale, min), scale low
   // Byte i of w in both halves: the low nibble under 1024, the high one as 1024 + 16 x nibble;
-  // then x (1, 1/16) - (1024, 64).
+  // then x (1, 1/16) - (1032, 72): nibble - 8. (The midpoint, nibble - 7.5, would need the low
+  // nibble shifted first: one more instruction and register, some D256 instances spilled.)
   __device__ static uint32_t pair(uint32_t w, uint32_t sel) {
     const uint32_t h = (__byte_perm(w, 0u, sel) & 0x00F0000Fu) | 0x64006400u;
-    return bits(__hfma2(as_half2(h), as_half2(0x2C003C00u), as_half2(0xD400E400u)));
+    return bits(__hfma2(as_half2(h), as_half2(0x2C003C00u), as_half2(0xD480E408u)));
   }
   __device__ static uint4 halves(Codes c) {
     return make_uint4(pair(c, 0x4040u), pair(c, 0x4141u), pair(c, 0x4242u), pair(c, 0x4343u));
   }
   __device__ static float scale(Param p) { return __half2float(__ushort_as_half(p & 0xFFFFu)); }
-  __device__ static float min(Param p) { return __half2float(__ushort_as_half(p >> 16)); }
+  __device__ static float min(Param p) { return centred_min(p, 8.0f); }
 };
 
-// Q2 and Q3 (V only): a byte of 4 2-bit codes gives two pairs, as Q4's byte gives one: byte b
-// in both halves, each half's code masked at bits a.. of its mantissa under 1024, times 2^-a,
-// less 1024 x 2^-a. Q3 adds each code's bit 2 the same way from its bit-plane byte (4 x the bit,
-// its offset folded into the same FMA's addend), so a pair is two HFMA2s. Exact: every term is
-// an FP16 integer or a power of two, and each FMA's result an integer under 2048.
+// Q2 and Q3 (V only): a byte of 4 2-bit codes gives two pairs, as Q4's byte gives one: each
+// half's code masked at bits a >= 2 of a mantissa under 1024 (the first pair's first code from
+// w << 2), with bit a - 1 set, times 2^-a: code + 0.5 over 1024 x 2^-a, which goes with 2 more
+// (Q2's midpoint 1.5). Q3 adds each code's bit 2 from its bit-plane byte as 4 x the bit, its
+// offset, the 2-bit part's and Q3's 4 folded into one FMA's addend, so a pair is two HFMA2s.
+// Exact: every FMA's operands and result are held exactly in FP16 (a code at bit 0 would need
+// a half below the mantissa's last bit).
+template <int kBits>
 struct MmaLowBits {
   using Param = uint32_t;  // FP16 (scale, min), scale low
-  // Codes 2i, 2i + 1's 2-bit parts from w (byte i / 2), as (1024 + 2^a c) halves: a = 4(i % 2)
-  // and a + 2.
+  // Codes 2I, 2I + 1's 2-bit parts as (1024 + 2^a c + 2^(a - 1)) halves: from byte I / 2 of w,
+  // at a = 4, 6 for odd I; for even I at a = 2 from w << 2 (w2) and w.
   template <int I>
-  __device__ static __half2 low(uint32_t w) {
-    constexpr uint32_t kSel = I < 2 ? 0x4040u : 0x4141u, kMask = I % 2 ? 0x00C00030u : 0x000C0003u;
-    return as_half2((__byte_perm(w, 0u, kSel) & kMask) | 0x64006400u);
+  __device__ static __half2 low(uint32_t w, uint32_t w2) {
+    if constexpr (I % 2 == 0)
+      return as_half2((__byte_perm(w2, w, I < 2 ? 0x4400u : 0x5511u) & 0x000C000Cu) | 0x64026402u);
+    else
+      return as_half2((__byte_perm(w, 0u, I < 2 ? 0x4040u : 0x4141u) & 0x00C00030u) | 0x64206408u);
   }
-  // x 2^-a, and the offset 1024 x 2^-a to take off.
+  // x 2^-a, and what to take off for Q2: 1024 x 2^-a + 2.
   template <int I>
-  __device__ static __half2 mul() { return as_half2(I % 2 ? 0x24002C00u : 0x34003C00u); }
+  __device__ static __half2 mul() { return as_half2(I % 2 ? 0x24002C00u : 0x34003400u); }
   template <int I>
-  __device__ static __half2 sub() { return as_half2(I % 2 ? 0xCC00D400u : 0xDC00E400u); }
+  __device__ static __half2 sub() { return as_half2(I % 2 ? 0xCC80D420u : 0xDC08DC08u); }
   __device__ static float scale(Param p) { return __half2float(__ushort_as_half(p & 0xFFFFu)); }
-  __device__ static float min(Param p) { return __half2float(__ushort_as_half(p >> 16)); }
+  __device__ static float min(Param p) { return centred_min(p, 0.5f * ((1 << kBits) - 1)); }
 };
 
 template <>
-struct MmaCodes<KvQ2> : MmaWord<unsigned short, 2>, MmaLowBits {
+struct MmaCodes<KvQ2> : MmaWord<unsigned short, 2>, MmaLowBits<2> {
   template <int I>
-  __device__ static uint32_t pair(uint32_t w) { return bits(__hfma2(low<I>(w), mul<I>(), sub<I>())); }
+  __device__ static uint32_t pair(uint32_t w, uint32_t w2) {
+    return bits(__hfma2(low<I>(w, w2), mul<I>(), sub<I>()));
+  }
   __device__ static uint4 halves(Codes c) {
-    const uint32_t w = c;
-    return make_uint4(pair<0>(w), pair<1>(w), pair<2>(w), pair<3>(w));
+    const uint32_t w = c, w2 = w << 2;
+    return make_uint4(pair<0>(w, w2), pair<1>(w, w2), pair<2>(w, w2), pair<3>(w, w2));
   }
 };
 
 template <>
-struct MmaCodes<KvQ3> : MmaLowBits {
+struct MmaCodes<KvQ3> : MmaLowBits<3> {
   struct Codes {
     unsigned short low;  // the 2-bit parts, as Q2's
     uint8_t high;        // bit 2 of element i in bit i
@@ -273,20 +297,22 @@ struct MmaCodes<KvQ3> : MmaLowBits {
     const int g = n / KvQ3::kGroup * 12;
     return {__ldg(reinterpret_cast<const unsigned short *>(p.low + g)), __ldg(p.high + g)};
   }
-  // Element 2i's bit at bit 2i of the low half, 2i + 1's at bit 2i + 1 of the high half: x
-  // (2^(2-2i), 2^(1-2i)) is 4 x the bit plus an offset, which also takes the 2-bit part's off.
+  // Element 2I's bit at bit 2I of the low half, 2I + 1's at bit 2I + 1 of the high half: x
+  // (2^(2-2I), 2^(1-2I)) is 4 x the bit plus an offset, which the addend takes off with the
+  // 2-bit part's and 4.
   template <int I>
-  __device__ static uint32_t pair(uint32_t w, uint32_t hw) {
+  __device__ static uint32_t pair(uint32_t w, uint32_t w2, uint32_t hw) {
     constexpr uint32_t kMask = (1u << (2 * I)) | (2u << (2 * I)) << 16;
     constexpr uint32_t kMul[4] = {0x40004400u, 0x38003C00u, 0x30003400u, 0x28002C00u};
-    constexpr uint32_t kSub[4] = {0xE880ED00u, 0xE020E440u, 0xDE00E500u, 0xD200D800u};
+    constexpr uint32_t kSub[4] = {0xE882EC41u, 0xE028E444u, 0xDE10E008u, 0xD280D820u};
     const __half2 high = __hfma2(as_half2((hw & kMask) | 0x64006400u), as_half2(kMul[I]),
                                  as_half2(kSub[I]));
-    return bits(__hfma2(low<I>(w), mul<I>(), high));
+    return bits(__hfma2(low<I>(w, w2), mul<I>(), high));
   }
   __device__ static uint4 halves(Codes c) {
-    const uint32_t w = c.low, hw = __byte_perm(c.high, 0u, 0x4040u);
-    return make_uint4(pair<0>(w, hw), pair<1>(w, hw), pair<2>(w, hw), pair<3>(w, hw));
+    const uint32_t w = c.low, w2 = w << 2, hw = __byte_perm(c.high, 0u, 0x4040u);
+    return make_uint4(pair<0>(w, w2, hw), pair<1>(w, w2, hw), pair<2>(w, w2, hw),
+                      pair<3>(w, w2, hw));
   }
 };
 

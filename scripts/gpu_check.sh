@@ -49,6 +49,8 @@
 #             F16, Q8, Q4, Q8Q4 (library defaults) and Q8, Q4 plain: $OUT/abformats/*/ab.md
 #             (AB_EXTRA_SHAPES="B,H,Hkv,D,L ..." adds shapes; AB_FORMATS="Q4Q3;Q4Q2" takes
 #             those formats instead)
+#   abformatsnative  the same on this GPU's own build (its tensor-core kernels on sm_80+): the
+#             previous main (.ab/base, carried) and this tree built here: $OUT/abformats_native
 # Logs and results go to $OUT (or ./gpu-out). Every GPU test must run: a skip is a failure here.
 set -uo pipefail
 out=${OUT:-$PWD/gpu-out}
@@ -160,6 +162,11 @@ ab_m40() {
       "${AB_ROUNDS:-2}" ${1:+--} "$@"
 }
 
+ab_native() {  # dir, bench_attention args: the previous main (.ab/base) and this tree, built here
+  local dir=$1; shift
+  bash bench/ab.sh .ab/base "$dir" "${AB_ROUNDS:-2}" ${1:+--} "$@"
+}
+
 ab() {
   local rc=0
   bash bench/ab.sh .ab/base /tmp/ab_native 2 || rc=1
@@ -192,8 +199,8 @@ ab_causal() {
     --new .gpu-carry/bench52/bench_causal --rounds "${AB_ROUNDS:-2}"
 }
 
-ab_formats() {
-  local rc=0 spec shapes=() FORMAT_SHAPES
+ab_formats() {  # runner (ab_m40 or ab_native), results' folder under $OUT
+  local run=$1 dest=$2 rc=0 spec shapes=() FORMAT_SHAPES
   source bench/formats_shapes.sh
   # shellcheck disable=SC2206  # AB_EXTRA_SHAPES: more B,H,Hkv,D,L shapes, space-separated
   FORMAT_SHAPES+=(${AB_EXTRA_SHAPES:-})
@@ -206,7 +213,7 @@ ab_formats() {
     local name=${spec%% *}
     [ "$name" != "$spec" ] && name+=-plain
     # shellcheck disable=SC2086  # spec is a format and its options
-    ab_m40 "$out/abformats/$name" --format $spec "${shapes[@]}" || rc=1
+    "$run" "$out/$dest/$name" --format $spec "${shapes[@]}" || rc=1
   done
   return $rc
 }
@@ -262,7 +269,8 @@ for s in $steps; do
     m40) run_step m40 m40_proxy ;;
     abcausal) run_step abcausal ab_causal ;;
     abcausalnative) run_step abcausalnative ab_causal_native ;;
-    abformats) run_step abformats ab_formats ;;
+    abformats) run_step abformats ab_formats ab_m40 abformats ;;
+    abformatsnative) run_step abformatsnative ab_formats ab_native abformats_native ;;
     weights) run_step weights weights_cost weights ;;
     importance) run_step importance weights_cost importance ;;
     tiers) run_step tiers tiers_bench ;;
