@@ -47,6 +47,7 @@ WARPS = THREADS // 32
 WAVES = 2                 # kAttnWaves
 SPLIT_ROWS_PER_HEAD = 64  # kSplitRowsPerHead
 KEPT_SPLIT_ROWS = 32      # kKeptSplitRows
+MIXED_MIN_ROWS = 256      # kFp32MixedMinRows
 SINKS, WINDOW = 4, 128    # the defaults of a quantized cache (m40llm_kvcache_options v3)
 LATENCY_BLOCKS_PER_SM = 2  # below this (8 warps an SM, 2 a scheduler), latency, not issue, binds
 
@@ -431,11 +432,45 @@ def model_kept(shape, f16, dev, eff=1.0):
     return dict(t_mem=t_mem, t_issue=t_issue, time=max(t_mem, t_issue), blocks=n_blocks)
 
 
+def model_mixed(shape, kern, f16, dev, bytes_per_val, occ, eff=1.0):
+    """A lean kernel's MIXED plan (splits of MIXED_MIN_ROWS rows or more): the unprotected
+    cache's plan over all L positions, each split reading its kept rows from the FP16 slots in its
+    own block: their bytes FP16's, their tiles the F16 kernel's at the same GT (a run each for the
+    sinks and the window, whole tiles), no launch or combine of their own."""
+    b, h, hkv, d, l = shape
+    plain = model_call(shape, kern, dev, bytes_per_val, False, occ, eff)
+    units = hkv * (-(-(h // hkv) // kern["gt"]))
+    kept = min(l, SINKS + WINDOW)
+    runs = [r for r in (min(l, SINKS), kept - min(l, SINKS)) if r]
+    extra = sum(f16["total_slots"] * -(-r // f16["T"]) - kern["total_slots"] * r / kern["T"]
+                for r in runs) * units * b
+    slots = plain["slots"] + extra
+    t_issue = plain["t_issue"] * slots / plain["slots"]
+    kv_bytes = b * hkv * d * ((l - kept) * bytes_per_val + kept * 2 * 2)
+    t_mem = (kv_bytes + grid.qo_bytes_f32(shape)) / (dev["bw_gbps"] * 1e3)
+    return dict(plain, kv_bytes=kv_bytes, t_mem=t_mem, t_issue=t_issue, slots=slots,
+                time=max(t_mem, t_issue), bound="issue" if t_issue > t_mem else "bandwidth",
+                plan="MIXED")
+
+
+def mixed_plan(shape, kern, dev, occ):
+    """Whether the library gives this call a MIXED plan: a lean kernel whose unprotected plan's
+    splits take MIXED_MIN_ROWS rows or more."""
+    b, h, hkv, d, l = shape
+    units = hkv * (-(-(h // hkv) // kern["gt"]))
+    t = kern["T"]
+    chunks = plan_chunks([l] * b, units, dev["sms"] * occ * WAVES, dev["sms"],
+                         max(SPLIT_ROWS_PER_HEAD * kern["gt"], t), t)
+    return max(max(c) for c in chunks) >= MIXED_MIN_ROWS
+
+
 def group_tile(h, hkv):
     return min(8, 1 << (max(1, h // hkv) - 1).bit_length())
 
 
-def model_all(kerns, dev, shapes, eff=1.0):
+def model_all(kerns, dev, shapes, eff=1.0, mixed=True):
+    """mixed=False: PARTS plans throughout (what the library ran before MIXED plans for the lean
+    FP32 kernels: the H100 measurements below)."""
     rows = []
     for s in shapes:
         b, h, hkv, d, l = s
@@ -452,11 +487,16 @@ def model_all(kerns, dev, shapes, eff=1.0):
             r = dict(plain=model_call(s, kern, dev, bpv, False, occ, eff), occ=occ)
             if pair != ("KvF16", "KvF16"):
                 f16 = dict(kerns[("KvF16", "KvF16", gt, dmax)], gt=gt)
-                codes = model_call(s, kern, dev, bpv, True, occ, eff)
-                kept = model_kept(s, f16, dev, eff)
-                fixed = PROTECT_FIXED_US["one_launch" if (gt <= 4 or wide_tile(gt, dmax)) and d == dmax
-                                         else "two_launches"]
-                r["protected"] = dict(codes=codes, kept=kept, time=codes["time"] + kept["time"] + fixed)
+                lean = (gt <= 4 or wide_tile(gt, dmax)) and d == dmax
+                if mixed and lean and mixed_plan(s, kern, dev, occ):
+                    mixed = model_mixed(s, kern, f16, dev, bpv, occ, eff)
+                    r["protected"] = dict(mixed=mixed, time=mixed["time"])
+                else:
+                    codes = model_call(s, kern, dev, bpv, True, occ, eff)
+                    kept = model_kept(s, f16, dev, eff)
+                    fixed = PROTECT_FIXED_US["one_launch" if lean else "two_launches"]
+                    r["protected"] = dict(codes=codes, kept=kept,
+                                          time=codes["time"] + kept["time"] + fixed)
             row["formats"][PAIR_NAME[pair]] = r
         f16t = row["formats"]["F16"]["plain"]["time"]
         for r in row["formats"].values():
@@ -544,12 +584,16 @@ def report(args, m40k, m40rows, variants, h100k, h100rows, eff, effs):
              "stalls, the combine and its partials (about 3% of the bytes), launch gaps; and max() is optimistic "
              "where the two times are close (a call then pays for both in part).")
     L.append(f"- Protected tokens (the quantized formats' defaults: 4 sinks + a 128-token window kept FP16; "
-             f"the rotation costs nothing measurable): the codes of L - 132 positions, plus the F16 launch over "
-             f"132 positions a sequence (32-row splits, F16 slots a tile at the same GT), plus a fixed "
-             f"{PROTECT_FIXED_US['one_launch']:.0f} us for the combine where the kernel takes them in one launch "
-             f"(up to 4 heads at head_dim 64, 128, 256; 8 at 128, 256), {PROTECT_FIXED_US['two_launches']:.0f} us for a second "
-             f"launch and the combine elsewhere (the H100 PTX run's steps at B1 32/8 D128 L1K, where those rows' "
-             f"work is negligible).\n")
+             f"the rotation costs nothing measurable). Where the kernel is a lean one (up to 4 heads at "
+             f"head_dim 64, 128, 256; 8 at 128, 256) and the unprotected plan's splits take "
+             f"{MIXED_MIN_ROWS} rows or more, the library's MIXED plan: that plan over all L positions, "
+             f"the 132 kept rows' bytes FP16's and their tiles (a run for the sinks, one for the window, "
+             f"whole tiles) the F16 kernel's at the same GT, in the codes' splits' blocks. Elsewhere "
+             f"(PARTS): the codes of L - 132 positions, plus the F16 launch over 132 positions a sequence "
+             f"(32-row splits, F16 slots a tile at the same GT), plus a fixed "
+             f"{PROTECT_FIXED_US['one_launch']:.0f} us for the combine where the kernel takes them in one launch, "
+             f"{PROTECT_FIXED_US['two_launches']:.0f} us for a second launch and the combine elsewhere (the H100 "
+             f"PTX run's steps at B1 32/8 D128 L1K, where those rows' work is negligible).\n")
 
     for dmax in (128, 64, 256):
         L.append(f"## Per K/V element, DMAX {dmax} (head_dim {dmax})\n")
@@ -648,7 +692,8 @@ def report(args, m40k, m40rows, variants, h100k, h100rows, eff, effs):
                  f"its code may differ a little); {H100['sms']} SMs x 4 schedulers x {H100['clock_ghz']:.2f} GHz "
                  f"(maximum boost), {H100['bw_gbps']:.0f} GB/s (the copy measured in that run); no dual issue. "
                  f"Measured: bench/RESULTS.md, \"The M40's FP32 kernel for GQA (issue 20)\", compute_52 PTX (plain: no "
-                 f"rotation, no protected tokens; default: both).\n")
+                 f"rotation, no protected tokens; default: both, measured before MIXED plans, and modeled "
+                 f"here as then: PARTS throughout).\n")
         L.append("| format | GT | slots per element, sm_90 | sm_52 | sm_52 instructions |")
         L.append("|---|---|---|---|---|")
         for pair in PAIRS:
@@ -660,7 +705,7 @@ def report(args, m40k, m40rows, variants, h100k, h100rows, eff, effs):
                              f"{per_elem(k52, 128, k52['total_instr']):.2f} |")
         L.append("")
         shape_table(h100rows, measured=H100_MEASURED,
-                    rows_eff=model_all(h100k, H100, SHAPES, eff) if eff else None)
+                    rows_eff=model_all(h100k, H100, SHAPES, eff, mixed=False) if eff else None)
         if eff:
             L.append(f"Issue efficiency reached on the H100 (modeled issue time / measured, over the plain calls "
                      f"the model calls issue-bound that fill the GPU): median {eff:.2f} "
@@ -696,7 +741,7 @@ def main():
     if not args.no_h100:
         h100k = sm90_kernels_from_ptx(args.ptx or lib) or {}
         if h100k:
-            h100rows = model_all(h100k, H100, SHAPES)
+            h100rows = model_all(h100k, H100, SHAPES, mixed=False)
             eff, effs = issue_efficiency(h100rows)
         else:
             print("m40_model: no compute_52 PTX (52-virtual) in the library: no H100 cross-check", file=sys.stderr)
