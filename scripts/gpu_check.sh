@@ -169,7 +169,7 @@ ab_native() {  # dir, bench_attention args: the previous main (.ab/base) and thi
 
 ab() {
   local rc=0
-  bash bench/ab.sh .ab/base /tmp/ab_native 2 || rc=1
+  ab_native /tmp/ab_native || rc=1
   ab_m40 /tmp/ab_ptx52 || rc=1
   tar czf "$out/ab.tgz" -C /tmp ab_native ab_ptx52
   return $rc
