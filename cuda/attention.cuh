@@ -114,6 +114,40 @@ __device__ __forceinline__ SplitBlock<P> split_block(const AttnArgs &a,
   return b;
 }
 
+// A decode step's new K/V rows (plan.append_k: m40llm_kvcache_append_attn_ex on an F16 cache,
+// whose lengths already count them): each block holding an item's last position, one a tile
+// of its K/V head's query heads, writes that head's row there before it reads it. The row is
+// stored as an append stores it (FP16 kept bit for bit, FP32 and BF16 rounded to nearest
+// even), so the call's results are the two calls'. The reads that follow go through the
+// read-only path, which is safe because no block reads any 32-byte sector of the row before
+// its own write: rows are whole sectors (head_dim a multiple of 16: cuda_attention_appends)
+// and no split reads past its end. The fence puts the row in L2 before the block's barrier.
+template <typename P, typename Block>
+__device__ __forceinline__ void write_appended_row(const AttnArgs &a, const m40llm_attn_plan &plan,
+                                                   const Block &b) {
+  if constexpr (std::is_same<P, KvPair<KvF16, KvF16>>::value) {
+    if (!plan.append_k || b.p_begin >= b.p_end || b.p_end != plan.len[b.item]) return;
+    const int D = a.head_dim;
+    const size_t src = ((size_t)b.item * (a.n_heads / a.group) + blockIdx.y / a.head_tiles) * D;
+    const size_t dst = (size_t)(b.p_end - 1) * D;
+    for (int i = threadIdx.x; i < 2 * D; i += blockDim.x) {
+      const int t = i >= D, d = i - t * D;
+      const void *from = t ? plan.append_v : plan.append_k;
+      __half x;
+      if (plan.append_dtype == M40LLM_DTYPE_F16)
+        x = static_cast<const __half *>(from)[src + d];
+      else if (plan.append_dtype == M40LLM_DTYPE_BF16)
+        x = __float2half_rn(__uint_as_float(
+            (unsigned)static_cast<const unsigned short *>(from)[src + d] << 16));
+      else
+        x = __float2half_rn(static_cast<const float *>(from)[src + d]);
+      const_cast<__half *>(t ? b.v : b.k)[dst + d] = x;
+    }
+    __threadfence();
+    __syncthreads();
+  }
+}
+
 // The call's number of this block's split in a launch of M40LLM_PLAN_TIER, apart from
 // split_block (the FP32 kernel keeps it in shared memory: on sm_52 any value of split_block's
 // kept through the tile loop is spilled).
@@ -328,19 +362,27 @@ int weights_launch(m40llm_cuda_state *st, const AttnArgs &a, const m40llm_attn_p
 // (grown, never shrunk; the context's own).
 int scores_stage(m40llm_cuda_state *st, size_t floats, float **out);
 
-// What a call exports besides its output, for its first item: weights (NULL: none) of rows
-// weights_stride apart, written as scores by the split kernels and turned into weights (or,
-// with imp.rows, reduced into importance) by weights_launch. For the items from `first` on:
-// at(first).
+// What a call does besides its output, for its first item: the weights it exports (NULL:
+// none) in rows weights_stride apart, written as scores by the split kernels and turned into
+// weights (or, with imp.rows, reduced into importance) by weights_launch; or the rows it
+// appends (m40llm_attn_plan's append_k; an F16 cache's), of row_bytes an item. For the items
+// from `first` on: at(first).
 struct CallExport {
   float *weights;
   size_t weights_stride;
   ImportanceArgs imp;
   int n_heads, n_kv_heads;
+  const char *append_k = nullptr, *append_v = nullptr;
+  int append_dtype = M40LLM_DTYPE_F32;
+  size_t append_row_bytes = 0;
   CallExport at(int first) const {
     CallExport x = *this;
     if (imp.rows) x.imp.rows += (size_t)first * n_kv_heads * (size_t)imp.stride;
     else if (weights) x.weights += (size_t)first * n_heads * weights_stride;
+    if (append_k) {
+      x.append_k += (size_t)first * append_row_bytes;
+      x.append_v += (size_t)first * append_row_bytes;
+    }
     return x;
   }
 };

@@ -32,12 +32,12 @@ int split_passes_for(m40llm_cuda_state *st, const m40llm_kvcache_options *o, con
 
 // One launch's worth of sequences (at most M40LLM_PLAN_MAX_ITEMS: the plan is a kernel argument),
 // `rows` query rows each (attend_rows).
-// weights: NULL, or the first item's rows of exported weights (m40llm_attn_plan); imp: with
-// weights, NULL or the first item's rows of importance the weights are reduced into.
+// x: what the call does besides its output, for its first item (CallExport).
 template <typename P>
 int attend(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, const int32_t *lens,
            int n_seqs, int rows, int window, const float *q, float *out, float scale,
-           float *weights, size_t weights_stride, const ImportanceArgs &imp) {
+           const CallExport &x) {
+  float *const weights = x.weights;
   m40llm_cuda_state *st = cuda_state(c->ctx);
   const m40llm_kvcache_options *o = &c->opts;
   Grouping g = grouping_for(o);
@@ -108,7 +108,10 @@ int attend(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, const int
   a.out = out;
   a.part_o = a.part_m = a.part_l = nullptr;
   plan.weights = weights;
-  plan.weights_stride = (int64_t)weights_stride;
+  plan.weights_stride = (int64_t)x.weights_stride;
+  plan.append_k = x.append_k;
+  plan.append_v = x.append_v;
+  plan.append_dtype = x.append_dtype;
   plan.causal_window = window;
   if (plan.max_splits > 1 || weights) {
     void *ws = nullptr;
@@ -153,7 +156,7 @@ int attend(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, const int
   if (rc != M40LLM_OK) return rc;
   if (plan.max_splits > 1 && (rc = combine_launch(st, a, plan, combine_dependent)) != M40LLM_OK)
     return rc;
-  return weights ? weights_launch(st, a, plan, imp) : M40LLM_OK;
+  return weights ? weights_launch(st, a, plan, x.imp) : M40LLM_OK;
 }
 
 }  // namespace
@@ -161,8 +164,9 @@ int attend(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, const int
 template <typename P>
 int attend_rows(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, const int32_t *lens,
                 int n, int rows, int window, const float *q, float *out, float scale) {
-  return attend<P>(c, layer, seq_ids, lens, n, rows, window, q, out, scale, nullptr, 0,
-                   ImportanceArgs{nullptr, 0, 0.0f});
+  return attend<P>(c, layer, seq_ids, lens, n, rows, window, q, out, scale,
+                   CallExport{nullptr, 0, {nullptr, 0, 0.0f}, c->opts.n_heads,
+                              c->opts.n_kv_heads});
 }
 
 #define M40LLM_INSTANTIATE(P)                                                                  \
@@ -231,6 +235,12 @@ int m40llm_cuda_attention(const m40llm_kvcache *c, int layer, const int32_t *seq
     ex.weights_stride = longest;
     ex.imp = ImportanceArgs{x->importance, (int64_t)x->importance_stride, x->decay};
   }
+  if (x && x->append_k) {  // attention_appends: an F16 cache, never tiered
+    ex.append_k = static_cast<const char *>(x->append_k);
+    ex.append_v = static_cast<const char *>(x->append_v);
+    ex.append_dtype = dtype;
+    ex.append_row_bytes = (size_t)o->n_kv_heads * o->head_dim * m40llm_dtype_size(dtype);
+  }
   if (c->n_tiers > 0)
     return with_f32_rows(cuda_state(c->ctx), q, out, (size_t)n_seqs * row, dtype,
                          [&](const float *q32, float *out32) {
@@ -246,10 +256,9 @@ int m40llm_cuda_attention(const m40llm_kvcache *c, int layer, const int32_t *seq
             n_seqs - first < M40LLM_PLAN_MAX_ITEMS ? n_seqs - first : M40LLM_PLAN_MAX_ITEMS;
         int32_t lens[M40LLM_PLAN_MAX_ITEMS];
         for (int i = 0; i < n; i++) lens[i] = *m40llm_len_slot(c, layer, seq_ids[first + i]);
-        const CallExport xn = ex.at(first);
         const int rc = attend<P>(c, layer, seq_ids + first, lens, n, 1, 0,
                                  q32 + (size_t)first * row, out32 + (size_t)first * row, scale,
-                                 xn.weights, xn.weights_stride, xn.imp);
+                                 ex.at(first));
         if (rc != M40LLM_OK) return rc;
       }
       return M40LLM_OK;

@@ -293,6 +293,7 @@ __global__ void __launch_bounds__(kAttnThreads, attn_min_blocks(wide_tile(GT, DM
   // after the grid before it, which a programmatic dependent of it relies on.)
   if (b.skip) return;
   if (plan.max_splits > 1) allow_dependent_launch();  // the combine kernel: see below
+  write_appended_row<P>(a, plan, b);
   const int p_begin = b.p_begin, p_end = b.p_end, nh = b.nh;
 
   const float *q = a.q + ((size_t)b.item * a.n_heads + b.h0) * D;

@@ -669,7 +669,8 @@ __global__ void __launch_bounds__(32 * W, mma_min_blocks(32 * NC + 16 * TAIL, W)
     else return a.q + ((size_t)b.item * a.n_heads + b.h0 + r) * D;
   };
   wait_for_prerequisite_grid();
-  if (plan.max_splits > 1) allow_dependent_launch();  // as in attn_split_kernel
+  if (plan.max_splits > 1) allow_dependent_launch();  // as in attn_fp32_kernel
+  if constexpr (!CAUSAL) write_appended_row<P>(a, plan, b);
 
   // This split's rows of the tensor; a protected cache's (M40LLM_PLAN_MIXED): of its codes, part
   // 3, whose rows come after the kept parts' in the split's numbering. A tiered call's launch

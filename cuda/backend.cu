@@ -342,6 +342,13 @@ int cuda_prepare_attention(const m40llm_kvcache *c, int n_rows, const void *q, c
                               2 * (size_t)n_rows * c->opts.n_heads * c->opts.head_dim, &stage);
 }
 
+// An F16 cache's split kernels write a decode step's new rows themselves (attention.cuh,
+// write_appended_rows), where each row is whole 32-byte sectors that no other block reads.
+int cuda_attention_appends(const m40llm_kvcache *c) {
+  return c->k.layout.fmt->format == M40LLM_KV_F16 && c->v.layout.fmt->format == M40LLM_KV_F16 &&
+         c->opts.head_dim % 16 == 0;
+}
+
 int cuda_attention(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, int n_seqs,
                    const void *q, void *out, int dtype, float scale,
                    const m40llm_attn_export *x) {
@@ -350,6 +357,8 @@ int cuda_attention(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, i
     rc = m40llm_cuda_check_pointer(cuda_state(c->ctx), x->weights, "weights");
   if (rc == M40LLM_OK && x && x->importance)
     rc = m40llm_cuda_check_pointer(cuda_state(c->ctx), x->importance, "importance");
+  if (rc == M40LLM_OK && x && x->append_k)
+    rc = enter_with(c, x->append_k, "k", x->append_v, "v");
   return rc != M40LLM_OK
              ? rc
              : m40llm_cuda_attention(c, layer, seq_ids, n_seqs, q, out, dtype, scale, x);
@@ -404,6 +413,7 @@ const m40llm_backend_ops m40llm_cuda_backend = {
     cuda_synchronize,    cuda_stream,  cuda_device_info,        cuda_malloc, cuda_free,
     cuda_memcpy,         cuda_memset,  cuda_check_cache,        m40llm_cuda_reserve_for,
     cuda_append,         cuda_read_f16, cuda_fork,              cuda_prepare_attention,
+    cuda_attention_appends,
     cuda_attention,      cuda_attention_causal, cuda_tier_rows,
     m40llm_cuda_graph_begin, m40llm_cuda_graph_end,
     m40llm_cuda_graph_launch, m40llm_cuda_graph_destroy,

@@ -7,7 +7,7 @@
  * sequences than one CUDA launch takes; and errors part-way through a batch, after which every
  * sequence (lengths, stored values, the protected window) is as it was. Append-and-attend
  * (m40llm_kvcache_append_attn_f32q) against the two calls it stands for, bit for bit, and the
- * CPU backend.
+ * CPU backend, over batches of more sequences than one CUDA launch takes too.
  */
 #include <limits.h>
 #include <math.h>
@@ -422,15 +422,17 @@ done:
 /* One decode step through m40llm_kvcache_append_attn_f32q on t->a and t->c (the CPU), and as
  * append_batch + attn_batch on t->b, for ids[0..n): outputs poisoned first; a's bit-identical
  * to b's and within 1e-5 of c's. On a CPU context the ids are also passed from inside a's out
- * (they may share memory). Returns whether every call succeeded. */
-static int fused_step(trio *t, int layer, const int32_t *ids, int n) {
+ * (they may share memory); with out_is_k, a's out is its k (read before out is written).
+ * Returns whether every call succeeded. */
+static int fused_step(trio *t, int layer, const int32_t *ids, int n, int out_is_k) {
   const size_t row = t->row, qrow = (size_t)t->s.n_heads * (size_t)t->s.d;
   const size_t kv_bytes = (size_t)n * row * sizeof(float), q_bytes = (size_t)n * qrow * sizeof(float);
   float *k = malloc(kv_bytes), *v = malloc(kv_bytes), *q = malloc(q_bytes);
   float *oa = malloc(q_bytes), *ob = malloc(q_bytes), *oc = malloc(q_bytes);
   double *ref = malloc((size_t)n * qrow * sizeof(double));
   float *dk = NULL, *dv = NULL, *dq = NULL, *ck = NULL, *cv = NULL, *cq = NULL;
-  float *da = t_dev_alloc(t->ctx, q_bytes), *db = t_dev_alloc(t->ctx, q_bytes);
+  float *da = t_dev_alloc(t->ctx, q_bytes > kv_bytes ? q_bytes : kv_bytes);
+  float *db = t_dev_alloc(t->ctx, q_bytes);
   float *dc = t_dev_alloc(t->cpu, q_bytes);
   int ok = T_CHECK(k && v && q && oa && ob && oc && ref && da && db && dc);
   if (ok) {
@@ -443,14 +445,15 @@ static int fused_step(trio *t, int layer, const int32_t *ids, int n) {
     cq = t_dev_upload(t->cpu, q, q_bytes);
     ok = dk && dv && dq && ck && cv && cq && T_OK(m40llm_memset(t->ctx, da, 0xFF, q_bytes)) &&
          T_OK(m40llm_memset(t->ctx, db, 0xFF, q_bytes)) &&
-         T_OK(m40llm_memset(t->cpu, dc, 0xFF, q_bytes));
+         T_OK(m40llm_memset(t->cpu, dc, 0xFF, q_bytes)) &&
+         (!out_is_k || T_OK(m40llm_memcpy_to_device(t->ctx, da, k, kv_bytes)));
   }
   /* On the CPU backend, out is host memory: the ids may live in it (n ids fit one q row). */
-  const int alias = ok && !backend_is_cuda(t->ctx) && (size_t)n <= qrow;
+  const int alias = ok && !out_is_k && !backend_is_cuda(t->ctx) && (size_t)n <= qrow;
   if (alias) memcpy(da, ids, (size_t)n * sizeof *ids);
   ok = ok &&
        T_OK(m40llm_kvcache_append_attn_f32q(da, t->a, layer, alias ? (const int32_t *)(void *)da : ids,
-                                            n, dk, dv, dq, 0.0f)) &&
+                                            n, out_is_k ? da : dk, dv, dq, 0.0f)) &&
        T_OK(m40llm_kvcache_append_batch_f32(t->b, layer, ids, NULL, n, dk, dv)) &&
        T_OK(m40llm_kvcache_attn_batch_f32q(db, t->b, layer, ids, n, dq, 0.0f)) &&
        T_OK(m40llm_kvcache_append_attn_f32q(dc, t->c, layer, ids, n, ck, cv, cq, 0.0f)) &&
@@ -484,7 +487,8 @@ static void fused_case(m40llm_context *ctx, batch_shape s) {
   int ok = trio_append(&t, 1, ids, prompt, SEQS, 0);
   for (int step = 0; ok && step < 12; step++) {
     shuffle(ids, SEQS);
-    ok = fused_step(&t, 1, ids, t_rand_int(1, SEQS)) && trio_same(&t, "after a fused step");
+    ok = fused_step(&t, 1, ids, t_rand_int(1, SEQS), step % 4 == 3) &&
+         trio_same(&t, "after a fused step");
   }
   if (ok) {
     t_set_case("append_attn error paths");
@@ -555,6 +559,27 @@ static void fused_case(m40llm_context *ctx, batch_shape s) {
   trio_close(&t);
 }
 
+/* Append-and-attend over more sequences than one CUDA launch takes, from ragged prompts (0 to
+ * 20 tokens: a step's row may be a sequence's first). */
+static void fused_wide_case(m40llm_context *ctx, batch_shape s) {
+  enum { SEQS = 131 };
+  t_set_case("append_attn, %d sequences, K %d / V %d, %d/%d heads, head_dim %d", SEQS, s.kf, s.vf,
+             s.n_heads, s.n_kv, s.d);
+  trio t;
+  memset(&t, 0, sizeof t);
+  int32_t *ids = malloc(SEQS * sizeof *ids), *counts = malloc(SEQS * sizeof *counts);
+  if (T_CHECK(ids && counts) && trio_open(&t, ctx, s, 1, SEQS, 24)) {
+    for (int i = 0; i < SEQS; i++) ids[i] = i, counts[i] = t_rand_int(0, 20);
+    int ok = trio_append(&t, 0, ids, counts, SEQS, 0);
+    for (int step = 0; ok && step < 2; step++) {
+      shuffle(ids, SEQS);
+      ok = fused_step(&t, 0, ids, SEQS, step) && trio_same(&t, "after a wide fused step");
+    }
+  }
+  trio_close(&t);
+  free(ids), free(counts);
+}
+
 void t_cases_append_batch(m40llm_context *ctx, int small) {
   enum { AUTO = M40LLM_ROTATE_AUTO, NONE = M40LLM_ROTATE_NONE, KV = M40LLM_ROTATE_KV };
   enum { F16 = M40LLM_KV_F16, Q8 = M40LLM_KV_Q8, Q4 = M40LLM_KV_Q4, SAME = M40LLM_KV_SAME };
@@ -579,5 +604,14 @@ void t_cases_append_batch(m40llm_context *ctx, int small) {
   fused_case(ctx, shapes[4]);
   fused_case(ctx, shapes[7]);
   fused_case(ctx, shapes[8]);
+  /* F16 caches, whose CUDA split kernels write the rows themselves where head_dim is a multiple
+   * of 16 (head_dim 40: the two calls): group 16 in two tiles of query heads, MQA at head_dim
+   * 256, odd heads. */
+  fused_case(ctx, shapes[1]);
+  fused_case(ctx, (batch_shape){F16, SAME, 16, 1, 64, AUTO, 0, 0});
+  fused_case(ctx, (batch_shape){F16, SAME, 8, 1, 256, AUTO, 0, 0});
+  fused_case(ctx, (batch_shape){F16, SAME, 9, 3, 80, AUTO, 0, 0});
+  fused_wide_case(ctx, (batch_shape){F16, SAME, 4, 2, 64, AUTO, 0, 0});
+  fused_wide_case(ctx, (batch_shape){Q8, Q4, 4, 2, 64, AUTO, 2, 3});
   t_set_case("");
 }

@@ -152,7 +152,7 @@ static void test_pointer_kinds(void) {
               M40LLM_ERR_INVALID_ARGUMENT, "k_out is host memory");
   T_FAIL_WITH(m40llm_kvcache_read_f16(dk16, hk16, kv.cache, 0, 0, 0, 1),
               M40LLM_ERR_INVALID_ARGUMENT, "v_out is host memory");
-  /* append_attn checks q and out before its append: refused, and no sequence grew */
+  /* append_attn checks q, out, k and v before it appends: refused, and no sequence grew */
   {
     const int32_t id = 1;
     int before = -1, after = -2;
@@ -161,6 +161,11 @@ static void test_pointer_kinds(void) {
                 M40LLM_ERR_INVALID_ARGUMENT, "q is host memory");
     T_FAIL_WITH(m40llm_kvcache_append_attn_f32q(hout, kv.cache, 0, &id, 1, dk, dv, dq, 0.0f),
                 M40LLM_ERR_INVALID_ARGUMENT, "out is host memory");
+    /* (an F16 cache at head_dim 16: the attention call writes the rows, and checks them) */
+    T_FAIL_WITH(m40llm_kvcache_append_attn_f32q(dout, kv.cache, 0, &id, 1, hk, dv, dq, 0.0f),
+                M40LLM_ERR_INVALID_ARGUMENT, "k is host memory");
+    T_FAIL_WITH(m40llm_kvcache_append_attn_f32q(dout, kv.cache, 0, &id, 1, dk, hv, dq, 0.0f),
+                M40LLM_ERR_INVALID_ARGUMENT, "v is host memory");
     T_OK(m40llm_kvcache_seq_len(&after, kv.cache, 0, 1));
     T_INT_EQ(after, before);
   }

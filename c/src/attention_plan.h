@@ -47,6 +47,12 @@ typedef struct m40llm_attn_plan {
   /* The tensor-core kernel's causal rows (kMmaCausal): a query row sees only the last
    * causal_window positions up to its own (0: all of them) */
   int32_t causal_window;
+  /* A decode step's new rows (m40llm_kvcache_append_attn_ex on an F16 cache, NULL: none):
+   * item i's K/V head h row at append_k/append_v + (i * n_kv_heads + h) * head_dim elements of
+   * m40llm_dtype append_dtype, which the launch writes at position len[i] - 1 before it reads
+   * it (the F16 instances; set by the caller) */
+  const void *append_k, *append_v;
+  int32_t append_dtype;
 } m40llm_attn_plan;
 
 enum {

@@ -23,16 +23,20 @@ typedef struct m40llm_append_item {
   int32_t seq, pos, n_tokens;
 } m40llm_append_item;
 
-/* What a decode attention call exports besides its output: the weights
+/* What a decode attention call does besides its output. It exports the weights
  * (m40llm_kvcache_attn_weights_ex: n_heads rows of weights_stride floats a query row) or the
  * importance (m40llm_kvcache_attn_importance_ex: n_kv_heads rows of importance_stride floats a
- * query row, updated with decay), one of the two; each stride at least the longest length. */
+ * query row, updated with decay), one of the two, each stride at least the longest length; or,
+ * where the backend's attention_appends says it can, it appends: append_k and append_v hold
+ * one [n_kv_heads][head_dim] row a query row, of the call's element type, which the call
+ * writes at its sequence's last position (the lengths already count it) before reading it. */
 typedef struct m40llm_attn_export {
   float *weights;
   size_t weights_stride;
   float *importance;
   size_t importance_stride;
   float decay;
+  const void *append_k, *append_v;
 } m40llm_attn_export;
 
 /* A row op of a tiered cache: where one row (one sequence's position: every K/V head, K and
@@ -95,6 +99,9 @@ typedef struct m40llm_backend_ops {
    * rows' staging buffer grown to the call's size.) */
   int (*prepare_attention)(const m40llm_kvcache *c, int n_rows, const void *q, const void *out,
                            int dtype);
+  /* Nonzero where `attention` on c can take a decode step's appended rows (x->append_k and
+   * append_v) and write them itself; NULL or zero: append_attn makes the two calls. */
+  int (*attention_appends)(const m40llm_kvcache *c);
   /* Decode attention of n_seqs query rows; each seq_ids[i] is valid, scale final; q and out
    * of element type dtype (m40llm_dtype, valid). x: NULL, or what the call exports besides
    * its output, checked (m40llm_attn_export). */

@@ -444,6 +444,7 @@ const m40llm_backend_ops m40llm_cpu_backend = {
     .read_f16 = cpu_read_f16,
     .fork = cpu_fork,
     .prepare_attention = cpu_prepare_attention,
+    .attention_appends = NULL, /* append_attn's two calls are already one pass over the rows */
     .attention = cpu_attention,
     .attention_causal = cpu_attention_causal,
     .tier_rows = cpu_tier_rows,

@@ -422,6 +422,16 @@ int m40llm_kvcache_seq_fork(m40llm_kvcache *cache, int dst_seq, int src_seq) {
 
 /* The backend's append of checked items (distinct sequences, each n_tokens >= 1, capacity
  * checked), then their lengths and window starts. */
+/* The items' sequences after their append: lengths moved on, window starts raised. */
+static void appended(m40llm_kvcache *c, int layer, const m40llm_append_item *items, int n_items) {
+  for (int i = 0; i < n_items; i++) {
+    int *len = m40llm_len_slot(c, layer, items[i].seq);
+    int *lo = m40llm_lo_slot(c, layer, items[i].seq);
+    *len = items[i].pos + items[i].n_tokens;
+    if (*lo < *len - c->window) *lo = *len - c->window;
+  }
+}
+
 static int run_append(m40llm_kvcache *c, int layer, const m40llm_append_item *items, int n_items,
                       const void *k, const void *v, int dtype) {
   int rc = m40llm_context_check(c->ctx);
@@ -430,12 +440,7 @@ static int run_append(m40llm_kvcache *c, int layer, const m40llm_append_item *it
                              c->n_tiers > 0
                                  ? m40llm_tiers_append(c, layer, items, n_items, k, v, dtype)
                                  : c->ctx->ops->append(c, layer, items, n_items, k, v, dtype));
-  for (int i = 0; i < n_items && rc == M40LLM_OK; i++) {
-    int *len = m40llm_len_slot(c, layer, items[i].seq);
-    int *lo = m40llm_lo_slot(c, layer, items[i].seq);
-    *len += items[i].n_tokens;
-    if (*lo < *len - c->window) *lo = *len - c->window;
-  }
+  if (rc == M40LLM_OK) appended(c, layer, items, n_items);
   return rc;
 }
 
@@ -720,7 +725,7 @@ int m40llm_kvcache_attn_batch_ex(void *out, m40llm_kvcache *cache, int layer,
 int m40llm_kvcache_attn_weights_ex(void *out, float *weights, size_t weights_stride,
                                    m40llm_kvcache *cache, int layer, const int32_t *seq_ids,
                                    int n_seqs, const void *q, int dtype, float scale) {
-  const m40llm_attn_export x = {weights, weights_stride, NULL, 0, 0.0f};
+  const m40llm_attn_export x = {weights, weights_stride, NULL, 0, 0.0f, NULL, NULL};
   return attn_batch(out, &x, 0, cache, layer, seq_ids, n_seqs, q, dtype, scale);
 }
 
@@ -728,7 +733,7 @@ int m40llm_kvcache_attn_importance_ex(void *out, float *importance, size_t impor
                                       float decay, m40llm_kvcache *cache, int layer,
                                       const int32_t *seq_ids, int n_seqs, const void *q,
                                       int dtype, float scale) {
-  const m40llm_attn_export x = {NULL, 0, importance, importance_stride, decay};
+  const m40llm_attn_export x = {NULL, 0, importance, importance_stride, decay, NULL, NULL};
   return attn_batch(out, &x, 1, cache, layer, seq_ids, n_seqs, q, dtype, scale);
 }
 
@@ -746,6 +751,17 @@ int m40llm_kvcache_attn_last_token_f32q(float *out, m40llm_kvcache *cache, int l
   if (rc != M40LLM_OK) return rc;
   const int32_t id = seq;
   return m40llm_kvcache_attn_batch_f32q(out, cache, layer, &id, 1, q, scale);
+}
+
+/* Whether out's n_rows query rows share a byte with n_rows K/V rows at kv (the call's dtype):
+ * append_attn then appends before it attends, as it says it reads k and v first. */
+static int out_meets_rows(const m40llm_kvcache *c, const void *out, const void *kv, int n_rows,
+                          int dtype) {
+  const uintptr_t e = m40llm_dtype_size(dtype), d = (uintptr_t)c->opts.head_dim;
+  const uintptr_t oa = (uintptr_t)out, ka = (uintptr_t)kv;
+  const uintptr_t on = (uintptr_t)n_rows * (uintptr_t)c->opts.n_heads * d * e;
+  const uintptr_t kn = (uintptr_t)n_rows * (uintptr_t)c->opts.n_kv_heads * d * e;
+  return oa < ka + kn && ka < oa + on;
 }
 
 int m40llm_kvcache_append_attn_ex(void *out, m40llm_kvcache *cache, int layer,
@@ -767,11 +783,23 @@ int m40llm_kvcache_append_attn_ex(void *out, m40llm_kvcache *cache, int layer,
       (rc = m40llm_context_result(cache->ctx, cache->ctx->ops->prepare_attention(
                                                   cache, n_items, q, out, dtype))) != M40LLM_OK)
     return rc;
+  const m40llm_backend_ops *ops = cache->ctx->ops;
+  if (n_items > 0 && cache->n_tiers == 0 && ops->attention_appends &&
+      ops->attention_appends(cache) && !out_meets_rows(cache, out, k, n_items, dtype) &&
+      !out_meets_rows(cache, out, v, n_items, dtype)) {
+    /* One backend call writes the rows and attends: it sees the lengths that count them. A
+     * failure leaves the lengths as they were (a row written past them is not there). */
+    for (int i = 0; i < n_items; i++) *m40llm_len_slot(cache, layer, cache->batch[i].seq) += 1;
+    const m40llm_attn_export x = {NULL, 0, NULL, 0, 0.0f, k, v};
+    rc = m40llm_context_result(cache->ctx, ops->attention(cache, layer, cache->batch_ids,
+                                                          n_items, q, out, dtype, scale, &x));
+    for (int i = 0; i < n_items; i++) *m40llm_len_slot(cache, layer, cache->batch[i].seq) -= 1;
+    if (rc == M40LLM_OK) appended(cache, layer, cache->batch, n_items);
+    return rc;
+  }
   if ((rc = run_append(cache, layer, cache->batch, n_items, k, v, dtype)) != M40LLM_OK) return rc;
-  return m40llm_context_result(cache->ctx, cache->ctx->ops->attention(cache, layer,
-                                                                       cache->batch_ids, n_items,
-                                                                       q, out, dtype, scale,
-                                                                       NULL));
+  return m40llm_context_result(cache->ctx, ops->attention(cache, layer, cache->batch_ids, n_items,
+                                                          q, out, dtype, scale, NULL));
 }
 
 int m40llm_kvcache_append_attn_f32q(float *out, m40llm_kvcache *cache, int layer,

@@ -628,11 +628,15 @@ extern "C" {
   seq_ids names each sequence once; k and v are [n_seqs][n_kv_heads][head_dim], q and out
   [n_seqs][n_heads][head_dim] (q and out must not overlap; out may overlap k or v, which are
   read first); seq_ids may share memory with out (it is read once, first). No allocation. On
-  the CUDA backend it is the append's launch followed by the attention's on the context's
-  stream (with sm_90 code on an sm_90 GPU, the attention is launched as a programmatic
-  dependent of the append, its launch overlapping the append's end). q and out are checked,
-  and a 16-bit call's staging buffer readied, before the append: a failure of the backend's
-  attention after it (a device fault) is what leaves the tokens appended.*/
+  the CUDA backend, for an F16 cache (K and V) whose head_dim is a multiple of 16 and an out
+  that overlaps neither k nor v, it is the attention's launches alone: the blocks that read a
+  sequence's last position write its new row first (a launch fewer than the two calls). Else
+  it is the append's launch followed by the attention's on the context's stream (with sm_90
+  code on an sm_90 GPU, the attention is launched as a programmatic dependent of the append,
+  its launch overlapping the append's end). q and out are checked, and a 16-bit call's
+  staging buffer readied, before anything is written: a failure of the backend's attention
+  after the append's launch (a device fault) is what leaves the tokens appended; a failed
+  call of one launch leaves the lengths as they were.*/
     pub fn m40llm_kvcache_append_attn_f32q(
         out: *mut f32,
         cache: *mut m40llm_kvcache,
