@@ -121,10 +121,11 @@ __device__ __forceinline__ SplitBlock<P> split_block(const AttnArgs &a,
 // even), so the call's results are the two calls'. The reads that follow go through the
 // read-only path, which is safe because no block reads any 32-byte sector of the row before
 // its own write: rows are whole sectors (head_dim a multiple of 16: cuda_attention_appends)
-// and no split reads past its end. The fence puts the row in L2 before the block's barrier.
+// and no split reads past its end. The fences put the row in L2, where the staged kernel's
+// bulk copies (the async proxy) see it too, before the block's barrier.
 template <typename P, typename Block>
-__device__ __forceinline__ void write_appended_row(const AttnArgs &a, const m40llm_attn_plan &plan,
-                                                   const Block &b) {
+__device__ __forceinline__ void write_appended_row(const AttnArgs &a,
+                                                   const m40llm_attn_plan &plan, const Block &b) {
   if constexpr (std::is_same<P, KvPair<KvF16, KvF16>>::value) {
     if (!plan.append_k || b.p_begin >= b.p_end || b.p_end != plan.len[b.item]) return;
     const int D = a.head_dim;
@@ -143,6 +144,9 @@ __device__ __forceinline__ void write_appended_row(const AttnArgs &a, const m40l
         x = __float2half_rn(static_cast<const float *>(from)[src + d]);
       const_cast<__half *>(t ? b.v : b.k)[dst + d] = x;
     }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && M40LLM_MMA_BULK_BUILT
+    asm volatile("fence.proxy.async.global;" ::: "memory");  // the staged kernel's bulk copies
+#endif
     __threadfence();
     __syncthreads();
   }
