@@ -420,8 +420,6 @@ int m40llm_kvcache_seq_fork(m40llm_kvcache *cache, int dst_seq, int src_seq) {
   return M40LLM_OK;
 }
 
-/* The backend's append of checked items (distinct sequences, each n_tokens >= 1, capacity
- * checked), then their lengths and window starts. */
 /* The items' sequences after their append: lengths moved on, window starts raised. */
 static void appended(m40llm_kvcache *c, int layer, const m40llm_append_item *items, int n_items) {
   for (int i = 0; i < n_items; i++) {
@@ -432,6 +430,8 @@ static void appended(m40llm_kvcache *c, int layer, const m40llm_append_item *ite
   }
 }
 
+/* The backend's append of checked items (distinct sequences, each n_tokens >= 1, capacity
+ * checked), then their lengths and window starts. */
 static int run_append(m40llm_kvcache *c, int layer, const m40llm_append_item *items, int n_items,
                       const void *k, const void *v, int dtype) {
   int rc = m40llm_context_check(c->ctx);
