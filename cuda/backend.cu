@@ -343,7 +343,7 @@ int cuda_prepare_attention(const m40llm_kvcache *c, int n_rows, const void *q, c
 }
 
 // An F16 cache's split kernels write a decode step's new rows themselves (attention.cuh,
-// write_appended_rows), where each row is whole 32-byte sectors that no other block reads.
+// write_appended_row), where each row is whole 32-byte sectors that no other block reads.
 int cuda_attention_appends(const m40llm_kvcache *c) {
   return c->k.layout.fmt->format == M40LLM_KV_F16 && c->v.layout.fmt->format == M40LLM_KV_F16 &&
          c->opts.head_dim % 16 == 0;
