@@ -1,13 +1,20 @@
-// The FP32 causal kernel: several query rows per sequence against the positions each sees
+// The FP32 causal kernels: several query rows per sequence against the positions each sees
 // (m40llm_kvcache_attn_causal_f32q), FP32 arithmetic throughout, on every GPU (the M40's).
 //
 // A block holds a tile of BM query vectors (BR rows x GT heads of one K/V head's group) in
 // shared memory and walks the positions they see in tiles of BN: each K tile and then V tile is
 // decoded once into FP32 in shared memory (a protected position from its FP16 slot) and serves
-// every query vector of the block. Scores (BM x BN) go through shared memory, an online softmax
-// per query vector, and the output (BM x head_dim) stays in registers, 4 vectors x 4 dims a
-// thread. Tiles wholly visible to every row skip the mask; positions no row sees are never
-// loaded. Scores are in the log2 domain (q is pre-multiplied by scale * log2(e)).
+// every query vector of the block. The output stays in registers and the online softmax runs
+// per query vector. Tiles wholly visible to every row skip the mask; positions no row sees are
+// never loaded. Scores are in the log2 domain (q is pre-multiplied by scale * log2(e)).
+//
+// Two kernels share that frame. At head_dim classes 64 and 128, causal_warp_kernel: a warp
+// takes kCausalWarpVectors query vectors, the same for every lane, against a tile of 32
+// positions, a lane each for the scores, then the vectors' outputs a few dims a lane. Its q and
+// weight loads from shared memory are broadcasts, so each K or V word a lane loads serves 8
+// vectors' FFMAs (4 in causal_fp32_kernel), and a vector's softmax is one warp's shuffles in
+// registers. At head_dim class 256, whose q and K/V tile would not fit 48 KB in that layout,
+// causal_fp32_kernel: scores through shared memory, 4 vectors x 4 dims of the output a thread.
 #include <math.h>
 
 #include "attention_causal.cuh"
@@ -19,6 +26,7 @@ namespace {
 // positions fall in distinct banks).
 template <int DMAX>
 struct CausalShape {
+  static constexpr int NT = kCausalThreads;
   static constexpr int BM = kCausalVectorDims / DMAX;
   static constexpr int BN = causal_tile(DMAX);
   static constexpr int LD = DMAX + 4;  // q, K and V rows in shared memory
@@ -26,33 +34,92 @@ struct CausalShape {
   static constexpr int smem_floats() { return BM * LD + BN * LD + BM * PS; }
 };
 
+// causal_warp_kernel's: VW vectors a warp, BN = 32 positions (a lane each in the score pass),
+// CPL output dims a lane; weight rows padded to a multiple of 4 (loaded 4 positions at a time).
+template <int DMAX>
+struct WarpShape {
+  static constexpr int VW = kCausalWarpVectors;
+  static constexpr int BM = kCausalVectorDims / DMAX;
+  static constexpr int NT = 32 * BM / VW;
+  static constexpr int BN = 32;
+  static constexpr int LD = DMAX + 4;
+  static constexpr int PS = BN + 4;
+  static constexpr int CPL = DMAX / 32;
+  static constexpr int smem_floats() { return BM * LD + BN * LD + BM * PS; }
+};
+
+// A protected cache's position p is read from its FP16 slot.
+__device__ __forceinline__ bool kept_position(const CausalPlan &plan, int item, int p) {
+  return p < plan.sinks || p >= plan.window_begin[item];
+}
+
+// A chunk of 8 dims as FP32, as the CPU reference decodes it: code x scale (+ min, in one
+// rounding); or from its FP16 slot (a protected position: kept_position).
+template <typename F>
+__device__ __forceinline__ void widen_chunk(const typename F::template Raw<8> &raw, float (&f)[8]) {
+  F::template widen<8>(raw, f);
+  const float scale = F::template scale<8>(raw), mn = F::template min<8>(raw);
+#pragma unroll
+  for (int i = 0; i < 8; i++)
+    if constexpr (F::kHasMin) f[i] = fmaf(f[i], scale, mn);
+    else if constexpr (F::kScaled) f[i] *= scale;
+}
+__device__ __forceinline__ void kept_chunk(const __half *kept, const CausalPlan &plan, int p, int D,
+                                           int c8, float (&f)[8]) {
+  const uint4 r = __ldg(reinterpret_cast<const uint4 *>(
+      kept + (size_t)m40llm_kv_protected_slot(plan.sinks, plan.ring, p) * D + c8));
+  KvF16::widen<8>(r, f);
+}
+
 // Decodes positions t0 .. t0 + n - 1 of one K/V head (rows from `base`, FP16 slots from
-// `kept` where the cache has them) into dst [BN][LD] as FP32; rows from n to BN become zeros.
-template <typename F, int DMAX>
+// `kept` where the cache has them) into dst [BN][LD] as FP32; rows from n to BN become zeros. A
+// thread takes the chunk of 8 dims c8 of rows RS apart (a compile-time walk: no division);
+// chunks past head_dim are left unwritten (no pass reads them).
+template <typename F, typename S, int DMAX>
 __device__ __forceinline__ void load_tile(float *dst, const KvPlanes &planes,
                                           typename F::Ptr base, const __half *kept,
                                           const CausalPlan &plan, int item, int t0, int n, int D) {
-  using S = CausalShape<DMAX>;
+  constexpr int CH = DMAX / 8, RS = S::NT / CH;
+  static_assert(S::NT % CH == 0 && S::BN % RS == 0, "whole chunks a thread");
+  const int row0 = threadIdx.x / CH, c8 = threadIdx.x % CH * 8;
+  if (c8 >= D) return;
+  const typename F::Ptr tile = F::add(base, (size_t)t0 * D + row0 * D + c8);
+#pragma unroll
+  for (int it = 0; it < S::BN / RS; it++) {
+    const int row = row0 + it * RS, p = t0 + row;
+    float f[8];
+    if (row >= n) {
+#pragma unroll
+      for (int i = 0; i < 8; i++) f[i] = 0.0f;
+    } else if (kept && kept_position(plan, item, p)) {
+      kept_chunk(kept, plan, p, D, c8, f);
+    } else {
+      widen_chunk<F>(F::template load<8>(planes, F::add(tile, (size_t)(it * RS * D)), 0), f);
+    }
+    float4 *d4 = reinterpret_cast<float4 *>(dst + row * S::LD + c8);
+    d4[0] = make_float4(f[0], f[1], f[2], f[3]);
+    d4[1] = make_float4(f[4], f[5], f[6], f[7]);
+  }
+}
+
+// causal_fp32_kernel's tile, the same rows: the head's chunks in turn, a division a chunk (the
+// walk above cost its instances up to 5 registers more on sm_52).
+template <typename F, typename S>
+__device__ __forceinline__ void load_tile_chunks(float *dst, const KvPlanes &planes,
+                                                 typename F::Ptr base, const __half *kept,
+                                                 const CausalPlan &plan, int item, int t0, int n,
+                                                 int D) {
   const int chunks = D / 8;
-  for (int c = threadIdx.x; c < S::BN * chunks; c += kCausalThreads) {
+  for (int c = threadIdx.x; c < S::BN * chunks; c += S::NT) {
     const int row = c / chunks, c8 = (c % chunks) * 8, p = t0 + row;
     float f[8];
     if (row >= n) {
 #pragma unroll
       for (int i = 0; i < 8; i++) f[i] = 0.0f;
-    } else if (kept && (p < plan.sinks || p >= plan.window_begin[item])) {
-      const uint4 raw = __ldg(reinterpret_cast<const uint4 *>(
-          kept + (size_t)m40llm_kv_protected_slot(plan.sinks, plan.ring, p) * D + c8));
-      KvF16::widen<8>(raw, f);
+    } else if (kept && kept_position(plan, item, p)) {
+      kept_chunk(kept, plan, p, D, c8, f);
     } else {
-      const auto raw = F::template load<8>(planes, F::add(base, (size_t)p * D + c8), 0);
-      F::template widen<8>(raw, f);
-      const float scale = F::template scale<8>(raw), mn = F::template min<8>(raw);
-      // As the CPU reference decodes: code x scale (+ min, in one rounding).
-#pragma unroll
-      for (int i = 0; i < 8; i++)
-        if constexpr (F::kHasMin) f[i] = fmaf(f[i], scale, mn);
-        else if constexpr (F::kScaled) f[i] *= scale;
+      widen_chunk<F>(F::template load<8>(planes, F::add(base, (size_t)p * D + c8), 0), f);
     }
     float4 *d4 = reinterpret_cast<float4 *>(dst + row * S::LD + c8);
     d4[0] = make_float4(f[0], f[1], f[2], f[3]);
@@ -87,6 +154,60 @@ __device__ __forceinline__ CausalBlock causal_block(const CausalArgs &a, const C
   b.nh = min(GT, (b.kvh + 1) * a.group - b.h0);
   b.row_q = (size_t)plan.row_first[item] + b.r0;
   return b;
+}
+
+// q of the block's vectors into sq [BM][LD], scaled into the log2 domain (rotated into K's frame
+// where K is, a warp a vector), zeros past the block's rows and heads and past head_dim.
+template <typename S, int GT, int DMAX>
+__device__ __forceinline__ void stage_q(float *sq, const CausalArgs &a, const CausalBlock &b) {
+  const int tid = threadIdx.x, D = a.head_dim;
+  const float *qb = a.q + b.row_q * a.n_heads * D;
+  if (a.rot_k) {
+    for (int qi = tid >> 5; qi < S::BM; qi += S::NT / 32) {
+      const int r = qi / GT, g = qi % GT;
+      const bool on = r < b.nr && g < b.nh;
+      float v[DMAX / 32];
+#pragma unroll
+      for (int e = 0; e < DMAX / 32; e++) {
+        const int d = (tid & 31) + 32 * e;
+        v[e] = on && d < D ? qb[((size_t)r * a.n_heads + b.h0 + g) * D + d] * a.q_scale : 0.0f;
+      }
+      warp_rotate(v, D, a.rot_scale);
+#pragma unroll
+      for (int e = 0; e < DMAX / 32; e++) sq[qi * S::LD + (tid & 31) + 32 * e] = v[e];
+    }
+  } else {
+    for (int i = tid; i < S::BM * DMAX; i += S::NT) {
+      const int qi = i / DMAX, d = i % DMAX, r = qi / GT, g = qi % GT;
+      sq[qi * S::LD + d] = r < b.nr && g < b.nh && d < D
+                               ? qb[((size_t)r * a.n_heads + b.h0 + g) * D + d] * a.q_scale
+                               : 0.0f;
+    }
+  }
+}
+
+// The output rotated back from V's frame: so [BM][LD] holds each vector's (normalised where the
+// plan has one split), written by the caller before a barrier; a warp takes a vector at a time
+// and stores it through dst(qi, d).
+template <typename S, int GT, int DMAX, typename Dst>
+__device__ __forceinline__ void store_rotated(const float *so, const CausalArgs &a, int nr, int nh,
+                                              Dst dst) {
+  const int tid = threadIdx.x, D = a.head_dim;
+  for (int qi = tid >> 5; qi < S::BM; qi += S::NT / 32) {
+    if (qi / GT >= nr || qi % GT >= nh) continue;  // warp-uniform
+    float v[DMAX / 32];
+#pragma unroll
+    for (int e = 0; e < DMAX / 32; e++) {
+      const int d = (tid & 31) + 32 * e;
+      v[e] = d < D ? so[qi * S::LD + d] : 0.0f;
+    }
+    warp_rotate(v, D, a.rot_scale);
+#pragma unroll
+    for (int e = 0; e < DMAX / 32; e++) {
+      const int d = (tid & 31) + 32 * e;
+      if (d < D) *dst(qi, d) = v[e];
+    }
+  }
 }
 
 // P: the cache's KvPair. GT: query heads of the group a block takes (a power of two <= 8; heads
@@ -128,31 +249,7 @@ __global__ void __launch_bounds__(kCausalThreads, kCausalMinBlocksPerSm)
 
   wait_for_prerequisite_grid();
 
-  // q, scaled into the log2 domain (rotated into K's frame where K is), zeros past the rows
-  // and heads of the block.
-  const float *qb = a.q + b.row_q * a.n_heads * D;
-  if (a.rot_k) {
-    for (int qi = tid >> 5; qi < BM; qi += kCausalThreads / 32) {
-      const int r = qi / GT, g = qi % GT;
-      const bool on = r < b.nr && g < b.nh;
-      float v[DMAX / 32];
-#pragma unroll
-      for (int e = 0; e < DMAX / 32; e++) {
-        const int d = (tid & 31) + 32 * e;
-        v[e] = on && d < D ? qb[((size_t)r * a.n_heads + b.h0 + g) * D + d] * a.q_scale : 0.0f;
-      }
-      warp_rotate(v, D, a.rot_scale);
-#pragma unroll
-      for (int e = 0; e < DMAX / 32; e++) sq[qi * LD + (tid & 31) + 32 * e] = v[e];
-    }
-  } else {
-    for (int i = tid; i < BM * DMAX; i += kCausalThreads) {
-      const int qi = i / DMAX, d = i % DMAX, r = qi / GT, g = qi % GT;
-      sq[qi * LD + d] = r < b.nr && g < b.nh && d < D
-                            ? qb[((size_t)r * a.n_heads + b.h0 + g) * D + d] * a.q_scale
-                            : 0.0f;
-    }
-  }
+  stage_q<S, GT, DMAX>(sq, a, b);
 
   // Formed again at each tile from these two (kept, the four pointers spilled on sm_52).
   const size_t base = (size_t)plan.seq[item] * a.seq_stride + (size_t)b.kvh * a.head_stride;
@@ -175,7 +272,7 @@ __global__ void __launch_bounds__(kCausalThreads, kCausalMinBlocksPerSm)
     // Every row sees every position of the tile: no mask.
     const bool full = n == BN && t0 + BN - 1 <= first_pos && (window == 0 || t0 + window > last_pos);
     __syncthreads();  // q is staged; the last tile's V and weights are consumed
-    load_tile<KF, DMAX>(skv, a.k, KF::at(a.k, base), a.kept_k ? a.kept_k + slot_base : nullptr,
+    load_tile_chunks<KF, S>(skv, a.k, KF::at(a.k, base), a.kept_k ? a.kept_k + slot_base : nullptr,
                         plan, item, t0, n, D);
     __syncthreads();
 
@@ -205,7 +302,7 @@ __global__ void __launch_bounds__(kCausalThreads, kCausalMinBlocksPerSm)
     }
     __syncthreads();  // K is consumed: V takes its place while the softmax runs
 
-    load_tile<VF, DMAX>(skv, a.v, VF::at(a.v, base), a.kept_v ? a.kept_v + slot_base : nullptr,
+    load_tile_chunks<VF, S>(skv, a.v, VF::at(a.v, base), a.kept_v ? a.kept_v + slot_base : nullptr,
                         plan, item, t0, n, D);
     {
       float sc[EPT];
@@ -287,21 +384,7 @@ __global__ void __launch_bounds__(kCausalThreads, kCausalMinBlocksPerSm)
       }
     }
     __syncthreads();
-    for (int qi = tid >> 5; qi < BM; qi += kCausalThreads / 32) {
-      if (qi / GT >= nr || qi % GT >= nh) continue;  // warp-uniform
-      float v[DMAX / 32];
-#pragma unroll
-      for (int e = 0; e < DMAX / 32; e++) {
-        const int d = (tid & 31) + 32 * e;
-        v[e] = d < D ? so[qi * LD + d] : 0.0f;
-      }
-      warp_rotate(v, D, a.rot_scale);
-#pragma unroll
-      for (int e = 0; e < DMAX / 32; e++) {
-        const int d = (tid & 31) + 32 * e;
-        if (d < D) *dst(qi, d) = v[e];
-      }
-    }
+    store_rotated<S, GT, DMAX>(so, a, nr, nh, dst);
     return;
   }
   if (!col_on) return;
@@ -314,17 +397,195 @@ __global__ void __launch_bounds__(kCausalThreads, kCausalMinBlocksPerSm)
   }
 }
 
+// CPL consecutive floats of shared memory (2 or 4: one 8- or 16-byte load).
+template <int CPL>
+__device__ __forceinline__ void load_cols(const float *src, float (&x)[CPL]) {
+  static_assert(CPL == 2 || CPL == 4, "a lane's output dims");
+  if constexpr (CPL == 4) {
+    const float4 v = *reinterpret_cast<const float4 *>(src);
+    x[0] = v.x, x[1] = v.y, x[2] = v.z, x[3] = v.w;
+  } else {
+    const float2 v = *reinterpret_cast<const float2 *>(src);
+    x[0] = v.x, x[1] = v.y;
+  }
+}
+
+// Head-dim classes 64 and 128 (see the top of the file). Warp w takes vectors VW w .. VW w +
+// VW - 1. Score pass: lane l takes the tile's position l against all of them (one 128-bit load
+// of K for VW broadcast loads of q and 4 VW FFMAs). Softmax: a vector's max over the warp's
+// lanes, the same on each; each lane keeps its own positions' share of the sum (one reduction at
+// the end). Output pass: lane l takes dims CPL l .. CPL l + CPL - 1 of all VW vectors, 4
+// positions at a time (a broadcast load of 4 weights a vector, 4 loads of V).
+template <typename P, int GT, int DMAX>
+__global__ void __launch_bounds__(WarpShape<DMAX>::NT, kCausalWarpSmThreads / WarpShape<DMAX>::NT)
+    causal_warp_kernel(const CausalArgs a, const CausalPlan plan) {
+  using S = WarpShape<DMAX>;
+  constexpr int BM = S::BM, BN = S::BN, LD = S::LD, PS = S::PS, VW = S::VW, CPL = S::CPL;
+  constexpr int BR = BM / GT;  // query rows
+  static_assert(BN == 32 && VW % GT == 0 && S::NT % 32 == 0, "a lane a position, whole rows a warp");
+  using KF = typename P::K;
+  using VF = typename P::V;
+
+  extern __shared__ float smem[];
+  float *sq = smem;           // [BM][LD]: vector qi = r * GT + g (row r, head g)
+  float *skv = sq + BM * LD;  // [BN][LD]: the K tile, then the V tile
+  float *sp = skv + BN * LD;  // [BM][PS]: weights, each warp's rows its own
+  const int lane = threadIdx.x & 31, v0 = VW * (threadIdx.x >> 5), D = a.head_dim;
+
+  const CausalBlock b = causal_block<BR, GT>(a, plan);
+  const int item = b.item;
+  const int first_pos = plan.pos[item] + b.r0, last_pos = first_pos + b.nr - 1;
+  const int window = plan.window;
+  const int item_begin = window > 0 ? max(0, plan.pos[item] - window + 1) : 0;
+  const int s_begin = item_begin + b.split * plan.chunk[item];
+  const int kv_begin = max(s_begin, window > 0 ? max(0, first_pos - window + 1) : 0);
+  const int kv_end = min(s_begin + plan.chunk[item], last_pos + 1);
+
+  wait_for_prerequisite_grid();
+  stage_q<S, GT, DMAX>(sq, a, b);
+
+  const size_t base = (size_t)plan.seq[item] * a.seq_stride + (size_t)b.kvh * a.head_stride;
+  const size_t slot_base =
+      (size_t)plan.seq[item] * a.slot_seq_stride + (size_t)b.kvh * a.slot_head_stride;
+  const bool col_on = CPL * lane < D;
+  SoftmaxState st[VW];  // m: the warp's; l: this lane's positions' share
+  float o[VW][CPL];
+#pragma unroll
+  for (int v = 0; v < VW; v++) {
+    st[v] = SoftmaxState::empty();
+#pragma unroll
+    for (int c = 0; c < CPL; c++) o[v][c] = 0.0f;
+  }
+
+  for (int t0 = kv_begin; t0 < kv_end; t0 += BN) {
+    const int n = min(BN, kv_end - t0);
+    // Every row sees every position of the tile: no mask.
+    const bool full = n == BN && t0 + BN - 1 <= first_pos && (window == 0 || t0 + window > last_pos);
+    __syncthreads();  // q is staged; the last tile's V is consumed
+    load_tile<KF, S, DMAX>(skv, a.k, KF::at(a.k, base), a.kept_k ? a.kept_k + slot_base : nullptr,
+                           plan, item, t0, n, D);
+    __syncthreads();
+
+    float s[VW];
+#pragma unroll
+    for (int v = 0; v < VW; v++) s[v] = 0.0f;
+    const float *kr = skv + lane * LD;
+    const float *qw = sq + v0 * LD;
+#pragma unroll 1  // two steps at once spilled at head_dim 128 in 128 registers (sm_52)
+    for (int d = 0; d < D; d += 4) {
+      const float4 k4 = *reinterpret_cast<const float4 *>(kr + d);
+#pragma unroll
+      for (int v = 0; v < VW; v++) {
+        const float4 q4 = *reinterpret_cast<const float4 *>(qw + v * LD + d);
+        s[v] = fmaf(q4.x, k4.x, s[v]);
+        s[v] = fmaf(q4.y, k4.y, s[v]);
+        s[v] = fmaf(q4.z, k4.z, s[v]);
+        s[v] = fmaf(q4.w, k4.w, s[v]);
+      }
+    }
+    // Vector v0 + v is row (v0 + v) / GT = v0 / GT + v / GT (v0 a multiple of GT).
+    const int dist0 = first_pos + v0 / GT - (t0 + lane);  // query minus key position
+#pragma unroll
+    for (int v = 0; v < VW; v++) {
+      const int dist = dist0 + v / GT;
+      const bool seen = full || (lane < n && dist >= 0 && (window == 0 || dist < window));
+      const float x = seen ? s[v] : -INFINITY;
+      const float alpha = st[v].raise(warp_max(x));
+      const float w = exp2_ftz(x - SoftmaxState::reference(st[v].m));
+      st[v].l += w;
+      sp[(v0 + v) * PS + lane] = w;
+#pragma unroll
+      for (int c = 0; c < CPL; c++) o[v][c] *= alpha;
+    }
+    __syncthreads();  // K is consumed (the weights are the warp's own: the barrier orders them too)
+    load_tile<VF, S, DMAX>(skv, a.v, VF::at(a.v, base), a.kept_v ? a.kept_v + slot_base : nullptr,
+                           plan, item, t0, n, D);
+    __syncthreads();
+
+    // Positions n .. BN - 1 have weight 0 and zero V rows: whole steps of 4.
+    if (col_on) {
+      const float *vr = skv + CPL * lane;
+      const float *pw = sp + v0 * PS;
+#pragma unroll 1
+      for (int j = 0; j < n; j += 4) {
+        float x[4][CPL];
+#pragma unroll
+        for (int i = 0; i < 4; i++) load_cols<CPL>(vr + (j + i) * LD, x[i]);
+#pragma unroll
+        for (int v = 0; v < VW; v++) {
+          const float4 w = *reinterpret_cast<const float4 *>(pw + v * PS + j);
+#pragma unroll
+          for (int c = 0; c < CPL; c++) {
+            o[v][c] = fmaf(w.x, x[0][c], o[v][c]);
+            o[v][c] = fmaf(w.y, x[1][c], o[v][c]);
+            o[v][c] = fmaf(w.z, x[2][c], o[v][c]);
+            o[v][c] = fmaf(w.w, x[3][c], o[v][c]);
+          }
+        }
+      }
+    }
+  }
+
+  const CausalBlock f = causal_block<BR, GT>(a, plan);
+  const int split = f.split, nr = f.nr, nh = f.nh, h0 = f.h0;
+  const size_t row_q = f.row_q;
+  const bool single = plan.splits == 1;
+  const auto dst = [&](int qi, int d) -> float * {
+    const size_t row = row_q + qi / GT, h = h0 + qi % GT;
+    return single ? a.out + (row * a.n_heads + h) * D + d
+                  : a.part_o + ((row * plan.splits + split) * a.n_heads + h) * D + d;
+  };
+  float scale[VW];
+#pragma unroll
+  for (int v = 0; v < VW; v++) {
+    st[v].l = warp_sum(st[v].l);
+    scale[v] = single ? st[v].inv_sum() : 1.0f;
+    const int qi = v0 + v, r = qi / GT, g = qi % GT;
+    if (!single && lane == 0 && r < nr && g < nh) {
+      const size_t p = ((row_q + r) * plan.splits + split) * a.n_heads + h0 + g;
+      a.part_m[p] = st[v].m;
+      a.part_l[p] = st[v].l;
+    }
+  }
+  if (a.rot_v) {  // rotated back from V's frame, a warp a vector, through shared memory
+    __syncthreads();  // every warp is done with q and the tiles
+    float *so = smem;  // [BM][LD]
+    if (col_on) {
+#pragma unroll
+      for (int v = 0; v < VW; v++)
+#pragma unroll
+        for (int c = 0; c < CPL; c++) so[(v0 + v) * LD + CPL * lane + c] = o[v][c] * scale[v];
+    }
+    __syncthreads();
+    store_rotated<S, GT, DMAX>(so, a, nr, nh, dst);
+    return;
+  }
+  if (!col_on) return;
+#pragma unroll
+  for (int v = 0; v < VW; v++) {
+    const int qi = v0 + v;
+    if (qi / GT >= nr || qi % GT >= nh) continue;
+    float *d = dst(qi, CPL * lane);
+    if constexpr (CPL == 4) {
+      store4(d, make_float4(o[v][0] * scale[v], o[v][1] * scale[v], o[v][2] * scale[v],
+                            o[v][3] * scale[v]));
+    } else {
+      *reinterpret_cast<float2 *>(d) = make_float2(o[v][0] * scale[v], o[v][1] * scale[v]);
+    }
+  }
+}
+
 int dmax_class(int head_dim) { return head_dim <= 64 ? 64 : head_dim <= 128 ? 128 : 256; }
 int log2_tile(int gt) { return gt >= 8 ? 3 : gt >= 4 ? 2 : gt >= 2 ? 1 : 0; }
 
 template <typename P, int GT>
 CausalKernel kernel_for_dmax(int dmax) {
-  return dmax == 64 ? causal_fp32_kernel<P, GT, 64>
-                    : dmax == 128 ? causal_fp32_kernel<P, GT, 128> : causal_fp32_kernel<P, GT, 256>;
+  return dmax == 64 ? causal_warp_kernel<P, GT, 64>
+                    : dmax == 128 ? causal_warp_kernel<P, GT, 128> : causal_fp32_kernel<P, GT, 256>;
 }
 
-template <int DMAX>
-size_t smem_bytes() { return CausalShape<DMAX>::smem_floats() * sizeof(float); }
+template <typename S>
+size_t smem_bytes() { return S::smem_floats() * sizeof(float); }
 
 }  // namespace
 
@@ -338,8 +599,12 @@ int causal_fp32_pass(m40llm_cuda_state *st, int head_dim, int gt, CausalPass *ou
     case 4: pass.kernel = kernel_for_dmax<P, 4>(dmax); break;
     default: pass.kernel = kernel_for_dmax<P, 8>(dmax); break;
   }
-  pass.threads = kCausalThreads;
-  pass.smem = dmax == 64 ? smem_bytes<64>() : dmax == 128 ? smem_bytes<128>() : smem_bytes<256>();
+  pass.threads = dmax == 64    ? WarpShape<64>::NT
+                 : dmax == 128 ? WarpShape<128>::NT
+                               : CausalShape<256>::NT;
+  pass.smem = dmax == 64    ? smem_bytes<WarpShape<64>>()
+              : dmax == 128 ? smem_bytes<WarpShape<128>>()
+                            : smem_bytes<CausalShape<256>>();
   pass.rows = kCausalVectorDims / dmax / gt;
   pass.tile = causal_tile(dmax);
   int &occ = st->causal_occupancy[P::K::kFormat][P::V::kFormat][log2_tile(gt)][dmax / 128];

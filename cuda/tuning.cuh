@@ -82,17 +82,26 @@ __host__ __device__ constexpr int pv_columns(int group_tile, bool wide = false) 
   return group_tile == 1 ? 8 : group_tile == 2 || (group_tile == 4 && wide) ? 4 : 2;
 }
 
-// ---- FP32 causal kernel (attention_causal_fp32.cu) ----
-// 256 threads in 64 registers (shared memory holds it to 2-3 blocks an SM on sm_52): with 128
-// threads the output took 32 registers a thread and every class spilled 76-116 bytes.
+// ---- FP32 causal kernels (attention_causal_fp32.cu) ----
+// Query vectors x head-dim class a block holds: 64 x 64, 32 x 128, 16 x 256 (q, a K/V tile and
+// the weights fit in 35-39 KB of shared memory, 2 blocks an SM on sm_52).
+constexpr int kCausalVectorDims = 4096;
+// causal_warp_kernel (head_dim classes 64, 128): query vectors a warp, so 8 warps at 64 and 4 at
+// 128. Each score takes a K load of its own and 1/8 of a broadcast q load per 4 FFMAs, each
+// output step of 4 positions 8 broadcast weight loads and 4 V loads per 32 or 64 FFMAs.
+constexpr int kCausalWarpVectors = 8;
+// Threads an SM it is compiled for: 128 registers a thread (2 blocks at 64 dims, 4 at 128;
+// shared memory holds sm_52 to 2 either way, an H200 to 4 at 128). The version with 169-182
+// registers, 2-3 blocks of 4 warps an SM on an H200, ran 1.1-1.2x slower than the previous kernel
+// at head_dim 128 there (bench/RESULTS.md).
+constexpr int kCausalWarpSmThreads = 512;
+// causal_fp32_kernel (head_dim class 256): 256 threads in 64 registers; with 128 threads the
+// output took 32 registers a thread and spilled 76-116 bytes.
 constexpr int kCausalThreads = 256;
 constexpr int kCausalMinBlocksPerSm = 4;
-// Query vectors x head-dim class a block holds: 64 x 64, 32 x 128, 16 x 256 (the output is 16
-// registers a thread; q, a K/V tile and the scores fit in 26-38 KB of shared memory).
-constexpr int kCausalVectorDims = 4096;
-// Positions per K/V tile: 32 x 128 dims, 16 elsewhere (64 dims: the scores stay at 8 a thread;
-// 256: the tile at 16 KB).
-__host__ __device__ constexpr int causal_tile(int dmax) { return dmax == 128 ? 32 : 16; }
+// Positions per K/V tile: 32, a lane each in causal_warp_kernel's score pass; 16 at 256 (the
+// tile at 16 KB).
+__host__ __device__ constexpr int causal_tile(int dmax) { return dmax == 256 ? 16 : 32; }
 // Positions a split of a causal call takes at least (its partials stay a few % of its K/V).
 constexpr int kCausalMinSplitRows = 256;
 
