@@ -7,10 +7,11 @@ For the F16 instances of causal_warp_kernel (head-dim classes 64, 128) and causa
 (256; every class in a library from before causal_warp_kernel, given as --base), it follows one
 full tile of an F16 cache at head_dim = the class (every position visible, no protected rows):
 the tile loop is the backward branch around the tile's four __syncthreads; its inner loops
-(the score pass's steps over head_dim, the output pass's over the tile's positions, the old
-kernel's loads) are counted as body x trips, trips from the FFMAs a thread owes (or the chunks
-it loads); the rest is walked as one path: a conditional branch on a null 64-bit pointer (the
-protected slots', absent here) taken, every other conditional branch not taken. A dual-issued
+over the score pass's steps (head_dim) and the output pass's (the tile's positions) are
+counted whole, body x trips, trips from the FFMAs a thread owes; the rest, and the old
+kernel's load loop (x the chunks a thread loads), is walked as one path: a conditional branch
+on a null 64-bit pointer (the protected slots', absent here) taken, every other conditional
+branch not taken. A dual-issued
 pair ('{' in sm_5x SASS) is one issue slot.
 
 Issue-bound model: FFMA slots / all slots is the share of the FP32 peak a full tile reaches
@@ -50,48 +51,28 @@ def slot_of(instrs, j):
     return 0 if j > 0 and instrs[j - 1].pair else 1
 
 
-def tile_count(instrs, kernel, dmax):
-    loops = mm.backward_loops(instrs)
-    bars = lambda l: sum(1 for j in range(l[0], l[1] + 1) if instrs[j].op == "BAR")
-    a, b = min((l for l in loops if bars(l) == 4), key=lambda l: l[1] - l[0])
-    nt, bm, bn, score_ffma, out_ffma = shape(kernel, dmax)
-    inner = sorted((x, y) for x, y in loops if a < x and y < b)
-    trips, ffma_seen = {}, 0
-    for x, y in inner:
-        body = [instrs[j].op for j in range(x, y + 1)]
-        if "LDG" in body:  # the old kernel's loads: chunks of 8 dims, a thread's in turn
-            trips[x] = (bn * dmax // 8 // nt) / body.count("LDG")
-        elif "FFMA" in body:
-            owed = score_ffma if ffma_seen == 0 else out_ffma
-            trips[x] = owed / body.count("FFMA")
-            ffma_seen += 1
-        else:
-            trips[x] = 1
-    ends = dict(inner)
-    c_slots, c_instr = collections.Counter(), collections.Counter()
-    phase = collections.Counter()
-
-    def count(j, times=1, where="other"):
-        cls = sc.op_class(instrs[j].op)
-        c_slots[cls] += slot_of(instrs, j) * times
-        c_instr[cls] += times
-        phase[where] += slot_of(instrs, j) * times
-
+def walk(instrs, lo, hi, nodes):
+    """Slots and instructions by class, and slots by phase, of one path from lo to hi (the back
+    edge) under the rules of the docstring; nodes: {first index: (last index, slots, instrs,
+    phase)}, inner loops counted whole (body x trips) where the path reaches them."""
+    c_slots, c_instr, phase = collections.Counter(), collections.Counter(), collections.Counter()
     at = lambda addr: mm.at_addr(instrs, addr)
-    pc, ssy, pbk, defs = a, [], [], {}
+    pc, ssy, pbk, defs = lo, [], [], {}
     for _ in range(100000):
-        if pc in ends:
-            where = "loads" if "LDG" in [instrs[j].op for j in range(pc, ends[pc] + 1)] else (
-                "score" if sum(1 for s in trips if s < pc and s in ends and "FFMA" in
-                               [instrs[j].op for j in range(s, ends[s] + 1)]) == 0 else "output")
-            for j in range(pc, ends[pc] + 1):
-                count(j, trips[pc], where)
-            pc = ends[pc] + 1
+        if pc in nodes:
+            last, sl, ins, where = nodes[pc]
+            c_slots.update(sl)
+            c_instr.update(ins)
+            phase[where] += sum(sl.values())
+            pc = last + 1
             continue
         x = instrs[pc]
-        count(pc)
-        if pc == b:
-            break
+        cls = sc.op_class(x.op)
+        c_slots[cls] += slot_of(instrs, pc)
+        c_instr[cls] += 1
+        phase["other"] += slot_of(instrs, pc)
+        if pc == hi:
+            return c_slots, c_instr, phase
         if x.op == "ISETP":
             p = re.match(r"(P\d)", x.args)
             if p:
@@ -109,6 +90,35 @@ def tile_count(instrs, kernel, dmax):
                 pc = at(t)
                 continue
         pc += 1
+    raise RuntimeError("the path never reached the loop's back edge")
+
+
+def scaled(c, f):
+    return collections.Counter({k: v * f for k, v in c.items()})
+
+
+def tile_count(instrs, kernel, dmax):
+    loops = mm.backward_loops(instrs)
+    bars = lambda l: sum(1 for j in range(l[0], l[1] + 1) if instrs[j].op == "BAR")
+    a, b = min((l for l in loops if bars(l) == 4), key=lambda l: l[1] - l[0])
+    nt, bm, bn, score_ffma, out_ffma = shape(kernel, dmax)
+    nodes, ffma_loops = {}, 0
+    for x, y in sorted((x, y) for x, y in loops if a < x and y < b):
+        body = [instrs[j].op for j in range(x, y + 1)]
+        if "LDG" in body:  # the old kernel's loads: a thread's chunks of 8 dims in turn
+            per_trip = body.count("STS") / 2  # chunks a trip: two 16-byte stores each
+            trips = (bn * dmax / 8 / nt) / per_trip
+            sl, ins, _ = walk(instrs, x, y, {})
+            nodes[x] = (y, scaled(sl, trips), scaled(ins, trips), "loads")
+        elif "FFMA" in body:  # every instruction of a pass's step runs
+            trips = (score_ffma if ffma_loops == 0 else out_ffma) / body.count("FFMA")
+            sl = collections.Counter()
+            for j in range(x, y + 1):
+                sl[sc.op_class(instrs[j].op)] += slot_of(instrs, j)
+            ins = collections.Counter(sc.op_class(instrs[j].op) for j in range(x, y + 1))
+            nodes[x] = (y, scaled(sl, trips), scaled(ins, trips), "score" if ffma_loops == 0 else "output")
+            ffma_loops += 1
+    c_slots, c_instr, phase = walk(instrs, a, b, nodes)
     return dict(threads=nt, bm=bm, bn=bn, ffma=score_ffma + out_ffma, slots=sum(c_slots.values()),
                 instr=sum(c_instr.values()), classes=c_slots, phase=phase)
 

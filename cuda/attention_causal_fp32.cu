@@ -12,8 +12,7 @@
 // takes kCausalWarpVectors query vectors, the same for every lane, against a tile of 32
 // positions, a lane each for the scores, then the vectors' outputs a few dims a lane. Its q and
 // weight loads from shared memory are broadcasts, so each K or V word a lane loads serves 8
-// vectors' FFMAs (4 in causal_fp32_kernel), and a vector's softmax is one warp's shuffles in
-// registers. At head_dim class 256, whose q and K/V tile would not fit 48 KB in that layout,
+// vectors' FFMAs, and a vector's softmax is one warp's shuffles in registers. At head_dim class 256, whose q and K/V tile would not fit 48 KB in that layout,
 // causal_fp32_kernel: scores through shared memory, 4 vectors x 4 dims of the output a thread.
 #include <math.h>
 
@@ -156,6 +155,33 @@ __device__ __forceinline__ CausalBlock causal_block(const CausalArgs &a, const C
   return b;
 }
 
+// The positions a block's rows see within its split of its item's, [kv_begin, kv_end).
+struct CausalRange {
+  int first_pos, last_pos, kv_begin, kv_end;
+};
+
+__device__ __forceinline__ CausalRange causal_range(const CausalPlan &plan, const CausalBlock &b) {
+  CausalRange r;
+  const int item = b.item, window = plan.window;
+  r.first_pos = plan.pos[item] + b.r0;
+  r.last_pos = r.first_pos + b.nr - 1;
+  const int item_begin = window > 0 ? max(0, plan.pos[item] - window + 1) : 0;
+  const int s_begin = item_begin + b.split * plan.chunk[item];
+  r.kv_begin = max(s_begin, window > 0 ? max(0, r.first_pos - window + 1) : 0);
+  r.kv_end = min(s_begin + plan.chunk[item], r.last_pos + 1);
+  return r;
+}
+
+// The block's K/V head's first element in K/V and in the FP16 slots.
+__device__ __forceinline__ size_t kv_base(const CausalArgs &a, const CausalPlan &plan,
+                                          const CausalBlock &b) {
+  return (size_t)plan.seq[b.item] * a.seq_stride + (size_t)b.kvh * a.head_stride;
+}
+__device__ __forceinline__ size_t slot_base_of(const CausalArgs &a, const CausalPlan &plan,
+                                               const CausalBlock &b) {
+  return (size_t)plan.seq[b.item] * a.slot_seq_stride + (size_t)b.kvh * a.slot_head_stride;
+}
+
 // q of the block's vectors into sq [BM][LD], scaled into the log2 domain (rotated into K's frame
 // where K is, a warp a vector), zeros past the block's rows and heads and past head_dim.
 template <typename S, int GT, int DMAX>
@@ -238,23 +264,17 @@ __global__ void __launch_bounds__(kCausalThreads, kCausalMinBlocksPerSm)
   const int tid = threadIdx.x, D = a.head_dim;
 
   const CausalBlock b = causal_block<BR, GT>(a, plan);
-  const int item = b.item;
-  const int first_pos = plan.pos[item] + b.r0, last_pos = first_pos + b.nr - 1;
-  const int window = plan.window;
-  // Positions the block's rows see, within its split of the item's.
-  const int item_begin = window > 0 ? max(0, plan.pos[item] - window + 1) : 0;
-  const int s_begin = item_begin + b.split * plan.chunk[item];
-  const int kv_begin = max(s_begin, window > 0 ? max(0, first_pos - window + 1) : 0);
-  const int kv_end = min(s_begin + plan.chunk[item], last_pos + 1);
+  const int item = b.item, window = plan.window;
+  const CausalRange span = causal_range(plan, b);
+  const int first_pos = span.first_pos, last_pos = span.last_pos;
+  const int kv_begin = span.kv_begin, kv_end = span.kv_end;
 
   wait_for_prerequisite_grid();
 
   stage_q<S, GT, DMAX>(sq, a, b);
 
   // Formed again at each tile from these two (kept, the four pointers spilled on sm_52).
-  const size_t base = (size_t)plan.seq[item] * a.seq_stride + (size_t)b.kvh * a.head_stride;
-  const size_t slot_base =
-      (size_t)plan.seq[item] * a.slot_seq_stride + (size_t)b.kvh * a.slot_head_stride;
+  const size_t base = kv_base(a, plan, b), slot_base = slot_base_of(a, plan, b);
 
   const int kj = tid % BN, q_first = tid / BN;  // score pass: a position, SPT vectors
   const int srow = tid / TPR, spart = tid % TPR;  // softmax pass
@@ -433,20 +453,15 @@ __global__ void __launch_bounds__(WarpShape<DMAX>::NT, kCausalWarpSmThreads / Wa
   const int lane = threadIdx.x & 31, v0 = VW * (threadIdx.x >> 5), D = a.head_dim;
 
   const CausalBlock b = causal_block<BR, GT>(a, plan);
-  const int item = b.item;
-  const int first_pos = plan.pos[item] + b.r0, last_pos = first_pos + b.nr - 1;
-  const int window = plan.window;
-  const int item_begin = window > 0 ? max(0, plan.pos[item] - window + 1) : 0;
-  const int s_begin = item_begin + b.split * plan.chunk[item];
-  const int kv_begin = max(s_begin, window > 0 ? max(0, first_pos - window + 1) : 0);
-  const int kv_end = min(s_begin + plan.chunk[item], last_pos + 1);
+  const int item = b.item, window = plan.window;
+  const CausalRange span = causal_range(plan, b);
+  const int first_pos = span.first_pos, last_pos = span.last_pos;
+  const int kv_begin = span.kv_begin, kv_end = span.kv_end;
 
   wait_for_prerequisite_grid();
   stage_q<S, GT, DMAX>(sq, a, b);
 
-  const size_t base = (size_t)plan.seq[item] * a.seq_stride + (size_t)b.kvh * a.head_stride;
-  const size_t slot_base =
-      (size_t)plan.seq[item] * a.slot_seq_stride + (size_t)b.kvh * a.slot_head_stride;
+  const size_t base = kv_base(a, plan, b), slot_base = slot_base_of(a, plan, b);
   const bool col_on = CPL * lane < D;
   SoftmaxState st[VW];  // m: the warp's; l: this lane's positions' share
   float o[VW][CPL];
@@ -565,13 +580,9 @@ __global__ void __launch_bounds__(WarpShape<DMAX>::NT, kCausalWarpSmThreads / Wa
   for (int v = 0; v < VW; v++) {
     const int qi = v0 + v;
     if (qi / GT >= nr || qi % GT >= nh) continue;
-    float *d = dst(qi, CPL * lane);
-    if constexpr (CPL == 4) {
-      store4(d, make_float4(o[v][0] * scale[v], o[v][1] * scale[v], o[v][2] * scale[v],
-                            o[v][3] * scale[v]));
-    } else {
-      *reinterpret_cast<float2 *>(d) = make_float2(o[v][0] * scale[v], o[v][1] * scale[v]);
-    }
+    float *d = dst(qi, CPL * lane);  // the caller's out: 4-byte alignment only (store4)
+#pragma unroll
+    for (int c = 0; c < CPL; c++) d[c] = o[v][c] * scale[v];
   }
 }
 

@@ -87,13 +87,14 @@ __host__ __device__ constexpr int pv_columns(int group_tile, bool wide = false) 
 // the weights fit in 35-39 KB of shared memory, 2 blocks an SM on sm_52).
 constexpr int kCausalVectorDims = 4096;
 // causal_warp_kernel (head_dim classes 64, 128): query vectors a warp, so 8 warps at 64 and 4 at
-// 128. Each score takes a K load of its own and 1/8 of a broadcast q load per 4 FFMAs, each
-// output step of 4 positions 8 broadcast weight loads and 4 V loads per 32 or 64 FFMAs.
+// 128. A score step of 4 dims is a K load and 8 broadcast q loads for 32 FFMAs, an output step
+// of 4 positions 8 broadcast weight loads and 4 V loads for 128 FFMAs (64 at head_dim 64).
 constexpr int kCausalWarpVectors = 8;
-// Threads an SM it is compiled for: 128 registers a thread (2 blocks at 64 dims, 4 at 128;
-// shared memory holds sm_52 to 2 either way, an H200 to 4 at 128). The version with 169-182
-// registers, 2-3 blocks of 4 warps an SM on an H200, ran 1.1-1.2x slower than the previous kernel
-// at head_dim 128 there (bench/RESULTS.md).
+// Threads an SM it is compiled for: 128 registers a thread (2 blocks at 64 dims, 4 at 128; sm_52's
+// shared memory holds 2 either way). On an H200 the version with 136 registers (3 blocks of 4
+// warps an SM) ran head_dim 128 at 0.89-1.49x the previous kernel's time, the one with 169-182
+// (2 blocks) at 1.11-1.17x; with 126 registers (4 blocks, which registers limit there) at
+// 0.85-0.90x (bench/RESULTS.md, "The M40's causal kernel").
 constexpr int kCausalWarpSmThreads = 512;
 // causal_fp32_kernel (head_dim class 256): 256 threads in 64 registers; with 128 threads the
 // output took 32 registers a thread and spilled 76-116 bytes.

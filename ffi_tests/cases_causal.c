@@ -79,16 +79,24 @@ static int fill(m40llm_context *ctx, m40llm_kvcache *c, causal_case *t, int max_
 }
 
 /* The causal call on cache c of ctx over every sequence, output poisoned first; host result. */
+/* out is the device buffer shifted by one float half the time: the API promises 4-byte alignment
+ * only; the float out leaves unused must stay poisoned. */
 static int run_causal(m40llm_context *ctx, m40llm_kvcache *c, const causal_case *t, float *out) {
   int32_t *ids = malloc((size_t)t->n * sizeof *ids);
   const size_t bytes = (size_t)t->rows * t->q_row * sizeof(float);
-  float *dq = t_dev_upload(ctx, t->q, bytes), *dout = t_dev_alloc(ctx, bytes);
-  int ok = T_CHECK(ids) && dq && dout && T_OK(m40llm_memset(ctx, dout, 0xFF, bytes));
+  const size_t shift = (size_t)t_rand_int(0, 1);
+  float *dq = t_dev_upload(ctx, t->q, bytes), *dout = t_dev_alloc(ctx, bytes + sizeof(float));
+  float edge = 0.0f;
+  int ok = T_CHECK(ids) && dq && dout &&
+           T_OK(m40llm_memset(ctx, dout, 0xFF, bytes + sizeof(float)));
   for (int i = 0; ok && i < t->n; i++) ids[i] = i;
   m40llm_causal_options o = M40LLM_CAUSAL_OPTIONS_INIT;
   o.window = t->window;
-  ok = ok && T_OK(m40llm_kvcache_attn_causal_f32q(dout, c, t->layer, ids, t->T, t->n, dq, &o)) &&
-       t_dev_download(ctx, out, dout, bytes);
+  ok = ok &&
+       T_OK(m40llm_kvcache_attn_causal_f32q(dout + shift, c, t->layer, ids, t->T, t->n, dq, &o)) &&
+       t_dev_download(ctx, out, dout + shift, bytes) &&
+       t_dev_download(ctx, &edge, shift ? dout : dout + bytes / sizeof(float), sizeof edge);
+  if (ok) T_CHECKF(t_all_bytes(&edge, sizeof edge, 0xFF), "a float beside out was written");
   m40llm_free(ctx, dq);
   m40llm_free(ctx, dout);
   free(ids);
