@@ -53,5 +53,65 @@ struct CausalPass {
   int target;  // blocks that fill the GPU (SMs x resident blocks x waves)
 };
 
+// What every causal kernel derives from its block index and the plan. A block's share: its
+// item, split, first row r0 and rows nr (the last row tile, whose rows see the most, first),
+// its first query head h0 and heads nh, K/V head kvh, and its first row in q and out.
+namespace {
+
+struct CausalBlock {
+  int item, split, r0, nr, kvh, h0, nh;
+  size_t row_q;
+};
+
+template <int BR, int GT>
+__device__ __forceinline__ CausalBlock causal_block(const CausalArgs &a, const CausalPlan &plan) {
+  CausalBlock b;
+  int item = 0;
+  for (int hi = plan.n_items - 1; item < hi;) {
+    const int mid = (item + hi + 1) >> 1;
+    if (plan.block_begin[mid] <= (int)blockIdx.x) item = mid; else hi = mid - 1;
+  }
+  const int local = blockIdx.x - plan.block_begin[item];
+  const int rows = plan.rows[item];
+  b.item = item;
+  b.split = local % plan.splits;
+  b.r0 = ((rows + BR - 1) / BR - 1 - local / plan.splits) * BR;
+  b.nr = min(BR, rows - b.r0);
+  b.kvh = blockIdx.y / a.head_tiles;
+  b.h0 = b.kvh * a.group + (blockIdx.y % a.head_tiles) * GT;
+  b.nh = min(GT, (b.kvh + 1) * a.group - b.h0);
+  b.row_q = (size_t)plan.row_first[item] + b.r0;
+  return b;
+}
+
+// The positions a block's rows see within its split of its item's, [kv_begin, kv_end).
+struct CausalRange {
+  int first_pos, last_pos, kv_begin, kv_end;
+};
+
+__device__ __forceinline__ CausalRange causal_range(const CausalPlan &plan, const CausalBlock &b) {
+  CausalRange r;
+  const int item = b.item, window = plan.window;
+  r.first_pos = plan.pos[item] + b.r0;
+  r.last_pos = r.first_pos + b.nr - 1;
+  const int item_begin = window > 0 ? max(0, plan.pos[item] - window + 1) : 0;
+  const int s_begin = item_begin + b.split * plan.chunk[item];
+  r.kv_begin = max(s_begin, window > 0 ? max(0, r.first_pos - window + 1) : 0);
+  r.kv_end = min(s_begin + plan.chunk[item], r.last_pos + 1);
+  return r;
+}
+
+// The block's K/V head's first element in K and V.
+__device__ __forceinline__ size_t kv_base(const CausalArgs &a, const CausalPlan &plan,
+                                          const CausalBlock &b) {
+  return (size_t)plan.seq[b.item] * a.seq_stride + (size_t)b.kvh * a.head_stride;
+}
+
+}  // namespace
+
 template <typename P>
 int causal_fp32_pass(m40llm_cuda_state *st, int head_dim, int gt, CausalPass *out);
+// The tensor-core prefill kernel's pass (attention_causal_mma.cu) for an FP16 cache without
+// rotation or protected tokens: a null kernel where this build or GPU has none (before sm_80,
+// head_dim past 128 or not a multiple of 8).
+int causal_mma_pass(m40llm_cuda_state *st, int head_dim, int gt, CausalPass *out);

@@ -1,14 +1,17 @@
-// Causal attention from the host. On tensor cores (sm_80+, items whose sliding windows leave
-// out at most kCausalMmaMaxUnseen of their positions): the decode call's planner and combine
-// over the items' rows packed into the split kernel's tiles (causal_on_tensor_cores,
-// attend_rows). Otherwise: cuts a call's items into launches of
-// kCausalMaxItems, plans each (blocks per item, splits along positions where the blocks alone
-// would not fill the GPU) and launches the FP32 causal kernel (attention_causal_fp32.cu) and,
-// for split plans, the decode call's combine (attention_combine.cu), one query row per combine
-// item.
+// Causal attention from the host. On tensor cores (sm_80+): an FP16 cache's prompts (items of
+// kCausalPrefillMinRows rows or more) through the prefill kernel (attention_causal_mma.cu);
+// other items whose sliding windows leave out at most kCausalMmaMaxUnseen of their positions
+// through the decode call's planner and combine over the items' rows packed into the split
+// kernel's tiles (causal_on_tensor_cores, attend_rows). Otherwise the FP32 causal kernel
+// (attention_causal_fp32.cu). The prefill and FP32 kernels share a launcher: it cuts a call's
+// items into launches of kCausalMaxItems, plans each (blocks per item, splits along positions
+// where the blocks alone would not fill the GPU) and launches the kernel and, for split plans,
+// the decode call's combine (attention_combine.cu), one query row per combine item.
 #include "attention_causal.cuh"
 #include "io_rows.cuh"
 #include "backend_cuda.h"
+
+#include <type_traits>
 
 namespace {
 
@@ -27,16 +30,16 @@ int causal_splits(const m40llm_cuda_state *st, const CausalPass &pass, long long
   return s > 1 ? (int)s : 1;
 }
 
-template <typename P>
+// One launch of a causal kernel's pass (the FP32 kernels', or the tensor-core prefill kernel's)
+// over up to kCausalMaxItems items, and its combine where the plan splits.
 int causal_launch(const m40llm_kvcache *c, int layer, const m40llm_append_item *items, int n,
-                  const float *q, float *out, float scale, int window) {
+                  const float *q, float *out, float scale, int window, const CausalPass &pass) {
   m40llm_cuda_state *st = cuda_state(c->ctx);
   const m40llm_kvcache_options *o = &c->opts;
   const Grouping g = grouping_for(o);
-  CausalPass pass;
   bool combine_dependent = false;
-  int rc = causal_fp32_pass<P>(st, o->head_dim, g.gt, &pass);
-  if (rc != M40LLM_OK || (rc = combine_prepare(st, &combine_dependent)) != M40LLM_OK) return rc;
+  int rc = combine_prepare(st, &combine_dependent);
+  if (rc != M40LLM_OK) return rc;
 
   CausalPlan plan;
   plan.n_items = n;
@@ -181,32 +184,45 @@ int m40llm_cuda_attention_causal(const m40llm_kvcache *c, int layer,
     if (c->n_tiers > 0) return tier_attention_causal(c, layer, items, n_items, q32, out32, scale);
     return with_kv_pair(c->k.layout.fmt->format, c->v.layout.fmt->format, [&](auto pair) -> int {
       using P = decltype(pair);
+      m40llm_cuda_state *st = cuda_state(c->ctx);
+      const int gt = grouping_for(&c->opts).gt;
       SplitPasses mma;
-      int rc = mma_causal_passes<P>(cuda_state(c->ctx), c->opts.head_dim, &mma);
+      CausalPass fp32, prefill{};
+      int rc = mma_causal_passes<P>(st, c->opts.head_dim, &mma);
+      if (rc == M40LLM_OK) rc = causal_fp32_pass<P>(st, c->opts.head_dim, gt, &fp32);
+      if (rc == M40LLM_OK && std::is_same<P, KvPair<KvF16, KvF16>>::value && !c->k.rotated &&
+          !c->v.rotated && c->slots == 0)
+        rc = causal_mma_pass(st, c->opts.head_dim, gt, &prefill);
       if (rc != M40LLM_OK) return rc;
-      // Items in runs of one road, in order: the tensor cores read every position before an
-      // item's last row (a window masks them), so an item whose windows leave out more than
-      // kCausalMmaMaxUnseen of them takes the FP32 kernel, which reads only what its rows see.
-      const auto on_mma = [&](const m40llm_append_item &it) {
+      // Items in runs of one road, in order. Prompts (kCausalPrefillMinRows rows or more) take
+      // the tensor-core prefill kernel where there is one. Otherwise the tensor cores' decode
+      // tiles read every position before an item's last row (a window masks them), so an item
+      // whose windows leave out more than kCausalMmaMaxUnseen of them takes the FP32 kernel,
+      // which reads only what its rows see.
+      enum Road { kPrefill, kDecodeTiles, kFp32 };
+      const auto road = [&](const m40llm_append_item &it) {
+        if (prefill.kernel && it.n_tokens >= kCausalPrefillMinRows) return kPrefill;
         const long long begin = window > 0 && it.pos - window + 1 > 0 ? it.pos - window + 1 : 0;
-        return mma.pass.kernel && begin <= kCausalMmaMaxUnseen * (it.pos + it.n_tokens);
+        return mma.pass.kernel && begin <= kCausalMmaMaxUnseen * (it.pos + it.n_tokens)
+                   ? kDecodeTiles
+                   : kFp32;
       };
       size_t done = 0;  // rows of the runs before
       for (int first = 0, end; first < n_items; first = end) {
-        const bool mma_run = on_mma(items[first]);
-        for (end = first + 1; end < n_items && on_mma(items[end]) == mma_run; end++) {
+        const Road r = road(items[first]);
+        for (end = first + 1; end < n_items && road(items[end]) == r; end++) {
         }
         size_t run_rows = 0;
         for (int i = first; i < end; i++) run_rows += (size_t)items[i].n_tokens;
-        if (mma_run) {
+        if (r == kDecodeTiles) {
           rc = causal_on_tensor_cores<P>(c, layer, items + first, end - first, q32 + done * row,
                                          out32 + done * row, scale, window);
         } else {
           size_t at = done;
           for (int i = first; rc == M40LLM_OK && i < end; i += kCausalMaxItems) {
             const int n = end - i < kCausalMaxItems ? end - i : kCausalMaxItems;
-            rc = causal_launch<P>(c, layer, items + i, n, q32 + at * row, out32 + at * row, scale,
-                                  window);
+            rc = causal_launch(c, layer, items + i, n, q32 + at * row, out32 + at * row, scale,
+                               window, r == kPrefill ? prefill : fp32);
             for (int j = i; j < i + n; j++) at += (size_t)items[j].n_tokens;
           }
         }

@@ -218,6 +218,13 @@ constexpr int kCausalMmaMaxRows = 64;
 // window (which they read, masked) are at most this share of an item's: at 3-10x the FP32
 // kernel's speed they still come out ahead (H200, bench/RESULTS.md). Not tuned.
 constexpr double kCausalMmaMaxUnseen = 0.75;
+// The causal prefill kernel on tensor cores (attention_causal_mma.cu): positions a K/V tile
+// (64 query vectors a block share it), resident blocks an SM its registers are bounded for
+// (2 x 128 threads: up to 255 registers, about 100 KB of shared memory a block at head_dim
+// 128), and the query rows from which an item takes it rather than attend_rows' decode tiles.
+constexpr int kCausalMmaTile = 64;
+constexpr int kCausalMmaBlocksPerSm = 2;
+constexpr int kCausalPrefillMinRows = 64;
 
 // ---- Append (append.cu) ----
 // Threads per block, and at most this many blocks (a grid-stride loop covers the rest).
