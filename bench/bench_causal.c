@@ -5,6 +5,7 @@
  *   spec     T = 2, 4, 16 rows on P = 4096 and 32768, against one decode call
  *            (m40llm_kvcache_attn_batch_f32q) at the same length: the issue's target is at most
  *            1.3x
+ *   short    T = 32, 64, 128, 256 rows on P = 4096: where short prompts change kernels
  * Time: CUDA events around REPS calls on the context's stream, after a warm-up, the median of
  * SAMPLES such runs, per call. FLOPs: 4 x head_dim per (query head, visible position): the QK
  * dot and the PV sum, as FLOP/s against the device's FP32 peak (SMs x FP32 lanes x 2 x clock)
@@ -164,16 +165,19 @@ int main(int argc, char **argv) {
     free(h);
     static const int prefill_t[] = {512, 1024, 2048, 4096, 8192}, prefill_p[] = {0, 4096, 32768};
     static const int spec_t[] = {2, 4, 16}, spec_p[] = {4096, 32768};
-    for (int kind = 0; kind < 2; kind++) {
-      const int nt = kind ? 3 : 5, np = kind ? 2 : 3;
+    static const int short_t[] = {32, 64, 128, 256}, short_p[] = {4096};
+    static const char *const kinds[] = {"prefill", "spec", "short"};
+    for (int kind = 0; kind < 3; kind++) {
+      const int nt = kind == 0 ? 5 : kind == 1 ? 3 : 4, np = kind == 0 ? 3 : kind == 1 ? 2 : 1;
       for (int pi = 0; pi < np; pi++)
         for (int ti = 0; ti < nt; ti++) {
-          const int t = kind ? spec_t[ti] : prefill_t[ti], p = kind ? spec_p[pi] : prefill_p[pi];
+          const int t = kind == 0 ? prefill_t[ti] : kind == 1 ? spec_t[ti] : short_t[ti];
+          const int p = kind == 0 ? prefill_p[pi] : kind == 1 ? spec_p[pi] : short_p[pi];
           if (!kind && p == 32768 && t > 2048 && b.dim != 128) continue;  /* dim 128 covers it */
           if (fill(&b, p + t) < 0.0) return 1;
           const double us = time_call(&b, t);
           double dec = 0.0;
-          if (kind) {  /* one decode call at the same length */
+          if (kind == 1) {  /* one decode call at the same length */
             if (fill(&b, p + 1) < 0.0) return 1;
             dec = time_call(&b, 0);
           }
@@ -182,15 +186,15 @@ int main(int argc, char **argv) {
                                ((double)t * p + (double)t * (t + 1) / 2.0);
           const double rate = flops / (us * 1e-6);
           const double of_tc = tc_peak > 0.0 ? rate / tc_peak : 0.0;
-          printf("%-8s %4d %6d %6d %12.1f %10.2f %7.1f%% %7.1f%%", kind ? "spec" : "prefill", b.dim,
+          printf("%-8s %4d %6d %6d %12.1f %10.2f %7.1f%% %7.1f%%", kinds[kind], b.dim,
                  t, p, us, rate / 1e12, 100.0 * rate / peak, 100.0 * of_tc);
-          if (kind) printf(" %10.2f", us / dec);
+          if (kind == 1) printf(" %10.2f", us / dec);
           printf("\n");
           fprintf(json,
                   "%s\n  {\"kind\": \"%s\", \"head_dim\": %d, \"heads\": %d, \"kv_heads\": %d, "
                   "\"T\": %d, \"P\": %d, \"us\": %.3f, \"flops_per_s\": %.6g, \"of_fp32_peak\": "
                   "%.4f, \"of_tc_peak\": %.4f, \"decode_us\": %.3f}",
-                  first ? "" : ",", kind ? "spec" : "prefill", b.dim, HEADS, KV_HEADS, t, p, us,
+                  first ? "" : ",", kinds[kind], b.dim, HEADS, KV_HEADS, t, p, us,
                   rate, rate / peak, of_tc, dec);
           first = 0;
         }

@@ -17,6 +17,7 @@ import statistics
 HEADS, KV_HEADS = 32, 8
 PREFILL_T, PREFILL_P = [512, 1024, 2048, 4096, 8192], [0, 4096, 32768]
 SPEC_T, SPEC_P = [2, 4, 16], [4096, 32768]
+SHORT_T, SHORT_P = [32, 64, 128, 256], [4096]
 
 
 def shapes():
@@ -28,6 +29,9 @@ def shapes():
         for p in SPEC_P:
             for t in SPEC_T:
                 yield "spec", dim, t, p
+        for p in SHORT_P:
+            for t in SHORT_T:
+                yield "short", dim, t, p
 
 
 def main():
