@@ -113,5 +113,5 @@ template <typename P>
 int causal_fp32_pass(m40llm_cuda_state *st, int head_dim, int gt, CausalPass *out);
 // The tensor-core prefill kernel's pass (attention_causal_mma.cu) for an FP16 cache without
 // rotation or protected tokens: a null kernel where this build or GPU has none (before sm_80,
-// head_dim past 128 or not a multiple of 8).
+// head_dim past 256 or not a multiple of 8).
 int causal_mma_pass(m40llm_cuda_state *st, int head_dim, int gt, CausalPass *out);

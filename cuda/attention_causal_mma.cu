@@ -29,12 +29,19 @@ constexpr int kPrefillThreads = 32 * kPrefillWarps;
 constexpr int kPrefillVectors = 16 * kPrefillWarps;
 constexpr int kPrefillStages = 2;
 
+// Up to head_dim 128 a warp keeps its q fragments in registers (H200: 0.90-1.01x the time of
+// shared memory, one 255-register instance spilling 8 bytes); at 256 they would not fit beside
+// the output's, so they wait in shared memory, and tiles are half as long (two blocks' tiles
+// and q would not fit an SM).
 template <int DMAX>
 struct PrefillShape {
-  static constexpr int BN = kCausalMmaTile;
+  static constexpr int BN = DMAX > 128 ? kCausalMmaTile / 2 : kCausalMmaTile;
   static constexpr int LDH = DMAX + 8;  // halves a row: ldmatrix's 8 rows in 8 bank groups
-  static constexpr size_t kv_halves = (size_t)kPrefillStages * 2 * BN * LDH;  // [stage][K, V][BN][LDH]
-  static constexpr size_t smem() { return kv_halves * sizeof(__half); }
+  static constexpr bool q_regs = DMAX <= 128;
+  // [stage][K, V][BN][LDH] halves, then (q in shared memory) [k step][hi, lo][thread] words
+  static constexpr size_t kv_halves = (size_t)kPrefillStages * 2 * BN * LDH;
+  static constexpr size_t q_words = q_regs ? 0 : (size_t)DMAX / 16 * 2 * kPrefillThreads;
+  static constexpr size_t smem() { return kv_halves * sizeof(__half) + q_words * sizeof(uint4); }
 };
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
@@ -62,7 +69,9 @@ __device__ __forceinline__ void copy16(__half *dst, const __half *src, bool ok) 
                "r"(ok ? 16 : 0)
                : "memory");
 }
-__device__ __forceinline__ void copy_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void copy_commit() {
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
 // Waits until at most one group of this thread's copies is in flight.
 __device__ __forceinline__ void copy_wait_one() {
   asm volatile("cp.async.wait_group 1;" ::: "memory");
@@ -92,7 +101,7 @@ __device__ __forceinline__ void load_tiles(__half *dst, const __half *k, const _
 #endif
 
 // GT: query heads of the group a block takes (a power of two <= 8; BR = 64 / GT rows). DMAX:
-// 64 or 128 (head_dim a multiple of 8 up to it; dims past head_dim are zeros).
+// 64, 128 or 256 (head_dim a multiple of 8 up to it; dims past head_dim are zeros).
 template <int GT, int DMAX>
 __global__ void __launch_bounds__(kPrefillThreads, kCausalMmaBlocksPerSm)
     causal_mma_kernel(const CausalArgs a, const CausalPlan plan) {
@@ -103,6 +112,7 @@ __global__ void __launch_bounds__(kPrefillThreads, kCausalMmaBlocksPerSm)
   constexpr int NO = DMAX / 8;  // output n-tiles
   extern __shared__ uint4 smem_words[];
   __half *const skv = reinterpret_cast<__half *>(smem_words);
+  uint4 *const sq = smem_words + S::kv_halves / 8 + threadIdx.x;  // ks: sq[2 ks NT], lo NT on
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int D = a.head_dim;
 
@@ -125,8 +135,7 @@ __global__ void __launch_bounds__(kPrefillThreads, kCausalMmaBlocksPerSm)
 
   // This lane's rows: vectors m = 16 warp + g + 8h (row m / GT, head m % GT of the block's).
   float down[2];
-  uint4 qa[KS][2];  // A fragments of k step ks, hi and lo terms: in registers (H200: 0.90-1.01x
-                    // the time of shared memory, one 255-register instance spilling 8 bytes)
+  uint4 qa[S::q_regs ? KS : 1][2];  // A fragments of k step ks, hi and lo terms (S::q_regs)
   {
     const float *qrow[2];
 #pragma unroll
@@ -163,10 +172,21 @@ __global__ void __launch_bounds__(kPrefillThreads, kCausalMmaBlocksPerSm)
         const int h = w & 1, d = 16 * ks + 8 * (w >> 1) + 2 * t;
         split_pair(q_at(h, d) * up[h], q_at(h, d + 1) * up[h], hi[w], lo[w]);
       }
-      qa[ks][0] = make_uint4(hi[0], hi[1], hi[2], hi[3]);
-      qa[ks][1] = make_uint4(lo[0], lo[1], lo[2], lo[3]);
+      const uint4 qh = make_uint4(hi[0], hi[1], hi[2], hi[3]);
+      const uint4 ql = make_uint4(lo[0], lo[1], lo[2], lo[3]);
+      if constexpr (S::q_regs) {
+        qa[ks][0] = qh, qa[ks][1] = ql;
+      } else {
+        sq[2 * ks * kPrefillThreads] = qh;
+        sq[(2 * ks + 1) * kPrefillThreads] = ql;
+      }
     }
   }
+  // k step ks's fragments (a thread's own words of shared memory: no barrier).
+  const auto q_frag = [&](int ks, int lo) {
+    if constexpr (S::q_regs) return qa[ks][lo];
+    else return sq[(2 * ks + lo) * kPrefillThreads];
+  };
 
   SoftmaxState st[2] = {SoftmaxState::empty(), SoftmaxState::empty()};  // l: this lane's share
   float o[NO][4];  // n-tile j: rows g (0, 1) and g + 8 (2, 3), dims 8j + 2t + {0, 1}
@@ -187,7 +207,7 @@ __global__ void __launch_bounds__(kPrefillThreads, kCausalMmaBlocksPerSm)
     __syncthreads();  // tile i is in every thread's view (and, at i = 0, q)
     const __half *const sk = skv + (i & 1) * 2 * BN * LDH, *const sv = sk + BN * LDH;
 
-    // Scores, 32 positions at a time: n-tile j is positions 8j + 2t + {0, 1}.
+    // Scores, half a tile at a time: n-tile j is positions 8j + 2t + {0, 1}.
     float s[BN / 8][4];
     constexpr int CN = BN / 16;  // n-tiles a half
 #pragma unroll
@@ -199,7 +219,7 @@ __global__ void __launch_bounds__(kPrefillThreads, kCausalMmaBlocksPerSm)
         for (int x = 0; x < 4; x++) hi[j][x] = lo[j][x] = 0.0f;
 #pragma unroll
       for (int ks = 0; ks < KS; ks++) {
-        const uint4 qh = qa[ks][0], ql = qa[ks][1];
+        const uint4 qh = q_frag(ks, 0), ql = q_frag(ks, 1);
 #pragma unroll
         for (int pr = 0; pr < CN / 2; pr++) {
           uint32_t kb[4];
@@ -213,11 +233,13 @@ __global__ void __launch_bounds__(kPrefillThreads, kCausalMmaBlocksPerSm)
 #pragma unroll
       for (int j = 0; j < CN; j++)
 #pragma unroll
-        for (int x = 0; x < 4; x++) s[CN * half + j][x] = hi_plus_lo(hi[j][x], lo[j][x]) * down[x >> 1];
+        for (int x = 0; x < 4; x++)
+          s[CN * half + j][x] = hi_plus_lo(hi[j][x], lo[j][x]) * down[x >> 1];
     }
 
     // Every row sees every position of the tile: no mask.
-    const bool full = n == BN && t0 + BN - 1 <= first_pos && (window == 0 || t0 + window > last_pos);
+    const bool full =
+        n == BN && t0 + BN - 1 <= first_pos && (window == 0 || t0 + window > last_pos);
     if (!full) {
 #pragma unroll
       for (int h = 0; h < 2; h++) {
@@ -283,7 +305,8 @@ __global__ void __launch_bounds__(kPrefillThreads, kCausalMmaBlocksPerSm)
     const int m = 16 * warp + g + 8 * h, r = m / GT, x = m % GT;
     if (r >= b.nr || x >= b.nh) continue;
     const size_t row = b.row_q + r, head = b.h0 + x;
-    const size_t at = single ? row * a.n_heads + head : (row * plan.splits + b.split) * a.n_heads + head;
+    const size_t at =
+        (single ? row : row * plan.splits + b.split) * a.n_heads + head;
     float *const dst = (single ? a.out : a.part_o) + at * D;
     const float f = single ? st[h].inv_sum() : 1.0f;
 #pragma unroll
@@ -318,11 +341,15 @@ int log2_of_tile(int gt) { return gt >= 8 ? 3 : gt >= 4 ? 2 : gt >= 2 ? 1 : 0; }
 
 int causal_mma_pass(m40llm_cuda_state *st, int head_dim, int gt, CausalPass *out) {
   *out = CausalPass{nullptr, 0, 0, 0, 0, 0};
-  if (!kTensorCores || st->cc_major < 8 || head_dim > 128 || head_dim % 8 != 0) return M40LLM_OK;
-  const bool wide = head_dim > 64;
-  const CausalKernel k = wide ? kernel_for_tile<128>(gt) : kernel_for_tile<64>(gt);
-  const size_t smem = wide ? PrefillShape<128>::smem() : PrefillShape<64>::smem();
-  int &occ = st->causal_mma_occupancy[log2_of_tile(gt)][wide];
+  if (!kTensorCores || st->cc_major < 8 || head_dim > 256 || head_dim % 8 != 0) return M40LLM_OK;
+  const int dim_class = head_dim <= 64 ? 0 : head_dim <= 128 ? 1 : 2;
+  const CausalKernel k = dim_class == 0   ? kernel_for_tile<64>(gt)
+                         : dim_class == 1 ? kernel_for_tile<128>(gt)
+                                          : kernel_for_tile<256>(gt);
+  const size_t smem = dim_class == 0   ? PrefillShape<64>::smem()
+                      : dim_class == 1 ? PrefillShape<128>::smem()
+                                       : PrefillShape<256>::smem();
+  int &occ = st->causal_mma_occupancy[log2_of_tile(gt)][dim_class];
   if (occ == 0) {
     cudaFuncAttributes attr;
     M40LLM_CUDA_TRY(cudaFuncGetAttributes(&attr, k));
@@ -330,7 +357,8 @@ int causal_mma_pass(m40llm_cuda_state *st, int head_dim, int gt, CausalPass *out
       occ = -1;
       return M40LLM_OK;
     }
-    M40LLM_CUDA_TRY(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    M40LLM_CUDA_TRY(
+        cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     M40LLM_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, k, kPrefillThreads, smem));
     if (occ < 1) occ = 1;
   }
@@ -339,7 +367,7 @@ int causal_mma_pass(m40llm_cuda_state *st, int head_dim, int gt, CausalPass *out
   out->threads = kPrefillThreads;
   out->smem = smem;
   out->rows = kPrefillVectors / gt;
-  out->tile = kCausalMmaTile;
+  out->tile = dim_class == 2 ? PrefillShape<256>::BN : kCausalMmaTile;
   out->target = st->sm_count * occ * kAttnWaves;
   return M40LLM_OK;
 }

@@ -31,8 +31,8 @@ struct m40llm_cuda_state {
   // [head-dim class 64, 128, 256].
   int causal_occupancy[kKvFormats][kKvFormats][4][3];
   // The causal prefill kernel on tensor cores (FP16 K/V): resident blocks per SM by [log2 tile]
-  // [head_dim above 64]; 0 = not asked yet, -1 = this build has no image for this GPU.
-  int causal_mma_occupancy[4][2];
+  // [head-dim class 64, 128, 256]; 0 = not asked yet, -1 = this build has no image for this GPU.
+  int causal_mma_occupancy[4][3];
   struct {
     signed char usable;  // whether this build runs it here: 0 = not asked yet, 1 yes, -1 no
     signed char stages;  // K/V steps per warp it stages in shared memory (0: in registers)

@@ -219,12 +219,15 @@ constexpr int kCausalMmaMaxRows = 64;
 // kernel's speed they still come out ahead (H200, bench/RESULTS.md). Not tuned.
 constexpr double kCausalMmaMaxUnseen = 0.75;
 // The causal prefill kernel on tensor cores (attention_causal_mma.cu): positions a K/V tile
-// (64 query vectors a block share it), resident blocks an SM its registers are bounded for
-// (2 x 128 threads: up to 255 registers, about 100 KB of shared memory a block at head_dim
-// 128), and the query rows from which an item takes it rather than attend_rows' decode tiles.
+// (64 query vectors a block share it; half that at head_dim 256), resident blocks an SM its
+// registers are bounded for (2 x 128 threads: up to 255 registers; its shared memory, two tiles
+// of K and V: 36 KB a block at head_dim 64, 68 KB at 128, and with q's fragments 130 KB at 256,
+// one block an SM there), and the query rows from which an item takes it rather than
+// attend_rows' decode tiles: at 128 rows on P 4096 it took 0.41-0.83x their time, at 64
+// 0.98-1.09x (H200, 32/8 heads, head_dim 64-256; bench_causal's short axis, bench/RESULTS.md).
 constexpr int kCausalMmaTile = 64;
 constexpr int kCausalMmaBlocksPerSm = 2;
-constexpr int kCausalPrefillMinRows = 64;
+constexpr int kCausalPrefillMinRows = 128;
 
 // ---- Append (append.cu) ----
 // Threads per block, and at most this many blocks (a grid-stride loop covers the rest).

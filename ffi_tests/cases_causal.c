@@ -1,7 +1,7 @@
 /*
  * Causal attention over the cache (m40llm_kvcache_attn_causal_f32q) on any context: ragged
- * batches of (cached prefix P, new rows T) with T = 1, 2-16, 17-33, 64, 512 (4096 outside small
- * mode), P = 0 and P > 0, GQA groups 1, 3, 4, 7, 8, 16, head_dim 64, 80, 96, 128, 256, sliding
+ * batches of (cached prefix P, new rows T) with T = 1, 2-16, 17-33, 64, 128, 512 (4096 outside
+ * small mode), P = 0 and P > 0, GQA groups 1, 3, 4, 7, 8, 16, head_dim 64, 80, 96, 128, 256, sliding
  * windows, batches of one count (speculative verification), every K/V format (rotated, with
  * protected tokens; Q3 and Q2 V with Q4 K). Output poisoned first (NaN), every row checked:
  * - F16: against an independent float64 reference over the FP16 values appended (1e-5 relative
@@ -386,13 +386,14 @@ void t_cases_causal(m40llm_context *ctx, m40llm_context *cpu, int small) {
     t1_equals_decode(ctx, cpu, low[i]);
   }
   /* Speculative rows, one count for all (one launch on tensor cores), on prefixes long enough to
-   * split; 64 rows on a long prefix: partials of 64 rows, more than the workspace reserved for
-   * decode calls holds, so the plan takes fewer splits. */
+   * split; 64 and 128 rows on long prefixes: partials of 64 rows (on tensor cores the decode
+   * tiles') and 128 (the prefill kernel's), more than the workspace reserved for decode calls
+   * holds, so the plans take fewer splits. */
   const int P7[] = {small ? 1200 : 5000, small ? 2000 : 7000, 40}, T7[] = {6, 6, 6};
   run_case(ctx, cpu, f16[1], P7, T7, 3, 0);
   run_case(ctx, cpu, quant[1], P7, T7, 3, 0);
-  const int P8[] = {small ? 3000 : 9000}, T8[] = {64};
-  run_case(ctx, cpu, f16[0], P8, T8, 1, 0);
+  const int P8[] = {small ? 3000 : 9000, 2500}, T8[] = {64, 128};
+  run_case(ctx, cpu, f16[0], P8, T8, 2, 0);
   /* Protected tokens and prompts longer than 64 rows plus the window: on tensor cores the rows
    * before the last 64 are items that end before the window (their positions all codes). */
   const int P9[] = {10, 300}, T9[] = {160, 200};
