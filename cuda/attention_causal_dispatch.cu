@@ -1,5 +1,6 @@
 // Causal attention from the host. On tensor cores (sm_80+): an FP16 cache's prompts (items of
-// kCausalPrefillMinRows rows or more) through the prefill kernel (attention_causal_mma.cu);
+// kCausalPrefillMinRows rows or more, or of a block's rows on a prefix of
+// kCausalPrefillLongPrefix) through the prefill kernel (attention_causal_mma.cu);
 // other items whose sliding windows leave out at most kCausalMmaMaxUnseen of their positions
 // through the decode call's planner and combine over the items' rows packed into the split
 // kernel's tiles (causal_on_tensor_cores, attend_rows). Otherwise the FP32 causal kernel
@@ -194,14 +195,17 @@ int m40llm_cuda_attention_causal(const m40llm_kvcache *c, int layer,
           !c->v.rotated && c->slots == 0)
         rc = causal_mma_pass(st, c->opts.head_dim, gt, &prefill);
       if (rc != M40LLM_OK) return rc;
-      // Items in runs of one road, in order. Prompts (kCausalPrefillMinRows rows or more) take
-      // the tensor-core prefill kernel where there is one. Otherwise the tensor cores' decode
+      // Items in runs of one road, in order. Prompts (kCausalPrefillMinRows rows or more), and
+      // rows that fill a prefill block on a long prefix (kCausalPrefillLongPrefix), take the
+      // tensor-core prefill kernel where there is one. Otherwise the tensor cores' decode
       // tiles read every position before an item's last row (a window masks them), so an item
       // whose windows leave out more than kCausalMmaMaxUnseen of them takes the FP32 kernel,
       // which reads only what its rows see.
       enum Road { kPrefill, kDecodeTiles, kFp32 };
       const auto road = [&](const m40llm_append_item &it) {
-        if (prefill.kernel && it.n_tokens >= kCausalPrefillMinRows) return kPrefill;
+        if (prefill.kernel && (it.n_tokens >= kCausalPrefillMinRows ||
+                               (it.n_tokens >= prefill.rows && it.pos >= kCausalPrefillLongPrefix)))
+          return kPrefill;
         const long long begin = window > 0 && it.pos - window + 1 > 0 ? it.pos - window + 1 : 0;
         return mma.pass.kernel && begin <= kCausalMmaMaxUnseen * (it.pos + it.n_tokens)
                    ? kDecodeTiles

@@ -228,6 +228,11 @@ constexpr double kCausalMmaMaxUnseen = 0.75;
 constexpr int kCausalMmaTile = 64;
 constexpr int kCausalMmaBlocksPerSm = 2;
 constexpr int kCausalPrefillMinRows = 128;
+// Shorter items take it too where their rows fill a block's 64 query vectors (rows x the group
+// tile: 16 rows at group 4) and their prefix is at least this long: speculative T 16 on P 32768
+// 0.61-0.72x the decode tiles' time, on P 4096 1.10-1.55x (H200, head_dim 64-256; T 2 and 4,
+// a part of a block, 1.4-2.6x). Prefixes between were not measured.
+constexpr int kCausalPrefillLongPrefix = 32768;
 
 // ---- Append (append.cu) ----
 // Threads per block, and at most this many blocks (a grid-stride loop covers the rest).

@@ -3,7 +3,8 @@
  * batches of (cached prefix P, new rows T) with T = 1, 2-16, 17-33, 64, 128, 512 (4096 outside
  * small mode), P = 0 and P > 0, GQA groups 1, 3, 4, 7, 8, 16, head_dim 64, 80, 96, 128, 256, sliding
  * windows, batches of one count (speculative verification), every K/V format (rotated, with
- * protected tokens; Q3 and Q2 V with Q4 K). Output poisoned first (NaN), every row checked:
+ * protected tokens; Q3 and Q2 V with Q4 K), K infinities (masked positions, F16). Output
+ * poisoned first (NaN), every row checked:
  * - F16: against an independent float64 reference over the FP16 values appended (1e-5 relative
  *   L2 a row);
  * - quantized: against the CPU backend's causal call on a cache given the same rows (its
@@ -135,8 +136,11 @@ static void check_against_decode(const causal_case *t, const float *out, int i, 
   free(got);
 }
 
-static void run_case(m40llm_context *ctx, m40llm_context *cpu, causal_shape s, const int *P,
-                     const int *T, int n, int window) {
+/* masked (F16 only): K holds -inf in one dim d0, where every q is positive, at each sequence's
+ * first 40 positions, every 16th and its last: those positions score -inf and have weight 0, and
+ * rows that see only them are zeros (the reference's rule, m40llm.h's masking). */
+static void run_case_masked(m40llm_context *ctx, m40llm_context *cpu, causal_shape s,
+                            const int *P, const int *T, int n, int window, int masked) {
   const int quantized = s.kf != M40LLM_KV_F16 || s.vf != M40LLM_KV_F16;
   /* On the CPU backend a windowed quantized case has no reference but itself. */
   if (quantized && window > 0 && ctx == cpu) return;
@@ -162,6 +166,17 @@ static void run_case(m40llm_context *ctx, m40llm_context *cpu, causal_shape s, c
   t_fill_uniform(t.k, kv_n, -1.5f, 1.5f);
   t_fill_uniform(t.v, kv_n, -1.0f, 1.0f);
   t_fill_uniform(t.q, (size_t)t.rows * t.q_row, -1.0f, 1.0f);
+  if (masked) {
+    const int d0 = t_rand_int(0, s.d - 1);
+    for (int i = 0; i < n; i++)
+      for (int p = 0; p < P[i] + T[i]; p++)
+        if (p < 40 || p % 16 == 0 || p == P[i] + T[i] - 1)
+          for (int g = 0; g < s.n_kv; g++) /* append_f32 rounds it to -inf */
+            t.k[((size_t)i * (size_t)max_len + (size_t)p) * t.kv_row + (size_t)g * s.d + d0] = -1e9f;
+    for (int r = 0; r < t.rows; r++)
+      for (int h = 0; h < s.n_heads; h++)
+        t.q[(size_t)r * t.q_row + (size_t)h * s.d + d0] = t_rand_float(0.25f, 1.0f);
+  }
   if (!quantized) /* the cache stores FP16: the reference takes the same values */
     for (size_t e = 0; e < kv_n; e++)
       t.k[e] = t_f16_to_f32(t_f32_to_f16(t.k[e])), t.v[e] = t_f16_to_f32(t_f32_to_f16(t.v[e]));
@@ -219,6 +234,11 @@ done:
   m40llm_kvcache_destroy(t.c);
   m40llm_kvcache_destroy(t.ref);
   free(t.k), free(t.v), free(t.q), free(out), free(ref_out), free(ref);
+}
+
+static void run_case(m40llm_context *ctx, m40llm_context *cpu, causal_shape s, const int *P,
+                     const int *T, int n, int window) {
+  run_case_masked(ctx, cpu, s, P, T, n, window, 0);
 }
 
 /* Sequences of one row each: the causal call must be the decode call's (bit for bit on the CPU
@@ -365,6 +385,12 @@ void t_cases_causal(m40llm_context *ctx, m40llm_context *cpu, int small) {
   for (int w = 0; w < (int)(sizeof windows / sizeof windows[0]); w++)
     run_case(ctx, cpu, f16[w % nf], P1, T1, n1, windows[w]);
   run_case(ctx, cpu, f16[2], P2, T2, 2, 128);
+  /* K infinities on every road: prompts (T 512), short rows, a window. */
+  for (int i = 0; i < 4; i++) {
+    run_case_masked(ctx, cpu, f16[i], P2, T2, 2, 0, 1);
+    run_case_masked(ctx, cpu, f16[i], P1, T1, n1, i == 1 ? 16 : 0, 1);
+  }
+  run_case_masked(ctx, cpu, f16[2], P2, T2, 2, 128, 1);
   /* Quantized: rotated, protected (4 sinks, a window of 32), groups 1 and 4, d 64 and 128. */
   const causal_shape quant[] = {{Q8, Q8, 4, 4, 64}, {Q4, Q4, 8, 2, 128}, {Q8, Q4, 8, 1, 128},
                                 {Q8, Q8, 4, 1, 256}, {Q4, Q4, 9, 3, 64}};
@@ -394,6 +420,9 @@ void t_cases_causal(m40llm_context *ctx, m40llm_context *cpu, int small) {
   run_case(ctx, cpu, quant[1], P7, T7, 3, 0);
   const int P8[] = {small ? 3000 : 9000, 2500}, T8[] = {64, 128};
   run_case(ctx, cpu, f16[0], P8, T8, 2, 0);
+  /* A block's rows (64 at group 1) on a prefix of 32768: on tensor cores the prefill kernel. */
+  const int P11[] = {32768}, T11[] = {64};
+  run_case(ctx, cpu, f16[0], P11, T11, 1, 0);
   /* Protected tokens and prompts longer than 64 rows plus the window: on tensor cores the rows
    * before the last 64 are items that end before the window (their positions all codes). */
   const int P9[] = {10, 300}, T9[] = {160, 200};
