@@ -127,7 +127,8 @@ __global__ void __launch_bounds__(kPrefillThreads, kCausalMmaBlocksPerSm)
 
   if (D < DMAX) {  // the dims past head_dim of every stage: zeros, never copied over
     for (size_t i = threadIdx.x; i < S::kv_halves / 8; i += kPrefillThreads)
-      smem_words[i] = make_uint4(0, 0, 0, 0);  // seen after the first tile's barrier
+      smem_words[i] = make_uint4(0, 0, 0, 0);
+    __syncthreads();  // before any thread's copies land in the words zeroed here
   }
   wait_for_prerequisite_grid();
   if (n_tiles > 0) load_tiles<S, DMAX>(skv, kh, vh, kv_begin, min(BN, kv_end - kv_begin), D);
@@ -336,6 +337,7 @@ CausalKernel kernel_for_tile(int gt) {
 }
 
 int log2_of_tile(int gt) { return gt >= 8 ? 3 : gt >= 4 ? 2 : gt >= 2 ? 1 : 0; }
+static_assert(kMaxGroupTile <= 8, "a group tile past 8 has no prefill instance (kernel_for_tile)");
 
 }  // namespace
 
