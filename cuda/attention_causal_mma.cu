@@ -160,7 +160,7 @@ __global__ void __launch_bounds__(kPrefillThreads, kCausalMmaBlocksPerSm)
       qmax = fmaxf(qmax, __shfl_xor_sync(0xffffffffu, qmax, 1));
       qmax = fmaxf(qmax, __shfl_xor_sync(0xffffffffu, qmax, 2));
       int e = 0;
-      if (qmax > 0.0f && qmax <= 3.0e38f) frexpf(qmax, &e);
+      if (qmax > 0.0f && qmax <= FLT_MAX) frexpf(qmax, &e);
       const int shift = max(-126, min(126, 13 - e));
       up[h] = ldexpf(1.0f, shift);
       down[h] = ldexpf(1.0f, -shift);
@@ -190,6 +190,10 @@ __global__ void __launch_bounds__(kPrefillThreads, kCausalMmaBlocksPerSm)
   };
 
   SoftmaxState st[2] = {SoftmaxState::empty(), SoftmaxState::empty()};  // l: this lane's share
+  // l's compensation (Kahan): a tile's sum can be 2^-11 of l (a peaked row) and the same in
+  // every tile, where plain adds round the same way each time (1.5e-5 of the output over 3000
+  // positions).
+  float lc[2] = {0.0f, 0.0f};
   float o[NO][4];  // n-tile j: rows g (0, 1) and g + 8 (2, 3), dims 8j + 2t + {0, 1}
 #pragma unroll
   for (int j = 0; j < NO; j++) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
@@ -263,37 +267,64 @@ __global__ void __launch_bounds__(kPrefillThreads, kCausalMmaBlocksPerSm)
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
       alpha[h] = st[h].raise(mx);
-      const float ref = SoftmaxState::reference(st[h].m);
+      lc[h] *= alpha[h];
+      // Weights of 2^14 at the max: unscaled, those under 2^-14 were FP16 subnormals in hi + lo
+      // and lost their low bits (1e-5 relative error over 10^5 small weights). The scale leaves
+      // through 1 / l or the partials' write; m - 14 rounds no worse than s - m already does.
+      const float ref = SoftmaxState::reference(st[h].m) - 14.0f;
+      float sum = 0.0f;
 #pragma unroll
       for (int j = 0; j < BN / 8; j++)
 #pragma unroll
         for (int x = 0; x < 2; x++) {
           s[j][2 * h + x] = exp2_ftz(s[j][2 * h + x] - ref);
-          st[h].l += s[j][2 * h + x];
+          sum += s[j][2 * h + x];
         }
+      const float y = sum - lc[h], l = st[h].l + y;
+      lc[h] = (l - st[h].l) - y;
+      st[h].l = l;
     }
-#pragma unroll
-    for (int j = 0; j < NO; j++)
-#pragma unroll
-      for (int x = 0; x < 4; x++) o[j][x] *= alpha[x >> 1];
-
     // Output: k step kk is positions 16 kk .. + 15, n-tiles 2kk and 2kk + 1 of the scores.
+    uint4 ph[BN / 16], pl[BN / 16];
 #pragma unroll
     for (int kk = 0; kk < BN / 16; kk++) {
-      uint4 ph, pl;
-      split_pair(s[2 * kk][0], s[2 * kk][1], ph.x, pl.x);
-      split_pair(s[2 * kk][2], s[2 * kk][3], ph.y, pl.y);
-      split_pair(s[2 * kk + 1][0], s[2 * kk + 1][1], ph.z, pl.z);
-      split_pair(s[2 * kk + 1][2], s[2 * kk + 1][3], ph.w, pl.w);
+      split_pair(s[2 * kk][0], s[2 * kk][1], ph[kk].x, pl[kk].x);
+      split_pair(s[2 * kk][2], s[2 * kk][3], ph[kk].y, pl[kk].y);
+      split_pair(s[2 * kk + 1][0], s[2 * kk + 1][1], ph[kk].z, pl[kk].z);
+      split_pair(s[2 * kk + 1][2], s[2 * kk + 1][3], ph[kk].w, pl[kk].w);
+    }
+    const auto add_products = [&](float(&acc)[NO][4]) {
 #pragma unroll
-      for (int dp = 0; dp < NO / 2; dp++) {
-        uint32_t vb[4];
-        ldmatrix_x4_trans(vb, sv + 16 * kk * LDH + 16 * dp + v_off);
-        mma16816(o[2 * dp], ph, vb[0], vb[1]);
-        mma16816(o[2 * dp], pl, vb[0], vb[1]);
-        mma16816(o[2 * dp + 1], ph, vb[2], vb[3]);
-        mma16816(o[2 * dp + 1], pl, vb[2], vb[3]);
-      }
+      for (int kk = 0; kk < BN / 16; kk++)
+#pragma unroll
+        for (int dp = 0; dp < NO / 2; dp++) {
+          uint32_t vb[4];
+          ldmatrix_x4_trans(vb, sv + 16 * kk * LDH + 16 * dp + v_off);
+          mma16816(acc[2 * dp], ph[kk], vb[0], vb[1]);
+          mma16816(acc[2 * dp], pl[kk], vb[0], vb[1]);
+          mma16816(acc[2 * dp + 1], ph[kk], vb[2], vb[3]);
+          mma16816(acc[2 * dp + 1], pl[kk], vb[2], vb[3]);
+        }
+    };
+    if constexpr (kCausalMmaTileSums<DMAX>) {
+      // A tile's products summed apart, then added to o (rescaled by alpha) in FP32: the MMA's
+      // adder keeps about 24 bits of its largest term and truncates the rest, so products
+      // summed into o itself lost their low bits wherever o was far larger (a peaked row, one
+      // weight of 1 and thousands of 2^-15: 4.5e-5 of the output over 3000 positions).
+      float acc[NO][4];
+#pragma unroll
+      for (int j = 0; j < NO; j++) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+      add_products(acc);
+#pragma unroll
+      for (int j = 0; j < NO; j++)
+#pragma unroll
+        for (int x = 0; x < 4; x++) o[j][x] = fmaf(o[j][x], alpha[x >> 1], acc[j][x]);
+    } else {  // into o: no registers for the sums (head_dim 256)
+#pragma unroll
+      for (int j = 0; j < NO; j++)
+#pragma unroll
+        for (int x = 0; x < 4; x++) o[j][x] *= alpha[x >> 1];
+      add_products(o);
     }
     __syncthreads();  // every warp is done with this stage before the next tile's copies reuse it
   }
@@ -301,6 +332,7 @@ __global__ void __launch_bounds__(kPrefillThreads, kCausalMmaBlocksPerSm)
   const bool single = plan.splits == 1;
 #pragma unroll
   for (int h = 0; h < 2; h++) {
+    st[h].l -= lc[h];
     st[h].l += __shfl_xor_sync(0xffffffffu, st[h].l, 1);
     st[h].l += __shfl_xor_sync(0xffffffffu, st[h].l, 2);
     const int m = 16 * warp + g + 8 * h, r = m / GT, x = m % GT;
@@ -309,7 +341,8 @@ __global__ void __launch_bounds__(kPrefillThreads, kCausalMmaBlocksPerSm)
     const size_t at =
         (single ? row : row * plan.splits + b.split) * a.n_heads + head;
     float *const dst = (single ? a.out : a.part_o) + at * D;
-    const float f = single ? st[h].inv_sum() : 1.0f;
+    // The weights' 2^14 leaves through 1 / l, or out of a partial's o and l (exact).
+    const float f = single ? st[h].inv_sum() : 0x1p-14f;
 #pragma unroll
     for (int j = 0; j < NO; j++) {
       const int d = 8 * j + 2 * t;
@@ -320,7 +353,7 @@ __global__ void __launch_bounds__(kPrefillThreads, kCausalMmaBlocksPerSm)
     }
     if (!single && t == 0) {
       a.part_m[at] = st[h].m;
-      a.part_l[at] = st[h].l;
+      a.part_l[at] = st[h].l * 0x1p-14f;
     }
   }
 #endif

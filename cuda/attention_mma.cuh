@@ -37,6 +37,9 @@ namespace {
 
 // Positions a warp takes per step: the MMA's M.
 constexpr int kMmaRows = 16;
+// The weights' scale 2^pshift in attn_mma_kernel: FP16 V's, and the range of a quantized V's
+// (its scales run from 2^-24 to under 2^16; the bounds keep every factor a normal float).
+constexpr int kMmaPShiftF16 = 14, kMmaPShiftMin = -40, kMmaPShiftMax = 40;
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
 
@@ -53,6 +56,9 @@ __device__ __forceinline__ uint32_t transpose8x8(uint32_t x) {
   asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(y) : "r"(x));
   return y;
 }
+
+// 2^x for an integer x in [-126, 127], exactly.
+__device__ __forceinline__ float exp2_int(int x) { return __int_as_float((x + 127) << 23); }
 
 __device__ __forceinline__ uint32_t bits(__half2 h) { return *reinterpret_cast<uint32_t *>(&h); }
 __device__ __forceinline__ __half2 as_half2(uint32_t x) { return *reinterpret_cast<__half2 *>(&x); }
@@ -730,7 +736,7 @@ __global__ void __launch_bounds__(32 * W, mma_min_blocks(32 * NC + 16 * TAIL, W)
   }
   qmax = warp_max(qmax);
   int e = 0;
-  if (qmax > 0.0f && qmax <= 3.0e38f) frexpf(qmax, &e);
+  if (qmax > 0.0f && qmax <= FLT_MAX) frexpf(qmax, &e);
   const int shift = max(-126, min(126, 13 - e));
   const float up = ldexpf(1.0f, shift), down = ldexpf(1.0f, -shift);
   // A K min's share of a score, min x sum(q) over the group, in the scores' 2^e scale: the
@@ -774,6 +780,13 @@ __global__ void __launch_bounds__(32 * W, mma_min_blocks(32 * NC + 16 * TAIL, W)
   __syncthreads();
 
   SoftmaxState run = SoftmaxState::empty();  // over this warp's positions; l per lane
+  // p goes to the MMAs as FP16 hi + lo terms times V's scale, at most V's largest scale: its
+  // terms under 2^-14 were FP16 subnormals whose low bits were lost (over long, peaked rows of a
+  // quantized V, whose scales are often near 2^-7: 1e-4 relative error). So p is scaled by
+  // 2^pshift, warp-uniform, which keeps p x scale under 2^14 (FP16 V: a scale of 1, shift 14;
+  // codes: the largest scale a step has seen). It only falls; o and omin carry it to the end.
+  int pshift = kQuant ? kMmaPShiftMax : kMmaPShiftF16;
+  float pscale = exp2_int(pshift);
   // Dims 32 (c0 + c) + 8t + 2i + {0, 1}, from p's hi terms in [0..1] and its lo terms in
   // [2..3]; the tail's dims 32 NC + 4t + 2i + {0, 1} the same way.
   float o[NW][4][4], ot[2][4];
@@ -854,9 +867,28 @@ __global__ void __launch_bounds__(32 * W, mma_min_blocks(32 * NC + 16 * TAIL, W)
       tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
       tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
       const float alpha = run.raise(tile_max);
+      float alpha_o = alpha;  // o's factor: alpha and any fall of pshift
+      if constexpr (kQuant) {
+        int top = kMmaPShiftF16;
+        if constexpr (kQ) {
+          float vmax = 0.0f;
+#pragma unroll
+          for (int r = 0; r < 4; r++)
+#pragma unroll
+            for (int c = 0; c < NW; c++) vmax = fmaxf(vmax, fabsf(src.vscale(r, c)));
+          // 2^e <= vmax < 2^(e + 1) (vmax is positive: its bits order as its values)
+          const int e = (int)(__reduce_max_sync(0xffffffffu, __float_as_uint(vmax)) >> 23) - 127;
+          top = max(kMmaPShiftMin, min(13 - e, kMmaPShiftMax));
+        }
+        if (top < pshift) {
+          alpha_o *= exp2_int(top - pshift);
+          pshift = top;
+          pscale = exp2_int(pshift);
+        }
+      }
       if constexpr (kVMin) {  // in the kept rows' steps too: the max is every step's
 #pragma unroll
-        for (int c = 0; c < NW; c++) omin[c] *= alpha;
+        for (int c = 0; c < NW; c++) omin[c] *= alpha_o;
       }
       float sum = 0.0f;
 #pragma unroll
@@ -865,6 +897,7 @@ __global__ void __launch_bounds__(32 * W, mma_min_blocks(32 * NC + 16 * TAIL, W)
         for (int x = 0; x < 2; x++) {
           s[j][x] = run.weight(s[j][x]);
           sum += s[j][x];
+          s[j][x] *= pscale;
         }
       run.l += sum;
       src.after_scores(p0);
@@ -874,13 +907,13 @@ __global__ void __launch_bounds__(32 * W, mma_min_blocks(32 * NC + 16 * TAIL, W)
         // Issue-bound: the output's rescale (a quarter of the step's instructions besides the
         // MMAs) only where some head's max rose, which after the first steps is rare. Not at
         // head_dim 64 and below, whose 128-register kernels then spilled and gained nothing.
-        if (NW <= 2 || __any_sync(0xffffffffu, alpha != 1.0f)) {
+        if (NW <= 2 || __any_sync(0xffffffffu, alpha_o != 1.0f)) {
 #pragma unroll
           for (int c = 0; c < NW; c++)
 #pragma unroll
             for (int i = 0; i < 4; i++)
 #pragma unroll
-              for (int x = 0; x < 4; x++) o[c][i][x] *= alpha;
+              for (int x = 0; x < 4; x++) o[c][i][x] *= alpha_o;
         }
 #pragma unroll
         for (int c = 0; c < NW; c++) {
@@ -904,7 +937,7 @@ __global__ void __launch_bounds__(32 * W, mma_min_blocks(32 * NC + 16 * TAIL, W)
 #pragma unroll
           for (int i = 0; i < 4; i++) {
 #pragma unroll
-            for (int x = 0; x < 4; x++) o[c][i][x] *= alpha;
+            for (int x = 0; x < 4; x++) o[c][i][x] *= alpha_o;
             mma16816(o[c][i], pa, transpose8x8(word(src.vb(0, c), i)),
                      transpose8x8(word(src.vb(1, c), i)));
           }
@@ -912,7 +945,7 @@ __global__ void __launch_bounds__(32 * W, mma_min_blocks(32 * NC + 16 * TAIL, W)
 #pragma unroll
           for (int i = 0; i < 2; i++) {
 #pragma unroll
-            for (int x = 0; x < 4; x++) ot[i][x] *= alpha;
+            for (int x = 0; x < 4; x++) ot[i][x] *= alpha_o;
             mma16816(ot[i], pa, transpose8x8(word(src.v.t[0], i)), transpose8x8(word(src.v.t[1], i)));
           }
         }
@@ -952,6 +985,7 @@ __global__ void __launch_bounds__(32 * W, mma_min_blocks(32 * NC + 16 * TAIL, W)
   if (t == 0 && c0 == 0) s_state[pw][g] = run;
   if constexpr (kStaged) __syncthreads();  // the outputs take the slots: no warp may read them
   float(*s_o)[G][D] = reinterpret_cast<float(*)[G][D]>(s_dyn);
+  const float pdown = exp2_int(-pshift);  // o and omin in the state's units
 #pragma unroll
   for (int c = 0; c < NW; c++) {
     if constexpr (kVMin) {
@@ -964,12 +998,14 @@ __global__ void __launch_bounds__(32 * W, mma_min_blocks(32 * NC + 16 * TAIL, W)
       float4 r = make_float4(o[c][i][0] + o[c][i][2], o[c][i][1] + o[c][i][3],
                              o[c][i + 1][0] + o[c][i + 1][2], o[c][i + 1][1] + o[c][i + 1][3]);
       if constexpr (kVMin) r.x += omin[c], r.y += omin[c], r.z += omin[c], r.w += omin[c];
+      r.x *= pdown, r.y *= pdown, r.z *= pdown, r.w *= pdown;
       dst[i / 2] = r;
     }
   }
   if (TAIL)
-    *reinterpret_cast<float4 *>(&s_o[pw][g][32 * NC + 4 * t]) = make_float4(
-        ot[0][0] + ot[0][2], ot[0][1] + ot[0][3], ot[1][0] + ot[1][2], ot[1][1] + ot[1][3]);
+    *reinterpret_cast<float4 *>(&s_o[pw][g][32 * NC + 4 * t]) =
+        make_float4((ot[0][0] + ot[0][2]) * pdown, (ot[0][1] + ot[0][3]) * pdown,
+                    (ot[1][0] + ot[1][2]) * pdown, (ot[1][1] + ot[1][3]) * pdown);
   __syncthreads();
 
   // Merge the warps (the WP along positions). Every warp derives all (warp, head) weights at

@@ -3,7 +3,8 @@
  * batches of (cached prefix P, new rows T) with T = 1, 2-16, 17-33, 64, 128, 512 (4096 outside
  * small mode), P = 0 and P > 0, GQA groups 1, 3, 4, 7, 8, 16, head_dim 64, 80, 96, 128, 256, sliding
  * windows, batches of one count (speculative verification), every K/V format (rotated, with
- * protected tokens; Q3 and Q2 V with Q4 K), K infinities (masked positions, F16). Output
+ * protected tokens; Q3 and Q2 V with Q4 K), K infinities (masked positions, F16), peaked rows
+ * (one heavy position, the rest light and equal; small V). Output
  * poisoned first (NaN), every row checked:
  * - F16: against an independent float64 reference over the FP16 values appended (1e-5 relative
  *   L2 a row);
@@ -136,11 +137,18 @@ static void check_against_decode(const causal_case *t, const float *out, int i, 
   free(got);
 }
 
-/* masked (F16 only): K holds -inf in one dim d0, where every q is positive, at each sequence's
- * first 40 positions, every 16th and its last: those positions score -inf and have weight 0, and
- * rows that see only them are zeros (the reference's rule, m40llm.h's masking). */
-static void run_case_masked(m40llm_context *ctx, m40llm_context *cpu, causal_shape s,
-                            const int *P, const int *T, int n, int window, int masked) {
+/* What a case's values are: random, or
+ * - MASKED (F16 only): K holds -inf in one dim d0, where every q is positive, at each sequence's
+ *   first 40 positions, every 16th and its last: those positions score -inf and have weight 0,
+ *   and rows that see only them are zeros (the reference's rule, m40llm.h's masking);
+ * - PEAKED: position 0's key meets every q with a logit of 10-13 and every later key is 0, so
+ *   each later position has the same weight, 2^-14.6 to 2^-18.9 of position 0's; V is near
+ *   2^-12 (a quantized V's scales near 2^-18.4). The tensor-core kernels' weights (times V's
+ *   scale) go to the MMAs as FP16 hi + lo terms, subnormal under 2^-14 until they were scaled
+ *   (kMmaPShiftF16, causal_mma_kernel's 2^14). */
+enum { PLAIN, MASKED, PEAKED };
+static void run_case_as(m40llm_context *ctx, m40llm_context *cpu, causal_shape s, const int *P,
+                        const int *T, int n, int window, int kind) {
   const int quantized = s.kf != M40LLM_KV_F16 || s.vf != M40LLM_KV_F16;
   /* On the CPU backend a windowed quantized case has no reference but itself. */
   if (quantized && window > 0 && ctx == cpu) return;
@@ -166,7 +174,7 @@ static void run_case_masked(m40llm_context *ctx, m40llm_context *cpu, causal_sha
   t_fill_uniform(t.k, kv_n, -1.5f, 1.5f);
   t_fill_uniform(t.v, kv_n, -1.0f, 1.0f);
   t_fill_uniform(t.q, (size_t)t.rows * t.q_row, -1.0f, 1.0f);
-  if (masked) {
+  if (kind == MASKED) {
     const int d0 = t_rand_int(0, s.d - 1);
     for (int i = 0; i < n; i++)
       for (int p = 0; p < P[i] + T[i]; p++)
@@ -176,6 +184,24 @@ static void run_case_masked(m40llm_context *ctx, m40llm_context *cpu, causal_sha
     for (int r = 0; r < t.rows; r++)
       for (int h = 0; h < s.n_heads; h++)
         t.q[(size_t)r * t.q_row + (size_t)h * s.d + d0] = t_rand_float(0.25f, 1.0f);
+  } else if (kind == PEAKED) {
+    float qb[256];
+    double qq = 0.0;
+    t_fill_uniform(qb, (size_t)s.d, -1.0f, 1.0f);
+    for (int i = 0; i < s.d; i++) qq += (double)qb[i] * qb[i];
+    const float gamma = (float)(10.09 * sqrt((double)s.d) / qq);
+    for (int r = 0; r < t.rows; r++)
+      for (int h = 0; h < s.n_heads; h++)
+        for (int i = 0; i < s.d; i++)
+          t.q[(size_t)r * t.q_row + (size_t)h * s.d + i] = (1.0f + 0.1f * (float)(h % 4)) * qb[i];
+    for (int i = 0; i < n; i++)
+      for (int p = 0; p < max_len; p++)
+        for (int g = 0; g < s.n_kv; g++)
+          for (int e = 0; e < s.d; e++) {
+            const size_t at = ((size_t)i * (size_t)max_len + (size_t)p) * t.kv_row + (size_t)g * s.d + e;
+            t.k[at] = p == 0 ? gamma * qb[e] : 0.0f;
+            t.v[at] = t_rand_float(0.5f, 1.5f) * 0x1p-12f;
+          }
   }
   if (!quantized) /* the cache stores FP16: the reference takes the same values */
     for (size_t e = 0; e < kv_n; e++)
@@ -199,20 +225,19 @@ static void run_case_masked(m40llm_context *ctx, m40llm_context *cpu, causal_sha
     const float *vs = t.v + (size_t)i * (size_t)max_len * t.kv_row;
     for (size_t e = 0; e < (size_t)(P[i] + T[i]) * t.kv_row; e++)
       kh[e] = t_f32_to_f16(ks[e]), vh[e] = t_f32_to_f16(vs[e]);
-    if (quantized && !t.ref) { /* the CPU backend itself: checked against decode below */
-      row += T[i];
-      continue;
-    }
-    for (int r = 0; r < T[i]; r++, row++) {
-      const float *got = out + (size_t)row * t.q_row;
+    const int row0 = row;
+    row += T[i]; /* past this sequence's rows, also where a failure ends their loop */
+    if (quantized && !t.ref) continue; /* the CPU backend itself: checked against decode below */
+    for (int r = 0; r < T[i]; r++) {
+      const float *got = out + (size_t)(row0 + r) * t.q_row;
       double err;
       if (!quantized) {
         const int end = P[i] + r + 1, begin = window > 0 && end > window ? end - window : 0;
-        t_ref_attention(ref, t.q + (size_t)row * t.q_row, kh + (size_t)begin * t.kv_row,
+        t_ref_attention(ref, t.q + (size_t)(row0 + r) * t.q_row, kh + (size_t)begin * t.kv_row,
                         vh + (size_t)begin * t.kv_row, end - begin, s.n_heads, s.n_kv, s.d, 0.0f);
         err = t_rel_l2(got, ref, t.q_row);
       } else {
-        for (size_t e = 0; e < t.q_row; e++) ref[e] = ref_out[(size_t)row * t.q_row + e];
+        for (size_t e = 0; e < t.q_row; e++) ref[e] = ref_out[(size_t)(row0 + r) * t.q_row + e];
         err = t_rel_l2(got, ref, t.q_row);
       }
       if (!T_CHECKF(err <= TOL, "seq %d (P %d, T %d) row %d: rel L2 %g", i, P[i], T[i], r, err))
@@ -238,7 +263,7 @@ done:
 
 static void run_case(m40llm_context *ctx, m40llm_context *cpu, causal_shape s, const int *P,
                      const int *T, int n, int window) {
-  run_case_masked(ctx, cpu, s, P, T, n, window, 0);
+  run_case_as(ctx, cpu, s, P, T, n, window, PLAIN);
 }
 
 /* Sequences of one row each: the causal call must be the decode call's (bit for bit on the CPU
@@ -387,10 +412,10 @@ void t_cases_causal(m40llm_context *ctx, m40llm_context *cpu, int small) {
   run_case(ctx, cpu, f16[2], P2, T2, 2, 128);
   /* K infinities on every road: prompts (T 512), short rows, a window. */
   for (int i = 0; i < 4; i++) {
-    run_case_masked(ctx, cpu, f16[i], P2, T2, 2, 0, 1);
-    run_case_masked(ctx, cpu, f16[i], P1, T1, n1, i == 1 ? 16 : 0, 1);
+    run_case_as(ctx, cpu, f16[i], P2, T2, 2, 0, MASKED);
+    run_case_as(ctx, cpu, f16[i], P1, T1, n1, i == 1 ? 16 : 0, MASKED);
   }
-  run_case_masked(ctx, cpu, f16[2], P2, T2, 2, 128, 1);
+  run_case_as(ctx, cpu, f16[2], P2, T2, 2, 128, MASKED);
   /* Quantized: rotated, protected (4 sinks, a window of 32), groups 1 and 4, d 64 and 128. */
   const causal_shape quant[] = {{Q8, Q8, 4, 4, 64}, {Q4, Q4, 8, 2, 128}, {Q8, Q4, 8, 1, 128},
                                 {Q8, Q8, 4, 1, 256}, {Q4, Q4, 9, 3, 64}};
@@ -434,6 +459,14 @@ void t_cases_causal(m40llm_context *ctx, m40llm_context *cpu, int small) {
   run_case(ctx, cpu, f16[1], P10, T10, 2, small ? 600 : 1000);
   run_case(ctx, cpu, quant[1], P10, T10, 2, small ? 600 : 1000);
   run_case(ctx, cpu, quant[0], P10, T10, 2, 50);
+  /* Peaked rows: prompts on a prefix (on tensor cores the prefill kernel), speculative rows on
+   * long prefixes (the decode tiles; quantized: their V codes' path). */
+  const int P12[] = {3000, 700}, T12[] = {128, 200}, P13[] = {small ? 2000 : 6000, 900},
+            T13[] = {6, 16};
+  for (int i = 0; i < 3; i++) run_case_as(ctx, cpu, f16[i], P12, T12, 2, 0, PEAKED);
+  run_case_as(ctx, cpu, f16[1], P13, T13, 2, 0, PEAKED);
+  run_case_as(ctx, cpu, quant[1], P13, T13, 2, 0, PEAKED);
+  run_case_as(ctx, cpu, quant[2], P13, T13, 2, 0, PEAKED);
   if (!small) {
     /* A long prompt; speculative shapes on long prefixes (the split path); a wide batch. */
     const int P4[] = {0, 1500}, T4[] = {4096, 4096};

@@ -3,7 +3,8 @@
  * not, with protected tokens
  * (sinks and a window kept FP16) or without, against an independent quantizer and rotation
  * written from the header's definition: the stored values (read_f16, bit-exact), and attention
- * against a float64 reference over the stored values, on any context (CPU or CUDA). The CUDA
+ * against a float64 reference over the stored values, on any context (CPU or CUDA), random and
+ * peaked (one heavy position, the rest light and equal, V small). The CUDA
  * backend has kernels for some pairs (t_cuda_has_pair): there, creating a cache of another pair
  * must fail with M40LLM_ERR_UNSUPPORTED.
  */
@@ -582,6 +583,48 @@ static float long_value(uint32_t tensor, int gen, int pos, int i) {
   return i % 17 == 3 ? 8.0f * x : x;
 }
 
+/* A one-sequence check's buffers: K and V rows of `rows` positions (host, zeroed, and device),
+ * q and the output (host and device), and the float64 reference's output, maxima and sums. */
+typedef struct {
+  float *hk, *hv, *q, *got, *dk, *dv, *dq, *dout;
+  double *ref, *m, *l;
+} seq_buffers;
+
+static int seq_buffers_alloc(m40llm_context *ctx, seq_buffers *b, size_t rows, quant_case c) {
+  const size_t row = (size_t)c.n_kv * (size_t)c.d, qrow = (size_t)c.n_heads * (size_t)c.d;
+  b->hk = calloc(rows * row, sizeof(float)), b->hv = calloc(rows * row, sizeof(float));
+  b->q = malloc(qrow * sizeof(float)), b->got = malloc(qrow * sizeof(float));
+  b->ref = malloc(qrow * sizeof(double));
+  b->m = malloc((size_t)c.n_heads * sizeof(double)), b->l = malloc((size_t)c.n_heads * sizeof(double));
+  b->dk = t_dev_alloc(ctx, rows * row * sizeof(float)), b->dv = t_dev_alloc(ctx, rows * row * sizeof(float));
+  b->dq = t_dev_alloc(ctx, qrow * sizeof(float)), b->dout = t_dev_alloc(ctx, qrow * sizeof(float));
+  return T_CHECK(b->hk && b->hv && b->q && b->got && b->ref && b->m && b->l && b->dk && b->dv &&
+                 b->dq && b->dout);
+}
+
+static void seq_buffers_free(m40llm_context *ctx, seq_buffers *b) {
+  free(b->hk), free(b->hv), free(b->q), free(b->got), free(b->ref), free(b->m), free(b->l);
+  m40llm_free(ctx, b->dk), m40llm_free(ctx, b->dv), m40llm_free(ctx, b->dq);
+  m40llm_free(ctx, b->dout);
+}
+
+/* A streamed float64 reference: one position's stored K and V (val[0], val[1]) seen by query
+ * heads h0 .. h1 - 1 (q row h at h x d), their running max m, sum l and unnormalised output ref
+ * (row h at h x d) updated. */
+static void reference_step(const float *q, double (*val)[256], int h0, int h1, int d,
+                           double scale, double *m, double *l, double *ref) {
+  for (int h = h0; h < h1; h++) {
+    double sc = 0.0;
+    for (int i = 0; i < d; i++) sc += (double)q[h * d + i] * val[0][i];
+    sc *= scale;
+    const double m_new = sc > m[h] ? sc : m[h];
+    const double alpha = exp(m[h] - m_new), w = exp(sc - m_new);
+    l[h] = l[h] * alpha + w;
+    for (int i = 0; i < d; i++) ref[h * d + i] = ref[h * d + i] * alpha + w * val[1][i];
+    m[h] = m_new;
+  }
+}
+
 /* One sequence of about 6400 x SMs / K/V heads positions (the plan then aims at splits of 400
  * positions at 8 blocks an SM, and cuts none shorter than 2/3 of that: more than the 256 of
  * kFp32MixedMinRows), so that the FP32 kernel's splits
@@ -613,16 +656,10 @@ static void long_kept_splits(m40llm_context *ctx, quant_case c) {
   const size_t row = (size_t)c.n_kv * (size_t)c.d, qrow = (size_t)c.n_heads * (size_t)c.d;
   const tensor_rule rules[2] = {{c.kf, 0}, {vf, 0}};
   const int group = c.n_heads / c.n_kv;
-  float *hk = malloc(CHUNK * row * sizeof(float)), *hv = malloc(CHUNK * row * sizeof(float));
-  float *q = malloc(qrow * sizeof(float)), *got = malloc(qrow * sizeof(float));
-  double *ref = malloc(qrow * sizeof(double)), *m = malloc(c.n_heads * sizeof(double));
-  double *l = malloc(c.n_heads * sizeof(double));
-  float *dk = t_dev_alloc(ctx, CHUNK * row * sizeof(float));
-  float *dv = t_dev_alloc(ctx, CHUNK * row * sizeof(float));
-  float *dq = t_dev_alloc(ctx, qrow * sizeof(float)), *dout = t_dev_alloc(ctx, qrow * sizeof(float));
-  if (!T_CHECK(hk && hv && q && got && ref && m && l && dk && dv && dq && dout)) goto done;
-  t_fill_uniform(q, qrow, -1.0f, 1.0f);
-  if (!T_OK(m40llm_memcpy_to_device(ctx, dq, q, qrow * sizeof(float)))) goto done;
+  seq_buffers b;
+  if (!seq_buffers_alloc(ctx, &b, CHUNK, c)) goto done;
+  t_fill_uniform(b.q, qrow, -1.0f, 1.0f);
+  if (!T_OK(m40llm_memcpy_to_device(ctx, b.dq, b.q, qrow * sizeof(float)))) goto done;
   /* positions [from, to), their gen-th values */
   const struct { int from, to, gen; } appends[2] = {{0, len0, 0}, {cut, cut + more, 1}};
   for (int step = 0; step < 2; step++) {
@@ -631,12 +668,12 @@ static void long_kept_splits(m40llm_context *ctx, quant_case c) {
       const int n = appends[step].to - p < CHUNK ? appends[step].to - p : CHUNK;
       for (int t = 0; t < n; t++)
         for (size_t i = 0; i < row; i++) {
-          hk[t * row + i] = long_value(1, appends[step].gen, p + t, (int)i);
-          hv[t * row + i] = long_value(2, appends[step].gen, p + t, (int)i);
+          b.hk[t * row + i] = long_value(1, appends[step].gen, p + t, (int)i);
+          b.hv[t * row + i] = long_value(2, appends[step].gen, p + t, (int)i);
         }
-      if (!T_OK(m40llm_memcpy_to_device(ctx, dk, hk, (size_t)n * row * sizeof(float))) ||
-          !T_OK(m40llm_memcpy_to_device(ctx, dv, hv, (size_t)n * row * sizeof(float))) ||
-          !T_OK(m40llm_kvcache_append_f32(cache, 0, 0, dk, dv, n)))
+      if (!T_OK(m40llm_memcpy_to_device(ctx, b.dk, b.hk, (size_t)n * row * sizeof(float))) ||
+          !T_OK(m40llm_memcpy_to_device(ctx, b.dv, b.hv, (size_t)n * row * sizeof(float))) ||
+          !T_OK(m40llm_kvcache_append_f32(cache, 0, 0, b.dk, b.dv, n)))
         goto done;
     }
     /* the window's first position: a truncation lowers it to the cut at most (no position
@@ -647,13 +684,13 @@ static void long_kept_splits(m40llm_context *ctx, quant_case c) {
       lo = lo0 < cut ? lo0 : cut;
       if (len - c.window > lo) lo = len - c.window;
     }
-    if (!T_OK(m40llm_memset(ctx, dout, 0xFF, qrow * sizeof(float))) ||
-        !T_OK(m40llm_kvcache_attn_last_token_f32q(dout, cache, 0, 0, dq, 0.0f)) ||
-        !t_dev_download(ctx, got, dout, qrow * sizeof(float)))
+    if (!T_OK(m40llm_memset(ctx, b.dout, 0xFF, qrow * sizeof(float))) ||
+        !T_OK(m40llm_kvcache_attn_last_token_f32q(b.dout, cache, 0, 0, b.dq, 0.0f)) ||
+        !t_dev_download(ctx, b.got, b.dout, qrow * sizeof(float)))
       goto done;
     const double scale = 1.0 / sqrt((double)c.d);
-    for (int h = 0; h < c.n_heads; h++) m[h] = -INFINITY, l[h] = 0.0;
-    for (size_t i = 0; i < qrow; i++) ref[i] = 0.0;
+    for (int h = 0; h < c.n_heads; h++) b.m[h] = -INFINITY, b.l[h] = 0.0;
+    for (size_t i = 0; i < qrow; i++) b.ref[i] = 0.0;
     for (int p = 0; p < len; p++) {
       const int gen = step == 1 && p >= cut;
       for (int g = 0; g < c.n_kv; g++) {
@@ -664,32 +701,95 @@ static void long_kept_splits(m40llm_context *ctx, quant_case c) {
           for (int i = 0; i < c.d; i++) x[t][i] = long_value(1 + t, gen, p, g * c.d + i);
           stored_row(rules[t], p < c.sinks || p >= lo, x[t], c.d, val[t], bits);
         }
-        for (int h = g * group; h < (g + 1) * group; h++) {
-          double sc = 0.0;
-          for (int i = 0; i < c.d; i++) sc += (double)q[h * c.d + i] * val[0][i];
-          sc *= scale;
-          const double m_new = sc > m[h] ? sc : m[h];
-          const double alpha = exp(m[h] - m_new), w = exp(sc - m_new);
-          l[h] = l[h] * alpha + w;
-          for (int i = 0; i < c.d; i++) ref[h * c.d + i] = ref[h * c.d + i] * alpha + w * val[1][i];
-          m[h] = m_new;
-        }
+        reference_step(b.q, val, g * group, (g + 1) * group, c.d, scale, b.m, b.l, b.ref);
       }
     }
-    for (size_t i = 0; i < qrow; i++) ref[i] /= l[i / (size_t)c.d];
+    for (size_t i = 0; i < qrow; i++) b.ref[i] /= b.l[i / (size_t)c.d];
     /* Every kernel's bound, the tensor-core kernels' included: before their codes were centred
      * (MmaCodes) they missed it at this length (H200: Q4 2.2e-4, Q8 K / Q4 V 9.0e-4). */
     const double bound = 1e-5;
-    const double err = t_rel_l2(got, ref, qrow);
+    const double err = t_rel_l2(b.got, b.ref, qrow);
     T_CHECKF(err <= bound, "%s: relative L2 error %.3g (bound %g)",
              step ? "window part-filled from mid-ring" : "window a full ring", err, bound);
   }
 done:
-  free(hk), free(hv), free(q), free(got), free(ref), free(m), free(l);
-  m40llm_free(ctx, dk);
-  m40llm_free(ctx, dv);
-  m40llm_free(ctx, dq);
-  m40llm_free(ctx, dout);
+  seq_buffers_free(ctx, &b);
+  m40llm_kvcache_destroy(cache);
+}
+
+/* A peaked row: position 0's key meets q with a logit of 10-13 (natural units) and every later
+ * key is 0, so each later position has the same weight, 2^-14.6 to 2^-18.9 of position 0's; V
+ * is near 2^-12 (a quantized V's scales near 2^-18.4). The tensor-core kernel's weights, times
+ * V's scale, go to the MMAs as FP16 hi + lo terms, which were subnormal under 2^-14 before they
+ * were scaled (kMmaPShiftF16): this row then missed the bound (H200: Q8 1.5e-5 with V near 1).
+ * Attention within 1e-5 of float64 over the stored values, one call. */
+static void peaked_row(m40llm_context *ctx, quant_case c, int len) {
+  m40llm_kvcache_options o = M40LLM_KVCACHE_OPTIONS_INIT;
+  o.rotation = c.rotation;
+  o.n_sinks = c.sinks, o.window = c.window;
+  o.n_layers = 1, o.n_heads = c.n_heads, o.n_kv_heads = c.n_kv, o.head_dim = c.d;
+  o.max_seqs = 1, o.max_seq_len = len;
+  o.format = c.kf, o.v_format = c.vf;
+  const int vf = c.vf == M40LLM_KV_SAME ? c.kf : c.vf;
+  t_set_case("peaked row, K %d / V %d, %d/%d heads, head_dim %d, rotation %d, sinks %d, window "
+             "%d: %d positions", c.kf, vf, c.n_heads, c.n_kv, c.d, c.rotation, c.sinks, c.window,
+             len);
+  m40llm_kvcache *cache = NULL;
+  if (t_pair_refused(ctx, &o) || !T_OK(m40llm_kvcache_create(&cache, ctx, &o))) return;
+  const tensor_rule rules[2] = {
+      {c.kf, c.kf != M40LLM_KV_F16 && c.rotation != M40LLM_ROTATE_NONE},
+      {vf, vf != M40LLM_KV_F16 &&
+               (c.rotation == M40LLM_ROTATE_AUTO || c.rotation == M40LLM_ROTATE_KV)}};
+  const size_t row = (size_t)c.n_kv * (size_t)c.d, qrow = (size_t)c.n_heads * (size_t)c.d;
+  const int group = c.n_heads / c.n_kv;
+  float qb[256];
+  seq_buffers b;
+  if (!seq_buffers_alloc(ctx, &b, (size_t)len, c)) goto done;
+  const double scale = 1.0 / sqrt((double)c.d);
+  double qq = 0.0;
+  t_fill_uniform(qb, (size_t)c.d, -1.0f, 1.0f);
+  for (int i = 0; i < c.d; i++) qq += (double)qb[i] * qb[i];
+  const float gamma = (float)(10.09 / (scale * qq)); /* head 0's logit of position 0 */
+  for (int h = 0; h < c.n_heads; h++)
+    for (int i = 0; i < c.d; i++) b.q[h * c.d + i] = (1.0f + 0.1f * (float)(h % 4)) * qb[i];
+  for (int g = 0; g < c.n_kv; g++)
+    for (int i = 0; i < c.d; i++) b.hk[g * c.d + i] = gamma * qb[i];
+  for (size_t i = 0; i < (size_t)len * row; i++) b.hv[i] = t_rand_float(0.5f, 1.5f) * 0x1p-12f;
+  if (!T_OK(m40llm_memcpy_to_device(ctx, b.dk, b.hk, (size_t)len * row * sizeof(float))) ||
+      !T_OK(m40llm_memcpy_to_device(ctx, b.dv, b.hv, (size_t)len * row * sizeof(float))) ||
+      !T_OK(m40llm_memcpy_to_device(ctx, b.dq, b.q, qrow * sizeof(float))) ||
+      !T_OK(m40llm_kvcache_append_f32(cache, 0, 0, b.dk, b.dv, len)) ||
+      !T_OK(m40llm_memset(ctx, b.dout, 0xFF, qrow * sizeof(float))) ||
+      !T_OK(m40llm_kvcache_attn_last_token_f32q(b.dout, cache, 0, 0, b.dq, 0.0f)) ||
+      !t_dev_download(ctx, b.got, b.dout, qrow * sizeof(float)))
+    goto done;
+  for (int h = 0; h < c.n_heads; h++) b.m[h] = -INFINITY, b.l[h] = 0.0;
+  for (size_t i = 0; i < qrow; i++) b.ref[i] = 0.0;
+  /* in the tensors' frames: q rotated as K is, the output rotated back as V is */
+  if (rules[0].rotated)
+    for (int h = 0; h < c.n_heads; h++) {
+      double qd[256];
+      for (int i = 0; i < c.d; i++) qd[i] = b.q[h * c.d + i];
+      t_rotate_f64(qd, c.d);
+      for (int i = 0; i < c.d; i++) b.q[h * c.d + i] = (float)qd[i];
+    }
+  for (int p = 0; p < len; p++) {
+    const int kept = p < c.sinks || p >= len - c.window;
+    for (int g = 0; g < c.n_kv; g++) {
+      double val[2][256];
+      uint16_t bits[256];
+      for (int t = 0; t < 2; t++)
+        stored_row(rules[t], kept, (t ? b.hv : b.hk) + p * row + g * c.d, c.d, val[t], bits);
+      reference_step(b.q, val, g * group, (g + 1) * group, c.d, scale, b.m, b.l, b.ref);
+    }
+  }
+  for (size_t i = 0; i < qrow; i++) b.ref[i] /= b.l[i / (size_t)c.d];
+  if (rules[1].rotated)
+    for (int h = 0; h < c.n_heads; h++) t_rotate_f64(b.ref + (size_t)h * c.d, c.d);
+  const double err = t_rel_l2(b.got, b.ref, qrow);
+  T_CHECKF(err <= 1e-5, "relative L2 error %.3g (bound 1e-5)", err);
+done:
+  seq_buffers_free(ctx, &b);
   m40llm_kvcache_destroy(cache);
 }
 
@@ -773,5 +873,14 @@ void t_cases_quantized(m40llm_context *ctx, int small) {
                                           {M40LLM_KV_Q8, M40LLM_KV_SAME, 4, 4, 128, 0, 4, 128}};
   for (size_t i = 0; i < sizeof long_cases / sizeof long_cases[0]; i++)
     long_kept_splits(ctx, long_cases[i]);
+  static const quant_case peaked[] = {{M40LLM_KV_F16, M40LLM_KV_SAME, 8, 2, 128, NONE, 0, 0},
+                                      {M40LLM_KV_F16, M40LLM_KV_SAME, 12, 4, 64, NONE, 0, 0},
+                                      {M40LLM_KV_Q8, M40LLM_KV_SAME, 8, 2, 128, NONE, 0, 0},
+                                      {M40LLM_KV_Q8, M40LLM_KV_Q4, 8, 2, 128, AUTO, 4, 128},
+                                      {M40LLM_KV_Q4, M40LLM_KV_SAME, 4, 1, 64, KV, 0, 0},
+                                      {M40LLM_KV_Q4, M40LLM_KV_Q2, 16, 2, 256, NONE, 4, 32},
+                                      {M40LLM_KV_Q4, M40LLM_KV_Q3, 6, 3, 96, AUTO, 0, 0}};
+  for (size_t i = 0; i < sizeof peaked / sizeof peaked[0]; i++)
+    peaked_row(ctx, peaked[i], small ? 4099 : 12289);
   t_set_case("");
 }
