@@ -270,8 +270,10 @@ __global__ void __launch_bounds__(kPrefillThreads, kCausalMmaBlocksPerSm)
       lc[h] *= alpha[h];
       // Weights of 2^14 at the max: unscaled, those under 2^-14 were FP16 subnormals in hi + lo
       // and lost their low bits (1e-5 relative error over 10^5 small weights). The scale leaves
-      // through 1 / l or the partials' write; m - 14 rounds no worse than s - m already does.
-      const float ref = SoftmaxState::reference(st[h].m) - 14.0f;
+      // through 1 / l or the partials' write; m - 14 rounds no worse than s - m already does,
+      // and upward, so that no weight passes 2^14 (from |m| >= 2^25 it would round to 2^16,
+      // FP16's infinity) and a row's scale depends on m alone.
+      const float ref = __fsub_ru(SoftmaxState::reference(st[h].m), 14.0f);
       float sum = 0.0f;
 #pragma unroll
       for (int j = 0; j < BN / 8; j++)
