@@ -4,8 +4,8 @@
 #
 #   bench/formats.sh BENCH_BINARY OUTDIR [bench_attention args, default: the shapes below]
 #
-# Run it with the native build (sm_90: F16 takes the tensor-core kernel, quantized formats the
-# FP32 one) and with the carried compute_52-PTX build (every format on the M40's FP32 kernel).
+# Run it with the native build (sm_80+: every format on the tensor-core kernel) and with the
+# carried compute_52-PTX build (every format on the M40's FP32 kernel).
 set -uo pipefail
 if [ $# -lt 2 ]; then echo "usage: $0 BENCH_BINARY OUTDIR [bench args]" >&2; exit 2; fi
 BIN=$1; OUT=$2; shift 2
