@@ -583,6 +583,17 @@ static float long_value(uint32_t tensor, int gen, int pos, int i) {
   return i % 17 == 3 ? 8.0f * x : x;
 }
 
+/* Options for a one-layer cache of one sequence of up to len positions, case c's shape. */
+static m40llm_kvcache_options one_seq_options(quant_case c, int rotation, int len) {
+  m40llm_kvcache_options o = M40LLM_KVCACHE_OPTIONS_INIT;
+  o.rotation = rotation;
+  o.n_sinks = c.sinks, o.window = c.window;
+  o.n_layers = 1, o.n_heads = c.n_heads, o.n_kv_heads = c.n_kv, o.head_dim = c.d;
+  o.max_seqs = 1, o.max_seq_len = len;
+  o.format = c.kf, o.v_format = c.vf;
+  return o;
+}
+
 /* A one-sequence check's buffers: K and V rows of `rows` positions (host, zeroed, and device),
  * q and the output (host and device), and the float64 reference's output, maxima and sums. */
 typedef struct {
@@ -641,12 +652,7 @@ static void long_kept_splits(m40llm_context *ctx, quant_case c) {
   int len0 = 6400 * sms / c.n_kv;
   if (c.window >= 32) len0 += c.window - 20 - (len0 - c.sinks - c.window) % c.window;
   const int cut = len0 - 100, more = 40;
-  m40llm_kvcache_options o = M40LLM_KVCACHE_OPTIONS_INIT;
-  o.rotation = M40LLM_ROTATE_NONE;
-  o.n_sinks = c.sinks, o.window = c.window;
-  o.n_layers = 1, o.n_heads = c.n_heads, o.n_kv_heads = c.n_kv, o.head_dim = c.d;
-  o.max_seqs = 1, o.max_seq_len = len0;
-  o.format = c.kf, o.v_format = c.vf;
+  const m40llm_kvcache_options o = one_seq_options(c, M40LLM_ROTATE_NONE, len0);
   const int vf = c.vf == M40LLM_KV_SAME ? c.kf : c.vf;
   t_set_case("long splits, K %d / V %d, %d/%d heads, head_dim %d, sinks %d, window %d: %d "
              "positions", c.kf, vf, c.n_heads, c.n_kv, c.d, c.sinks, c.window, len0);
@@ -724,12 +730,7 @@ done:
  * were scaled (kMmaPShiftF16): this row then missed the bound (H200: Q8 1.5e-5 with V near 1).
  * Attention within 1e-5 of float64 over the stored values, one call. */
 static void peaked_row(m40llm_context *ctx, quant_case c, int len) {
-  m40llm_kvcache_options o = M40LLM_KVCACHE_OPTIONS_INIT;
-  o.rotation = c.rotation;
-  o.n_sinks = c.sinks, o.window = c.window;
-  o.n_layers = 1, o.n_heads = c.n_heads, o.n_kv_heads = c.n_kv, o.head_dim = c.d;
-  o.max_seqs = 1, o.max_seq_len = len;
-  o.format = c.kf, o.v_format = c.vf;
+  const m40llm_kvcache_options o = one_seq_options(c, c.rotation, len);
   const int vf = c.vf == M40LLM_KV_SAME ? c.kf : c.vf;
   t_set_case("peaked row, K %d / V %d, %d/%d heads, head_dim %d, rotation %d, sinks %d, window "
              "%d: %d positions", c.kf, vf, c.n_heads, c.n_kv, c.d, c.rotation, c.sinks, c.window,
