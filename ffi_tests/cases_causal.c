@@ -185,21 +185,15 @@ static void run_case_as(m40llm_context *ctx, m40llm_context *cpu, causal_shape s
       for (int h = 0; h < s.n_heads; h++)
         t.q[(size_t)r * t.q_row + (size_t)h * s.d + d0] = t_rand_float(0.25f, 1.0f);
   } else if (kind == PEAKED) {
-    float qb[256];
-    double qq = 0.0;
-    t_fill_uniform(qb, (size_t)s.d, -1.0f, 1.0f);
-    for (int i = 0; i < s.d; i++) qq += (double)qb[i] * qb[i];
-    const float gamma = (float)(10.09 * sqrt((double)s.d) / qq);
-    for (int r = 0; r < t.rows; r++)
-      for (int h = 0; h < s.n_heads; h++)
-        for (int i = 0; i < s.d; i++)
-          t.q[(size_t)r * t.q_row + (size_t)h * s.d + i] = (1.0f + 0.1f * (float)(h % 4)) * qb[i];
+    float k0[256];
+    t_peaked_qk(t.q, s.n_heads, s.d, k0);
+    for (int r = 1; r < t.rows; r++) memcpy(t.q + (size_t)r * t.q_row, t.q, t.q_row * sizeof(float));
     for (int i = 0; i < n; i++)
       for (int p = 0; p < max_len; p++)
         for (int g = 0; g < s.n_kv; g++)
           for (int e = 0; e < s.d; e++) {
             const size_t at = ((size_t)i * (size_t)max_len + (size_t)p) * t.kv_row + (size_t)g * s.d + e;
-            t.k[at] = p == 0 ? gamma * qb[e] : 0.0f;
+            t.k[at] = p == 0 ? k0[e] : 0.0f;
             t.v[at] = t_rand_float(0.5f, 1.5f) * 0x1p-12f;
           }
   }

@@ -743,18 +743,12 @@ static void peaked_row(m40llm_context *ctx, quant_case c, int len) {
                (c.rotation == M40LLM_ROTATE_AUTO || c.rotation == M40LLM_ROTATE_KV)}};
   const size_t row = (size_t)c.n_kv * (size_t)c.d, qrow = (size_t)c.n_heads * (size_t)c.d;
   const int group = c.n_heads / c.n_kv;
-  float qb[256];
+  float k0[256];
   seq_buffers b;
   if (!seq_buffers_alloc(ctx, &b, (size_t)len, c)) goto done;
   const double scale = 1.0 / sqrt((double)c.d);
-  double qq = 0.0;
-  t_fill_uniform(qb, (size_t)c.d, -1.0f, 1.0f);
-  for (int i = 0; i < c.d; i++) qq += (double)qb[i] * qb[i];
-  const float gamma = (float)(10.09 / (scale * qq)); /* head 0's logit of position 0 */
-  for (int h = 0; h < c.n_heads; h++)
-    for (int i = 0; i < c.d; i++) b.q[h * c.d + i] = (1.0f + 0.1f * (float)(h % 4)) * qb[i];
-  for (int g = 0; g < c.n_kv; g++)
-    for (int i = 0; i < c.d; i++) b.hk[g * c.d + i] = gamma * qb[i];
+  t_peaked_qk(b.q, c.n_heads, c.d, k0);
+  for (int g = 0; g < c.n_kv; g++) memcpy(b.hk + g * c.d, k0, (size_t)c.d * sizeof(float));
   for (size_t i = 0; i < (size_t)len * row; i++) b.hv[i] = t_rand_float(0.5f, 1.5f) * 0x1p-12f;
   if (!T_OK(m40llm_memcpy_to_device(ctx, b.dk, b.hk, (size_t)len * row * sizeof(float))) ||
       !T_OK(m40llm_memcpy_to_device(ctx, b.dv, b.hv, (size_t)len * row * sizeof(float))) ||

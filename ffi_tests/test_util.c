@@ -174,6 +174,16 @@ void t_fill_uniform(float *x, size_t n, float lo, float hi) {
   for (size_t i = 0; i < n; i++) x[i] = t_rand_float(lo, hi);
 }
 
+void t_peaked_qk(float *q, int n_heads, int d, float *k0) {
+  double qq = 0.0;
+  t_fill_uniform(k0, (size_t)d, -1.0f, 1.0f);
+  for (int i = 0; i < d; i++) qq += (double)k0[i] * k0[i];
+  for (int h = 0; h < n_heads; h++)
+    for (int i = 0; i < d; i++) q[h * d + i] = (1.0f + 0.1f * (float)(h % 4)) * k0[i];
+  const float gamma = (float)(10.09 * sqrt((double)d) / qq); /* head 0's logit: 10.09 */
+  for (int i = 0; i < d; i++) k0[i] *= gamma;
+}
+
 /* ---- FP16 ------------------------------------------------------------------------------------ */
 
 uint32_t t_f32_bits(float f) {

@@ -55,6 +55,10 @@ double t_rand_unit(void);               /* [0, 1) */
 float t_rand_float(float lo, float hi); /* [lo, hi) */
 int t_rand_int(int lo, int hi);         /* [lo, hi] */
 void t_fill_uniform(float *x, size_t n, float lo, float hi);
+/* A peaked row (cases_quant.c, cases_causal.c): q for n_heads heads of d dims, head h (1 + 0.1
+ * (h % 4)) x one random direction, and the key k0 (d dims) that meets them with logits of 10.09
+ * to 13.1 at the default scale 1/sqrt(d). */
+void t_peaked_qk(float *q, int n_heads, int d, float *k0);
 
 /* ---- FP16 (own implementation, round to nearest even) ---------------------------------------- */
 
