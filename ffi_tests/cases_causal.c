@@ -145,8 +145,9 @@ static void check_against_decode(const causal_case *t, const float *out, int i, 
  *   each later position has the same weight, 2^-14.6 to 2^-18.9 of position 0's; V is near
  *   2^-12 (a quantized V's scales near 2^-18.4). The tensor-core kernels' weights (times V's
  *   scale) go to the MMAs as FP16 hi + lo terms, subnormal under 2^-14 until they were scaled
- *   (kMmaPShiftF16, causal_mma_kernel's 2^14). */
-enum { PLAIN, MASKED, PEAKED };
+ *   (kMmaPShiftF16, causal_mma_kernel's 2^14);
+ * - HUGE: PEAKED with logits near 2^27 (t_huge_qk), F16 only: each row is position 0's V. */
+enum { PLAIN, MASKED, PEAKED, HUGE };
 static void run_case_as(m40llm_context *ctx, m40llm_context *cpu, causal_shape s, const int *P,
                         const int *T, int n, int window, int kind) {
   const int quantized = s.kf != M40LLM_KV_F16 || s.vf != M40LLM_KV_F16;
@@ -184,9 +185,9 @@ static void run_case_as(m40llm_context *ctx, m40llm_context *cpu, causal_shape s
     for (int r = 0; r < t.rows; r++)
       for (int h = 0; h < s.n_heads; h++)
         t.q[(size_t)r * t.q_row + (size_t)h * s.d + d0] = t_rand_float(0.25f, 1.0f);
-  } else if (kind == PEAKED) {
+  } else if (kind == PEAKED || kind == HUGE) {
     float k0[256];
-    t_peaked_qk(t.q, s.n_heads, s.d, k0);
+    (kind == HUGE ? t_huge_qk : t_peaked_qk)(t.q, s.n_heads, s.d, k0);
     for (int r = 1; r < t.rows; r++) memcpy(t.q + (size_t)r * t.q_row, t.q, t.q_row * sizeof(float));
     for (int i = 0; i < n; i++)
       for (int p = 0; p < max_len; p++)
@@ -461,6 +462,7 @@ void t_cases_causal(m40llm_context *ctx, m40llm_context *cpu, int small) {
   run_case_as(ctx, cpu, f16[1], P13, T13, 2, 0, PEAKED);
   run_case_as(ctx, cpu, quant[1], P13, T13, 2, 0, PEAKED);
   run_case_as(ctx, cpu, quant[2], P13, T13, 2, 0, PEAKED);
+  for (int i = 0; i < 4; i++) run_case_as(ctx, cpu, f16[i], P13, T12, 2, 0, HUGE);
   if (!small) {
     /* A long prompt; speculative shapes on long prefixes (the split path); a wide batch. */
     const int P4[] = {0, 1500}, T4[] = {4096, 4096};

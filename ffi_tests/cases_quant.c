@@ -728,13 +728,14 @@ done:
  * is near 2^-12 (a quantized V's scales near 2^-18.4). The tensor-core kernel's weights, times
  * V's scale, go to the MMAs as FP16 hi + lo terms, which were subnormal under 2^-14 before they
  * were scaled (kMmaPShiftF16): this row then missed the bound (H200: Q8 1.5e-5 with V near 1).
- * Attention within 1e-5 of float64 over the stored values, one call. */
-static void peaked_row(m40llm_context *ctx, quant_case c, int len) {
+ * With huge (t_huge_qk) the logit is near 2^27 and the row is position 0's V. Attention within
+ * 1e-5 of float64 over the stored values, one call. */
+static void peaked_row(m40llm_context *ctx, quant_case c, int len, int huge) {
   const m40llm_kvcache_options o = one_seq_options(c, c.rotation, len);
   const int vf = c.vf == M40LLM_KV_SAME ? c.kf : c.vf;
-  t_set_case("peaked row, K %d / V %d, %d/%d heads, head_dim %d, rotation %d, sinks %d, window "
-             "%d: %d positions", c.kf, vf, c.n_heads, c.n_kv, c.d, c.rotation, c.sinks, c.window,
-             len);
+  t_set_case("%s row, K %d / V %d, %d/%d heads, head_dim %d, rotation %d, sinks %d, window "
+             "%d: %d positions", huge ? "huge-logit" : "peaked", c.kf, vf, c.n_heads, c.n_kv, c.d,
+             c.rotation, c.sinks, c.window, len);
   m40llm_kvcache *cache = NULL;
   if (t_pair_refused(ctx, &o) || !T_OK(m40llm_kvcache_create(&cache, ctx, &o))) return;
   const tensor_rule rules[2] = {
@@ -747,7 +748,7 @@ static void peaked_row(m40llm_context *ctx, quant_case c, int len) {
   seq_buffers b;
   if (!seq_buffers_alloc(ctx, &b, (size_t)len, c)) goto done;
   const double scale = 1.0 / sqrt((double)c.d);
-  t_peaked_qk(b.q, c.n_heads, c.d, k0);
+  (huge ? t_huge_qk : t_peaked_qk)(b.q, c.n_heads, c.d, k0);
   for (int g = 0; g < c.n_kv; g++) memcpy(b.hk + g * c.d, k0, (size_t)c.d * sizeof(float));
   for (size_t i = 0; i < (size_t)len * row; i++) b.hv[i] = t_rand_float(0.5f, 1.5f) * 0x1p-12f;
   if (!T_OK(m40llm_memcpy_to_device(ctx, b.dk, b.hk, (size_t)len * row * sizeof(float))) ||
@@ -876,6 +877,9 @@ void t_cases_quantized(m40llm_context *ctx, int small) {
                                       {M40LLM_KV_Q4, M40LLM_KV_Q2, 16, 2, 256, NONE, 4, 32},
                                       {M40LLM_KV_Q4, M40LLM_KV_Q3, 6, 3, 96, AUTO, 0, 0}};
   for (size_t i = 0; i < sizeof peaked / sizeof peaked[0]; i++)
-    peaked_row(ctx, peaked[i], small ? 4099 : 12289);
+    peaked_row(ctx, peaked[i], small ? 4099 : 12289, 0);
+  /* Logits near 2^27: position 0's weight alone (a rotated K would leave FP16's range) */
+  for (size_t i = 0; i < sizeof peaked / sizeof peaked[0]; i++)
+    if (peaked[i].kf == F16 || peaked[i].rotation == NONE) peaked_row(ctx, peaked[i], 1000, 1);
   t_set_case("");
 }

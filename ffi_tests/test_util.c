@@ -184,6 +184,15 @@ void t_peaked_qk(float *q, int n_heads, int d, float *k0) {
   for (int i = 0; i < d; i++) k0[i] *= gamma;
 }
 
+void t_huge_qk(float *q, int n_heads, int d, float *k0) {
+  t_peaked_qk(q, n_heads, d, k0);
+  float kmax = 0.0f, qmax = 0.0f;
+  for (int i = 0; i < d; i++) kmax = fmaxf(kmax, fabsf(k0[i]));
+  for (int i = 0; i < n_heads * d; i++) qmax = fmaxf(qmax, fabsf(q[i]));
+  for (int i = 0; i < d; i++) k0[i] *= 6e4f / kmax;
+  for (int i = 0; i < n_heads * d; i++) q[i] *= 1e3f / qmax;
+}
+
 /* ---- FP16 ------------------------------------------------------------------------------------ */
 
 uint32_t t_f32_bits(float f) {

@@ -59,6 +59,10 @@ void t_fill_uniform(float *x, size_t n, float lo, float hi);
  * (h % 4)) x one random direction, and the key k0 (d dims) that meets them with logits of 10.09
  * to 13.1 at the default scale 1/sqrt(d). */
 void t_peaked_qk(float *q, int n_heads, int d, float *k0);
+/* The same directions with k0 at most 6e4 (FP16's range) and q at most 1e3: logits near 2^27
+ * (2^27.5 in log2 units), where rounding the kernels' reference point m to nearest lost the
+ * margin that keeps the weights' FP16 terms finite. */
+void t_huge_qk(float *q, int n_heads, int d, float *k0);
 
 /* ---- FP16 (own implementation, round to nearest even) ---------------------------------------- */
 
