@@ -295,38 +295,37 @@ __global__ void __launch_bounds__(kPrefillThreads, kCausalMmaBlocksPerSm)
       split_pair(s[2 * kk + 1][0], s[2 * kk + 1][1], ph[kk].z, pl[kk].z);
       split_pair(s[2 * kk + 1][2], s[2 * kk + 1][3], ph[kk].w, pl[kk].w);
     }
-    const auto add_products = [&](float(&acc)[NO][4]) {
+    // V's 16 positions of k step kk against n-tiles 2 dp and 2 dp + 1 of the output, into a0, a1.
+    const auto add_pair = [&](float(&a0)[4], float(&a1)[4], int kk, int dp) {
+      uint32_t vb[4];
+      ldmatrix_x4_trans(vb, sv + 16 * kk * LDH + 16 * dp + v_off);
+      mma16816(a0, ph[kk], vb[0], vb[1]);
+      mma16816(a1, ph[kk], vb[2], vb[3]);
+      mma16816(a0, pl[kk], vb[0], vb[1]);
+      mma16816(a1, pl[kk], vb[2], vb[3]);
+    };
+    // A tile's products summed apart, CT n-tiles of the output at a time, then added to o
+    // (rescaled by alpha) in FP32: the MMA's adder keeps about 24 bits of its largest term and
+    // truncates the rest, so products summed into o itself lose their low bits wherever o is far
+    // larger (a peaked row, one weight of 1 and thousands of 2^-15: 3.6-5.5e-5 of the output
+    // over 3000 positions).
+    constexpr int CT = kCausalMmaSumTiles<DMAX>;
+    static_assert(NO % CT == 0 && CT % 2 == 0, "whole pairs of n-tiles a chunk");
+#pragma unroll
+    for (int c = 0; c < NO / CT; c++) {
+      float acc[CT][4];
+#pragma unroll
+      for (int j = 0; j < CT; j++) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
 #pragma unroll
       for (int kk = 0; kk < BN / 16; kk++)
 #pragma unroll
-        for (int dp = 0; dp < NO / 2; dp++) {
-          uint32_t vb[4];
-          ldmatrix_x4_trans(vb, sv + 16 * kk * LDH + 16 * dp + v_off);
-          mma16816(acc[2 * dp], ph[kk], vb[0], vb[1]);
-          mma16816(acc[2 * dp], pl[kk], vb[0], vb[1]);
-          mma16816(acc[2 * dp + 1], ph[kk], vb[2], vb[3]);
-          mma16816(acc[2 * dp + 1], pl[kk], vb[2], vb[3]);
-        }
-    };
-    if constexpr (kCausalMmaTileSums<DMAX>) {
-      // A tile's products summed apart, then added to o (rescaled by alpha) in FP32: the MMA's
-      // adder keeps about 24 bits of its largest term and truncates the rest, so products
-      // summed into o itself lost their low bits wherever o was far larger (a peaked row, one
-      // weight of 1 and thousands of 2^-15: 4.5e-5 of the output over 3000 positions).
-      float acc[NO][4];
+        for (int dp = 0; dp < CT / 2; dp++)
+          add_pair(acc[2 * dp], acc[2 * dp + 1], kk, c * CT / 2 + dp);
 #pragma unroll
-      for (int j = 0; j < NO; j++) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
-      add_products(acc);
+      for (int j = 0; j < CT; j++)
 #pragma unroll
-      for (int j = 0; j < NO; j++)
-#pragma unroll
-        for (int x = 0; x < 4; x++) o[j][x] = fmaf(o[j][x], alpha[x >> 1], acc[j][x]);
-    } else {  // into o: no registers for the sums (head_dim 256)
-#pragma unroll
-      for (int j = 0; j < NO; j++)
-#pragma unroll
-        for (int x = 0; x < 4; x++) o[j][x] *= alpha[x >> 1];
-      add_products(o);
+        for (int x = 0; x < 4; x++)
+          o[c * CT + j][x] = fmaf(o[c * CT + j][x], alpha[x >> 1], acc[j][x]);
     }
     __syncthreads();  // every warp is done with this stage before the next tile's copies reuse it
   }

@@ -228,11 +228,15 @@ constexpr double kCausalMmaMaxUnseen = 0.75;
 constexpr int kCausalMmaTile = 64;
 constexpr int kCausalMmaBlocksPerSm = 2;
 constexpr int kCausalPrefillMinRows = 128;
-// Whether the prefill kernel sums each tile's products in registers of their own before adding
-// them to its output (exact to FP32 on peaked rows, where the MMA's own accumulation truncates):
-// at head_dim 64 and 128 (no spills at 64, 48 bytes at 128); at 256 they spill 336 bytes.
+// The prefill kernel sums each tile's products in registers of their own before adding them to
+// its output in FP32 (exact to FP32 on peaked rows, where the MMA's own accumulation truncates:
+// 3.6e-5 at head_dim 256 summed in place), this many n-tiles (8 dims each) of the output at a
+// time. Up to 128, a tile's whole output (no spills at 64, 48-64 bytes at 128: 1.07x the time in
+// place); at 256 half of it (the whole spilled 336 bytes, a half 96: 1.05-1.09x the time in
+// place, geomean 1.076; a quarter the same, an eighth 1.086; at 128 quarters ran 1.010x the
+// whole, H200).
 template <int DMAX>
-constexpr bool kCausalMmaTileSums = DMAX <= 128;
+constexpr int kCausalMmaSumTiles = DMAX <= 128 ? DMAX / 8 : 16;
 // Shorter items take it too where their rows fill a block's 64 query vectors (rows x the group
 // tile: 16 rows at group 4) and their prefix is at least this long: speculative T 16 on P 32768
 // 0.61-0.72x the decode tiles' time, on P 4096 1.10-1.55x (H200, head_dim 64-256; T 2 and 4,

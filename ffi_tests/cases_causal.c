@@ -458,7 +458,7 @@ void t_cases_causal(m40llm_context *ctx, m40llm_context *cpu, int small) {
    * long prefixes (the decode tiles; quantized: their V codes' path). */
   const int P12[] = {3000, 700}, T12[] = {128, 200}, P13[] = {small ? 2000 : 6000, 900},
             T13[] = {6, 16};
-  for (int i = 0; i < 3; i++) run_case_as(ctx, cpu, f16[i], P12, T12, 2, 0, PEAKED);
+  for (int i = 0; i < 4; i++) run_case_as(ctx, cpu, f16[i], P12, T12, 2, 0, PEAKED);
   run_case_as(ctx, cpu, f16[1], P13, T13, 2, 0, PEAKED);
   run_case_as(ctx, cpu, quant[1], P13, T13, 2, 0, PEAKED);
   run_case_as(ctx, cpu, quant[2], P13, T13, 2, 0, PEAKED);

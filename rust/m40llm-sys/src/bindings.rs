@@ -508,9 +508,7 @@ extern "C" {
   significant bits; scaled by powers of two so that neither is an FP16 subnormal), with the
   products exact and the sums in FP32 (an MMA's sum keeps about 24 bits of its largest term).
   Both paths agree with the reference to about 1e-6 (relative L2), and within 1e-5 on peaked
-  rows (a few heavy weights, thousands of light ones), except m40llm_kvcache_attn_causal_f32q's
-  prompts at head_dim over 128 on tensor cores, whose MMAs sum a whole split (the same kernel
-  summing so at head_dim 64-128 was 4-5e-5 off over 3000 positions). The CPU
+  rows (a few heavy weights, thousands of light ones) and on logits up to about 2^27. The CPU
   backend (the reference) accumulates in float64 and rounds the result to FP32.*/
     pub fn m40llm_kvcache_attn_last_token_f32q(
         out: *mut f32,
