@@ -22,8 +22,9 @@ extern long t_skipped;
 /* Names what is being tested; printed with every failure until the next call. */
 void t_set_case(const char *fmt, ...);
 
-/* Counts a pass or a failure; on failure prints file:line, the message, the current case and
- * m40llm_last_error_message(). Returns ok, so callers can bail out: if (!T_OK(...)) return; */
+/* Counts a pass or a failure; on failure prints file:line, the message and the current case
+ * (t_check_status also m40llm_last_error_message()). Returns ok, so callers can bail out:
+ * if (!T_OK(...)) return; */
 int t_check(int ok, const char *file, int line, const char *fmt, ...);
 int t_check_status(int got, int want, const char *file, int line, const char *expr);
 int t_check_errmsg(const char *want_substring, const char *file, int line);
