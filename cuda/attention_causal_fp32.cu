@@ -395,6 +395,8 @@ __global__ void __launch_bounds__(WarpShape<DMAX>::NT, kCausalWarpSmThreads / Wa
   static_assert(BN == 32 && VW % GT == 0 && S::NT % 32 == 0, "a lane a position, whole rows a warp");
   using KF = typename P::K;
   using VF = typename P::V;
+  constexpr int SD = kCausalWarpScoreDims<DMAX>, SN = kCausalWarpOutputRows<DMAX>;
+  static_assert(DMAX % SD == 0 && SD % 4 == 0 && BN % SN == 0 && SN % 4 == 0, "whole steps");
 
   extern __shared__ float smem[];
   float *sq = smem;           // [BM][LD]: vector qi = r * GT + g (row r, head g)
@@ -410,6 +412,11 @@ __global__ void __launch_bounds__(WarpShape<DMAX>::NT, kCausalWarpSmThreads / Wa
 
   wait_for_prerequisite_grid();
   stage_q<S, GT, DMAX>(sq, a, b);
+  // Score steps of more than 4 dims read up to SD - 4 dims past head_dim: the tiles' are zeros,
+  // written once here and never by load_tile (q's are: stage_q).
+  if constexpr (SD > 4)
+    for (int i = threadIdx.x; i < BN * (DMAX - D); i += S::NT)
+      skv[i / (DMAX - D) * LD + D + i % (DMAX - D)] = 0.0f;
 
   const size_t base = kv_base(a, plan, b), slot_base = slot_base_of(a, plan, b);
   const bool col_on = CPL * lane < D;
@@ -436,16 +443,20 @@ __global__ void __launch_bounds__(WarpShape<DMAX>::NT, kCausalWarpSmThreads / Wa
     for (int v = 0; v < VW; v++) s[v] = 0.0f;
     const float *kr = skv + lane * LD;
     const float *qw = sq + v0 * LD;
-#pragma unroll 1  // two steps at once spilled at head_dim 128 in 128 registers (sm_52)
-    for (int d = 0; d < D; d += 4) {
-      const float4 k4 = *reinterpret_cast<const float4 *>(kr + d);
+    // Steps of SD dims, each unrolled whole (dims past head_dim are zeros).
+#pragma unroll 1
+    for (int d0 = 0; d0 < D; d0 += SD) {
 #pragma unroll
-      for (int v = 0; v < VW; v++) {
-        const float4 q4 = *reinterpret_cast<const float4 *>(qw + v * LD + d);
-        s[v] = fmaf(q4.x, k4.x, s[v]);
-        s[v] = fmaf(q4.y, k4.y, s[v]);
-        s[v] = fmaf(q4.z, k4.z, s[v]);
-        s[v] = fmaf(q4.w, k4.w, s[v]);
+      for (int d = d0; d < d0 + SD; d += 4) {
+        const float4 k4 = *reinterpret_cast<const float4 *>(kr + d);
+#pragma unroll
+        for (int v = 0; v < VW; v++) {
+          const float4 q4 = *reinterpret_cast<const float4 *>(qw + v * LD + d);
+          s[v] = fmaf(q4.x, k4.x, s[v]);
+          s[v] = fmaf(q4.y, k4.y, s[v]);
+          s[v] = fmaf(q4.z, k4.z, s[v]);
+          s[v] = fmaf(q4.w, k4.w, s[v]);
+        }
       }
     }
     // Vector v0 + v is row (v0 + v) / GT = v0 / GT + v / GT (v0 a multiple of GT).
@@ -467,24 +478,28 @@ __global__ void __launch_bounds__(WarpShape<DMAX>::NT, kCausalWarpSmThreads / Wa
                            plan, item, t0, n, D);
     __syncthreads();
 
-    // Positions n .. BN - 1 have weight 0 and zero V rows: whole steps of 4.
+    // Positions n .. BN - 1 have weight 0 and zero V rows: whole steps of SN positions, each
+    // unrolled whole.
     if (col_on) {
       const float *vr = skv + CPL * lane;
       const float *pw = sp + v0 * PS;
 #pragma unroll 1
-      for (int j = 0; j < n; j += 4) {
-        float x[4][CPL];
+      for (int j0 = 0; j0 < n; j0 += SN) {
 #pragma unroll
-        for (int i = 0; i < 4; i++) load_cols<CPL>(vr + (j + i) * LD, x[i]);
+        for (int j = j0; j < j0 + SN; j += 4) {
+          float x[4][CPL];
 #pragma unroll
-        for (int v = 0; v < VW; v++) {
-          const float4 w = *reinterpret_cast<const float4 *>(pw + v * PS + j);
+          for (int i = 0; i < 4; i++) load_cols<CPL>(vr + (j + i) * LD, x[i]);
 #pragma unroll
-          for (int c = 0; c < CPL; c++) {
-            o[v][c] = fmaf(w.x, x[0][c], o[v][c]);
-            o[v][c] = fmaf(w.y, x[1][c], o[v][c]);
-            o[v][c] = fmaf(w.z, x[2][c], o[v][c]);
-            o[v][c] = fmaf(w.w, x[3][c], o[v][c]);
+          for (int v = 0; v < VW; v++) {
+            const float4 w = *reinterpret_cast<const float4 *>(pw + v * PS + j);
+#pragma unroll
+            for (int c = 0; c < CPL; c++) {
+              o[v][c] = fmaf(w.x, x[0][c], o[v][c]);
+              o[v][c] = fmaf(w.y, x[1][c], o[v][c]);
+              o[v][c] = fmaf(w.z, x[2][c], o[v][c]);
+              o[v][c] = fmaf(w.w, x[3][c], o[v][c]);
+            }
           }
         }
       }

@@ -96,6 +96,16 @@ constexpr int kCausalWarpVectors = 8;
 // (2 blocks) at 1.11-1.17x; with 126 registers (4 blocks, which registers limit there) at
 // 0.85-0.90x (bench/RESULTS.md, "The M40's causal kernel").
 constexpr int kCausalWarpSmThreads = 512;
+// Its score pass walks a tile's dims in steps of this many, its output pass the positions, each
+// step unrolled whole (dims up to the next step are zeros). At 64 the whole head and tile: the
+// M40 model (sm_52 SASS of a full tile, bench/m40_causal_model.md) 58-59% of the FP32 peak ->
+// 68-69%, 118 registers, no spill; the M40 path on an H200 0.953-0.987x the time at prefill.
+// At 128, 32 dims and 16 positions modeled 73-74% (64-65% in steps of 4) but ran 0.97-1.03x on
+// the H200 (slower on short prompts: T 512 and 1024 on P 0 1.03x), so it keeps steps of 4.
+template <int DMAX>
+constexpr int kCausalWarpScoreDims = DMAX == 64 ? 64 : 4;
+template <int DMAX>
+constexpr int kCausalWarpOutputRows = DMAX == 64 ? 32 : 4;
 // causal_fp32_kernel (head_dim class 256): 256 threads in 64 registers; with 128 threads the
 // output took 32 registers a thread and spilled 76-116 bytes.
 constexpr int kCausalThreads = 256;

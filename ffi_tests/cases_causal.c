@@ -399,6 +399,8 @@ void t_cases_causal(m40llm_context *ctx, m40llm_context *cpu, int small) {
     run_case(ctx, cpu, f16[i], P2, T2, 2, 0);
     t1_equals_decode(ctx, cpu, f16[i]);
   }
+  /* head_dim under its class (48 of 64): the FP32 kernel's score steps read zeros past it. */
+  run_case(ctx, cpu, (causal_shape){F, F, 4, 2, 48}, P1, T1, n1, 0);
   /* Windows: shorter than, equal to and longer than a tile, one position, and longer than any
    * sequence. */
   const int windows[] = {1, 7, 16, 64, 300, 5000};
