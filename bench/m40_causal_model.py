@@ -3,16 +3,16 @@
 
   python3 bench/m40_causal_model.py OBJ_OR_LIB [--base OTHER [--base-name NAME]] [--md OUT.md]
 
-For the F16 instances of causal_warp_kernel (head-dim classes 64, 128) and causal_fp32_kernel
-(256; every class in a library from before causal_warp_kernel, given as --base), it follows one
-full tile of an F16 cache at head_dim = the class (every position visible, no protected rows):
-the tile loop is the backward branch around the tile's four __syncthreads; its inner loops
+For the F16 instances of causal_warp_kernel (head-dim classes 64, 128) and causal_wide_kernel
+(256; causal_fp32_kernel in a library from before it, given as --base), it follows one full
+tile of an F16 cache at head_dim = the class (every position visible, no protected rows): the
+tile loop is the smallest backward branch around four or more __syncthreads; its inner loops
 over the score pass's steps (head_dim) and the output pass's (the tile's positions) are
 counted whole, body x trips, trips from the FFMAs a thread owes; the rest, and the old
 kernel's load loop (x the chunks a thread loads), is walked as one path: a conditional branch
 on a null 64-bit pointer (the protected slots', absent here) taken, every other conditional
-branch not taken. A dual-issued
-pair ('{' in sm_5x SASS) is one issue slot.
+branch not taken. A pass unrolled whole (causal_wide_kernel's, head_dim 64's) has no inner loop
+and counts under "other". A dual-issued pair ('{' in sm_5x SASS) is one issue slot.
 
 Issue-bound model: FFMA slots / all slots is the share of the FP32 peak a full tile reaches
 when the SM's four schedulers issue every cycle (none of the latency, barriers or shared-memory
@@ -32,7 +32,9 @@ import sass_counts as sc  # noqa: E402
 
 VECTOR_DIMS = 4096  # kCausalVectorDims
 WARP_VECTORS = 8    # kCausalWarpVectors
-OLD_THREADS = 256   # kCausalThreads
+WIDE_THREADS = 128  # WideShape::NT
+WIDE_VECTORS = 16   # WideShape::BM
+OLD_THREADS = 256   # the old kernel's (kCausalThreads)
 M40_PEAK_TFLOPS = 24 * 128 * 2 * 1.114e9 / 1e12
 
 
@@ -42,6 +44,9 @@ def shape(kernel, dmax):
     if kernel == "causal_warp_kernel":
         bn, nt = 32, 32 * bm // WARP_VECTORS
         return nt, bm, bn, WARP_VECTORS * dmax, WARP_VECTORS * (dmax // 32) * bn
+    if kernel == "causal_wide_kernel":
+        bm, bn, nt = WIDE_VECTORS, 32, WIDE_THREADS
+        return nt, bm, bn, bm * bn * dmax // nt, bm * bn * dmax // nt
     bn = 32 if dmax == 128 else 16  # causal_tile() of the old kernel
     return OLD_THREADS, bm, bn, bm * bn // OLD_THREADS * dmax, bm * dmax * bn // OLD_THREADS
 
@@ -100,7 +105,7 @@ def scaled(c, f):
 def tile_count(instrs, kernel, dmax):
     loops = mm.backward_loops(instrs)
     bars = lambda l: sum(1 for j in range(l[0], l[1] + 1) if instrs[j].op == "BAR")
-    a, b = min((l for l in loops if bars(l) == 4), key=lambda l: l[1] - l[0])
+    a, b = min((l for l in loops if bars(l) >= 4), key=lambda l: l[1] - l[0])
     nt, bm, bn, score_ffma, out_ffma = shape(kernel, dmax)
     nodes, ffma_loops = {}, 0
     for x, y in sorted((x, y) for x, y in loops if a < x and y < b):
@@ -137,7 +142,7 @@ def visible_share(t, p, rows_per_block, bn):
 def kernels(path, base=False):
     out = {}
     for name, instrs in sc.parse(path).items():
-        m = re.search(r"(causal_warp_kernel|causal_fp32_kernel)<KvPair<KvF16, KvF16>, (\d), (\d+)>", name)
+        m = re.search(r"(causal_warp_kernel|causal_wide_kernel|causal_fp32_kernel)<KvPair<KvF16, KvF16>, (\d), (\d+)>", name)
         if not m:
             continue
         kernel, gt, dmax = m.group(1), int(m.group(2)), int(m.group(3))

@@ -6,7 +6,8 @@
 #
 #   bench/resources.sh [BUILD_DIR] [-- extra m40_resources.py args, e.g. --block 'append=256']
 #
-# causal_warp_kernel's threads depend on its head-dim class (WarpShape<DMAX>::NT): given here.
+# The causal kernels' threads are compile-time expressions of their shapes (WarpShape<DMAX>::NT,
+# WideShape<DMAX>::NT): given here.
 # Writes bench/m40_resources.md and bench/m40_resources.json. Needs a CUDA toolkit that can still
 # target sm_52 (CUDA 11.8 here; nvcc 13 cannot).
 set -euo pipefail
@@ -47,4 +48,5 @@ python3 "$ROOT/bench/m40_resources.py" --log "$LOG" --src "$ROOT/cuda" \
   --md "$ROOT/bench/m40_resources.md" --json "$ROOT/bench/m40_resources.json" \
   --nvcc "$NVCC_VER" \
   --cmd "cmake -S . -B BUILD ${CMAKE_ARGS[*]:4} && cmake --build BUILD -v -- <cuda objects>" \
-  --block 'causal_warp_kernel<.*, 64>$=256' --block 'causal_warp_kernel<.*, 128>$=128' "$@"
+  --block 'causal_warp_kernel<.*, 64>$=256' --block 'causal_warp_kernel<.*, 128>$=128' \
+  --block 'causal_wide_kernel<=128' "$@"

@@ -12,25 +12,32 @@
 // takes kCausalWarpVectors query vectors, the same for every lane, against a tile of 32
 // positions, a lane each for the scores, then the vectors' outputs a few dims a lane. Its q and
 // weight loads from shared memory are broadcasts, so each K or V word a lane loads serves 8
-// vectors' FFMAs, and a vector's softmax is one warp's shuffles in registers. At head_dim class 256, whose q and K/V tile would not fit 48 KB in that layout,
-// causal_fp32_kernel: scores through shared memory, 4 vectors x 4 dims of the output a thread.
+// vectors' FFMAs, and a vector's softmax is one warp's shuffles in registers. At head_dim class
+// 256, whose q and K/V tile would not fit 48 KB in that layout, causal_wide_kernel: the tile in
+// stages of 128 dims, each warp a quarter of a stage's dims for every score and output of the
+// block, a lane 4 x 4 of each (its loads shared by 4 or 8 lanes: one shared-memory wavefront).
 #include <math.h>
 
 #include "attention_causal.cuh"
 
 namespace {
 
-// Shapes, by head-dim class: BM query vectors (4096 / DMAX keeps the output at 16 registers a
-// thread), BN positions a tile, row strides padded by 4 floats (16-byte rows of consecutive
-// positions fall in distinct banks).
+// causal_wide_kernel's: 4 warps, BM = 16 query vectors, BN = 32 positions, the K/V tile in
+// stages of DH dims; in a stage warp w takes dims [DW w, DW w + DW). Rows are padded so that a
+// warp's loads fall in distinct banks: q (4 rows a load) and K/V (8 rows or 8 columns) by 4
+// floats, the partial scores ([warp][vector][position], written 4 vectors x 8 positions a
+// store) by 8, the weights ([position][vector], written 8 positions x 4 vectors) by 4.
 template <int DMAX>
-struct CausalShape {
-  static constexpr int NT = kCausalThreads;
+struct WideShape {
+  static constexpr int WARPS = 4, NT = 32 * WARPS;
   static constexpr int BM = kCausalVectorDims / DMAX;
-  static constexpr int BN = causal_tile(DMAX);
-  static constexpr int LD = DMAX + 4;  // q, K and V rows in shared memory
-  static constexpr int PS = BN + 1;    // score rows
-  static constexpr int smem_floats() { return BM * LD + BN * LD + BM * PS; }
+  static constexpr int BN = kCausalTile;
+  static constexpr int DH = 128, DW = DH / WARPS;
+  static constexpr int LD = DMAX + 4;  // q
+  static constexpr int LH = DH + 4;    // a K/V stage
+  static constexpr int LP = BN + 8;    // partial scores
+  static constexpr int LW = BM + 4;    // weights
+  static constexpr int smem_floats() { return BM * LD + BN * LH + WARPS * BM * LP + BN * LW + BM; }
 };
 
 // causal_warp_kernel's: VW vectors a warp, BN = 32 positions (a lane each in the score pass),
@@ -40,7 +47,7 @@ struct WarpShape {
   static constexpr int VW = kCausalWarpVectors;
   static constexpr int BM = kCausalVectorDims / DMAX;
   static constexpr int NT = 32 * BM / VW;
-  static constexpr int BN = 32;
+  static constexpr int BN = kCausalTile;
   static constexpr int LD = DMAX + 4;
   static constexpr int PS = BN + 4;
   static constexpr int CPL = DMAX / 32;
@@ -70,57 +77,34 @@ __device__ __forceinline__ void kept_chunk(const __half *kept, const CausalPlan 
   KvF16::widen<8>(r, f);
 }
 
-// Decodes positions t0 .. t0 + n - 1 of one K/V head (rows from `base`, FP16 slots from
-// `kept` where the cache has them) into dst [BN][LD] as FP32; rows from n to BN become zeros. A
-// thread takes the chunk of 8 dims c8 of rows RS apart (a compile-time walk: no division);
-// chunks past head_dim are left unwritten (no pass reads them).
-template <typename F, typename S, int DMAX>
+// Decodes dims d0 .. d0 + DC - 1 of positions t0 .. t0 + n - 1 of one K/V head (rows from
+// `base`, FP16 slots from `kept` where the cache has them) into dst [BN][LD] as FP32; rows from n
+// to BN become zeros, and dims from head_dim too where ZERO_PAST (else they are left as they
+// were). A thread takes the chunk of 8 dims c8 of rows RS apart (a compile-time walk: no
+// division).
+template <typename F, int NT, int BN, int DC, int LD, bool ZERO_PAST>
 __device__ __forceinline__ void load_tile(float *dst, const KvPlanes &planes,
                                           typename F::Ptr base, const __half *kept,
-                                          const CausalPlan &plan, int item, int t0, int n, int D) {
-  constexpr int CH = DMAX / 8, RS = S::NT / CH;
-  static_assert(S::NT % CH == 0 && S::BN % RS == 0, "whole chunks a thread");
-  const int row0 = threadIdx.x / CH, c8 = threadIdx.x % CH * 8;
-  if (c8 >= D) return;
-  const typename F::Ptr tile = F::add(base, (size_t)t0 * D + row0 * D + c8);
+                                          const CausalPlan &plan, int item, int t0, int n, int D,
+                                          int d0) {
+  constexpr int CH = DC / 8, RS = NT / CH;
+  static_assert(NT % CH == 0 && BN % RS == 0, "whole chunks a thread");
+  const int row0 = threadIdx.x / CH, c8 = threadIdx.x % CH * 8, dim = d0 + c8;
+  if (!ZERO_PAST && dim >= D) return;
+  const typename F::Ptr tile = F::add(base, (size_t)t0 * D + row0 * D + dim);
 #pragma unroll
-  for (int it = 0; it < S::BN / RS; it++) {
+  for (int it = 0; it < BN / RS; it++) {
     const int row = row0 + it * RS, p = t0 + row;
     float f[8];
-    if (row >= n) {
+    if (row >= n || (ZERO_PAST && dim >= D)) {
 #pragma unroll
       for (int i = 0; i < 8; i++) f[i] = 0.0f;
     } else if (kept && kept_position(plan, item, p)) {
-      kept_chunk(kept, plan, p, D, c8, f);
+      kept_chunk(kept, plan, p, D, dim, f);
     } else {
       widen_chunk<F>(F::template load<8>(planes, F::add(tile, (size_t)(it * RS * D)), 0), f);
     }
-    float4 *d4 = reinterpret_cast<float4 *>(dst + row * S::LD + c8);
-    d4[0] = make_float4(f[0], f[1], f[2], f[3]);
-    d4[1] = make_float4(f[4], f[5], f[6], f[7]);
-  }
-}
-
-// causal_fp32_kernel's tile, the same rows: the head's chunks in turn, a division a chunk (the
-// walk above cost its instances up to 5 registers more on sm_52).
-template <typename F, typename S>
-__device__ __forceinline__ void load_tile_chunks(float *dst, const KvPlanes &planes,
-                                                 typename F::Ptr base, const __half *kept,
-                                                 const CausalPlan &plan, int item, int t0, int n,
-                                                 int D) {
-  const int chunks = D / 8;
-  for (int c = threadIdx.x; c < S::BN * chunks; c += S::NT) {
-    const int row = c / chunks, c8 = (c % chunks) * 8, p = t0 + row;
-    float f[8];
-    if (row >= n) {
-#pragma unroll
-      for (int i = 0; i < 8; i++) f[i] = 0.0f;
-    } else if (kept && kept_position(plan, item, p)) {
-      kept_chunk(kept, plan, p, D, c8, f);
-    } else {
-      widen_chunk<F>(F::template load<8>(planes, F::add(base, (size_t)p * D + c8), 0), f);
-    }
-    float4 *d4 = reinterpret_cast<float4 *>(dst + row * S::LD + c8);
+    float4 *d4 = reinterpret_cast<float4 *>(dst + row * LD + c8);
     d4[0] = make_float4(f[0], f[1], f[2], f[3]);
     d4[1] = make_float4(f[4], f[5], f[6], f[7]);
   }
@@ -186,187 +170,6 @@ __device__ __forceinline__ void store_rotated(const float *so, const CausalArgs 
   }
 }
 
-// P: the cache's KvPair. GT: query heads of the group a block takes (a power of two <= 8; heads
-// past the group get a zero q and are never written). DMAX: the head-dim class.
-template <typename P, int GT, int DMAX>
-__global__ void __launch_bounds__(kCausalThreads, kCausalMinBlocksPerSm)
-    causal_fp32_kernel(const CausalArgs a, const CausalPlan plan) {
-  using S = CausalShape<DMAX>;
-  constexpr int BM = S::BM, BN = S::BN, LD = S::LD, PS = S::PS;
-  constexpr int BR = BM / GT;                        // query rows
-  constexpr int SPT = BM * BN / kCausalThreads;      // scores a thread
-  constexpr int QSTEP = kCausalThreads / BN;         // between a thread's query vectors
-  constexpr int TPR = kCausalThreads / BM;           // threads a vector in the softmax
-  constexpr int EPT = BN / TPR;                      // scores each of them takes
-  constexpr int C4 = DMAX / 4;                       // 4-dim columns of the output
-  constexpr int RG = kCausalThreads / C4;            // output row groups
-  constexpr int OR = BM / RG;                        // output vectors a thread
-  static_assert(SPT >= 1 && TPR >= 1 && TPR <= 32 && EPT >= 1 && OR >= 1 && QSTEP % GT == 0,
-                "tile shape");
-  using KF = typename P::K;
-  using VF = typename P::V;
-
-  extern __shared__ float smem[];
-  float *sq = smem;              // [BM][LD]: vector qi = r * GT + g (row r, head g)
-  float *skv = sq + BM * LD;     // [BN][LD]: the K tile, then the V tile
-  float *sp = skv + BN * LD;     // [BM][PS]: scores, then weights
-  __shared__ float s_alpha[BM], s_m[BM], s_l[BM];
-  const int tid = threadIdx.x, D = a.head_dim;
-
-  const CausalBlock b = causal_block<BR, GT>(a, plan);
-  const int item = b.item, window = plan.window;
-  const CausalRange span = causal_range(plan, b);
-  const int first_pos = span.first_pos, last_pos = span.last_pos;
-  const int kv_begin = span.kv_begin, kv_end = span.kv_end;
-
-  wait_for_prerequisite_grid();
-
-  stage_q<S, GT, DMAX>(sq, a, b);
-
-  // Formed again at each tile from these two (kept, the four pointers spilled on sm_52).
-  const size_t base = kv_base(a, plan, b), slot_base = slot_base_of(a, plan, b);
-
-  const int kj = tid % BN, q_first = tid / BN;  // score pass: a position, SPT vectors
-  const int srow = tid / TPR, spart = tid % TPR;  // softmax pass
-  const int c4 = tid % C4, rg = tid / C4;         // output pass: 4 dims of OR vectors
-  const bool col_on = c4 * 4 < D;
-  // The softmax state of each vector lives in s_m, s_l (in registers it spilled on sm_52): the
-  // threads of a vector read it before their shuffles and the first writes it after them.
-  if (tid < BM) s_m[tid] = -INFINITY, s_l[tid] = 0.0f;
-  float o[OR][4];
-#pragma unroll
-  for (int i = 0; i < OR; i++) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
-
-  for (int t0 = kv_begin; t0 < kv_end; t0 += BN) {
-    const int n = min(BN, kv_end - t0);
-    // Every row sees every position of the tile: no mask.
-    const bool full = n == BN && t0 + BN - 1 <= first_pos && (window == 0 || t0 + window > last_pos);
-    __syncthreads();  // q is staged; the last tile's V and weights are consumed
-    load_tile_chunks<KF, S>(skv, a.k, KF::at(a.k, base), a.kept_k ? a.kept_k + slot_base : nullptr,
-                        plan, item, t0, n, D);
-    __syncthreads();
-
-    float acc[SPT];
-#pragma unroll
-    for (int s = 0; s < SPT; s++) acc[s] = 0.0f;
-    const float *kr = skv + kj * LD;
-#pragma unroll 1
-    for (int d = 0; d < D; d += 4) {
-      const float4 k4 = *reinterpret_cast<const float4 *>(kr + d);
-#pragma unroll
-      for (int s = 0; s < SPT; s++) {
-        const float4 q4 = *reinterpret_cast<const float4 *>(sq + (q_first + QSTEP * s) * LD + d);
-        acc[s] = fmaf(q4.x, k4.x, acc[s]);
-        acc[s] = fmaf(q4.y, k4.y, acc[s]);
-        acc[s] = fmaf(q4.z, k4.z, acc[s]);
-        acc[s] = fmaf(q4.w, k4.w, acc[s]);
-      }
-    }
-    // Row of vector q_first + QSTEP s: q_first / GT + (QSTEP / GT) s (QSTEP >= 8 >= GT).
-    const int dist0 = first_pos + q_first / GT - (t0 + kj);  // query minus key position
-#pragma unroll
-    for (int s = 0; s < SPT; s++) {
-      const int dist = dist0 + QSTEP / GT * s;
-      const bool seen = full || (kj < n && dist >= 0 && (window == 0 || dist < window));
-      sp[(q_first + QSTEP * s) * PS + kj] = seen ? acc[s] : -INFINITY;
-    }
-    __syncthreads();  // K is consumed: V takes its place while the softmax runs
-
-    load_tile_chunks<VF, S>(skv, a.v, VF::at(a.v, base), a.kept_v ? a.kept_v + slot_base : nullptr,
-                        plan, item, t0, n, D);
-    {
-      float sc[EPT];
-      float mx = -INFINITY;
-#pragma unroll
-      for (int e = 0; e < EPT; e++) {
-        sc[e] = sp[srow * PS + spart * EPT + e];
-        mx = fmaxf(mx, sc[e]);
-      }
-#pragma unroll
-      for (int off = 1; off < TPR; off <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-      SoftmaxState st{s_m[srow], s_l[srow]};
-      const float alpha = st.raise(mx);
-      float sum = 0.0f;
-#pragma unroll
-      for (int e = 0; e < EPT; e++) {
-        const float w = st.weight(sc[e]);
-        sp[srow * PS + spart * EPT + e] = w;
-        sum += w;
-      }
-#pragma unroll
-      for (int off = 1; off < TPR; off <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-      __syncwarp();  // every lane has read s_m, s_l before the first replaces them (shuffles don't fence)
-      if (spart == 0) s_m[srow] = st.m, s_l[srow] = st.l + sum, s_alpha[srow] = alpha;
-    }
-    __syncthreads();
-
-#pragma unroll
-    for (int i = 0; i < OR; i++) {
-      const float alpha = s_alpha[rg + RG * i];
-      o[i][0] *= alpha, o[i][1] *= alpha, o[i][2] *= alpha, o[i][3] *= alpha;
-    }
-    if (col_on) {
-#pragma unroll 1
-      for (int j = 0; j < n; j++) {
-        const float4 v4 = *reinterpret_cast<const float4 *>(skv + j * LD + c4 * 4);
-#pragma unroll
-        for (int i = 0; i < OR; i++) {
-          const float w = sp[(rg + RG * i) * PS + j];
-          o[i][0] = fmaf(w, v4.x, o[i][0]);
-          o[i][1] = fmaf(w, v4.y, o[i][1]);
-          o[i][2] = fmaf(w, v4.z, o[i][2]);
-          o[i][3] = fmaf(w, v4.w, o[i][3]);
-        }
-      }
-    }
-  }
-
-  __syncthreads();  // the states are in; q and the tiles are dead
-  // The block's coordinates again rather than kept through the loop (they spilled on sm_52).
-  const CausalBlock f = causal_block<BR, GT>(a, plan);
-  const int split = f.split, nr = f.nr, nh = f.nh, h0 = f.h0;
-  const size_t row_q = f.row_q;
-  const bool single = plan.splits == 1;
-  // One split: the normalised output; several: the unnormalised partial and the state, merged
-  // by the combine kernel (attention_combine.cu) with the decode call's partials layout.
-  const auto dst = [&](int qi, int d) -> float * {
-    const size_t row = row_q + qi / GT, h = h0 + qi % GT;
-    return single ? a.out + (row * a.n_heads + h) * D + d
-                  : a.part_o + ((row * plan.splits + split) * a.n_heads + h) * D + d;
-  };
-  if (!single && tid < BM) {
-    const int r = tid / GT, g = tid % GT;
-    if (r < nr && g < nh) {
-      const size_t p = ((row_q + r) * plan.splits + split) * a.n_heads + h0 + g;
-      a.part_m[p] = s_m[tid];
-      a.part_l[p] = s_l[tid];
-    }
-  }
-  if (a.rot_v) {  // rotated back from V's frame, a warp a vector, through shared memory
-    float *so = smem;  // [BM][LD]
-    if (col_on) {
-#pragma unroll
-      for (int i = 0; i < OR; i++) {
-        const int qi = rg + RG * i;
-        const float f = single ? SoftmaxState{s_m[qi], s_l[qi]}.inv_sum() : 1.0f;
-#pragma unroll
-        for (int k = 0; k < 4; k++) so[qi * LD + c4 * 4 + k] = o[i][k] * f;
-      }
-    }
-    __syncthreads();
-    store_rotated<S, GT, DMAX>(so, a, nr, nh, dst);
-    return;
-  }
-  if (!col_on) return;
-#pragma unroll
-  for (int i = 0; i < OR; i++) {
-    const int qi = rg + RG * i;
-    if (qi / GT >= nr || qi % GT >= nh) continue;
-    const float f = single ? SoftmaxState{s_m[qi], s_l[qi]}.inv_sum() : 1.0f;
-    store4(dst(qi, c4 * 4), make_float4(o[i][0] * f, o[i][1] * f, o[i][2] * f, o[i][3] * f));
-  }
-}
-
 // CPL consecutive floats of shared memory (2 or 4: one 8- or 16-byte load).
 template <int CPL>
 __device__ __forceinline__ void load_cols(const float *src, float (&x)[CPL]) {
@@ -386,6 +189,8 @@ __device__ __forceinline__ void load_cols(const float *src, float (&x)[CPL]) {
 // lanes, the same on each; each lane keeps its own positions' share of the sum (one reduction at
 // the end). Output pass: lane l takes dims CPL l .. CPL l + CPL - 1 of all VW vectors, 4
 // positions at a time (a broadcast load of 4 weights a vector, 4 loads of V).
+// P: the cache's KvPair. GT: query heads of the group a block takes (a power of two <= 8; heads
+// past the group get a zero q and are never written). DMAX: the head-dim class.
 template <typename P, int GT, int DMAX>
 __global__ void __launch_bounds__(WarpShape<DMAX>::NT, kCausalWarpSmThreads / WarpShape<DMAX>::NT)
     causal_warp_kernel(const CausalArgs a, const CausalPlan plan) {
@@ -434,8 +239,9 @@ __global__ void __launch_bounds__(WarpShape<DMAX>::NT, kCausalWarpSmThreads / Wa
     // Every row sees every position of the tile: no mask.
     const bool full = n == BN && t0 + BN - 1 <= first_pos && (window == 0 || t0 + window > last_pos);
     __syncthreads();  // q is staged; the last tile's V is consumed
-    load_tile<KF, S, DMAX>(skv, a.k, KF::at(a.k, base), a.kept_k ? a.kept_k + slot_base : nullptr,
-                           plan, item, t0, n, D);
+    load_tile<KF, S::NT, BN, DMAX, LD, false>(skv, a.k, KF::at(a.k, base),
+                                       a.kept_k ? a.kept_k + slot_base : nullptr, plan, item, t0,
+                                       n, D, 0);
     __syncthreads();
 
     float s[VW];
@@ -474,8 +280,9 @@ __global__ void __launch_bounds__(WarpShape<DMAX>::NT, kCausalWarpSmThreads / Wa
       for (int c = 0; c < CPL; c++) o[v][c] *= alpha;
     }
     __syncthreads();  // K is consumed (the weights are the warp's own: the barrier orders them too)
-    load_tile<VF, S, DMAX>(skv, a.v, VF::at(a.v, base), a.kept_v ? a.kept_v + slot_base : nullptr,
-                           plan, item, t0, n, D);
+    load_tile<VF, S::NT, BN, DMAX, LD, false>(skv, a.v, VF::at(a.v, base),
+                                       a.kept_v ? a.kept_v + slot_base : nullptr, plan, item, t0,
+                                       n, D, 0);
     __syncthreads();
 
     // Positions n .. BN - 1 have weight 0 and zero V rows: whole steps of SN positions, each
@@ -551,13 +358,222 @@ __global__ void __launch_bounds__(WarpShape<DMAX>::NT, kCausalWarpSmThreads / Wa
   }
 }
 
+// Head-dim class 256 (see the top of the file). Per tile, for each stage of the K tile warp w
+// adds its dims' share of every score to a lane's 4 positions (pg + 8i) x 4 vectors (vg + 4j):
+// a step of 4 dims is 4 K loads (8 rows a load) and 4 q loads (4 rows) for 64 FFMAs. The
+// warps' shares meet in shared memory, where thread t sums those of vector t / 8 at positions
+// t % 8 + 8i and runs its online softmax (the state in registers: m the same on the vector's 8
+// threads, l each one's positions' share). Output: per stage of the V tile, a lane takes 4 dims
+// (4 pg ..) of 4 vectors (4 vg ..), a V load (8 columns) and a weight load (4 rows) a position
+// for 16 FFMAs.
+template <typename P, int GT, int DMAX>
+__global__ void __launch_bounds__(WideShape<DMAX>::NT, kCausalWideMinBlocksPerSm)
+    causal_wide_kernel(const CausalArgs a, const CausalPlan plan) {
+  using S = WideShape<DMAX>;
+  constexpr int BM = S::BM, BN = S::BN, LD = S::LD, LH = S::LH, LP = S::LP, LW = S::LW;
+  constexpr int DH = S::DH, DW = S::DW, STAGES = DMAX / DH;
+  constexpr int BR = BM / GT;  // query rows
+  static_assert(BM == 16 && BN == 32 && S::WARPS == 4 && DW % 4 == 0 && DMAX % DH == 0,
+                "a lane 4 x 4 of the scores and of a stage's outputs");
+  using KF = typename P::K;
+  using VF = typename P::V;
+
+  extern __shared__ float smem[];
+  float *sq = smem;                        // [BM][LD]: vector qi = r * GT + g (row r, head g)
+  float *skv = sq + BM * LD;               // [BN][LH]: a stage of the K tile, then of the V tile
+  float *spart = skv + BN * LH;            // [warp][BM][LP]: the warps' shares of the scores
+  float *sw = spart + S::WARPS * BM * LP;  // [BN][LW]: weights
+  float *salpha = sw + BN * LW;            // [BM]: the softmax's rescale of the tile
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, D = a.head_dim;
+  const int pg = lane & 7, vg = lane >> 3;                 // score and output passes
+  const int sv = threadIdx.x >> 3, sk = threadIdx.x & 7;  // softmax: vector sv, positions sk + 8i
+
+  const CausalBlock b = causal_block<BR, GT>(a, plan);
+  const int item = b.item, window = plan.window;
+  const CausalRange span = causal_range(plan, b);
+  const int first_pos = span.first_pos, last_pos = span.last_pos;
+  const int kv_begin = span.kv_begin, kv_end = span.kv_end;
+
+  wait_for_prerequisite_grid();
+  stage_q<S, GT, DMAX>(sq, a, b);
+
+  const size_t base = kv_base(a, plan, b), slot_base = slot_base_of(a, plan, b);
+  SoftmaxState st = SoftmaxState::empty();
+  float o[STAGES][4][4];  // [stage][vector 4 vg + j][dim 4 pg + c of the warp's]
+#pragma unroll
+  for (int h = 0; h < STAGES; h++)
+#pragma unroll
+    for (int j = 0; j < 4; j++) o[h][j][0] = o[h][j][1] = o[h][j][2] = o[h][j][3] = 0.0f;
+
+  for (int t0 = kv_begin; t0 < kv_end; t0 += BN) {
+    const int n = min(BN, kv_end - t0);
+    // Every row sees every position of the tile: no mask.
+    const bool full = n == BN && t0 + BN - 1 <= first_pos && (window == 0 || t0 + window > last_pos);
+    float s[4][4];  // [position pg + 8i][vector vg + 4j]
+#pragma unroll
+    for (int i = 0; i < 4; i++) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.0f;
+#pragma unroll
+    for (int h = 0; h < STAGES; h++) {
+      __syncthreads();  // q is staged; the last stage (K's or the last tile's V) is consumed
+      load_tile<KF, S::NT, BN, DH, LH, true>(skv, a.k, KF::at(a.k, base),
+                                       a.kept_k ? a.kept_k + slot_base : nullptr, plan, item, t0,
+                                       n, D, h * DH);
+      __syncthreads();
+      if (h * DH + warp * DW < D) {  // warp-uniform; dims past head_dim are zeros
+        const float *kr = skv + pg * LH + warp * DW;
+        const float *qr = sq + vg * LD + h * DH + warp * DW;
+#pragma unroll
+        for (int d = 0; d < DW; d += 4) {
+          float4 k4[4], q4[4];
+#pragma unroll
+          for (int i = 0; i < 4; i++) k4[i] = *reinterpret_cast<const float4 *>(kr + 8 * i * LH + d);
+#pragma unroll
+          for (int j = 0; j < 4; j++) q4[j] = *reinterpret_cast<const float4 *>(qr + 4 * j * LD + d);
+#pragma unroll
+          for (int i = 0; i < 4; i++)
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+              s[i][j] = fmaf(q4[j].x, k4[i].x, s[i][j]);
+              s[i][j] = fmaf(q4[j].y, k4[i].y, s[i][j]);
+              s[i][j] = fmaf(q4[j].z, k4[i].z, s[i][j]);
+              s[i][j] = fmaf(q4[j].w, k4[i].w, s[i][j]);
+            }
+        }
+      }
+    }
+    float *pw = spart + warp * BM * LP;
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+#pragma unroll
+      for (int j = 0; j < 4; j++) pw[(vg + 4 * j) * LP + pg + 8 * i] = s[i][j];
+    __syncthreads();  // the shares are in; K is consumed: V's first stage takes its place
+    load_tile<VF, S::NT, BN, DH, LH, true>(skv, a.v, VF::at(a.v, base),
+                                     a.kept_v ? a.kept_v + slot_base : nullptr, plan, item, t0, n,
+                                     D, 0);
+    {
+      // Vector sv is row sv / GT; the warps' shares summed in a fixed order.
+      const int dist0 = first_pos + sv / GT - (t0 + sk);  // query minus key position
+      float x[4], mx = -INFINITY;
+#pragma unroll
+      for (int i = 0; i < 4; i++) {
+        const int pos = sk + 8 * i, dist = dist0 - 8 * i;
+        float sum = spart[sv * LP + pos];
+#pragma unroll
+        for (int w = 1; w < S::WARPS; w++) sum += spart[(w * BM + sv) * LP + pos];
+        const bool seen = full || (pos < n && dist >= 0 && (window == 0 || dist < window));
+        x[i] = seen ? sum : -INFINITY;
+        mx = fmaxf(mx, x[i]);
+      }
+#pragma unroll
+      for (int off = 1; off < 8; off <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+      const float alpha = st.raise(mx), ref = SoftmaxState::reference(st.m);
+#pragma unroll
+      for (int i = 0; i < 4; i++) {
+        const float w = exp2_ftz(x[i] - ref);
+        st.l += w;
+        sw[(sk + 8 * i) * LW + sv] = w;
+      }
+      if (sk == 0) salpha[sv] = alpha;
+    }
+    __syncthreads();
+
+    const float4 al = *reinterpret_cast<const float4 *>(salpha + 4 * vg);
+    const float alv[4] = {al.x, al.y, al.z, al.w};
+#pragma unroll
+    for (int h = 0; h < STAGES; h++)
+#pragma unroll
+      for (int j = 0; j < 4; j++)
+#pragma unroll
+        for (int c = 0; c < 4; c++) o[h][j][c] *= alv[j];
+#pragma unroll
+    for (int h = 0; h < STAGES; h++) {
+      if (h > 0) {
+        __syncthreads();  // the last stage of V is consumed
+        load_tile<VF, S::NT, BN, DH, LH, true>(skv, a.v, VF::at(a.v, base),
+                                         a.kept_v ? a.kept_v + slot_base : nullptr, plan, item, t0,
+                                         n, D, h * DH);
+        __syncthreads();
+      }
+      // Positions n .. BN - 1 have weight 0 and zero V rows: the whole tile, unrolled.
+      if (h * DH + warp * DW < D) {
+        const float *vr = skv + warp * DW + 4 * pg;
+        const float *wr = sw + 4 * vg;
+#pragma unroll
+        for (int p = 0; p < BN; p++) {
+          const float4 v4 = *reinterpret_cast<const float4 *>(vr + p * LH);
+          const float4 w4 = *reinterpret_cast<const float4 *>(wr + p * LW);
+          fma4(w4.x, v4, reinterpret_cast<float4 &>(o[h][0]));
+          fma4(w4.y, v4, reinterpret_cast<float4 &>(o[h][1]));
+          fma4(w4.z, v4, reinterpret_cast<float4 &>(o[h][2]));
+          fma4(w4.w, v4, reinterpret_cast<float4 &>(o[h][3]));
+        }
+      }
+    }
+  }
+
+  // The vectors' states to the output's lanes through shared memory (sw: the tiles are done).
+  st.l += __shfl_xor_sync(0xffffffffu, st.l, 1);
+  st.l += __shfl_xor_sync(0xffffffffu, st.l, 2);
+  st.l += __shfl_xor_sync(0xffffffffu, st.l, 4);
+  __syncthreads();  // every warp is done with q, the tiles and the weights
+  float *sm = sw, *sl = sw + BM;
+  if (sk == 0) sm[sv] = st.m, sl[sv] = st.l;
+  __syncthreads();
+
+  const CausalBlock f = causal_block<BR, GT>(a, plan);
+  const int split = f.split, nr = f.nr, nh = f.nh, h0 = f.h0;
+  const size_t row_q = f.row_q;
+  const bool single = plan.splits == 1;
+  // One split: the normalised output; several: the unnormalised partial and the state, merged
+  // by the combine kernel (attention_combine.cu) with the decode call's partials layout.
+  const auto dst = [&](int qi, int d) -> float * {
+    const size_t row = row_q + qi / GT, h = h0 + qi % GT;
+    return single ? a.out + (row * a.n_heads + h) * D + d
+                  : a.part_o + ((row * plan.splits + split) * a.n_heads + h) * D + d;
+  };
+  if (!single && sk == 0 && sv / GT < nr && sv % GT < nh) {
+    const size_t p = ((row_q + sv / GT) * plan.splits + split) * a.n_heads + h0 + sv % GT;
+    a.part_m[p] = st.m;
+    a.part_l[p] = st.l;
+  }
+  float scale[4];
+#pragma unroll
+  for (int j = 0; j < 4; j++)
+    scale[j] = single ? SoftmaxState{sm[4 * vg + j], sl[4 * vg + j]}.inv_sum() : 1.0f;
+  if (a.rot_v) {  // rotated back from V's frame, a warp a vector, through shared memory
+    float *so = smem;  // [BM][LD]: q's
+#pragma unroll
+    for (int h = 0; h < STAGES; h++)
+#pragma unroll
+      for (int j = 0; j < 4; j++)
+#pragma unroll
+        for (int c = 0; c < 4; c++)
+          so[(4 * vg + j) * LD + h * DH + warp * DW + 4 * pg + c] = o[h][j][c] * scale[j];
+    __syncthreads();
+    store_rotated<S, GT, DMAX>(so, a, nr, nh, dst);
+    return;
+  }
+#pragma unroll
+  for (int j = 0; j < 4; j++) {
+    const int qi = 4 * vg + j;
+    if (qi / GT >= nr || qi % GT >= nh) continue;
+#pragma unroll
+    for (int h = 0; h < STAGES; h++) {
+      const int d = h * DH + warp * DW + 4 * pg;
+      if (d < D)
+        store4(dst(qi, d), make_float4(o[h][j][0] * scale[j], o[h][j][1] * scale[j],
+                                       o[h][j][2] * scale[j], o[h][j][3] * scale[j]));
+    }
+  }
+}
+
 int dmax_class(int head_dim) { return head_dim <= 64 ? 64 : head_dim <= 128 ? 128 : 256; }
 int log2_tile(int gt) { return gt >= 8 ? 3 : gt >= 4 ? 2 : gt >= 2 ? 1 : 0; }
 
 template <typename P, int GT>
 CausalKernel kernel_for_dmax(int dmax) {
   return dmax == 64 ? causal_warp_kernel<P, GT, 64>
-                    : dmax == 128 ? causal_warp_kernel<P, GT, 128> : causal_fp32_kernel<P, GT, 256>;
+                    : dmax == 128 ? causal_warp_kernel<P, GT, 128> : causal_wide_kernel<P, GT, 256>;
 }
 
 template <typename S>
@@ -577,12 +593,12 @@ int causal_fp32_pass(m40llm_cuda_state *st, int head_dim, int gt, CausalPass *ou
   }
   pass.threads = dmax == 64    ? WarpShape<64>::NT
                  : dmax == 128 ? WarpShape<128>::NT
-                               : CausalShape<256>::NT;
+                               : WideShape<256>::NT;
   pass.smem = dmax == 64    ? smem_bytes<WarpShape<64>>()
               : dmax == 128 ? smem_bytes<WarpShape<128>>()
-                            : smem_bytes<CausalShape<256>>();
+                            : smem_bytes<WideShape<256>>();
   pass.rows = kCausalVectorDims / dmax / gt;
-  pass.tile = causal_tile(dmax);
+  pass.tile = kCausalTile;
   int &occ = st->causal_occupancy[P::K::kFormat][P::V::kFormat][log2_tile(gt)][dmax / 128];
   if (occ == 0) {
     M40LLM_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, pass.kernel, pass.threads,

@@ -83,8 +83,8 @@ __host__ __device__ constexpr int pv_columns(int group_tile, bool wide = false) 
 }
 
 // ---- FP32 causal kernels (attention_causal_fp32.cu) ----
-// Query vectors x head-dim class a block holds: 64 x 64, 32 x 128, 16 x 256 (q, a K/V tile and
-// the weights fit in 35-39 KB of shared memory, 2 blocks an SM on sm_52).
+// Query vectors x head-dim class a block holds: 64 x 64, 32 x 128, 16 x 256 (q, a K/V tile or
+// stage and the weights fit in 35-46 KB of shared memory, 2 blocks an SM on sm_52).
 constexpr int kCausalVectorDims = 4096;
 // causal_warp_kernel (head_dim classes 64, 128): query vectors a warp, so 8 warps at 64 and 4 at
 // 128. A score step of 4 dims is a K load and 8 broadcast q loads for 32 FFMAs, an output step
@@ -106,13 +106,11 @@ template <int DMAX>
 constexpr int kCausalWarpScoreDims = DMAX == 64 ? 64 : 4;
 template <int DMAX>
 constexpr int kCausalWarpOutputRows = DMAX == 64 ? 32 : 4;
-// causal_fp32_kernel (head_dim class 256): 256 threads in 64 registers; with 128 threads the
-// output took 32 registers a thread and spilled 76-116 bytes.
-constexpr int kCausalThreads = 256;
-constexpr int kCausalMinBlocksPerSm = 4;
-// Positions per K/V tile: 32, a lane each in causal_warp_kernel's score pass; 16 at 256 (the
-// tile at 16 KB).
-__host__ __device__ constexpr int causal_tile(int dmax) { return dmax == 256 ? 16 : 32; }
+// causal_wide_kernel (head_dim class 256): blocks an SM it is compiled for, so 128 registers a
+// thread (46 KB of shared memory: 2 blocks an SM on sm_52, 4 on sm_90).
+constexpr int kCausalWideMinBlocksPerSm = 4;
+// Positions per K/V tile, both kernels: a lane each in causal_warp_kernel's score pass.
+constexpr int kCausalTile = 32;
 // Positions a split of a causal call takes at least (its partials stay a few % of its K/V).
 constexpr int kCausalMinSplitRows = 256;
 

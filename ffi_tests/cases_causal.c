@@ -399,8 +399,11 @@ void t_cases_causal(m40llm_context *ctx, m40llm_context *cpu, int small) {
     run_case(ctx, cpu, f16[i], P2, T2, 2, 0);
     t1_equals_decode(ctx, cpu, f16[i]);
   }
-  /* head_dim under its class (48 of 64): the FP32 kernel's score steps read zeros past it. */
+  /* head_dim under its class: 48 of 64 (the FP32 kernel's score steps read zeros past it); 136
+   * and 200 of 256 (a warp's dims of the second stage part past it, and wholly past it). */
   run_case(ctx, cpu, (causal_shape){F, F, 4, 2, 48}, P1, T1, n1, 0);
+  run_case(ctx, cpu, (causal_shape){F, F, 4, 2, 136}, P1, T1, n1, 0);
+  run_case(ctx, cpu, (causal_shape){F, F, 6, 3, 200}, P1, T1, n1, 0);
   /* Windows: shorter than, equal to and longer than a tile, one position, and longer than any
    * sequence. */
   const int windows[] = {1, 7, 16, 64, 300, 5000};
@@ -413,9 +416,9 @@ void t_cases_causal(m40llm_context *ctx, m40llm_context *cpu, int small) {
     run_case_as(ctx, cpu, f16[i], P1, T1, n1, i == 1 ? 16 : 0, MASKED);
   }
   run_case_as(ctx, cpu, f16[2], P2, T2, 2, 128, MASKED);
-  /* Quantized: rotated, protected (4 sinks, a window of 32), groups 1 and 4, d 64 and 128. */
+  /* Quantized: rotated, protected (4 sinks, a window of 32), groups 1 to 4, d 64 to 256. */
   const causal_shape quant[] = {{Q8, Q8, 4, 4, 64}, {Q4, Q4, 8, 2, 128}, {Q8, Q4, 8, 1, 128},
-                                {Q8, Q8, 4, 1, 256}, {Q4, Q4, 9, 3, 64}};
+                                {Q8, Q8, 4, 1, 256}, {Q4, Q4, 9, 3, 64},  {Q4, Q4, 4, 2, 256}};
   const int P3[] = {0, 3, 40, 200, 0}, T3[] = {1, 5, 16, 33, 70};
   for (int i = 0; i < (int)(sizeof quant / sizeof quant[0]); i++) {
     run_case(ctx, cpu, quant[i], P3, T3, 5, 0);
