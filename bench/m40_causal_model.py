@@ -3,10 +3,11 @@
 
   python3 bench/m40_causal_model.py OBJ_OR_LIB [--base OTHER [--base-name NAME]] [--md OUT.md]
 
-For the F16 instances of causal_warp_kernel (head-dim classes 64, 128) and causal_wide_kernel
-(256; causal_fp32_kernel in a library from before it, given as --base), it follows one full
-tile of an F16 cache at head_dim = the class (every position visible, no protected rows): the
-tile loop is the smallest backward branch around four or more __syncthreads; its inner loops
+For the F16 instances of causal_warp_kernel (head-dim class 64; 128 too in a library from
+before causal_wide_kernel took it) and causal_wide_kernel (128, 256; causal_fp32_kernel at 256
+in a library from before, given as --base), it follows one full tile of an F16 cache at
+head_dim = the class (every position visible, no protected rows): the tile loop is the smallest
+backward branch around four or more __syncthreads; its inner loops
 over the score pass's steps (head_dim) and the output pass's (the tile's positions) are
 counted whole, body x trips, trips from the FFMAs a thread owes; the rest, and the old
 kernel's load loop (x the chunks a thread loads), is walked as one path: a conditional branch

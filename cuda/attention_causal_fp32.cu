@@ -8,14 +8,15 @@
 // per query vector. Tiles wholly visible to every row skip the mask; positions no row sees are
 // never loaded. Scores are in the log2 domain (q is pre-multiplied by scale * log2(e)).
 //
-// Two kernels share that frame. At head_dim classes 64 and 128, causal_warp_kernel: a warp
-// takes kCausalWarpVectors query vectors, the same for every lane, against a tile of 32
-// positions, a lane each for the scores, then the vectors' outputs a few dims a lane. Its q and
-// weight loads from shared memory are broadcasts, so each K or V word a lane loads serves 8
-// vectors' FFMAs, and a vector's softmax is one warp's shuffles in registers. At head_dim class
-// 256, whose q and K/V tile would not fit 48 KB in that layout, causal_wide_kernel: the tile in
-// stages of 128 dims, each warp a quarter of a stage's dims for every score and output of the
-// block, a lane 4 x 4 of each (its loads shared by 4 or 8 lanes: one shared-memory wavefront).
+// Two kernels share that frame. At head_dim class 64, causal_warp_kernel: a warp takes
+// kCausalWarpVectors query vectors, the same for every lane, against a tile of 32 positions, a
+// lane each for the scores, then the vectors' outputs a few dims a lane. Its q and weight loads
+// from shared memory are broadcasts, so each K or V word a lane loads serves 8 vectors' FFMAs,
+// and a vector's softmax is one warp's shuffles in registers. At head_dim classes 128 and 256,
+// causal_wide_kernel: 16 query vectors a block, the tile in stages of up to 128 dims (at 256 q
+// and a whole tile would pass 48 KB), each warp a quarter of a stage's dims for every score and
+// output of the block, a lane 4 x 4 of each (its loads shared by 4 or 8 lanes: one
+// shared-memory wavefront).
 #include <math.h>
 
 #include "attention_causal.cuh"
@@ -23,14 +24,15 @@
 namespace {
 
 // causal_wide_kernel's: 4 warps, BM = 16 query vectors, BN = 32 positions, the K/V tile in
-// stages of DH dims; in a stage warp w takes dims [DW w, DW w + DW). Rows are padded so that a
-// warp's loads fall in distinct banks: q (4 rows a load) and K/V (8 rows or 8 columns) by 4
-// floats, the partial scores ([warp][vector][position], written 4 vectors x 8 positions a
-// store) by 8, the weights ([position][vector], written 8 positions x 4 vectors) by 4.
+// stages of DH dims (one at 128, two at 256); in a stage warp w takes dims [DW w, DW w + DW).
+// Rows are padded so that a warp's loads fall in distinct banks: q (4 rows a load) and K/V (8
+// rows or 8 columns) by 4 floats, the partial scores ([warp][vector][position], written 4
+// vectors x 8 positions a store) by 8, the weights ([position][vector], written 8 positions x 4
+// vectors) by 4.
 template <int DMAX>
 struct WideShape {
   static constexpr int WARPS = 4, NT = 32 * WARPS;
-  static constexpr int BM = kCausalVectorDims / DMAX;
+  static constexpr int BM = kCausalWideVectors;
   static constexpr int BN = kCausalTile;
   static constexpr int DH = 128, DW = DH / WARPS;
   static constexpr int LD = DMAX + 4;  // q
@@ -170,20 +172,7 @@ __device__ __forceinline__ void store_rotated(const float *so, const CausalArgs 
   }
 }
 
-// CPL consecutive floats of shared memory (2 or 4: one 8- or 16-byte load).
-template <int CPL>
-__device__ __forceinline__ void load_cols(const float *src, float (&x)[CPL]) {
-  static_assert(CPL == 2 || CPL == 4, "a lane's output dims");
-  if constexpr (CPL == 4) {
-    const float4 v = *reinterpret_cast<const float4 *>(src);
-    x[0] = v.x, x[1] = v.y, x[2] = v.z, x[3] = v.w;
-  } else {
-    const float2 v = *reinterpret_cast<const float2 *>(src);
-    x[0] = v.x, x[1] = v.y;
-  }
-}
-
-// Head-dim classes 64 and 128 (see the top of the file). Warp w takes vectors VW w .. VW w +
+// Head-dim class 64 (see the top of the file). Warp w takes vectors VW w .. VW w +
 // VW - 1. Score pass: lane l takes the tile's position l against all of them (one 128-bit load
 // of K for VW broadcast loads of q and 4 VW FFMAs). Softmax: a vector's max over the warp's
 // lanes, the same on each; each lane keeps its own positions' share of the sum (one reduction at
@@ -198,9 +187,10 @@ __global__ void __launch_bounds__(WarpShape<DMAX>::NT, kCausalWarpSmThreads / Wa
   constexpr int BM = S::BM, BN = S::BN, LD = S::LD, PS = S::PS, VW = S::VW, CPL = S::CPL;
   constexpr int BR = BM / GT;  // query rows
   static_assert(BN == 32 && VW % GT == 0 && S::NT % 32 == 0, "a lane a position, whole rows a warp");
+  static_assert(CPL == 2, "a lane's output dims: one 8-byte load a V row");
   using KF = typename P::K;
   using VF = typename P::V;
-  constexpr int SD = kCausalWarpScoreDims<DMAX>, SN = kCausalWarpOutputRows<DMAX>;
+  constexpr int SD = kCausalWarpScoreDims, SN = kCausalWarpOutputRows;
   static_assert(DMAX % SD == 0 && SD % 4 == 0 && BN % SN == 0 && SN % 4 == 0, "whole steps");
 
   extern __shared__ float smem[];
@@ -217,11 +207,10 @@ __global__ void __launch_bounds__(WarpShape<DMAX>::NT, kCausalWarpSmThreads / Wa
 
   wait_for_prerequisite_grid();
   stage_q<S, GT, DMAX>(sq, a, b);
-  // Score steps of more than 4 dims read up to SD - 4 dims past head_dim: the tiles' are zeros,
-  // written once here and never by load_tile (q's are: stage_q).
-  if constexpr (SD > 4)
-    for (int i = threadIdx.x; i < BN * (DMAX - D); i += S::NT)
-      skv[i / (DMAX - D) * LD + D + i % (DMAX - D)] = 0.0f;
+  // Score steps read up to SD - 4 dims past head_dim: the tiles' are zeros, written once here and
+  // never by load_tile (q's are: stage_q).
+  for (int i = threadIdx.x; i < BN * (DMAX - D); i += S::NT)
+    skv[i / (DMAX - D) * LD + D + i % (DMAX - D)] = 0.0f;
 
   const size_t base = kv_base(a, plan, b), slot_base = slot_base_of(a, plan, b);
   const bool col_on = CPL * lane < D;
@@ -296,7 +285,10 @@ __global__ void __launch_bounds__(WarpShape<DMAX>::NT, kCausalWarpSmThreads / Wa
         for (int j = j0; j < j0 + SN; j += 4) {
           float x[4][CPL];
 #pragma unroll
-          for (int i = 0; i < 4; i++) load_cols<CPL>(vr + (j + i) * LD, x[i]);
+          for (int i = 0; i < 4; i++) {
+            const float2 c = *reinterpret_cast<const float2 *>(vr + (j + i) * LD);
+            x[i][0] = c.x, x[i][1] = c.y;
+          }
 #pragma unroll
           for (int v = 0; v < VW; v++) {
             const float4 w = *reinterpret_cast<const float4 *>(pw + v * PS + j);
@@ -358,9 +350,9 @@ __global__ void __launch_bounds__(WarpShape<DMAX>::NT, kCausalWarpSmThreads / Wa
   }
 }
 
-// Head-dim class 256 (see the top of the file). Per tile, for each stage of the K tile warp w
-// adds its dims' share of every score to a lane's 4 positions (pg + 8i) x 4 vectors (vg + 4j):
-// a step of 4 dims is 4 K loads (8 rows a load) and 4 q loads (4 rows) for 64 FFMAs. The
+// Head-dim classes 128 and 256 (see the top of the file). Per tile, for each stage of the K
+// tile warp w adds its dims' share of every score to a lane's 4 positions (pg + 8i) x 4 vectors
+// (vg + 4j): a step of 4 dims is 4 K loads (8 rows a load) and 4 q loads (4 rows) for 64 FFMAs. The
 // warps' shares meet in shared memory, where thread t sums those of vector t / 8 at positions
 // t % 8 + 8i and runs its online softmax (the state in registers: m the same on the vector's 8
 // threads, l each one's positions' share). Output: per stage of the V tile, a lane takes 4 dims
@@ -573,7 +565,7 @@ int log2_tile(int gt) { return gt >= 8 ? 3 : gt >= 4 ? 2 : gt >= 2 ? 1 : 0; }
 template <typename P, int GT>
 CausalKernel kernel_for_dmax(int dmax) {
   return dmax == 64 ? causal_warp_kernel<P, GT, 64>
-                    : dmax == 128 ? causal_warp_kernel<P, GT, 128> : causal_wide_kernel<P, GT, 256>;
+                    : dmax == 128 ? causal_wide_kernel<P, GT, 128> : causal_wide_kernel<P, GT, 256>;
 }
 
 template <typename S>
@@ -591,13 +583,11 @@ int causal_fp32_pass(m40llm_cuda_state *st, int head_dim, int gt, CausalPass *ou
     case 4: pass.kernel = kernel_for_dmax<P, 4>(dmax); break;
     default: pass.kernel = kernel_for_dmax<P, 8>(dmax); break;
   }
-  pass.threads = dmax == 64    ? WarpShape<64>::NT
-                 : dmax == 128 ? WarpShape<128>::NT
-                               : WideShape<256>::NT;
+  pass.threads = dmax == 64 ? WarpShape<64>::NT : WideShape<256>::NT;
   pass.smem = dmax == 64    ? smem_bytes<WarpShape<64>>()
-              : dmax == 128 ? smem_bytes<WarpShape<128>>()
+              : dmax == 128 ? smem_bytes<WideShape<128>>()
                             : smem_bytes<WideShape<256>>();
-  pass.rows = kCausalVectorDims / dmax / gt;
+  pass.rows = (dmax == 64 ? WarpShape<64>::BM : WideShape<256>::BM) / gt;
   pass.tile = kCausalTile;
   int &occ = st->causal_occupancy[P::K::kFormat][P::V::kFormat][log2_tile(gt)][dmax / 128];
   if (occ == 0) {

@@ -83,31 +83,31 @@ __host__ __device__ constexpr int pv_columns(int group_tile, bool wide = false) 
 }
 
 // ---- FP32 causal kernels (attention_causal_fp32.cu) ----
-// Query vectors x head-dim class a block holds: 64 x 64, 32 x 128, 16 x 256 (q, a K/V tile or
-// stage and the weights fit in 35-46 KB of shared memory, 2 blocks an SM on sm_52).
+// causal_warp_kernel (head_dim class 64): query vectors x head-dim class a block holds, 64 x 64
+// (q, a K/V tile and the weights in 35 KB of shared memory, 2 blocks an SM on sm_52).
 constexpr int kCausalVectorDims = 4096;
-// causal_warp_kernel (head_dim classes 64, 128): query vectors a warp, so 8 warps at 64 and 4 at
-// 128. A score step of 4 dims is a K load and 8 broadcast q loads for 32 FFMAs, an output step
-// of 4 positions 8 broadcast weight loads and 4 V loads for 128 FFMAs (64 at head_dim 64).
+// Query vectors a warp, so 8 warps a block. A score step of 4 dims is a K load and 8 broadcast q
+// loads for 32 FFMAs, an output step of 4 positions 8 broadcast weight loads and 4 V loads for
+// 64 FFMAs.
 constexpr int kCausalWarpVectors = 8;
-// Threads an SM it is compiled for: 128 registers a thread (2 blocks at 64 dims, 4 at 128; sm_52's
-// shared memory holds 2 either way). On an H200 the version with 136 registers (3 blocks of 4
-// warps an SM) ran head_dim 128 at 0.89-1.49x the previous kernel's time, the one with 169-182
-// (2 blocks) at 1.11-1.17x; with 126 registers (4 blocks, which registers limit there) at
+// Threads an SM it is compiled for: 128 registers a thread, 2 blocks. At head_dim 128 (which it
+// served until causal_wide_kernel took that class) on an H200 the version with 136 registers (3
+// blocks of 4 warps an SM) ran at 0.89-1.49x the previous kernel's time, the one with 169-182 (2
+// blocks) at 1.11-1.17x; with 126 registers (4 blocks, which registers limit there) at
 // 0.85-0.90x (bench/RESULTS.md, "The M40's causal kernel").
 constexpr int kCausalWarpSmThreads = 512;
-// Its score pass walks a tile's dims in steps of this many, its output pass the positions, each
-// step unrolled whole (dims up to the next step are zeros). At 64 the whole head and tile: the
-// M40 model (sm_52 SASS of a full tile, bench/m40_causal_model.md) 58-59% of the FP32 peak ->
-// 68-69%, 118 registers, no spill; the M40 path on an H200 0.953-0.987x the time at prefill.
-// At 128, 32 dims and 16 positions modeled 73-74% (64-65% in steps of 4) but ran 0.97-1.03x on
-// the H200 (slower on short prompts: T 512 and 1024 on P 0 1.03x), so it keeps steps of 4.
-template <int DMAX>
-constexpr int kCausalWarpScoreDims = DMAX == 64 ? 64 : 4;
-template <int DMAX>
-constexpr int kCausalWarpOutputRows = DMAX == 64 ? 32 : 4;
-// causal_wide_kernel (head_dim class 256): blocks an SM it is compiled for, so 128 registers a
-// thread (46 KB of shared memory: 2 blocks an SM on sm_52, 4 on sm_90).
+// Its score pass walks the head in steps of this many dims, its output pass the tile in steps of
+// this many positions, each step unrolled whole (dims up to the next step are zeros): the whole
+// head and tile. The M40 model (sm_52 SASS of a full tile, bench/m40_causal_model.md) 58-59% of
+// the FP32 peak (steps of 4) -> 68-69%, 118 registers, no spill; the M40 path on an H200
+// 0.953-0.987x the time at prefill.
+constexpr int kCausalWarpScoreDims = 64;
+constexpr int kCausalWarpOutputRows = 32;
+// causal_wide_kernel (head_dim classes 128 and 256): query vectors a block (4 warps, a lane 4 of
+// them in both passes), and blocks an SM it is compiled for, so 128 registers a thread (38 KB of
+// shared memory at 128, 46 KB at 256: 2 blocks an SM on sm_52, 4 on sm_90). At 256 with 146
+// registers (launch bounds for 2 blocks) it ran 1.03-1.30x the time at prefill on the M40 path.
+constexpr int kCausalWideVectors = 16;
 constexpr int kCausalWideMinBlocksPerSm = 4;
 // Positions per K/V tile, both kernels: a lane each in causal_warp_kernel's score pass.
 constexpr int kCausalTile = 32;
