@@ -229,8 +229,8 @@ __global__ void __launch_bounds__(WarpShape<DMAX>::NT, kCausalWarpSmThreads / Wa
     const bool full = n == BN && t0 + BN - 1 <= first_pos && (window == 0 || t0 + window > last_pos);
     __syncthreads();  // q is staged; the last tile's V is consumed
     load_tile<KF, S::NT, BN, DMAX, LD, false>(skv, a.k, KF::at(a.k, base),
-                                       a.kept_k ? a.kept_k + slot_base : nullptr, plan, item, t0,
-                                       n, D, 0);
+                                              a.kept_k ? a.kept_k + slot_base : nullptr, plan,
+                                              item, t0, n, D, 0);
     __syncthreads();
 
     float s[VW];
@@ -270,8 +270,8 @@ __global__ void __launch_bounds__(WarpShape<DMAX>::NT, kCausalWarpSmThreads / Wa
     }
     __syncthreads();  // K is consumed (the weights are the warp's own: the barrier orders them too)
     load_tile<VF, S::NT, BN, DMAX, LD, false>(skv, a.v, VF::at(a.v, base),
-                                       a.kept_v ? a.kept_v + slot_base : nullptr, plan, item, t0,
-                                       n, D, 0);
+                                              a.kept_v ? a.kept_v + slot_base : nullptr, plan,
+                                              item, t0, n, D, 0);
     __syncthreads();
 
     // Positions n .. BN - 1 have weight 0 and zero V rows: whole steps of SN positions, each
@@ -408,8 +408,8 @@ __global__ void __launch_bounds__(WideShape<DMAX>::NT, kCausalWideMinBlocksPerSm
     for (int h = 0; h < STAGES; h++) {
       __syncthreads();  // q is staged; the last stage (K's or the last tile's V) is consumed
       load_tile<KF, S::NT, BN, DH, LH, true>(skv, a.k, KF::at(a.k, base),
-                                       a.kept_k ? a.kept_k + slot_base : nullptr, plan, item, t0,
-                                       n, D, h * DH);
+                                             a.kept_k ? a.kept_k + slot_base : nullptr, plan,
+                                             item, t0, n, D, h * DH);
       __syncthreads();
       if (h * DH + warp * DW < D) {  // warp-uniform; dims past head_dim are zeros
         const float *kr = skv + pg * LH + warp * DW;
@@ -440,8 +440,8 @@ __global__ void __launch_bounds__(WideShape<DMAX>::NT, kCausalWideMinBlocksPerSm
       for (int j = 0; j < 4; j++) pw[(vg + 4 * j) * LP + pg + 8 * i] = s[i][j];
     __syncthreads();  // the shares are in; K is consumed: V's first stage takes its place
     load_tile<VF, S::NT, BN, DH, LH, true>(skv, a.v, VF::at(a.v, base),
-                                     a.kept_v ? a.kept_v + slot_base : nullptr, plan, item, t0, n,
-                                     D, 0);
+                                           a.kept_v ? a.kept_v + slot_base : nullptr, plan, item,
+                                           t0, n, D, 0);
     {
       // Vector sv is row sv / GT; the warps' shares summed in a fixed order.
       const int dist0 = first_pos + sv / GT - (t0 + sk);  // query minus key position
@@ -482,8 +482,8 @@ __global__ void __launch_bounds__(WideShape<DMAX>::NT, kCausalWideMinBlocksPerSm
       if (h > 0) {
         __syncthreads();  // the last stage of V is consumed
         load_tile<VF, S::NT, BN, DH, LH, true>(skv, a.v, VF::at(a.v, base),
-                                         a.kept_v ? a.kept_v + slot_base : nullptr, plan, item, t0,
-                                         n, D, h * DH);
+                                               a.kept_v ? a.kept_v + slot_base : nullptr, plan,
+                                               item, t0, n, D, h * DH);
         __syncthreads();
       }
       // Positions n .. BN - 1 have weight 0 and zero V rows: the whole tile, unrolled.
