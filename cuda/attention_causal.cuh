@@ -109,8 +109,10 @@ __device__ __forceinline__ size_t kv_base(const CausalArgs &a, const CausalPlan 
 
 }  // namespace
 
+// The FP32 kernels' pass (attention_causal_fp32.cu); `few`: for items of at most out->rows
+// rows, where a class has a kernel of smaller blocks for them (else the same pass).
 template <typename P>
-int causal_fp32_pass(m40llm_cuda_state *st, int head_dim, int gt, CausalPass *out);
+int causal_fp32_pass(m40llm_cuda_state *st, int head_dim, int gt, bool few, CausalPass *out);
 // The tensor-core prefill kernel's pass (attention_causal_mma.cu) for an FP16 cache without
 // rotation or protected tokens: a null kernel where this build or GPU has none (before sm_80,
 // head_dim past 256 or not a multiple of 8).

@@ -188,9 +188,10 @@ int m40llm_cuda_attention_causal(const m40llm_kvcache *c, int layer,
       m40llm_cuda_state *st = cuda_state(c->ctx);
       const int gt = grouping_for(&c->opts).gt;
       SplitPasses mma;
-      CausalPass fp32, prefill{};
+      CausalPass fp32, few, prefill{};
       int rc = mma_causal_passes<P>(st, c->opts.head_dim, &mma);
-      if (rc == M40LLM_OK) rc = causal_fp32_pass<P>(st, c->opts.head_dim, gt, &fp32);
+      if (rc == M40LLM_OK) rc = causal_fp32_pass<P>(st, c->opts.head_dim, gt, false, &fp32);
+      if (rc == M40LLM_OK) rc = causal_fp32_pass<P>(st, c->opts.head_dim, gt, true, &few);
       if (rc == M40LLM_OK && std::is_same<P, KvPair<KvF16, KvF16>>::value && !c->k.rotated &&
           !c->v.rotated && c->slots == 0)
         rc = causal_mma_pass(st, c->opts.head_dim, gt, &prefill);
@@ -200,16 +201,17 @@ int m40llm_cuda_attention_causal(const m40llm_kvcache *c, int layer,
       // tensor-core prefill kernel where there is one. Otherwise the tensor cores' decode
       // tiles read every position before an item's last row (a window masks them), so an item
       // whose windows leave out more than kCausalMmaMaxUnseen of them takes the FP32 kernel,
-      // which reads only what its rows see.
-      enum Road { kPrefill, kDecodeTiles, kFp32 };
+      // which reads only what its rows see: the pass for few rows (`few`, causal_fp32_pass) where
+      // the item's query vectors fill no more than its blocks.
+      enum Road { kPrefill, kDecodeTiles, kFp32, kFp32Few };
       const auto road = [&](const m40llm_append_item &it) {
         if (prefill.kernel && (it.n_tokens >= kCausalPrefillMinRows ||
                                (it.n_tokens >= prefill.rows && it.pos >= kCausalPrefillLongPrefix)))
           return kPrefill;
         const long long begin = window > 0 && it.pos - window + 1 > 0 ? it.pos - window + 1 : 0;
-        return mma.pass.kernel && begin <= kCausalMmaMaxUnseen * (it.pos + it.n_tokens)
-                   ? kDecodeTiles
-                   : kFp32;
+        if (mma.pass.kernel && begin <= kCausalMmaMaxUnseen * (it.pos + it.n_tokens))
+          return kDecodeTiles;
+        return few.kernel != fp32.kernel && it.n_tokens <= few.rows ? kFp32Few : kFp32;
       };
       size_t done = 0;  // rows of the runs before
       for (int first = 0, end; first < n_items; first = end) {
@@ -226,7 +228,7 @@ int m40llm_cuda_attention_causal(const m40llm_kvcache *c, int layer,
           for (int i = first; rc == M40LLM_OK && i < end; i += kCausalMaxItems) {
             const int n = end - i < kCausalMaxItems ? end - i : kCausalMaxItems;
             rc = causal_launch(c, layer, items + i, n, q32 + at * row, out32 + at * row, scale,
-                               window, r == kPrefill ? prefill : fp32);
+                               window, r == kPrefill ? prefill : r == kFp32Few ? few : fp32);
             for (int j = i; j < i + n; j++) at += (size_t)items[j].n_tokens;
           }
         }

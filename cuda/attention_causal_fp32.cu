@@ -13,9 +13,10 @@
 // lane each for the scores, then the vectors' outputs a few dims a lane. Its q and weight loads
 // from shared memory are broadcasts, so each K or V word a lane loads serves 8 vectors' FFMAs,
 // and a vector's softmax is one warp's shuffles in registers. At head_dim classes 128 and 256,
+// and at 64 for items of few rows (speculative rows: a 64-vector block would be mostly empty),
 // causal_wide_kernel: 16 query vectors a block, the tile in stages of up to 128 dims (at 256 q
 // and a whole tile would pass 48 KB), each warp a quarter of a stage's dims for every score and
-// output of the block, a lane 4 x 4 of each (its loads shared by 4 or 8 lanes: one
+// 32 dims of the outputs, a lane 4 x 4 of each (its loads shared by 4 or 8 lanes: one
 // shared-memory wavefront).
 #include <math.h>
 
@@ -24,7 +25,8 @@
 namespace {
 
 // causal_wide_kernel's: 4 warps, BM = 16 query vectors, BN = 32 positions, the K/V tile in
-// stages of DH dims (one at 128, two at 256); in a stage warp w takes dims [DW w, DW w + DW).
+// stages of DH dims (one at 64 and 128, two at 256); in a stage warp w takes dims [DW w, DW w +
+// DW) of the scores, and 32 dims of the outputs (at 64, two warps, a half of the positions each).
 // Rows are padded so that a warp's loads fall in distinct banks: q (4 rows a load) and K/V (8
 // rows or 8 columns) by 4 floats, the partial scores ([warp][vector][position], written 4
 // vectors x 8 positions a store) by 8, the weights ([position][vector], written 8 positions x 4
@@ -34,7 +36,7 @@ struct WideShape {
   static constexpr int WARPS = 4, NT = 32 * WARPS;
   static constexpr int BM = kCausalWideVectors;
   static constexpr int BN = kCausalTile;
-  static constexpr int DH = 128, DW = DH / WARPS;
+  static constexpr int DH = DMAX < 128 ? DMAX : 128, DW = DH / WARPS;
   static constexpr int LD = DMAX + 4;  // q
   static constexpr int LH = DH + 4;    // a K/V stage
   static constexpr int LP = BN + 8;    // partial scores
@@ -81,10 +83,9 @@ __device__ __forceinline__ void kept_chunk(const __half *kept, const CausalPlan 
 
 // Decodes dims d0 .. d0 + DC - 1 of positions t0 .. t0 + n - 1 of one K/V head (rows from
 // `base`, FP16 slots from `kept` where the cache has them) into dst [BN][LD] as FP32; rows from n
-// to BN become zeros, and dims from head_dim too where ZERO_PAST (else they are left as they
-// were). A thread takes the chunk of 8 dims c8 of rows RS apart (a compile-time walk: no
-// division).
-template <typename F, int NT, int BN, int DC, int LD, bool ZERO_PAST>
+// to BN and dims from head_dim become zeros (the score and output steps run whole). A thread
+// takes the chunk of 8 dims c8 of rows RS apart (a compile-time walk: no division).
+template <typename F, int NT, int BN, int DC, int LD>
 __device__ __forceinline__ void load_tile(float *dst, const KvPlanes &planes,
                                           typename F::Ptr base, const __half *kept,
                                           const CausalPlan &plan, int item, int t0, int n, int D,
@@ -92,13 +93,12 @@ __device__ __forceinline__ void load_tile(float *dst, const KvPlanes &planes,
   constexpr int CH = DC / 8, RS = NT / CH;
   static_assert(NT % CH == 0 && BN % RS == 0, "whole chunks a thread");
   const int row0 = threadIdx.x / CH, c8 = threadIdx.x % CH * 8, dim = d0 + c8;
-  if (!ZERO_PAST && dim >= D) return;
   const typename F::Ptr tile = F::add(base, (size_t)t0 * D + row0 * D + dim);
 #pragma unroll
   for (int it = 0; it < BN / RS; it++) {
     const int row = row0 + it * RS, p = t0 + row;
     float f[8];
-    if (row >= n || (ZERO_PAST && dim >= D)) {
+    if (row >= n || dim >= D) {
 #pragma unroll
       for (int i = 0; i < 8; i++) f[i] = 0.0f;
     } else if (kept && kept_position(plan, item, p)) {
@@ -207,10 +207,6 @@ __global__ void __launch_bounds__(WarpShape<DMAX>::NT, kCausalWarpSmThreads / Wa
 
   wait_for_prerequisite_grid();
   stage_q<S, GT, DMAX>(sq, a, b);
-  // Score steps read up to SD - 4 dims past head_dim: the tiles' are zeros, written once here and
-  // never by load_tile (q's are: stage_q).
-  for (int i = threadIdx.x; i < BN * (DMAX - D); i += S::NT)
-    skv[i / (DMAX - D) * LD + D + i % (DMAX - D)] = 0.0f;
 
   const size_t base = kv_base(a, plan, b), slot_base = slot_base_of(a, plan, b);
   const bool col_on = CPL * lane < D;
@@ -226,11 +222,11 @@ __global__ void __launch_bounds__(WarpShape<DMAX>::NT, kCausalWarpSmThreads / Wa
   for (int t0 = kv_begin; t0 < kv_end; t0 += BN) {
     const int n = min(BN, kv_end - t0);
     // Every row sees every position of the tile: no mask.
-    const bool full = n == BN && t0 + BN - 1 <= first_pos && (window == 0 || t0 + window > last_pos);
+    const bool full = n == BN && t0 + BN - 1 <= first_pos && (window == 0 || last_pos - t0 < window);
     __syncthreads();  // q is staged; the last tile's V is consumed
-    load_tile<KF, S::NT, BN, DMAX, LD, false>(skv, a.k, KF::at(a.k, base),
-                                              a.kept_k ? a.kept_k + slot_base : nullptr, plan,
-                                              item, t0, n, D, 0);
+    load_tile<KF, S::NT, BN, DMAX, LD>(skv, a.k, KF::at(a.k, base),
+                                       a.kept_k ? a.kept_k + slot_base : nullptr, plan, item,
+                                       t0, n, D, 0);
     __syncthreads();
 
     float s[VW];
@@ -269,9 +265,9 @@ __global__ void __launch_bounds__(WarpShape<DMAX>::NT, kCausalWarpSmThreads / Wa
       for (int c = 0; c < CPL; c++) o[v][c] *= alpha;
     }
     __syncthreads();  // K is consumed (the weights are the warp's own: the barrier orders them too)
-    load_tile<VF, S::NT, BN, DMAX, LD, false>(skv, a.v, VF::at(a.v, base),
-                                              a.kept_v ? a.kept_v + slot_base : nullptr, plan,
-                                              item, t0, n, D, 0);
+    load_tile<VF, S::NT, BN, DMAX, LD>(skv, a.v, VF::at(a.v, base),
+                                       a.kept_v ? a.kept_v + slot_base : nullptr, plan, item,
+                                       t0, n, D, 0);
     __syncthreads();
 
     // Positions n .. BN - 1 have weight 0 and zero V rows: whole steps of SN positions, each
@@ -350,22 +346,24 @@ __global__ void __launch_bounds__(WarpShape<DMAX>::NT, kCausalWarpSmThreads / Wa
   }
 }
 
-// Head-dim classes 128 and 256 (see the top of the file). Per tile, for each stage of the K
-// tile warp w adds its dims' share of every score to a lane's 4 positions (pg + 8i) x 4 vectors
-// (vg + 4j): a step of 4 dims is 4 K loads (8 rows a load) and 4 q loads (4 rows) for 64 FFMAs. The
-// warps' shares meet in shared memory, where thread t sums those of vector t / 8 at positions
-// t % 8 + 8i and runs its online softmax (the state in registers: m the same on the vector's 8
-// threads, l each one's positions' share). Output: per stage of the V tile, a lane takes 4 dims
-// (4 pg ..) of 4 vectors (4 vg ..), a V load (8 columns) and a weight load (4 rows) a position
-// for 16 FFMAs.
+// Head-dim classes 128 and 256, and 64 for few rows (see the top of the file). Per tile, for
+// each stage of the K tile warp w adds its dims' share of every score to a lane's 4 positions
+// (pg + 8i) x 4 vectors (vg + 4j): a step of 4 dims is 4 K loads (8 rows a load) and 4 q loads
+// (4 rows) for 64 FFMAs. The warps' shares meet in shared memory, where thread t sums those of
+// vector t / 8 at positions t % 8 + 8i and runs its online softmax (the state in registers: m
+// the same on the vector's 8 threads, l each one's positions' share). Output: per stage of the
+// V tile, a lane takes 4 dims (4 pg ..) of 4 vectors (4 vg ..), a V load (8 columns) and a
+// weight load (4 rows) a position for 16 FFMAs.
 template <typename P, int GT, int DMAX>
 __global__ void __launch_bounds__(WideShape<DMAX>::NT, kCausalWideMinBlocksPerSm)
     causal_wide_kernel(const CausalArgs a, const CausalPlan plan) {
   using S = WideShape<DMAX>;
   constexpr int BM = S::BM, BN = S::BN, LD = S::LD, LH = S::LH, LP = S::LP, LW = S::LW;
   constexpr int DH = S::DH, DW = S::DW, STAGES = DMAX / DH;
-  constexpr int BR = BM / GT;  // query rows
-  static_assert(BM == 16 && BN == 32 && S::WARPS == 4 && DW % 4 == 0 && DMAX % DH == 0,
+  constexpr int OG = DH / 32, OS = S::WARPS / OG;  // output: 32 dims a warp, OS position shares
+  constexpr int BR = BM / GT;                      // query rows
+  static_assert(BM == 16 && BN == 32 && S::WARPS == 4 && DW % 4 == 0 && DMAX % DH == 0 &&
+                    DH % 32 == 0 && (OS == 1 || (OS == 2 && STAGES == 1)),
                 "a lane 4 x 4 of the scores and of a stage's outputs");
   using KF = typename P::K;
   using VF = typename P::V;
@@ -378,6 +376,8 @@ __global__ void __launch_bounds__(WideShape<DMAX>::NT, kCausalWideMinBlocksPerSm
   float *salpha = sw + BN * LW;            // [BM]: the softmax's rescale of the tile
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, D = a.head_dim;
   const int pg = lane & 7, vg = lane >> 3;                 // score and output passes
+  // Output: a stage's dims 32 ow .., position share op (constants where a warp has one share).
+  const int ow = OS == 1 ? warp : warp % OG, op = OS == 1 ? 0 : warp / OG;
   const int sv = threadIdx.x >> 3, sk = threadIdx.x & 7;  // softmax: vector sv, positions sk + 8i
 
   const CausalBlock b = causal_block<BR, GT>(a, plan);
@@ -400,16 +400,16 @@ __global__ void __launch_bounds__(WideShape<DMAX>::NT, kCausalWideMinBlocksPerSm
   for (int t0 = kv_begin; t0 < kv_end; t0 += BN) {
     const int n = min(BN, kv_end - t0);
     // Every row sees every position of the tile: no mask.
-    const bool full = n == BN && t0 + BN - 1 <= first_pos && (window == 0 || t0 + window > last_pos);
+    const bool full = n == BN && t0 + BN - 1 <= first_pos && (window == 0 || last_pos - t0 < window);
     float s[4][4];  // [position pg + 8i][vector vg + 4j]
 #pragma unroll
     for (int i = 0; i < 4; i++) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.0f;
 #pragma unroll
     for (int h = 0; h < STAGES; h++) {
       __syncthreads();  // q is staged; the last stage (K's or the last tile's V) is consumed
-      load_tile<KF, S::NT, BN, DH, LH, true>(skv, a.k, KF::at(a.k, base),
-                                             a.kept_k ? a.kept_k + slot_base : nullptr, plan,
-                                             item, t0, n, D, h * DH);
+      load_tile<KF, S::NT, BN, DH, LH>(skv, a.k, KF::at(a.k, base),
+                                       a.kept_k ? a.kept_k + slot_base : nullptr, plan, item, t0, n,
+                                       D, h * DH);
       __syncthreads();
       if (h * DH + warp * DW < D) {  // warp-uniform; dims past head_dim are zeros
         const float *kr = skv + pg * LH + warp * DW;
@@ -439,9 +439,9 @@ __global__ void __launch_bounds__(WideShape<DMAX>::NT, kCausalWideMinBlocksPerSm
 #pragma unroll
       for (int j = 0; j < 4; j++) pw[(vg + 4 * j) * LP + pg + 8 * i] = s[i][j];
     __syncthreads();  // the shares are in; K is consumed: V's first stage takes its place
-    load_tile<VF, S::NT, BN, DH, LH, true>(skv, a.v, VF::at(a.v, base),
-                                           a.kept_v ? a.kept_v + slot_base : nullptr, plan, item,
-                                           t0, n, D, 0);
+    load_tile<VF, S::NT, BN, DH, LH>(skv, a.v, VF::at(a.v, base),
+                                     a.kept_v ? a.kept_v + slot_base : nullptr, plan, item, t0, n,
+                                     D, 0);
     {
       // Vector sv is row sv / GT; the warps' shares summed in a fixed order.
       const int dist0 = first_pos + sv / GT - (t0 + sk);  // query minus key position
@@ -481,17 +481,17 @@ __global__ void __launch_bounds__(WideShape<DMAX>::NT, kCausalWideMinBlocksPerSm
     for (int h = 0; h < STAGES; h++) {
       if (h > 0) {
         __syncthreads();  // the last stage of V is consumed
-        load_tile<VF, S::NT, BN, DH, LH, true>(skv, a.v, VF::at(a.v, base),
-                                               a.kept_v ? a.kept_v + slot_base : nullptr, plan,
-                                               item, t0, n, D, h * DH);
+        load_tile<VF, S::NT, BN, DH, LH>(skv, a.v, VF::at(a.v, base),
+                                         a.kept_v ? a.kept_v + slot_base : nullptr, plan, item, t0,
+                                         n, D, h * DH);
         __syncthreads();
       }
-      // Positions n .. BN - 1 have weight 0 and zero V rows: the whole tile, unrolled.
-      if (h * DH + warp * DW < D) {
-        const float *vr = skv + warp * DW + 4 * pg;
+      // Positions n .. BN - 1 have weight 0 and zero V rows: the whole share, unrolled.
+      if (h * DH + 32 * ow < D) {
+        const float *vr = skv + 32 * ow + 4 * pg;
         const float *wr = sw + 4 * vg;
 #pragma unroll
-        for (int p = 0; p < BN; p++) {
+        for (int p = op * (BN / OS); p < (op + 1) * (BN / OS); p++) {
           const float4 v4 = *reinterpret_cast<const float4 *>(vr + p * LH);
           const float4 w4 = *reinterpret_cast<const float4 *>(wr + p * LW);
           fma4(w4.x, v4, reinterpret_cast<float4 &>(o[h][0]));
@@ -510,6 +510,19 @@ __global__ void __launch_bounds__(WideShape<DMAX>::NT, kCausalWideMinBlocksPerSm
   __syncthreads();  // every warp is done with q, the tiles and the weights
   float *sm = sw, *sl = sw + BM;
   if (sk == 0) sm[sv] = st.m, sl[sv] = st.l;
+  if (OS == 2) {  // head_dim 64: share 0 adds share 1's outputs (their rescales were the same)
+    float4 *sr = reinterpret_cast<float4 *>(smem + 32 * ow + 4 * pg);  // q's place, [BM][LD]
+    if (op == 1)
+#pragma unroll
+      for (int j = 0; j < 4; j++) sr[(4 * vg + j) * (LD / 4)] = reinterpret_cast<float4 &>(o[0][j]);
+    __syncthreads();
+    if (op == 0)
+#pragma unroll
+      for (int j = 0; j < 4; j++) {
+        const float4 r = sr[(4 * vg + j) * (LD / 4)];
+        o[0][j][0] += r.x, o[0][j][1] += r.y, o[0][j][2] += r.z, o[0][j][3] += r.w;
+      }
+  }
   __syncthreads();
 
   const CausalBlock f = causal_block<BR, GT>(a, plan);
@@ -534,24 +547,26 @@ __global__ void __launch_bounds__(WideShape<DMAX>::NT, kCausalWideMinBlocksPerSm
     scale[j] = single ? SoftmaxState{sm[4 * vg + j], sl[4 * vg + j]}.inv_sum() : 1.0f;
   if (a.rot_v) {  // rotated back from V's frame, a warp a vector, through shared memory
     float *so = smem;  // [BM][LD]: q's
+    if (op == 0)
 #pragma unroll
-    for (int h = 0; h < STAGES; h++)
+      for (int h = 0; h < STAGES; h++)
 #pragma unroll
-      for (int j = 0; j < 4; j++)
+        for (int j = 0; j < 4; j++)
 #pragma unroll
-        for (int c = 0; c < 4; c++)
-          so[(4 * vg + j) * LD + h * DH + warp * DW + 4 * pg + c] = o[h][j][c] * scale[j];
+          for (int c = 0; c < 4; c++)
+            so[(4 * vg + j) * LD + h * DH + 32 * ow + 4 * pg + c] = o[h][j][c] * scale[j];
     __syncthreads();
     store_rotated<S, GT, DMAX>(so, a, nr, nh, dst);
     return;
   }
+  if (op != 0) return;
 #pragma unroll
   for (int j = 0; j < 4; j++) {
     const int qi = 4 * vg + j;
     if (qi / GT >= nr || qi % GT >= nh) continue;
 #pragma unroll
     for (int h = 0; h < STAGES; h++) {
-      const int d = h * DH + warp * DW + 4 * pg;
+      const int d = h * DH + 32 * ow + 4 * pg;
       if (d < D)
         store4(dst(qi, d), make_float4(o[h][j][0] * scale[j], o[h][j][1] * scale[j],
                                        o[h][j][2] * scale[j], o[h][j][3] * scale[j]));
@@ -563,8 +578,8 @@ int dmax_class(int head_dim) { return head_dim <= 64 ? 64 : head_dim <= 128 ? 12
 int log2_tile(int gt) { return gt >= 8 ? 3 : gt >= 4 ? 2 : gt >= 2 ? 1 : 0; }
 
 template <typename P, int GT>
-CausalKernel kernel_for_dmax(int dmax) {
-  return dmax == 64 ? causal_warp_kernel<P, GT, 64>
+CausalKernel kernel_for_dmax(int dmax, bool wide64) {
+  return dmax == 64 ? (wide64 ? causal_wide_kernel<P, GT, 64> : causal_warp_kernel<P, GT, 64>)
                     : dmax == 128 ? causal_wide_kernel<P, GT, 128> : causal_wide_kernel<P, GT, 256>;
 }
 
@@ -574,22 +589,28 @@ size_t smem_bytes() { return S::smem_floats() * sizeof(float); }
 }  // namespace
 
 template <typename P>
-int causal_fp32_pass(m40llm_cuda_state *st, int head_dim, int gt, CausalPass *out) {
+int causal_fp32_pass(m40llm_cuda_state *st, int head_dim, int gt, bool few, CausalPass *out) {
   const int dmax = dmax_class(head_dim);
+  // Few rows at head_dim 64: the wide kernel's 16 query vectors a block, not the warp kernel's
+  // 64, for items of at most 16 / gt rows (speculative rows: 0.39-0.49x the time at T 2 and 4).
+  const bool wide64 = few && dmax == 64;
   CausalPass pass;
   switch (gt) {
-    case 1: pass.kernel = kernel_for_dmax<P, 1>(dmax); break;
-    case 2: pass.kernel = kernel_for_dmax<P, 2>(dmax); break;
-    case 4: pass.kernel = kernel_for_dmax<P, 4>(dmax); break;
-    default: pass.kernel = kernel_for_dmax<P, 8>(dmax); break;
+    case 1: pass.kernel = kernel_for_dmax<P, 1>(dmax, wide64); break;
+    case 2: pass.kernel = kernel_for_dmax<P, 2>(dmax, wide64); break;
+    case 4: pass.kernel = kernel_for_dmax<P, 4>(dmax, wide64); break;
+    default: pass.kernel = kernel_for_dmax<P, 8>(dmax, wide64); break;
   }
-  pass.threads = dmax == 64 ? WarpShape<64>::NT : WideShape<256>::NT;
-  pass.smem = dmax == 64    ? smem_bytes<WarpShape<64>>()
-              : dmax == 128 ? smem_bytes<WideShape<128>>()
-                            : smem_bytes<WideShape<256>>();
-  pass.rows = (dmax == 64 ? WarpShape<64>::BM : WideShape<256>::BM) / gt;
+  const bool warp = dmax == 64 && !wide64;
+  pass.threads = warp ? WarpShape<64>::NT : WideShape<256>::NT;
+  pass.smem = warp            ? smem_bytes<WarpShape<64>>()
+              : dmax == 64    ? smem_bytes<WideShape<64>>()
+              : dmax == 128   ? smem_bytes<WideShape<128>>()
+                              : smem_bytes<WideShape<256>>();
+  pass.rows = (warp ? WarpShape<64>::BM : WideShape<256>::BM) / gt;
   pass.tile = kCausalTile;
-  int &occ = st->causal_occupancy[P::K::kFormat][P::V::kFormat][log2_tile(gt)][dmax / 128];
+  int &occ = st->causal_occupancy[P::K::kFormat][P::V::kFormat][log2_tile(gt)]
+                                 [wide64 ? 3 : dmax / 128];
   if (occ == 0) {
     M40LLM_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, pass.kernel, pass.threads,
                                                                   pass.smem));
@@ -601,6 +622,6 @@ int causal_fp32_pass(m40llm_cuda_state *st, int head_dim, int gt, CausalPass *ou
 }
 
 #define M40LLM_INSTANTIATE(P) \
-  template int causal_fp32_pass<P>(m40llm_cuda_state *, int, int, CausalPass *);
+  template int causal_fp32_pass<P>(m40llm_cuda_state *, int, int, bool, CausalPass *);
 M40LLM_KV_PAIRS(M40LLM_INSTANTIATE)
 #undef M40LLM_INSTANTIATE

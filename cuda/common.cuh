@@ -29,7 +29,7 @@ struct m40llm_cuda_state {
   int fp32_occupancy[kKvFormats][kKvFormats][4][33][2];  // [..][with exported scores]
   // The FP32 causal kernels' resident blocks per SM, by [K format][V format][log2 tile]
   // [head-dim class 64, 128, 256].
-  int causal_occupancy[kKvFormats][kKvFormats][4][3];
+  int causal_occupancy[kKvFormats][kKvFormats][4][4];  // [3]: head_dim 64, few rows
   // The causal prefill kernel on tensor cores (FP16 K/V): resident blocks per SM by [log2 tile]
   // [head-dim class 64, 128, 256]; 0 = not asked yet, -1 = this build has no image for this GPU.
   int causal_mma_occupancy[4][3];

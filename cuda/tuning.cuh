@@ -103,10 +103,11 @@ constexpr int kCausalWarpSmThreads = 512;
 // 0.953-0.987x the time at prefill.
 constexpr int kCausalWarpScoreDims = 64;
 constexpr int kCausalWarpOutputRows = 32;
-// causal_wide_kernel (head_dim classes 128 and 256): query vectors a block (4 warps, a lane 4 of
-// them in both passes), and blocks an SM it is compiled for, so 128 registers a thread (38 KB of
-// shared memory at 128, 46 KB at 256: 2 blocks an SM on sm_52, 4 on sm_90). At 256 with 146
-// registers (launch bounds for 2 blocks) it ran 1.03-1.30x the time at prefill on the M40 path.
+// causal_wide_kernel (head_dim classes 128 and 256, and 64 for items of at most 16 / the group
+// tile rows): query vectors a block (4 warps, a lane 4 of them in both passes), and blocks an SM
+// it is compiled for, so 128 registers a thread (38 KB of shared memory at 128, 46 KB at 256: 2
+// blocks an SM on sm_52, 4 on sm_90). At 256 with 146 registers (launch bounds for 2 blocks) it
+// ran 1.03-1.30x the time at prefill on the M40 path.
 constexpr int kCausalWideVectors = 16;
 constexpr int kCausalWideMinBlocksPerSm = 4;
 // Positions per K/V tile, both kernels: a lane each in causal_warp_kernel's score pass.
