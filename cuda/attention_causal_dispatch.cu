@@ -201,17 +201,18 @@ int m40llm_cuda_attention_causal(const m40llm_kvcache *c, int layer,
       // tensor-core prefill kernel where there is one. Otherwise the tensor cores' decode
       // tiles read every position before an item's last row (a window masks them), so an item
       // whose windows leave out more than kCausalMmaMaxUnseen of them takes the FP32 kernel,
-      // which reads only what its rows see: the pass for few rows (`few`, causal_fp32_pass) where
-      // the item's query vectors fill no more than its blocks.
-      enum Road { kPrefill, kDecodeTiles, kFp32, kFp32Few };
+      // which reads only what its rows see: a launch whose every item's query vectors fit a
+      // block of the pass for few rows (`few`, causal_fp32_pass) takes that pass (a run's
+      // launches stay what they are whatever its items' rows).
+      enum Road { kPrefill, kDecodeTiles, kFp32 };
       const auto road = [&](const m40llm_append_item &it) {
         if (prefill.kernel && (it.n_tokens >= kCausalPrefillMinRows ||
                                (it.n_tokens >= prefill.rows && it.pos >= kCausalPrefillLongPrefix)))
           return kPrefill;
         const long long begin = window > 0 && it.pos - window + 1 > 0 ? it.pos - window + 1 : 0;
-        if (mma.pass.kernel && begin <= kCausalMmaMaxUnseen * (it.pos + it.n_tokens))
-          return kDecodeTiles;
-        return few.kernel != fp32.kernel && it.n_tokens <= few.rows ? kFp32Few : kFp32;
+        return mma.pass.kernel && begin <= kCausalMmaMaxUnseen * (it.pos + it.n_tokens)
+                   ? kDecodeTiles
+                   : kFp32;
       };
       size_t done = 0;  // rows of the runs before
       for (int first = 0, end; first < n_items; first = end) {
@@ -227,8 +228,10 @@ int m40llm_cuda_attention_causal(const m40llm_kvcache *c, int layer,
           size_t at = done;
           for (int i = first; rc == M40LLM_OK && i < end; i += kCausalMaxItems) {
             const int n = end - i < kCausalMaxItems ? end - i : kCausalMaxItems;
+            bool fits_few = r == kFp32 && few.kernel != fp32.kernel;
+            for (int j = i; fits_few && j < i + n; j++) fits_few = items[j].n_tokens <= few.rows;
             rc = causal_launch(c, layer, items + i, n, q32 + at * row, out32 + at * row, scale,
-                               window, r == kPrefill ? prefill : r == kFp32Few ? few : fp32);
+                               window, r == kPrefill ? prefill : fits_few ? few : fp32);
             for (int j = i; j < i + n; j++) at += (size_t)items[j].n_tokens;
           }
         }

@@ -443,6 +443,18 @@ void t_cases_causal(m40llm_context *ctx, m40llm_context *cpu, int small) {
   const int P7[] = {small ? 1200 : 5000, small ? 2000 : 7000, 40}, T7[] = {6, 6, 6};
   run_case(ctx, cpu, f16[1], P7, T7, 3, 0);
   run_case(ctx, cpu, quant[1], P7, T7, 3, 0);
+  /* Calls whose every item's query vectors fit a block of 16 (at head_dim 64 on the FP32 road:
+   * the wide kernel's pass for few rows, which a call takes only where all its items fit): T 1
+   * and 2 at every group (windows, protected tokens, rotation), up to 16 rows at group 1. */
+  const int P14[] = {0, 37, 300, 1000, 5, 64}, T14[] = {2, 1, 2, 2, 1, 2};
+  const int P15[] = {0, 100, 1000}, T15[] = {16, 9, 3};
+  for (int i = 0; i < nf; i++)
+    if (f16[i].d <= 64) run_case(ctx, cpu, f16[i], P14, T14, 6, 0);
+  run_case(ctx, cpu, (causal_shape){F, F, 4, 2, 48}, P14, T14, 6, 0);
+  run_case(ctx, cpu, f16[0], P14, T14, 6, 16);
+  run_case(ctx, cpu, f16[0], P15, T15, 3, 0);
+  run_case(ctx, cpu, quant[0], P14, T14, 6, 0);
+  run_case(ctx, cpu, quant[4], P14, T14, 6, 20);
   const int P8[] = {small ? 3000 : 9000, 2500}, T8[] = {64, 128};
   run_case(ctx, cpu, f16[0], P8, T8, 2, 0);
   /* A block's rows (64 at group 1) on a prefix of 32768: on tensor cores the prefill kernel. */
