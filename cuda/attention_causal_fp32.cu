@@ -592,7 +592,7 @@ template <typename P>
 int causal_fp32_pass(m40llm_cuda_state *st, int head_dim, int gt, bool few, CausalPass *out) {
   const int dmax = dmax_class(head_dim);
   // Few rows at head_dim 64: the wide kernel's 16 query vectors a block, not the warp kernel's
-  // 64, for items of at most 16 / gt rows (speculative rows: 0.39-0.49x the time at T 2 and 4).
+  // 64, for items of at most 16 / gt rows (speculative rows: 0.34-0.43x the time at T 2 and 4).
   const bool wide64 = few && dmax == 64;
   CausalPass pass;
   switch (gt) {
