@@ -451,6 +451,10 @@ void t_cases_causal(m40llm_context *ctx, m40llm_context *cpu, int small) {
   for (int i = 0; i < nf; i++)
     if (f16[i].d <= 64) run_case(ctx, cpu, f16[i], P14, T14, 6, 0);
   run_case(ctx, cpu, (causal_shape){F, F, 4, 2, 48}, P14, T14, 6, 0);
+  /* head_dim 40 and 24 of 64: a warp's score dims and an output column partly and wholly past
+   * head_dim */
+  run_case(ctx, cpu, (causal_shape){F, F, 4, 2, 40}, P14, T14, 6, 0);
+  run_case(ctx, cpu, (causal_shape){F, F, 8, 2, 24}, P14, T14, 6, 0);
   run_case(ctx, cpu, f16[0], P14, T14, 6, 16);
   run_case(ctx, cpu, f16[0], P15, T15, 3, 0);
   run_case(ctx, cpu, quant[0], P14, T14, 6, 0);
