@@ -577,14 +577,22 @@ __global__ void __launch_bounds__(WideShape<DMAX>::NT, kCausalWideMinBlocksPerSm
 int dmax_class(int head_dim) { return head_dim <= 64 ? 64 : head_dim <= 128 ? 128 : 256; }
 int log2_tile(int gt) { return gt >= 8 ? 3 : gt >= 4 ? 2 : gt >= 2 ? 1 : 0; }
 
+// The kernel classes, which index causal_occupancy: 0 causal_warp_kernel at head_dim 64, 1 and
+// 2 causal_wide_kernel at 128 and 256, 3 causal_wide_kernel at 64 (few rows).
 template <typename P, int GT>
-CausalKernel kernel_for_dmax(int dmax, bool wide64) {
-  return dmax == 64 ? (wide64 ? causal_wide_kernel<P, GT, 64> : causal_warp_kernel<P, GT, 64>)
-                    : dmax == 128 ? causal_wide_kernel<P, GT, 128> : causal_wide_kernel<P, GT, 256>;
+CausalKernel kernel_of(int cls) {
+  return cls == 0   ? causal_warp_kernel<P, GT, 64>
+         : cls == 1 ? causal_wide_kernel<P, GT, 128>
+         : cls == 2 ? causal_wide_kernel<P, GT, 256>
+                    : causal_wide_kernel<P, GT, 64>;
 }
 
 template <typename S>
-size_t smem_bytes() { return S::smem_floats() * sizeof(float); }
+void set_shape(CausalPass &pass, int gt) {
+  pass.threads = S::NT;
+  pass.smem = S::smem_floats() * sizeof(float);
+  pass.rows = S::BM / gt;
+}
 
 }  // namespace
 
@@ -593,24 +601,22 @@ int causal_fp32_pass(m40llm_cuda_state *st, int head_dim, int gt, bool few, Caus
   const int dmax = dmax_class(head_dim);
   // Few rows at head_dim 64: the wide kernel's 16 query vectors a block, not the warp kernel's
   // 64, for items of at most 16 / gt rows (speculative rows: 0.34-0.43x the time at T 2 and 4).
-  const bool wide64 = few && dmax == 64;
+  const int cls = dmax == 64 ? (few ? 3 : 0) : dmax / 128;
   CausalPass pass;
   switch (gt) {
-    case 1: pass.kernel = kernel_for_dmax<P, 1>(dmax, wide64); break;
-    case 2: pass.kernel = kernel_for_dmax<P, 2>(dmax, wide64); break;
-    case 4: pass.kernel = kernel_for_dmax<P, 4>(dmax, wide64); break;
-    default: pass.kernel = kernel_for_dmax<P, 8>(dmax, wide64); break;
+    case 1: pass.kernel = kernel_of<P, 1>(cls); break;
+    case 2: pass.kernel = kernel_of<P, 2>(cls); break;
+    case 4: pass.kernel = kernel_of<P, 4>(cls); break;
+    default: pass.kernel = kernel_of<P, 8>(cls); break;
   }
-  const bool warp = dmax == 64 && !wide64;
-  pass.threads = warp ? WarpShape<64>::NT : WideShape<256>::NT;
-  pass.smem = warp            ? smem_bytes<WarpShape<64>>()
-              : dmax == 64    ? smem_bytes<WideShape<64>>()
-              : dmax == 128   ? smem_bytes<WideShape<128>>()
-                              : smem_bytes<WideShape<256>>();
-  pass.rows = (warp ? WarpShape<64>::BM : WideShape<256>::BM) / gt;
+  switch (cls) {
+    case 0: set_shape<WarpShape<64>>(pass, gt); break;
+    case 1: set_shape<WideShape<128>>(pass, gt); break;
+    case 2: set_shape<WideShape<256>>(pass, gt); break;
+    default: set_shape<WideShape<64>>(pass, gt); break;
+  }
   pass.tile = kCausalTile;
-  int &occ = st->causal_occupancy[P::K::kFormat][P::V::kFormat][log2_tile(gt)]
-                                 [wide64 ? 3 : dmax / 128];
+  int &occ = st->causal_occupancy[P::K::kFormat][P::V::kFormat][log2_tile(gt)][cls];
   if (occ == 0) {
     M40LLM_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, pass.kernel, pass.threads,
                                                                   pass.smem));

@@ -28,8 +28,8 @@ struct m40llm_cuda_state {
   // The FP32 split kernels' resident blocks per SM, by [K format][V format][log2 tile][dim / 8].
   int fp32_occupancy[kKvFormats][kKvFormats][4][33][2];  // [..][with exported scores]
   // The FP32 causal kernels' resident blocks per SM, by [K format][V format][log2 tile]
-  // [head-dim class 64, 128, 256].
-  int causal_occupancy[kKvFormats][kKvFormats][4][4];  // [3]: head_dim 64, few rows
+  // [kernel class: head_dim 64, 128, 256, and 64 for few rows (attention_causal_fp32.cu)].
+  int causal_occupancy[kKvFormats][kKvFormats][4][4];
   // The causal prefill kernel on tensor cores (FP16 K/V): resident blocks per SM by [log2 tile]
   // [head-dim class 64, 128, 256]; 0 = not asked yet, -1 = this build has no image for this GPU.
   int causal_mma_occupancy[4][3];
