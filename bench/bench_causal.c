@@ -15,7 +15,7 @@
  * weights as two FP16 terms each, so its MMAs do twice the FLOPs counted here.
  * Usage: bench_causal [out.json [device [format]]] (default bench_causal.json, device 0, F16;
  * format: F16, Q8, Q4 or Q8Q4 (K Q8, V Q4), with the library's defaults for it: rotation, sinks
- * and window). */
+ * and window). M40LLM_BENCH_HEAD_DIMS="64,256" times those head_dims only (of 128, 64, 256). */
 #define _POSIX_C_SOURCE 199309L
 #include <cuda_runtime_api.h>
 #include <stdio.h>
@@ -97,6 +97,18 @@ static int tc_flop_per_clock(int major, int minor) {
   return major == 9 && minor == 0 ? 4096 : major == 8 && minor == 0 ? 2048 : 0;
 }
 
+/* Whether the comma-separated list names head_dim d. */
+static int has_dim(const char *list, int d) {
+  for (const char *c = list; *c;) {
+    char *end;
+    const long v = strtol(c, &end, 10);
+    if (end == c) return 0;
+    if (v == d) return 1;
+    c = *end == ',' ? end + 1 : end;
+  }
+  return 0;
+}
+
 int main(int argc, char **argv) {
   const char *json_path = argc > 1 ? argv[1] : "bench_causal.json";
   const int device = argc > 2 ? atoi(argv[2]) : 0;
@@ -144,8 +156,10 @@ int main(int argc, char **argv) {
          "of FP32", "of TC", "x decode");
   int first = 1;
   const int dims[3] = {128, 64, 256};
+  const char *only = getenv("M40LLM_BENCH_HEAD_DIMS");
   for (int di = 0; di < 3; di++) {
     b.dim = dims[di];
+    if (only && !has_dim(only, b.dim)) continue;
     m40llm_kvcache_options o = M40LLM_KVCACHE_OPTIONS_INIT;
     o.n_layers = 1, o.n_heads = HEADS, o.n_kv_heads = KV_HEADS, o.head_dim = b.dim;
     o.max_seqs = 1, o.max_seq_len = MAX_T + MAX_P;

@@ -6,7 +6,10 @@
 // decoded once into FP32 in shared memory (a protected position from its FP16 slot) and serves
 // every query vector of the block. The output stays in registers and the online softmax runs
 // per query vector. Tiles wholly visible to every row skip the mask; positions no row sees are
-// never loaded. Scores are in the log2 domain (q is pre-multiplied by scale * log2(e)).
+// never loaded. Scores are in the log2 domain (q is pre-multiplied by scale * log2(e)). At
+// head_dim 64 a tile's loads are issued a pass early into registers (TileChunks: V's over the
+// score pass, the next tile's K over the output pass), so that its latency is not waited out
+// between two barriers; at 128 and 256 the registers are not there.
 //
 // Two kernels share that frame. At head_dim class 64, causal_warp_kernel: a warp takes
 // kCausalWarpVectors query vectors, the same for every lane, against a tile of 32 positions, a
@@ -81,6 +84,13 @@ __device__ __forceinline__ void kept_chunk(const __half *kept, const CausalPlan 
   KvF16::widen<8>(r, f);
 }
 
+// 8 FP32 values to dst[0 .. 7] (16-byte aligned) as two 16-byte stores.
+__device__ __forceinline__ void put_chunk(float *dst, const float (&f)[8]) {
+  float4 *d4 = reinterpret_cast<float4 *>(dst);
+  d4[0] = make_float4(f[0], f[1], f[2], f[3]);
+  d4[1] = make_float4(f[4], f[5], f[6], f[7]);
+}
+
 // Decodes dims d0 .. d0 + DC - 1 of positions t0 .. t0 + n - 1 of one K/V head (rows from
 // `base`, FP16 slots from `kept` where the cache has them) into dst [BN][LD] as FP32; rows from n
 // to BN and dims from head_dim become zeros (the score and output steps run whole). A thread
@@ -106,11 +116,59 @@ __device__ __forceinline__ void load_tile(float *dst, const KvPlanes &planes,
     } else {
       widen_chunk<F>(F::template load<8>(planes, F::add(tile, (size_t)(it * RS * D)), 0), f);
     }
-    float4 *d4 = reinterpret_cast<float4 *>(dst + row * LD + c8);
-    d4[0] = make_float4(f[0], f[1], f[2], f[3]);
-    d4[1] = make_float4(f[4], f[5], f[6], f[7]);
+    put_chunk(dst + row * LD + c8, f);
   }
 }
+
+// load_tile in two halves, so that a tile's loads are in flight while the block computes on
+// the one before: fetch() issues this thread's chunks of a whole tile (DC = head_dim's class)
+// into registers as stored, store() decodes them into shared memory. A protected position's
+// chunk is read from its FP16 slot in store() (a few positions a sequence: sinks and window).
+// The caller walks the tiles' first rows (`tile`: position t0's) by additions, and `off` is the
+// thread's first chunk from there: no 64-bit products a tile.
+template <typename F, int NT, int BN, int DC>
+struct TileChunks {
+  static constexpr int CH = DC / 8, RS = NT / CH, IT = BN / RS;
+  static_assert(NT % CH == 0 && BN % RS == 0, "whole chunks a thread");
+  typename F::template Raw<8> raw[IT];
+  int off;
+
+  __device__ __forceinline__ explicit TileChunks(int D)
+      : off(threadIdx.x / CH * D + threadIdx.x % CH * 8) {}
+
+  __device__ __forceinline__ void fetch(const KvPlanes &planes, typename F::Ptr tile,
+                                        const __half *kept, const CausalPlan &plan, int item,
+                                        int t0, int n, int D) {
+    const int row0 = threadIdx.x / CH, c8 = threadIdx.x % CH * 8;
+    const typename F::Ptr first = F::add(tile, off);
+#pragma unroll
+    for (int it = 0; it < IT; it++) {
+      const int row = row0 + it * RS;
+      if (row < n && c8 < D && !(kept && kept_position(plan, item, t0 + row)))
+        raw[it] = F::template load<8>(planes, F::add(first, it * RS * D), 0);
+    }
+  }
+
+  template <int LD>
+  __device__ __forceinline__ void store(float *dst, const __half *kept, const CausalPlan &plan,
+                                        int item, int t0, int n, int D) const {
+    const int row0 = threadIdx.x / CH, c8 = threadIdx.x % CH * 8;
+#pragma unroll
+    for (int it = 0; it < IT; it++) {
+      const int row = row0 + it * RS, p = t0 + row;
+      float f[8];
+      if (row >= n || c8 >= D) {
+#pragma unroll
+        for (int i = 0; i < 8; i++) f[i] = 0.0f;
+      } else if (kept && kept_position(plan, item, p)) {
+        kept_chunk(kept, plan, p, D, c8, f);
+      } else {
+        widen_chunk<F>(raw[it], f);
+      }
+      put_chunk(dst + row * LD + c8, f);
+    }
+  }
+};
 
 // The block's K/V head's first element in the FP16 slots.
 __device__ __forceinline__ size_t slot_base_of(const CausalArgs &a, const CausalPlan &plan,
@@ -219,15 +277,24 @@ __global__ void __launch_bounds__(WarpShape<DMAX>::NT, kCausalWarpSmThreads / Wa
     for (int c = 0; c < CPL; c++) o[v][c] = 0.0f;
   }
 
-  for (int t0 = kv_begin; t0 < kv_end; t0 += BN) {
+  // The next tile's K is fetched over this tile's output pass, its V over the score pass.
+  const auto kept_k = [&] { return a.kept_k ? a.kept_k + slot_base : nullptr; };
+  const auto kept_v = [&] { return a.kept_v ? a.kept_v + slot_base : nullptr; };
+  TileChunks<KF, S::NT, BN, DMAX> kc(D);
+  TileChunks<VF, S::NT, BN, DMAX> vc(D);
+  const size_t step = (size_t)BN * D;  // a tile's rows
+  size_t at = base + (size_t)kv_begin * D;  // the tile's first row
+  if (kv_begin < kv_end)
+    kc.fetch(a.k, KF::at(a.k, at), kept_k(), plan, item, kv_begin, min(BN, kv_end - kv_begin), D);
+
+  for (int t0 = kv_begin; t0 < kv_end; t0 += BN, at += step) {
     const int n = min(BN, kv_end - t0);
     // Every row sees every position of the tile: no mask.
     const bool full = n == BN && t0 + BN - 1 <= first_pos && (window == 0 || last_pos - t0 < window);
     __syncthreads();  // q is staged; the last tile's V is consumed
-    load_tile<KF, S::NT, BN, DMAX, LD>(skv, a.k, KF::at(a.k, base),
-                                       a.kept_k ? a.kept_k + slot_base : nullptr, plan, item,
-                                       t0, n, D, 0);
+    kc.template store<LD>(skv, kept_k(), plan, item, t0, n, D);
     __syncthreads();
+    vc.fetch(a.v, VF::at(a.v, at), kept_v(), plan, item, t0, n, D);
 
     float s[VW];
 #pragma unroll
@@ -265,10 +332,11 @@ __global__ void __launch_bounds__(WarpShape<DMAX>::NT, kCausalWarpSmThreads / Wa
       for (int c = 0; c < CPL; c++) o[v][c] *= alpha;
     }
     __syncthreads();  // K is consumed (the weights are the warp's own: the barrier orders them too)
-    load_tile<VF, S::NT, BN, DMAX, LD>(skv, a.v, VF::at(a.v, base),
-                                       a.kept_v ? a.kept_v + slot_base : nullptr, plan, item,
-                                       t0, n, D, 0);
+    vc.template store<LD>(skv, kept_v(), plan, item, t0, n, D);
     __syncthreads();
+    if (t0 + BN < kv_end)
+      kc.fetch(a.k, KF::at(a.k, at + step), kept_k(), plan, item, t0 + BN, min(BN, kv_end - t0 - BN),
+               D);
 
     // Positions n .. BN - 1 have weight 0 and zero V rows: whole steps of SN positions, each
     // unrolled whole.
@@ -397,6 +465,19 @@ __global__ void __launch_bounds__(WideShape<DMAX>::NT, kCausalWideMinBlocksPerSm
 #pragma unroll
     for (int j = 0; j < 4; j++) o[h][j][0] = o[h][j][1] = o[h][j][2] = o[h][j][3] = 0.0f;
 
+  // At head_dim 64 (one stage) the next tile's K is fetched over this tile's softmax and output
+  // passes, its V over the score pass; at 128 and 256 the registers are not there.
+  constexpr bool PF = STAGES == 1 && DMAX == 64;
+  const auto kept_k = [&] { return a.kept_k ? a.kept_k + slot_base : nullptr; };
+  const auto kept_v = [&] { return a.kept_v ? a.kept_v + slot_base : nullptr; };
+  TileChunks<KF, S::NT, BN, DH> kc(D);
+  TileChunks<VF, S::NT, BN, DH> vc(D);
+  const size_t step = (size_t)BN * D;  // a tile's rows
+  size_t at = base + (size_t)kv_begin * D;  // the tile's first row, where PF
+  if constexpr (PF)
+    if (kv_begin < kv_end)
+      kc.fetch(a.k, KF::at(a.k, at), kept_k(), plan, item, kv_begin, min(BN, kv_end - kv_begin), D);
+
   for (int t0 = kv_begin; t0 < kv_end; t0 += BN) {
     const int n = min(BN, kv_end - t0);
     // Every row sees every position of the tile: no mask.
@@ -407,10 +488,15 @@ __global__ void __launch_bounds__(WideShape<DMAX>::NT, kCausalWideMinBlocksPerSm
 #pragma unroll
     for (int h = 0; h < STAGES; h++) {
       __syncthreads();  // q is staged; the last stage (K's or the last tile's V) is consumed
-      load_tile<KF, S::NT, BN, DH, LH>(skv, a.k, KF::at(a.k, base),
-                                       a.kept_k ? a.kept_k + slot_base : nullptr, plan, item, t0, n,
-                                       D, h * DH);
+      if constexpr (PF) {
+        kc.template store<LH>(skv, kept_k(), plan, item, t0, n, D);
+      } else {
+        load_tile<KF, S::NT, BN, DH, LH>(skv, a.k, KF::at(a.k, base),
+                                         a.kept_k ? a.kept_k + slot_base : nullptr, plan, item, t0,
+                                         n, D, h * DH);
+      }
       __syncthreads();
+      if constexpr (PF) vc.fetch(a.v, VF::at(a.v, at), kept_v(), plan, item, t0, n, D);
       if (h * DH + warp * DW < D) {  // warp-uniform; dims past head_dim are zeros
         const float *kr = skv + pg * LH + warp * DW;
         const float *qr = sq + vg * LD + h * DH + warp * DW;
@@ -439,9 +525,16 @@ __global__ void __launch_bounds__(WideShape<DMAX>::NT, kCausalWideMinBlocksPerSm
 #pragma unroll
       for (int j = 0; j < 4; j++) pw[(vg + 4 * j) * LP + pg + 8 * i] = s[i][j];
     __syncthreads();  // the shares are in; K is consumed: V's first stage takes its place
-    load_tile<VF, S::NT, BN, DH, LH>(skv, a.v, VF::at(a.v, base),
-                                     a.kept_v ? a.kept_v + slot_base : nullptr, plan, item, t0, n,
-                                     D, 0);
+    if constexpr (PF) {
+      vc.template store<LH>(skv, kept_v(), plan, item, t0, n, D);
+      at += step;
+      if (t0 + BN < kv_end)
+        kc.fetch(a.k, KF::at(a.k, at), kept_k(), plan, item, t0 + BN, min(BN, kv_end - t0 - BN), D);
+    } else {
+      load_tile<VF, S::NT, BN, DH, LH>(skv, a.v, VF::at(a.v, base),
+                                       a.kept_v ? a.kept_v + slot_base : nullptr, plan, item, t0, n,
+                                       D, 0);
+    }
     {
       // Vector sv is row sv / GT; the warps' shares summed in a fixed order.
       const int dist0 = first_pos + sv / GT - (t0 + sk);  // query minus key position
