@@ -11,8 +11,9 @@ backward branch around four or more __syncthreads; its inner loops
 over the score pass's steps (head_dim) and the output pass's (the tile's positions) are
 counted whole, body x trips, trips from the FFMAs a thread owes; the rest, and the old
 kernel's load loop (x the chunks a thread loads), is walked as one path: a conditional branch
-on a null 64-bit pointer (the protected slots', absent here) taken, every other conditional
-branch not taken. A pass unrolled whole (causal_wide_kernel's, head_dim 64's) has no inner loop
+on a null 64-bit pointer (the protected slots', absent here) taken, also where the compiler
+keeps the test as a flag in a register (PSET of the pointer's compare, before the loop, tested
+with ISETP.NE ... RZ in it), every other conditional branch not taken. A pass unrolled whole (causal_wide_kernel's, head_dim 64's) has no inner loop
 and counts under "other". A dual-issued pair ('{' in sm_5x SASS) is one issue slot.
 
 Issue-bound model: FFMA slots / all slots is the share of the FP32 peak a full tile reaches
@@ -57,13 +58,30 @@ def slot_of(instrs, j):
     return 0 if j > 0 and instrs[j - 1].pair else 1
 
 
-def walk(instrs, lo, hi, nodes):
+def null_flags(instrs):
+    """Registers that hold 'this 64-bit pointer is null' as a flag: PSET.AND.AND R, P, PT, PT of
+    a predicate P that the instruction before it in P's use set by ISETP.EQ.X ... R, RZ."""
+    flags, eq = set(), {}
+    for x in instrs:
+        p = re.match(r"(P\d),", x.args)
+        if x.op in ("ISETP", "PSETP") and p:
+            eq[p.group(1)] = x.opcode.startswith("ISETP.EQ.X") and bool(
+                re.match(r"P\d, PT, R\d+, RZ", x.args))
+            continue
+        m = re.match(r"(R\d+), (P\d), PT, PT", x.args)
+        if x.opcode == "PSET.AND.AND" and m and eq.get(m.group(2)):
+            flags.add(m.group(1))
+    return flags
+
+
+def walk(instrs, lo, hi, nodes, flags=frozenset()):
     """Slots and instructions by class, and slots by phase, of one path from lo to hi (the back
     edge) under the rules of the docstring; nodes: {first index: (last index, slots, instrs,
-    phase)}, inner loops counted whole (body x trips) where the path reaches them."""
+    phase)}, inner loops counted whole (body x trips) where the path reaches them; flags: the
+    registers that hold a null-pointer test (null_flags)."""
     c_slots, c_instr, phase = collections.Counter(), collections.Counter(), collections.Counter()
     at = lambda addr: mm.at_addr(instrs, addr)
-    pc, ssy, pbk, defs = lo, [], [], {}
+    pc, ssy, pbk, defs, null_if = lo, [], [], {}, {}
     for _ in range(100000):
         if pc in nodes:
             last, sl, ins, where = nodes[pc]
@@ -83,6 +101,8 @@ def walk(instrs, lo, hi, nodes):
             p = re.match(r"(P\d)", x.args)
             if p:
                 defs[p.group(1)] = ".X" in x.opcode and x.args.rstrip().endswith("RZ, PT")
+                f = re.match(r"P\d, PT, (R\d+), RZ, PT$", x.args.rstrip())
+                null_if[p.group(1)] = bool(f and f.group(1) in flags and x.opcode == "ISETP.NE.AND")
         if x.op in ("SSY", "PBK"):
             (ssy if x.op == "SSY" else pbk).append(int(x.args.split()[0], 16))
         elif x.op in ("SYNC", "BRK") and not x.pred:
@@ -91,7 +111,8 @@ def walk(instrs, lo, hi, nodes):
         elif x.op == "BRA":
             t = mm.branch_target(x)
             p = re.match(r"@(!?)(P\d)", x.pred or "")
-            null_test = p and defs.get(p.group(2)) and p.group(1) == "!"
+            null_test = p and ((defs.get(p.group(2)) and p.group(1) == "!") or
+                               (null_if.get(p.group(2)) and p.group(1) == ""))
             if t is not None and t > x.addr and (not x.pred or null_test):
                 pc = at(t)
                 continue
@@ -124,7 +145,7 @@ def tile_count(instrs, kernel, dmax):
             ins = collections.Counter(sc.op_class(instrs[j].op) for j in range(x, y + 1))
             nodes[x] = (y, scaled(sl, trips), scaled(ins, trips), "score" if ffma_loops == 0 else "output")
             ffma_loops += 1
-    c_slots, c_instr, phase = walk(instrs, a, b, nodes)
+    c_slots, c_instr, phase = walk(instrs, a, b, nodes, null_flags(instrs))
     return dict(threads=nt, bm=bm, bn=bn, ffma=score_ffma + out_ffma, slots=sum(c_slots.values()),
                 instr=sum(c_instr.values()), classes=c_slots, phase=phase)
 
