@@ -49,7 +49,8 @@ def main():
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     best = {"base": {}, "new": {}}
-    device, text = "", ""
+    device = ""
+    text = write(a.out, device, 0, best)  # an empty table: none left from an earlier run
     for r in range(a.rounds):
         for side, binary in (("base", a.base), ("new", a.new)):
             path = os.path.join(a.out, f"causal_{side}_{r}.json")

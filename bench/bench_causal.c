@@ -97,14 +97,17 @@ static int tc_flop_per_clock(int major, int minor) {
   return major == 9 && minor == 0 ? 4096 : major == 8 && minor == 0 ? 2048 : 0;
 }
 
-/* Whether the comma-separated list names head_dim d. */
+/* Whether the list (numbers separated by anything else: "64,256", "64 256") names head_dim d. */
 static int has_dim(const char *list, int d) {
   for (const char *c = list; *c;) {
     char *end;
     const long v = strtol(c, &end, 10);
-    if (end == c) return 0;
+    if (end == c) {
+      c++;
+      continue;
+    }
     if (v == d) return 1;
-    c = *end == ',' ? end + 1 : end;
+    c = end;
   }
   return 0;
 }
@@ -157,6 +160,8 @@ int main(int argc, char **argv) {
   int first = 1;
   const int dims[3] = {128, 64, 256};
   const char *only = getenv("M40LLM_BENCH_HEAD_DIMS");
+  if (only && !has_dim(only, 64) && !has_dim(only, 128) && !has_dim(only, 256))
+    fprintf(stderr, "M40LLM_BENCH_HEAD_DIMS=\"%s\" names none of 64, 128, 256: nothing to time\n", only);
   for (int di = 0; di < 3; di++) {
     b.dim = dims[di];
     if (only && !has_dim(only, b.dim)) continue;

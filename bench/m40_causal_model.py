@@ -12,8 +12,8 @@ over the score pass's steps (head_dim) and the output pass's (the tile's positio
 counted whole, body x trips, trips from the FFMAs a thread owes; the rest, and the old
 kernel's load loop (x the chunks a thread loads), is walked as one path: a conditional branch
 on a null 64-bit pointer (the protected slots', absent here) taken, also where the compiler
-keeps the test as a flag in a register (PSET of the pointer's compare, before the loop, tested
-with ISETP.NE ... RZ in it), every other conditional branch not taken. A pass unrolled whole (causal_wide_kernel's, head_dim 64's) has no inner loop
+keeps the test as a flag in a register (PSET of the pointer's compare, tested with
+ISETP.NE ... RZ: null_flags), every other conditional branch not taken. A pass unrolled whole (causal_wide_kernel's, head_dim 64's) has no inner loop
 and counts under "other". A dual-issued pair ('{' in sm_5x SASS) is one issue slot.
 
 Issue-bound model: FFMA slots / all slots is the share of the FP32 peak a full tile reaches
@@ -59,19 +59,24 @@ def slot_of(instrs, j):
 
 
 def null_flags(instrs):
-    """Registers that hold 'this 64-bit pointer is null' as a flag: PSET.AND.AND R, P, PT, PT of
-    a predicate P that the instruction before it in P's use set by ISETP.EQ.X ... R, RZ."""
-    flags, eq = set(), {}
+    """Registers that hold 'this 64-bit pointer is null' as a flag: PSET.AND.AND R, P, PT, PT
+    of a predicate P last set by ISETP.EQ.X P, PT, R', RZ (alone or OR-ed with another
+    predicate: true whenever the pointer is null), R written by nothing else in the kernel."""
+    flags, eq, writes = set(), {}, collections.Counter()
     for x in instrs:
-        p = re.match(r"(P\d),", x.args)
-        if x.op in ("ISETP", "PSETP") and p:
-            eq[p.group(1)] = x.opcode.startswith("ISETP.EQ.X") and bool(
-                re.match(r"P\d, PT, R\d+, RZ", x.args))
+        d = re.match(r"(R\d+),", x.args)
+        if d and not x.op.startswith("ST"):
+            writes[d.group(1)] += 1
+        m = re.match(r"(P\d)(?:, P\d)?,", x.args)
+        if m:  # any predicate writer: ISETP, FSETP, PSETP, ...
+            eq[m.group(1)] = x.opcode in ("ISETP.EQ.X.AND", "ISETP.EQ.X.OR") and bool(
+                re.match(r"P\d, PT, R\d+, RZ, (PT|!?P\d)$", x.args.rstrip())) and (
+                x.opcode.endswith(".OR") or x.args.rstrip().endswith("PT"))
             continue
         m = re.match(r"(R\d+), (P\d), PT, PT", x.args)
         if x.opcode == "PSET.AND.AND" and m and eq.get(m.group(2)):
             flags.add(m.group(1))
-    return flags
+    return {r for r in flags if writes[r] == 1}
 
 
 def walk(instrs, lo, hi, nodes, flags=frozenset()):
@@ -101,8 +106,10 @@ def walk(instrs, lo, hi, nodes, flags=frozenset()):
             p = re.match(r"(P\d)", x.args)
             if p:
                 defs[p.group(1)] = ".X" in x.opcode and x.args.rstrip().endswith("RZ, PT")
-                f = re.match(r"P\d, PT, (R\d+), RZ, PT$", x.args.rstrip())
-                null_if[p.group(1)] = bool(f and f.group(1) in flags and x.opcode == "ISETP.NE.AND")
+        p = re.match(r"(P\d),", x.args)
+        if p:  # any predicate writer
+            f = re.match(r"P\d, PT, (R\d+), RZ, PT$", x.args.rstrip())
+            null_if[p.group(1)] = bool(f and f.group(1) in flags and x.opcode == "ISETP.NE.AND")
         if x.op in ("SSY", "PBK"):
             (ssy if x.op == "SSY" else pbk).append(int(x.args.split()[0], 16))
         elif x.op in ("SYNC", "BRK") and not x.pred:
