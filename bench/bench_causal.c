@@ -15,7 +15,8 @@
  * weights as two FP16 terms each, so its MMAs do twice the FLOPs counted here.
  * Usage: bench_causal [out.json [device [format]]] (default bench_causal.json, device 0, F16;
  * format: F16, Q8, Q4 or Q8Q4 (K Q8, V Q4), with the library's defaults for it: rotation, sinks
- * and window). M40LLM_BENCH_HEAD_DIMS="64,256" times those head_dims only (of 128, 64, 256). */
+ * and window). M40LLM_BENCH_HEAD_DIMS="64,256" times those head_dims only (of 128, 64, 256),
+ * M40LLM_BENCH_KINDS="spec,short" those kinds only (of prefill, spec, short). */
 #define _POSIX_C_SOURCE 199309L
 #include <cuda_runtime_api.h>
 #include <stdio.h>
@@ -25,7 +26,8 @@
 #include "bench_util.h"
 #include "m40llm.h"
 
-enum { HEADS = 32, KV_HEADS = 8, MAX_T = 8192, MAX_P = 32768, CHUNK = 4096, SAMPLES = 5 };
+enum { HEADS = 32, KV_HEADS = 8, MAX_T = 8192, MAX_P = 32768, CHUNK = 4096, SAMPLES = 5,
+       WARM_MS = 500 };
 
 #define CHECK(x) BENCH_CHECK(x, -1.0)
 #define CUDA_CHECK(x) BENCH_CUDA_CHECK(x, -1.0)
@@ -53,7 +55,10 @@ static int cmp_double(const void *a, const void *b) {
   return x < y ? -1 : x > y;
 }
 
-/* Microseconds a call: causal over the last t rows (t > 0), or the decode call (t = 0). */
+/* Microseconds a call: causal over the last t rows (t > 0), or the decode call (t = 0). The
+ * first call of a run is timed after WARM_MS of calls: runs that began with a 10-us shape
+ * (M40LLM_BENCH_KINDS=spec) timed it at 1.2-1.9x what runs whose prefill shapes came first
+ * took (H200, bench/RESULTS.md). */
 static double time_call(bench *b, int t) {
   const int32_t id = 0, count = t;
   cudaStream_t s = (cudaStream_t)m40llm_context_cuda_stream(b->ctx);
@@ -62,6 +67,20 @@ static double time_call(bench *b, int t) {
   CUDA_CHECK(cudaEventCreate(&e1));
   double samples[SAMPLES];
   int reps = 1;
+  static int warm = 0;
+  for (float busy = 0.0f; !warm && busy < WARM_MS;) {
+    CUDA_CHECK(cudaEventRecord(e0, s));
+    for (int r = 0; r < 20; r++) {
+      if (t > 0) CHECK(m40llm_kvcache_attn_causal_f32q(b->out, b->cache, 0, &id, &count, 1, b->q, NULL));
+      else CHECK(m40llm_kvcache_attn_batch_f32q(b->out, b->cache, 0, &id, 1, b->q, 0.0f));
+    }
+    CUDA_CHECK(cudaEventRecord(e1, s));
+    CUDA_CHECK(cudaEventSynchronize(e1));
+    float ms = 0.0f;
+    CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+    busy += ms > 0.0f ? ms : 1e-3f;
+  }
+  warm = 1;
   for (int i = -1; i < SAMPLES; i++) {
     CUDA_CHECK(cudaEventRecord(e0, s));
     for (int r = 0; r < reps; r++) {
@@ -108,6 +127,17 @@ static int has_dim(const char *list, int d) {
     }
     if (v == d) return 1;
     c = end;
+  }
+  return 0;
+}
+
+/* Whether the list (names separated by commas or spaces: "spec,short") names kind k. */
+static int has_kind(const char *list, const char *k) {
+  const size_t n = strlen(k);
+  for (const char *c = list; *c;) {
+    const size_t len = strcspn(c, ", ");
+    if (len == n && !strncmp(c, k, n)) return 1;
+    c += len + (c[len] != '\0');
   }
   return 0;
 }
@@ -162,6 +192,13 @@ int main(int argc, char **argv) {
   const char *only = getenv("M40LLM_BENCH_HEAD_DIMS");
   if (only && !has_dim(only, 64) && !has_dim(only, 128) && !has_dim(only, 256))
     fprintf(stderr, "M40LLM_BENCH_HEAD_DIMS=\"%s\" names none of 64, 128, 256: nothing to time\n", only);
+  static const char *const kinds[] = {"prefill", "spec", "short"};
+  const char *only_kinds = getenv("M40LLM_BENCH_KINDS");
+  if (only_kinds && !has_kind(only_kinds, kinds[0]) && !has_kind(only_kinds, kinds[1]) &&
+      !has_kind(only_kinds, kinds[2]))
+    fprintf(stderr,
+            "M40LLM_BENCH_KINDS=\"%s\" names none of prefill, spec, short: nothing to time\n",
+            only_kinds);
   for (int di = 0; di < 3; di++) {
     b.dim = dims[di];
     if (only && !has_dim(only, b.dim)) continue;
@@ -185,8 +222,8 @@ int main(int argc, char **argv) {
     static const int prefill_t[] = {512, 1024, 2048, 4096, 8192}, prefill_p[] = {0, 4096, 32768};
     static const int spec_t[] = {2, 4, 16}, spec_p[] = {4096, 32768};
     static const int short_t[] = {32, 64, 128, 256}, short_p[] = {4096};
-    static const char *const kinds[] = {"prefill", "spec", "short"};
     for (int kind = 0; kind < 3; kind++) {
+      if (only_kinds && !has_kind(only_kinds, kinds[kind])) continue;
       const int nt = kind == 0 ? 5 : kind == 1 ? 3 : 4, np = kind == 0 ? 3 : kind == 1 ? 2 : 1;
       for (int pi = 0; pi < np; pi++)
         for (int ti = 0; ti < nt; ti++) {

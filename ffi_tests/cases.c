@@ -770,6 +770,8 @@ void t_cases_attention_basic(m40llm_context *ctx) {
   attention_shape(ctx, 8, 2, 16);
   attention_shape(ctx, 4, 1, 64);
   attention_shape(ctx, 6, 3, 32);
+  attention_shape(ctx, 20, 2, 128); /* groups over 8: two tiles a K/V head, the second of 2 */
+  attention_shape(ctx, 16, 1, 256);
   attention_extreme_logits(ctx, 4, 2, 16);
   attention_extreme_logits(ctx, 16, 2, 128); /* the tensor-core kernel on sm_80+ */
   attention_extreme_logits(ctx, 12, 4, 80);  /* the same with a 16-dim tail */

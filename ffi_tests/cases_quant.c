@@ -846,6 +846,10 @@ void t_cases_quantized(m40llm_context *ctx, int small) {
       {M40LLM_KV_Q4, M40LLM_KV_Q2, 4, 4, 128, KV, 4, 128},
       {M40LLM_KV_Q4, M40LLM_KV_Q3, 10, 2, 160, KV, 2, 9},
       {M40LLM_KV_Q4, M40LLM_KV_Q2, 6, 2, 32, AUTO, 1, 5},
+      /* groups over 8 heads: a K/V head's tiles of query heads side by side in the grid */
+      {M40LLM_KV_Q8, M40LLM_KV_SAME, 20, 2, 128, AUTO, 4, 128},
+      {M40LLM_KV_Q4, M40LLM_KV_SAME, 16, 1, 64, K, 0, 0},
+      {M40LLM_KV_Q4, M40LLM_KV_Q2, 24, 1, 256, KV, 3, 17},
   };
   const int lens[6] = {1, 31, 33, 257, small ? 300 : 2100, 0};
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) run_case(ctx, cases[i], lens, 6, 0);
@@ -858,6 +862,7 @@ void t_cases_quantized(m40llm_context *ctx, int small) {
   run_case(ctx, cases[13], one, 1, 1);
   run_case(ctx, cases[24], one, 1, 1);
   run_case(ctx, cases[25], one, 1, 0);
+  run_case(ctx, cases[40], one, 1, 1);
   run_case(ctx, cases[28], one, 1, 0);
   run_case(ctx, cases[33], one, 1, 1);
   run_case(ctx, cases[37], one, 1, 0);
