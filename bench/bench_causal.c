@@ -55,52 +55,48 @@ static int cmp_double(const void *a, const void *b) {
   return x < y ? -1 : x > y;
 }
 
-/* Microseconds a call: causal over the last t rows (t > 0), or the decode call (t = 0). The
- * first call of a run is timed after WARM_MS of calls: runs that began with a 10-us shape
- * (M40LLM_BENCH_KINDS=spec) timed it at 1.2-1.9x what runs whose prefill shapes came first
- * took (H200, bench/RESULTS.md). */
-static double time_call(bench *b, int t) {
+/* Milliseconds `reps` calls take on the context's stream, between events e0 and e1: causal over
+ * the last t rows (t > 0), or the decode call (t = 0); -1.0 on an error. */
+static double run_calls(bench *b, int t, int reps, cudaEvent_t e0, cudaEvent_t e1) {
   const int32_t id = 0, count = t;
   cudaStream_t s = (cudaStream_t)m40llm_context_cuda_stream(b->ctx);
+  CUDA_CHECK(cudaEventRecord(e0, s));
+  for (int r = 0; r < reps; r++) {
+    if (t > 0) CHECK(m40llm_kvcache_attn_causal_f32q(b->out, b->cache, 0, &id, &count, 1, b->q, NULL));
+    else CHECK(m40llm_kvcache_attn_batch_f32q(b->out, b->cache, 0, &id, 1, b->q, 0.0f));
+  }
+  CUDA_CHECK(cudaEventRecord(e1, s));
+  CUDA_CHECK(cudaEventSynchronize(e1));
+  float ms = 0.0f;
+  CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+  return ms > 0.0f ? ms : 1e-6;
+}
+
+/* Microseconds a call (run_calls' t). The first call of a run is timed after WARM_MS of calls:
+ * runs that began with a 10-us shape (M40LLM_BENCH_KINDS=spec) timed it at 1.2-1.9x what runs
+ * whose prefill shapes came first took (H200, bench/RESULTS.md). */
+static double time_call(bench *b, int t) {
   cudaEvent_t e0, e1;
   CUDA_CHECK(cudaEventCreate(&e0));
   CUDA_CHECK(cudaEventCreate(&e1));
-  double samples[SAMPLES];
-  int reps = 1;
+  double samples[SAMPLES], ms = 0.0;
   static int warm = 0;
-  for (float busy = 0.0f; !warm && busy < WARM_MS;) {
-    CUDA_CHECK(cudaEventRecord(e0, s));
-    for (int r = 0; r < 20; r++) {
-      if (t > 0) CHECK(m40llm_kvcache_attn_causal_f32q(b->out, b->cache, 0, &id, &count, 1, b->q, NULL));
-      else CHECK(m40llm_kvcache_attn_batch_f32q(b->out, b->cache, 0, &id, 1, b->q, 0.0f));
-    }
-    CUDA_CHECK(cudaEventRecord(e1, s));
-    CUDA_CHECK(cudaEventSynchronize(e1));
-    float ms = 0.0f;
-    CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
-    busy += ms > 0.0f ? ms : 1e-3f;
-  }
+  for (double busy = 0.0; !warm && busy < WARM_MS && ms >= 0.0; busy += ms)
+    ms = run_calls(b, t, 20, e0, e1);
   warm = 1;
-  for (int i = -1; i < SAMPLES; i++) {
-    CUDA_CHECK(cudaEventRecord(e0, s));
-    for (int r = 0; r < reps; r++) {
-      if (t > 0) CHECK(m40llm_kvcache_attn_causal_f32q(b->out, b->cache, 0, &id, &count, 1, b->q, NULL));
-      else CHECK(m40llm_kvcache_attn_batch_f32q(b->out, b->cache, 0, &id, 1, b->q, 0.0f));
-    }
-    CUDA_CHECK(cudaEventRecord(e1, s));
-    CUDA_CHECK(cudaEventSynchronize(e1));
-    float ms = 0.0f;
-    CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
-    if (i < 0) {  /* the warm-up sizes the runs: about 20 ms each, 1 to 200 calls */
-      const double per = ms > 0.0f ? ms / reps : 1e-3;
-      reps = (int)(20.0 / per);
+  int reps = 1;
+  for (int i = -1; i < SAMPLES && ms >= 0.0; i++) {
+    ms = run_calls(b, t, reps, e0, e1);
+    if (i < 0) {  /* the first run sizes the others: about 20 ms each, 1 to 200 calls */
+      reps = (int)(20.0 * reps / ms);
       reps = reps < 1 ? 1 : reps > 200 ? 200 : reps;
-      continue;
+    } else {
+      samples[i] = 1e3 * ms / reps;
     }
-    samples[i] = 1e3 * ms / reps;
   }
   cudaEventDestroy(e0);
   cudaEventDestroy(e1);
+  if (ms < 0.0) return -1.0;
   qsort(samples, SAMPLES, sizeof samples[0], cmp_double);
   return samples[SAMPLES / 2];
 }
