@@ -18,6 +18,7 @@
  * and window). M40LLM_BENCH_HEAD_DIMS="64,256" times those head_dims only (of 128, 64, 256),
  * M40LLM_BENCH_KINDS="spec,short" those kinds only (of prefill, spec, short). */
 #define _POSIX_C_SOURCE 199309L
+#include <ctype.h>
 #include <cuda_runtime_api.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -72,13 +73,15 @@ static double run_calls(bench *b, int t, int reps, cudaEvent_t e0, cudaEvent_t e
   return ms > 0.0f ? ms : 1e-6;
 }
 
-/* Microseconds a call (run_calls' t). The first call of a run is timed after WARM_MS of calls:
- * runs that began with a 10-us shape (M40LLM_BENCH_KINDS=spec) timed it at 1.2-1.9x what runs
- * whose prefill shapes came first took (H200, bench/RESULTS.md). */
+/* Microseconds a call (run_calls' t). The first shape of a run is timed after WARM_MS of its
+ * calls: runs that began with a 10-us shape (M40LLM_BENCH_KINDS=spec) timed it at 1.2-1.9x what
+ * runs whose prefill shapes came first took (H200, bench/RESULTS.md). */
 static double time_call(bench *b, int t) {
   cudaEvent_t e0, e1;
   CUDA_CHECK(cudaEventCreate(&e0));
-  CUDA_CHECK(cudaEventCreate(&e1));
+  const cudaError_t made = cudaEventCreate(&e1);
+  if (made != cudaSuccess) cudaEventDestroy(e0);
+  CUDA_CHECK(made);
   double samples[SAMPLES], ms = 0.0;
   static int warm = 0;
   for (double busy = 0.0; !warm && busy < WARM_MS && ms >= 0.0; busy += ms)
@@ -127,13 +130,15 @@ static int has_dim(const char *list, int d) {
   return 0;
 }
 
-/* Whether the list (names separated by commas or spaces: "spec,short") names kind k. */
+/* Whether the list (names separated by anything but letters: "spec,short", "spec short") names
+ * kind k. */
 static int has_kind(const char *list, const char *k) {
   const size_t n = strlen(k);
   for (const char *c = list; *c;) {
-    const size_t len = strcspn(c, ", ");
+    size_t len = 0;
+    while (isalpha((unsigned char)c[len])) len++;
     if (len == n && !strncmp(c, k, n)) return 1;
-    c += len + (c[len] != '\0');
+    c += len ? len : 1;
   }
   return 0;
 }

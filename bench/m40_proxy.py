@@ -41,7 +41,7 @@ def target(shape, kv_mb):
     g = h // hkv
     if d == 256:
         return 0.80
-    return 0.95 if g == 1 else 0.90 if g <= 4 else 0.85
+    return 0.95 if g == 1 else 0.90 if g <= 4 else 0.85 if g <= 8 else None
 
 
 def run(bin_path, shapes, out_json, log):
