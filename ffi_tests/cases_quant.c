@@ -846,7 +846,7 @@ void t_cases_quantized(m40llm_context *ctx, int small) {
       {M40LLM_KV_Q4, M40LLM_KV_Q2, 4, 4, 128, KV, 4, 128},
       {M40LLM_KV_Q4, M40LLM_KV_Q3, 10, 2, 160, KV, 2, 9},
       {M40LLM_KV_Q4, M40LLM_KV_Q2, 6, 2, 32, AUTO, 1, 5},
-      /* groups over 8 heads: a K/V head's tiles of query heads side by side in the grid */
+      /* groups over 8 heads: several tiles of query heads a K/V head (20/2: 8 and 2) */
       {M40LLM_KV_Q8, M40LLM_KV_SAME, 20, 2, 128, AUTO, 4, 128},
       {M40LLM_KV_Q4, M40LLM_KV_SAME, 16, 1, 64, K, 0, 0},
       {M40LLM_KV_Q4, M40LLM_KV_Q2, 24, 1, 256, KV, 3, 17},
