@@ -25,7 +25,6 @@ struct AttnArgs {
   size_t head_stride;  // elements between K/V heads of one sequence
   int n_heads;
   int group;        // query heads per K/V head
-  int head_tiles;   // blocks per K/V head along grid y
   int head_dim;
   float q_scale;    // scale * log2(e)
   int stages;       // tensor-core kernel: K/V steps each warp stages in shared memory (0: none)
@@ -38,9 +37,18 @@ struct AttnArgs {
 
 using SplitKernel = void (*)(AttnArgs, m40llm_attn_plan);
 
+// A split kernel's grid (split_grid): x is the tile of a K/V head's query heads, y the split, z
+// the K/V head, so that a K/V head's tiles of one split run side by side and share its reads
+// (with the tiles apart, a call's tiles of a split could run a wave apart). y's bound, 65535,
+// is far above a plan's splits: they stay near its target of a few blocks an SM.
+__device__ __forceinline__ int block_split() { return (int)blockIdx.y; }
+__device__ __forceinline__ int block_head_tile() { return (int)blockIdx.x; }
+__device__ __forceinline__ int block_kv_head() { return (int)blockIdx.z; }
+__device__ __forceinline__ int grid_kv_heads() { return (int)gridDim.z; }
+
 constexpr float kLog2e = 1.4426950408889634f;
 
-// One split block's share: grid x is the split, grid y the K/V head and tile of its query heads.
+// One split block's share: its split, K/V head and tile of the head's query heads (block_split).
 // P: the cache's KvPair of formats.
 template <typename P>
 struct SplitBlock {
@@ -63,7 +71,7 @@ __device__ __forceinline__ SplitBlock<P> split_block(const AttnArgs &a,
                                                      const m40llm_attn_plan &plan,
                                                      int group_tile) {
   SplitBlock<P> b;
-  b.split = blockIdx.x;
+  b.split = block_split();
   int lo = 0, hi = plan.n_items - 1;  // the item owning this split
   while (lo < hi) {
     const int mid = (lo + hi + 1) >> 1;
@@ -105,8 +113,8 @@ __device__ __forceinline__ SplitBlock<P> split_block(const AttnArgs &a,
     b.skip = plan.role != M40LLM_PLAN_PARTS &&
              (b.kept ? M40LLM_PLAN_KEPT : M40LLM_PLAN_CODES) != plan.role;
   }
-  const int kvh = blockIdx.y / a.head_tiles;
-  b.h0 = kvh * a.group + (blockIdx.y % a.head_tiles) * group_tile;
+  const int kvh = block_kv_head();
+  b.h0 = kvh * a.group + block_head_tile() * group_tile;
   b.nh = min(group_tile, (kvh + 1) * a.group - b.h0);
   const size_t base = (size_t)plan.seq[lo] * a.seq_stride + (size_t)kvh * a.head_stride;
   b.k = P::K::at(a.k, base);
@@ -129,7 +137,7 @@ __device__ __forceinline__ void write_appended_row(const AttnArgs &a,
   if constexpr (std::is_same<P, KvPair<KvF16, KvF16>>::value) {
     if (!plan.append_k || b.p_begin >= b.p_end || b.p_end != plan.len[b.item]) return;
     const int D = a.head_dim;
-    const size_t src = ((size_t)b.item * (a.n_heads / a.group) + blockIdx.y / a.head_tiles) * D;
+    const size_t src = ((size_t)b.item * (a.n_heads / a.group) + block_kv_head()) * D;
     const size_t dst = (size_t)(b.p_end - 1) * D;
     for (int i = threadIdx.x; i < 2 * D; i += blockDim.x) {
       const int t = i >= D, d = i - t * D;
@@ -156,12 +164,13 @@ __device__ __forceinline__ void write_appended_row(const AttnArgs &a,
 // split_block (the FP32 kernel keeps it in shared memory: on sm_52 any value of split_block's
 // kept through the tile loop is spilled).
 __device__ __forceinline__ int tier_split_number(const m40llm_attn_plan &plan) {
+  const int split = block_split();
   int lo = 0, hi = plan.n_items - 1;
   while (lo < hi) {
     const int mid = (lo + hi + 1) >> 1;
-    if (plan.split_begin[mid] <= (int)blockIdx.x) lo = mid; else hi = mid - 1;
+    if (plan.split_begin[mid] <= split) lo = mid; else hi = mid - 1;
   }
-  return plan.split_base[lo] + (int)blockIdx.x - plan.split_begin[lo];
+  return plan.split_base[lo] + split - plan.split_begin[lo];
 }
 
 // A split's first row's position less the row: 0 but for a kept part's FP16 slots, whose two
@@ -242,6 +251,11 @@ inline Grouping grouping_for(const m40llm_kvcache_options *o) {
   g.head_tiles = (g.group + g.gt - 1) / g.gt;
   g.units = o->n_kv_heads * g.head_tiles;
   return g;
+}
+
+// The split kernels' grid (block_split): total_splits splits of every unit.
+inline dim3 split_grid(int total_splits, const Grouping &g) {
+  return dim3((unsigned)g.head_tiles, (unsigned)total_splits, (unsigned)(g.units / g.head_tiles));
 }
 
 // Bytes of the combine's partials of `splits` rows: output, max and sum of every head.

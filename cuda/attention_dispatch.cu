@@ -127,7 +127,6 @@ int attend(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, const int
   a.head_stride = (size_t)o->max_seq_len * o->head_dim;
   a.n_heads = n_heads;
   a.group = g.group;
-  a.head_tiles = g.head_tiles;
   a.head_dim = o->head_dim;
   a.q_scale = scale * kLog2e;
   a.stages = pass.stages;
@@ -135,7 +134,7 @@ int attend(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, const int
   a.rot_v = c->v.rotated;
   a.rot_scale = m40llm_rotation_scale(m40llm_rotation_block(o->head_dim));
 
-  const dim3 grid((unsigned)plan.total_splits, (unsigned)g.units);
+  const dim3 grid = split_grid(plan.total_splits, g);
   if (c->slots > 0 && !pass.mixed && !pass.parts) {
     // The kept rows first: most of this grid's blocks return at once, and the codes' grid, its
     // dependent, launches as they do.

@@ -598,7 +598,7 @@ __global__ void __launch_bounds__(kAttnThreads, attn_min_blocks(wide_tile(GT, DM
 #pragma unroll
       for (int k = 1; k < 4; k++) s_runs[k - 1][0] = runs[k][0], s_runs[k - 1][1] = runs[k][1];
       if (plan.kept_k)  // this layer's FP16 slots, [seq][kv_head][slot][dim]
-        s_slot0 = ((size_t)plan.seq[b.item] * (a.n_heads / a.group) + blockIdx.y / a.head_tiles) *
+        s_slot0 = ((size_t)plan.seq[b.item] * (a.n_heads / a.group) + block_kv_head()) *
                   (size_t)(plan.sinks + plan.window) * D;
     }
     if (runs[0][0] < runs[0][1]) run_tiles(KF{}, VF{}, b.k, b.v, runs[0][0], runs[0][1]);

@@ -607,7 +607,7 @@ struct StagedSteps : HalfSteps<NC, TAIL> {
 //
 // CAUSAL: several query rows of each item, T = a.n_heads / (the cache's query heads), packed
 // into the MMA's 8 rows (query row t's head h of K/V head g is tile row t x group + h of K/V
-// head g's tiles, a.head_tiles of them), so that all of them take one read of the K/V; row t
+// head g's tiles, grid x's), so that all of them take one read of the K/V; row t
 // sees the positions before plan.len - T + t + 1. q and out are [item][T][heads][dim], which
 // is [item][a.n_heads][dim]: partials and the combine take each row's heads as an item's. With
 // plan.causal_window W, a row sees the last W of those positions only.
@@ -654,9 +654,9 @@ __global__ void __launch_bounds__(32 * W, mma_min_blocks(32 * NC + 16 * TAIL, W)
   // [from, lim): the positions lane row g sees (CAUSAL).
   int x0 = 0, kv0 = 0, n_q = 0, lim = 0, from = 0;
   if constexpr (CAUSAL) {
-    x0 = (int)(blockIdx.y % a.head_tiles) * G;
-    kv0 = (int)(blockIdx.y / a.head_tiles) * a.group;
-    n_q = (int)(gridDim.y / a.head_tiles) * a.group;
+    x0 = block_head_tile() * G;
+    kv0 = block_kv_head() * a.group;
+    n_q = grid_kv_heads() * a.group;
     const int rows = a.n_heads / n_q;
     b.nh = min(G, rows * a.group - x0);
     lim = plan.len[b.item] - rows + (x0 + g) / a.group + 1;
@@ -960,8 +960,8 @@ __global__ void __launch_bounds__(32 * W, mma_min_blocks(32 * NC + 16 * TAIL, W)
           item_len[b.item], plan.window_begin[b.item], plan.sinks, plan.window);
       const size_t slots = (size_t)(plan.sinks + plan.window) * D;
       // K/V heads: CAUSAL's a.n_heads counts every row's heads.
-      const int n_kv = CAUSAL ? (int)gridDim.y / a.head_tiles : a.n_heads / a.group;
-      const size_t base = ((size_t)plan.seq[b.item] * n_kv + blockIdx.y / a.head_tiles) * slots;
+      const int n_kv = CAUSAL ? grid_kv_heads() : a.n_heads / a.group;
+      const size_t base = ((size_t)plan.seq[b.item] * n_kv + block_kv_head()) * slots;
       const int hi = min(b.p_end, parts.count[0] + parts.count[1] + parts.count[2]);
       if (b.p_begin < hi) {
         const int q0 = b.p_begin + kMmaRows * pw;

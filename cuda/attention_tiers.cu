@@ -28,7 +28,6 @@ AttnArgs common_args(const m40llm_kvcache *c, float scale) {
   AttnArgs a{};
   a.n_heads = o->n_heads;
   a.group = g.group;
-  a.head_tiles = g.head_tiles;
   a.head_dim = o->head_dim;
   a.q_scale = scale * kLog2e;
   a.rot_k = c->k.rotated;
@@ -284,7 +283,7 @@ int tier_attention(const m40llm_kvcache *c, int layer, const int32_t *seq_ids,
       const SplitPass &p = call.pass[l];
       rc = launch_attention_kernel(
           stream, "launching the attention split kernel (a tier)", p.kernel,
-          dim3((unsigned)call.plan[l].total_splits, (unsigned)grouping_for(o).units), p.threads,
+          split_grid(call.plan[l].total_splits, grouping_for(o)), p.threads,
           p.smem, p.dependent && made == 0, al, call.plan[l]);
       if (made > 0) {  // joined whether its launch failed or not: it is in a capture either way
         const int jr = m40llm_cuda_status(cudaEventRecord(st->join[joins], stream),
