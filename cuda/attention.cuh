@@ -29,8 +29,8 @@ struct AttnArgs {
   float q_scale;    // scale * log2(e)
   int stages;       // tensor-core kernel: K/V steps each warp stages in shared memory (0: none)
   // Quantized caches: K and V rotated (q is rotated to meet K, the output back
-  // from V's frame) by rot_scale's transform. (This struct is at 128 bytes: 32 more made the
-  // sm_52 kernels of 4 and 8 heads spill, with CUDA 11.8.)
+  // from V's frame) by rot_scale's transform. (This struct is at 120 bytes: 32 more than 128
+  // made the sm_52 kernels of 4 and 8 heads spill, with CUDA 11.8.)
   bool rot_k, rot_v;
   float rot_scale;
 };
@@ -175,7 +175,7 @@ __device__ __forceinline__ int tier_split_number(const m40llm_attn_plan &plan) {
 
 // A split's first row's position less the row: 0 but for a kept part's FP16 slots, whose two
 // ring runs hold the window's positions, in order, from window_begin on. (A tier's rows are
-// slots in no order: their positions are plan.map's.) split: the launch's block x.
+// slots in no order: their positions are plan.map's.) split: the launch's block y.
 __device__ __forceinline__ int split_pos_shift(const m40llm_attn_plan &plan, int item, int split) {
   // (A TIER plan's kept rows lead an item, kept_chunk 0, only in the tensor-core kernels',
   // which export no scores.)

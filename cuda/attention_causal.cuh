@@ -3,8 +3,7 @@
 //   A launch takes up to kCausalMaxItems sequences ("items"), each with its query rows at
 //   positions pos .. pos + rows - 1 (already in the cache). A block takes BR consecutive rows
 //   of one item times a tile of one K/V head's query heads, over one split of the positions
-//   they see; grid x counts (item, row tile, split), grid y (K/V head, head tile) as the decode
-//   kernels do.
+//   they see; grid x counts (item, row tile, split), grid y (K/V head, head tile).
 #pragma once
 
 #include "attention.cuh"

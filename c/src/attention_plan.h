@@ -15,7 +15,7 @@ extern "C" {
 typedef struct m40llm_attn_plan {
   int32_t n_items;
   int32_t chunk;        /* positions per split; the last split of an item may be shorter */
-  int32_t total_splits; /* blocks along grid x */
+  int32_t total_splits; /* blocks along grid y */
   int32_t max_splits;   /* 1 means no combine pass is needed */
   int32_t seq[M40LLM_PLAN_MAX_ITEMS];
   int32_t len[M40LLM_PLAN_MAX_ITEMS];
@@ -71,7 +71,7 @@ enum {
    * (a tier's, from slot 0), each preceded, where kept_k is set, by the item's kept parts
    * (parts 0-2 of full_len and window_begin): in splits of kept_chunk rows of their own, or
    * with kept_chunk 0 as the first rows of len[i] (the item's rows numbered as in a MIXED plan,
-   * the tier's slots from 0 as its codes); block x of item i is split split_base[i] + x -
+   * the tier's slots from 0 as its codes); block y of item i is split split_base[i] + y -
    * split_begin[i] of the call, and every split writes a partial */
   M40LLM_PLAN_TIER = 5
 };
