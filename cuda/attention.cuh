@@ -40,7 +40,8 @@ using SplitKernel = void (*)(AttnArgs, m40llm_attn_plan);
 // A split kernel's grid (split_grid): x is the tile of a K/V head's query heads, y the split, z
 // the K/V head, so that a K/V head's tiles of one split run side by side and share its reads
 // (with the tiles apart, a call's tiles of a split could run a wave apart). y's bound, 65535,
-// is far above a plan's splits: they stay near its target of a few blocks an SM.
+// is M40LLM_PLAN_MAX_SPLITS: a built plan stays near its target of a few blocks an SM, and a
+// protected one widens its kept splits to fit (m40llm_attn_plan_protect, _tier).
 __device__ __forceinline__ int block_split() { return (int)blockIdx.y; }
 __device__ __forceinline__ int block_head_tile() { return (int)blockIdx.x; }
 __device__ __forceinline__ int block_kv_head() { return (int)blockIdx.z; }

@@ -83,20 +83,24 @@ static void check_parts(int len, int window_begin, int sinks, int window) {
  * numbered for one combine. Every split of every launch is its own partial, an item's together,
  * each item has two at least, every row of each launch's part and every kept slot is read once,
  * and the total stays within the bound the workspace is reserved for. */
-static void check_tier_call(int n_items, int n, int kept, int units, int target) {
+static void check_tier_call(int n_items, int n, int kept, int units, int target, int long_window) {
   static m40llm_attn_plan launches[5];
   static m40llm_attn_plan combine;
   static int32_t rows[5][M40LLM_PLAN_MAX_ITEMS];
-  static unsigned char seen_split[5 * 4096], seen_row[20000];
+  static unsigned char seen_split[5 * M40LLM_PLAN_MAX_SPLITS], seen_row[20000];
   int32_t ids[M40LLM_PLAN_MAX_ITEMS], full[M40LLM_PLAN_MAX_ITEMS], wb[M40LLM_PLAN_MAX_ITEMS];
-  const int sinks = t_rand_int(0, 5), window = t_rand_int(0, 2) ? t_rand_int(1, 200) : 0;
-  const int kept_chunk = 32 * t_rand_int(1, 4);
+  const int sinks = t_rand_int(0, 5);
+  const int window = long_window ? 18000 : t_rand_int(0, 2) ? t_rand_int(1, 200) : 0;
+  const int kept_chunk = long_window ? 32 : 32 * t_rand_int(1, 4);
   for (int i = 0; i < n_items; i++) {
     ids[i] = t_rand_int(0, 999);
-    full[i] = t_rand_int(0, 3) ? t_rand_int(0, 19000) : t_rand_int(0, 3);
+    full[i] = long_window ? 19000 : t_rand_int(0, 3) ? t_rand_int(0, 19000) : t_rand_int(0, 3);
     const int lowest = full[i] < sinks ? full[i] : sinks;
-    wb[i] = window > 0 ? t_rand_int(lowest > full[i] - window ? lowest : full[i] - window, full[i])
-                       : (full[i] > lowest ? full[i] : lowest);
+    if (long_window) wb[i] = full[i] - window;
+    else if (window > 0)
+      wb[i] = t_rand_int(lowest > full[i] - window ? lowest : full[i] - window, full[i]);
+    else
+      wb[i] = full[i] > lowest ? full[i] : lowest;
     int left = wb[i] > sinks ? wb[i] - sinks : 0; /* the quantized rows, spread over the tiers */
     for (int l = 0; l < n; l++) {
       rows[l][i] = l == n - 1 ? left : t_rand_int(0, left);
@@ -114,6 +118,12 @@ static void check_tier_call(int n_items, int n, int kept, int units, int target)
     bound += b > M40LLM_PLAN_MAX_ITEMS ? b : M40LLM_PLAN_MAX_ITEMS;
   }
   m40llm_attn_plan_tier_number(launches, n, &combine);
+  int fits = 1;
+  for (int l = 0; l < n; l++) fits &= launches[l].total_splits <= M40LLM_PLAN_MAX_SPLITS;
+  T_CHECKF(fits, "a launch passes grid y's %d splits", M40LLM_PLAN_MAX_SPLITS);
+  if (long_window && kept)
+    T_CHECKF(launches[0].kept_chunk > kept_chunk, "128 x 18K windows: kept_chunk %d",
+             launches[0].kept_chunk);
   int ok = combine.n_items == n_items && combine.split_begin[0] == 0 &&
            combine.total_splits == combine.split_begin[n_items] && combine.total_splits <= bound &&
            combine.total_splits <= (int)sizeof seen_split;
@@ -134,7 +144,8 @@ static void check_tier_call(int n_items, int n, int kept, int units, int target)
         const m40llm_attn_tier_split s = m40llm_attn_tier_split_of(p, i, j);
         ok &= s.split >= first && s.split < last && !seen_split[s.split];
         if (s.split >= first && s.split < last) seen_split[s.split] = 1;
-        ok &= s.begin <= s.end && (s.kept ? s.end - s.begin <= kept_chunk : s.end - s.begin <= p->chunk);
+        ok &= s.begin <= s.end &&
+              s.end - s.begin <= (s.kept ? p->kept_chunk : p->chunk);
         ok &= !s.kept || with_kept;
         if (s.kept) kept_rows += s.end - s.begin;
         else part_rows += s.end - s.begin;
@@ -168,25 +179,45 @@ int main(void) {
     t_set_case("protected plan");
     int32_t lens[M40LLM_PLAN_MAX_ITEMS], wb[M40LLM_PLAN_MAX_ITEMS], ids[M40LLM_PLAN_MAX_ITEMS];
     for (int iter = 0; iter < 2000; iter++) {
-      const int n = t_rand_int(1, M40LLM_PLAN_MAX_ITEMS), sinks = 4, window = 128;
+      /* long windows (every 4th plan, and the last: 128 items of 20K with 18K windows, full)
+       * pass grid y's bound at 32 rows a kept split */
+      const int last = iter == 1999;
+      const int n = last ? M40LLM_PLAN_MAX_ITEMS : t_rand_int(1, M40LLM_PLAN_MAX_ITEMS), sinks = 4;
+      const int window = last ? 18000 : t_rand_int(0, 3) == 0 ? t_rand_int(4000, 20000) : 128;
       for (int i = 0; i < n; i++) {
         ids[i] = i;
-        lens[i] = t_rand_int(0, 20000);
+        lens[i] = last ? 20000 : t_rand_int(0, 20000);
         const int lowest = lens[i] < sinks ? lens[i] : sinks;
-        wb[i] = t_rand_int(lowest > lens[i] - window ? lowest : lens[i] - window, lens[i]);
+        wb[i] = last ? lens[i] - window
+                     : t_rand_int(lowest > lens[i] - window ? lowest : lens[i] - window, lens[i]);
       }
       m40llm_attn_plan p;
       m40llm_attn_plan_build(&p, ids, lens, n, 8, 1056, 132, 512, 64);
       int32_t before[M40LLM_PLAN_MAX_ITEMS];
       for (int i = 0; i < n; i++) before[i] = p.split_begin[i + 1] - p.split_begin[i];
-      const int kept_chunk = 32 * t_rand_int(1, 4);
+      const int kept_chunk = last ? 32 : 32 * t_rand_int(1, 4);
       m40llm_attn_plan_protect(&p, wb, sinks, window, kept_chunk);
-      int ok = p.split_begin[0] == 0 && p.split_begin[n] == p.total_splits;
+      /* kept_chunk doubled only as far as the bound needs: at half, the plan would pass it */
+      int64_t at_half = 0;
+      for (int i = 0; i < n; i++) {
+        const m40llm_attn_parts parts = m40llm_attn_item_parts(lens[i], wb[i], sinks, window);
+        int64_t splits = (parts.count[3] + p.chunk - 1) / p.chunk;
+        const int half = p.kept_chunk / 2;
+        for (int k = 0; k < 3; k++) splits += (parts.count[k] + half - 1) / half;
+        at_half += splits > 0 ? splits : 1;
+      }
+      int ok = p.split_begin[0] == 0 && p.split_begin[n] == p.total_splits &&
+               p.total_splits <= M40LLM_PLAN_MAX_SPLITS && p.kept_chunk % kept_chunk == 0 &&
+               (p.kept_chunk == kept_chunk || at_half > M40LLM_PLAN_MAX_SPLITS);
+      T_CHECKF(ok, "plan %d: %d splits, kept_chunk %d (from %d)", iter, p.total_splits,
+               p.kept_chunk, kept_chunk);
+      if (last)
+        T_CHECKF(p.kept_chunk > kept_chunk, "128 x 18K windows: kept_chunk %d", p.kept_chunk);
       for (int i = 0; i < n; i++) {
         const m40llm_attn_parts parts = m40llm_attn_item_parts(lens[i], wb[i], sinks, window);
         int want = 0;
         for (int k = 0; k < 4; k++) {
-          const int chunk = k < 3 ? kept_chunk : p.chunk;
+          const int chunk = k < 3 ? p.kept_chunk : p.chunk;
           want += (parts.count[k] + chunk - 1) / chunk;
         }
         ok &= p.split_begin[i + 1] - p.split_begin[i] == (want > 0 ? want : 1);
@@ -201,8 +232,10 @@ int main(void) {
   for (int iter = 0; iter < 3000; iter++) {
     t_set_case("tiered call %d", iter);
     check_tier_call(t_rand_int(1, M40LLM_PLAN_MAX_ITEMS), t_rand_int(1, 5), t_rand_int(0, 1),
-                    t_rand_int(1, 64), t_rand_int(1, 4000));
+                    t_rand_int(1, 64), t_rand_int(1, 4000), 0);
   }
+  t_set_case("tiered call, 128 x 18K windows");
+  check_tier_call(M40LLM_PLAN_MAX_ITEMS, 2, 1, 1, 1056, 1);
   static const int tiles[] = {8, 16, 32, 64, 128, 256};
   int32_t lens[M40LLM_PLAN_MAX_ITEMS];
   for (int iter = 0; iter < 20000; iter++) {

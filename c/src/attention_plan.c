@@ -65,8 +65,51 @@ int32_t m40llm_attn_protect_extra(int32_t sinks, int32_t window, int32_t kept_ch
   return (sinks + window + kept_chunk - 1) / kept_chunk + 3;
 }
 
+/* Splits of an item's kept parts (parts 0-2) at kept_chunk rows a split. */
+static int32_t kept_splits(const m40llm_attn_parts *p, int32_t kept_chunk) {
+  int32_t splits = 0;
+  for (int k = 0; k < 3; k++) splits += (p->count[k] + kept_chunk - 1) / kept_chunk;
+  return splits;
+}
+
+/* A protected plan's splits at kept_chunk rows a kept split. */
+static int64_t protect_total(const m40llm_attn_plan *plan, const int32_t *window_begin,
+                             int32_t sinks, int32_t window, int32_t kept_chunk) {
+  int64_t total = 0;
+  for (int i = 0; i < plan->n_items; i++) {
+    const m40llm_attn_parts p =
+        m40llm_attn_item_parts(plan->len[i], window_begin[i], sinks, window);
+    const int32_t splits =
+        kept_splits(&p, kept_chunk) + (p.count[3] + plan->chunk - 1) / plan->chunk;
+    total += splits > 0 ? splits : 1;
+  }
+  return total;
+}
+
+/* A tiered launch's splits at kept_chunk rows a kept split. */
+static int64_t tier_total(const m40llm_attn_plan *plan, const int32_t *full_len,
+                          const int32_t *window_begin, int32_t sinks, int32_t window,
+                          int32_t kept_chunk) {
+  int64_t total = 0;
+  for (int i = 0; i < plan->n_items; i++) {
+    total += (plan->len[i] + plan->chunk - 1) / plan->chunk;
+    if (kept_chunk > 0) {
+      const m40llm_attn_parts p =
+          m40llm_attn_item_parts(full_len[i], window_begin[i], sinks, window);
+      total += kept_splits(&p, kept_chunk);
+    }
+  }
+  return total;
+}
+
 void m40llm_attn_plan_protect(m40llm_attn_plan *plan, const int32_t *window_begin, int32_t sinks,
                               int32_t window, int32_t kept_chunk) {
+  /* Many items with long windows can pass grid y at kept_chunk rows a split (128 items of 16K
+   * at 32 rows come to 65K splits). Doubling keeps it a whole number of tiles; at sinks +
+   * window every kept part is one split. */
+  while (kept_chunk < sinks + window &&
+         protect_total(plan, window_begin, sinks, window, kept_chunk) > M40LLM_PLAN_MAX_SPLITS)
+    kept_chunk *= 2;
   int32_t begin = 0;
   plan->sinks = sinks;
   plan->window = window;
@@ -74,11 +117,7 @@ void m40llm_attn_plan_protect(m40llm_attn_plan *plan, const int32_t *window_begi
   plan->max_splits = 1;
   for (int i = 0; i < plan->n_items; i++) {
     const m40llm_attn_parts p = m40llm_attn_item_parts(plan->len[i], window_begin[i], sinks, window);
-    int32_t splits = 0;
-    for (int k = 0; k < 4; k++) {
-      const int32_t chunk = k < 3 ? kept_chunk : plan->chunk;
-      splits += (p.count[k] + chunk - 1) / chunk;
-    }
+    int32_t splits = kept_splits(&p, kept_chunk) + (p.count[3] + plan->chunk - 1) / plan->chunk;
     if (splits < 1) splits = 1; /* an empty item: one split, which writes zeros */
     plan->window_begin[i] = window_begin[i];
     plan->split_begin[i] = begin;
@@ -92,6 +131,12 @@ void m40llm_attn_plan_protect(m40llm_attn_plan *plan, const int32_t *window_begi
 void m40llm_attn_plan_tier(m40llm_attn_plan *plan, const int32_t *full_len,
                            const int32_t *window_begin, int32_t sinks, int32_t window,
                            int32_t kept_chunk) {
+  /* As in m40llm_attn_plan_protect, with room for the two splits an item that
+   * m40llm_attn_plan_tier_number may add to the first launch. */
+  while (kept_chunk > 0 && kept_chunk < sinks + window &&
+         tier_total(plan, full_len, window_begin, sinks, window, kept_chunk) >
+             M40LLM_PLAN_MAX_SPLITS - 2 * plan->n_items)
+    kept_chunk *= 2;
   int32_t begin = 0;
   plan->role = M40LLM_PLAN_TIER;
   plan->sinks = sinks;
@@ -102,7 +147,7 @@ void m40llm_attn_plan_tier(m40llm_attn_plan *plan, const int32_t *full_len,
     if (kept_chunk > 0) {
       const m40llm_attn_parts p =
           m40llm_attn_item_parts(full_len[i], window_begin[i], sinks, window);
-      for (int k = 0; k < 3; k++) splits += (p.count[k] + kept_chunk - 1) / kept_chunk;
+      splits += kept_splits(&p, kept_chunk);
     }
     plan->full_len[i] = full_len[i];
     plan->window_begin[i] = window_begin[i];

@@ -11,6 +11,8 @@ extern "C" {
 
 /* Sequences per launch: the plan travels as a kernel argument (4 KB limit on sm_52). */
 #define M40LLM_PLAN_MAX_ITEMS 128
+/* Splits per launch: the split kernels' grid y (65535 on every GPU). */
+#define M40LLM_PLAN_MAX_SPLITS 65535
 
 typedef struct m40llm_attn_plan {
   int32_t n_items;
@@ -153,8 +155,10 @@ void m40llm_attn_plan_build(m40llm_attn_plan *plan, const int32_t *seq_ids, cons
 
 /* Re-cuts a built plan for a cache with protected tokens: each item's parts
  * (m40llm_attn_item_parts) get splits of their own (an item has at most
- * m40llm_attn_protect_extra more splits than before). Sets sinks, window, kept_chunk and
- * window_begin; role is the caller's, per launch. */
+ * m40llm_attn_protect_extra more splits than before). kept_chunk (rows per kept split) is
+ * doubled while the plan would have more than M40LLM_PLAN_MAX_SPLITS splits and a kept part
+ * more than one. Sets sinks, window, kept_chunk and window_begin; role is the caller's, per
+ * launch. */
 void m40llm_attn_plan_protect(m40llm_attn_plan *plan, const int32_t *window_begin, int32_t sinks,
                               int32_t window, int32_t kept_chunk);
 /* Marks a built plan as M40LLM_PLAN_MIXED for a cache with protected tokens: sets sinks, window
@@ -164,8 +168,10 @@ void m40llm_attn_plan_mixed(m40llm_attn_plan *plan, const int32_t *window_begin,
 /* Re-cuts a built plan (over one part's rows of each item) as a launch of a tiered cache's call,
  * M40LLM_PLAN_TIER: an item without rows has no splits, and with kept_chunk > 0 the item's kept
  * parts (m40llm_attn_item_parts of full_len and window_begin) come first, in splits of
- * kept_chunk rows. kept_k and kept_v are the caller's (kept_k set where kept_chunk > 0, or
- * where the plan was built over the kept rows and the tier's together, kept_chunk 0). */
+ * kept_chunk rows (doubled as in m40llm_attn_plan_protect, leaving m40llm_attn_plan_tier_number
+ * two splits an item of room under M40LLM_PLAN_MAX_SPLITS). kept_k and kept_v are the
+ * caller's (kept_k set where kept_chunk > 0, or where the plan was built over the kept rows and
+ * the tier's together, kept_chunk 0). */
 void m40llm_attn_plan_tier(m40llm_attn_plan *plan, const int32_t *full_len,
                            const int32_t *window_begin, int32_t sinks, int32_t window,
                            int32_t kept_chunk);
