@@ -7,6 +7,9 @@
  * M40LLM_TEST_SMALL=1 keeps every kind of case but drops the long contexts (4099 positions and
  * more) and most of the head_dim sweep, for compute-sanitizer runs (scripts/gpu_check.sh), where
  * kernels run 10-100x slower.
+ * M40LLM_TEST_ONLY=causal,graph runs those groups of cases only (names: kGroups below), e.g. a
+ * sanitizer over one kernel family; each group left out is reported as skipped, and an unknown
+ * name fails the run.
  */
 #include <math.h>
 #include <stdint.h>
@@ -35,6 +38,38 @@ static int skip_or_fail(const char *why) {
   t_skip("the GPU tests: %s", why);
   t_finish();
   return 77;
+}
+
+/* The groups of cases, in the order they run (M40LLM_TEST_ONLY picks some). */
+static const char *const kGroups[] = {"context", "errors", "sequences", "rounding", "attention",
+                                      "quantized", "append", "masked", "causal", "dtype",
+                                      "weights", "importance", "tiers", "graph", "decode"};
+static const char *only; /* M40LLM_TEST_ONLY, or NULL: every group */
+
+/* Whether the group `name` runs; a group left out is counted as skipped. */
+static int group(const char *name) {
+  if (!only) return 1;
+  const size_t n = strlen(name);
+  for (const char *p = only; *p;) {
+    const size_t len = strcspn(p, ",");
+    if (len == n && strncmp(p, name, n) == 0) return 1;
+    p += len + (p[len] == ',');
+  }
+  t_skip("the %s cases (M40LLM_TEST_ONLY=%s)", name, only);
+  return 0;
+}
+
+/* Every name in M40LLM_TEST_ONLY is a group's. */
+static int only_names_known(void) {
+  for (const char *p = only; *p;) {
+    const size_t len = strcspn(p, ",");
+    int known = 0;
+    for (size_t g = 0; g < sizeof kGroups / sizeof kGroups[0]; g++)
+      known |= strlen(kGroups[g]) == len && strncmp(p, kGroups[g], len) == 0;
+    if (!T_CHECKF(known, "M40LLM_TEST_ONLY=%s: no group %.*s", only, (int)len, p)) return 0;
+    p += len + (p[len] == ',');
+  }
+  return 1;
 }
 
 static float *random_q(size_t n) {
@@ -834,6 +869,8 @@ int main(void) {
   const char *small_env = getenv("M40LLM_TEST_SMALL");
   small = small_env && strcmp(small_env, "1") == 0;
   if (small) printf("small mode (M40LLM_TEST_SMALL=1): no long contexts, a few head_dims\n");
+  only = getenv("M40LLM_TEST_ONLY");
+  if (only && !only_names_known()) return t_finish();
   int count = 0;
   if (!force_cpu) {
     if (!m40llm_built_with_cuda()) return skip_or_fail("m40llm was built without the CUDA backend");
@@ -854,7 +891,7 @@ int main(void) {
   }
   on_cuda = !force_cpu;
 
-  if (on_cuda) {
+  if (on_cuda && group("context")) {
     test_cuda_context(count);
 #ifdef T_HAVE_CUDART
     test_user_stream();
@@ -864,34 +901,38 @@ int main(void) {
 #endif
     test_pointer_checks_off();
   }
-  t_cases_error_paths(dev);
-  t_cases_sequence_ops(dev);
-  t_cases_fp16_rounding(dev);
-  t_cases_attention_basic(dev);
-  t_cases_quantized(dev, small);
-  t_cases_append_batch(dev, small);
-  t_cases_attention_masked(dev);
-  t_cases_causal(dev, cpu, small);
-  t_cases_dtype(dev, cpu, small);
-  t_cases_weights(dev, cpu, small);
-  t_cases_importance(dev, cpu, small);
-  t_cases_tiers(dev, small);
+  if (group("errors")) t_cases_error_paths(dev);
+  if (group("sequences")) t_cases_sequence_ops(dev);
+  if (group("rounding")) t_cases_fp16_rounding(dev);
+  if (group("attention")) t_cases_attention_basic(dev);
+  if (group("quantized")) t_cases_quantized(dev, small);
+  if (group("append")) t_cases_append_batch(dev, small);
+  if (group("masked")) t_cases_attention_masked(dev);
+  if (group("causal")) t_cases_causal(dev, cpu, small);
+  if (group("dtype")) t_cases_dtype(dev, cpu, small);
+  if (group("weights")) t_cases_weights(dev, cpu, small);
+  if (group("importance")) t_cases_importance(dev, cpu, small);
+  if (group("tiers")) t_cases_tiers(dev, small);
+  if (group("graph")) {
 #ifdef T_HAVE_CUDART
-  if (on_cuda) t_cases_graph(dev, cpu, small);
-  else t_skip("graph capture: a CUDA graph needs the CUDA backend");
+    if (on_cuda) t_cases_graph(dev, cpu, small);
+    else t_skip("graph capture: a CUDA graph needs the CUDA backend");
 #else
-  t_skip("graph capture: built without the CUDA runtime");
+    t_skip("graph capture: built without the CUDA runtime");
 #endif
-  test_shape_sweep();
-  test_head_dim_sweep();
-  test_ragged_batch();
-  test_wide_batch();
-  test_big_batch();
-  test_repeated_split_calls();
-  if (!small) test_long_contexts();
-  test_long_gqa_splits();
-  test_broad_blocks();
-  test_lockstep();
+  }
+  if (group("decode")) {
+    test_shape_sweep();
+    test_head_dim_sweep();
+    test_ragged_batch();
+    test_wide_batch();
+    test_big_batch();
+    test_repeated_split_calls();
+    if (!small) test_long_contexts();
+    test_long_gqa_splits();
+    test_broad_blocks();
+    test_lockstep();
+  }
 
   t_set_case("final synchronize");
   T_OK(m40llm_context_synchronize(dev));
