@@ -29,8 +29,8 @@ struct AttnArgs {
   float q_scale;    // scale * log2(e)
   int stages;       // tensor-core kernel: K/V steps each warp stages in shared memory (0: none)
   // Quantized caches: K and V rotated (q is rotated to meet K, the output back
-  // from V's frame) by rot_scale's transform. (This struct is at 120 bytes: 32 more than 128
-  // made the sm_52 kernels of 4 and 8 heads spill, with CUDA 11.8.)
+  // from V's frame) by rot_scale's transform. (This struct is at 120 bytes; at 160 the sm_52
+  // kernels of 4 and 8 heads spilled, with CUDA 11.8.)
   bool rot_k, rot_v;
   float rot_scale;
 };

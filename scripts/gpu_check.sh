@@ -5,7 +5,8 @@
 #   ptx52     run the carried compute_52-PTX C tests: the M40 code path through the JIT
 #   rust      run the carried Rust test binaries
 #   sanitize  compute-sanitizer memcheck and racecheck over the GPU tests (small shapes), the
-#             native build and the carried compute_52-PTX one
+#             native build and the carried compute_52-PTX one (M40LLM_TEST_ONLY=causal,... in
+#             the environment: those groups of test_gpu's cases only)
 #   bench     bench/run_gpu.sh: m40llm vs PyTorch SDPA vs the copy roofline
 #   append    bench_append (a decode step's append, batched vs one call per sequence), native
 #             and compute_52-PTX builds: tables in append.log, JSON in $OUT/append_*.json
