@@ -47,15 +47,19 @@ static const char *const kGroups[] = {"context", "errors", "sequences", "roundin
                                       "fault"};
 static const char *only; /* M40LLM_TEST_ONLY, or NULL: every group */
 
+/* Whether the comma-separated list holds the name n[0 .. len). */
+static int listed(const char *list, const char *n, size_t len) {
+  for (const char *p = list; *p;) {
+    const size_t l = strcspn(p, ",");
+    if (l == len && strncmp(p, n, len) == 0) return 1;
+    p += l + (p[l] == ',');
+  }
+  return 0;
+}
+
 /* Whether the group `name` runs; a group left out is counted as skipped. */
 static int group(const char *name) {
-  if (!only) return 1;
-  const size_t n = strlen(name);
-  for (const char *p = only; *p;) {
-    const size_t len = strcspn(p, ",");
-    if (len == n && strncmp(p, name, n) == 0) return 1;
-    p += len + (p[len] == ',');
-  }
+  if (!only || listed(only, name, strlen(name))) return 1;
   t_skip("the %s cases (M40LLM_TEST_ONLY=%s)", name, only);
   return 0;
 }
@@ -66,7 +70,7 @@ static int only_names_known(void) {
     const size_t len = strcspn(p, ",");
     int known = 0;
     for (size_t g = 0; g < sizeof kGroups / sizeof kGroups[0]; g++)
-      known |= strlen(kGroups[g]) == len && strncmp(p, kGroups[g], len) == 0;
+      known |= listed(kGroups[g], p, len);
     if (!T_CHECKF(known, "M40LLM_TEST_ONLY=%s: no group %.*s", only, (int)len, p)) return 0;
     p += len + (p[len] == ',');
   }

@@ -72,34 +72,28 @@ static int32_t kept_splits(const m40llm_attn_parts *p, int32_t kept_chunk) {
   return splits;
 }
 
-/* A protected plan's splits at kept_chunk rows a kept split. */
-static int64_t protect_total(const m40llm_attn_plan *plan, const int32_t *window_begin,
-                             int32_t sinks, int32_t window, int32_t kept_chunk) {
-  int64_t total = 0;
-  for (int i = 0; i < plan->n_items; i++) {
-    const m40llm_attn_parts p =
-        m40llm_attn_item_parts(plan->len[i], window_begin[i], sinks, window);
-    const int32_t splits =
-        kept_splits(&p, kept_chunk) + (p.count[3] + plan->chunk - 1) / plan->chunk;
-    total += splits > 0 ? splits : 1;
-  }
-  return total;
+/* Item i's splits in a protected plan at kept_chunk rows a kept split (an empty item: one,
+ * which writes zeros). */
+static int32_t protect_item_splits(const m40llm_attn_plan *plan, int i,
+                                   const int32_t *window_begin, int32_t sinks, int32_t window,
+                                   int32_t kept_chunk) {
+  const m40llm_attn_parts p = m40llm_attn_item_parts(plan->len[i], window_begin[i], sinks, window);
+  const int32_t splits =
+      kept_splits(&p, kept_chunk) + (p.count[3] + plan->chunk - 1) / plan->chunk;
+  return splits > 0 ? splits : 1;
 }
 
-/* A tiered launch's splits at kept_chunk rows a kept split. */
-static int64_t tier_total(const m40llm_attn_plan *plan, const int32_t *full_len,
-                          const int32_t *window_begin, int32_t sinks, int32_t window,
-                          int32_t kept_chunk) {
-  int64_t total = 0;
-  for (int i = 0; i < plan->n_items; i++) {
-    total += (plan->len[i] + plan->chunk - 1) / plan->chunk;
-    if (kept_chunk > 0) {
-      const m40llm_attn_parts p =
-          m40llm_attn_item_parts(full_len[i], window_begin[i], sinks, window);
-      total += kept_splits(&p, kept_chunk);
-    }
+/* Item i's splits in a tiered launch: its part's rows, after its kept parts where kept_chunk
+ * is set. */
+static int32_t tier_item_splits(const m40llm_attn_plan *plan, int i, const int32_t *full_len,
+                                const int32_t *window_begin, int32_t sinks, int32_t window,
+                                int32_t kept_chunk) {
+  int32_t splits = (plan->len[i] + plan->chunk - 1) / plan->chunk;
+  if (kept_chunk > 0) {
+    const m40llm_attn_parts p = m40llm_attn_item_parts(full_len[i], window_begin[i], sinks, window);
+    splits += kept_splits(&p, kept_chunk);
   }
-  return total;
+  return splits;
 }
 
 void m40llm_attn_plan_protect(m40llm_attn_plan *plan, const int32_t *window_begin, int32_t sinks,
@@ -107,18 +101,19 @@ void m40llm_attn_plan_protect(m40llm_attn_plan *plan, const int32_t *window_begi
   /* Many items with long windows can pass grid y at kept_chunk rows a split (128 items of 16K
    * at 32 rows come to 65K splits). Doubling keeps it a whole number of tiles; at sinks +
    * window every kept part is one split. */
-  while (kept_chunk < sinks + window &&
-         protect_total(plan, window_begin, sinks, window, kept_chunk) > M40LLM_PLAN_MAX_SPLITS)
-    kept_chunk *= 2;
+  for (; kept_chunk < sinks + window; kept_chunk *= 2) {
+    int64_t total = 0;
+    for (int i = 0; i < plan->n_items; i++)
+      total += protect_item_splits(plan, i, window_begin, sinks, window, kept_chunk);
+    if (total <= M40LLM_PLAN_MAX_SPLITS) break;
+  }
   int32_t begin = 0;
   plan->sinks = sinks;
   plan->window = window;
   plan->kept_chunk = kept_chunk;
   plan->max_splits = 1;
   for (int i = 0; i < plan->n_items; i++) {
-    const m40llm_attn_parts p = m40llm_attn_item_parts(plan->len[i], window_begin[i], sinks, window);
-    int32_t splits = kept_splits(&p, kept_chunk) + (p.count[3] + plan->chunk - 1) / plan->chunk;
-    if (splits < 1) splits = 1; /* an empty item: one split, which writes zeros */
+    const int32_t splits = protect_item_splits(plan, i, window_begin, sinks, window, kept_chunk);
     plan->window_begin[i] = window_begin[i];
     plan->split_begin[i] = begin;
     begin += splits;
@@ -133,22 +128,20 @@ void m40llm_attn_plan_tier(m40llm_attn_plan *plan, const int32_t *full_len,
                            int32_t kept_chunk) {
   /* As in m40llm_attn_plan_protect, with room for the two splits an item that
    * m40llm_attn_plan_tier_number may add to the first launch. */
-  while (kept_chunk > 0 && kept_chunk < sinks + window &&
-         tier_total(plan, full_len, window_begin, sinks, window, kept_chunk) >
-             M40LLM_PLAN_MAX_SPLITS - 2 * plan->n_items)
-    kept_chunk *= 2;
+  for (; kept_chunk > 0 && kept_chunk < sinks + window; kept_chunk *= 2) {
+    int64_t total = 0;
+    for (int i = 0; i < plan->n_items; i++)
+      total += tier_item_splits(plan, i, full_len, window_begin, sinks, window, kept_chunk);
+    if (total <= M40LLM_PLAN_MAX_SPLITS - 2 * plan->n_items) break;
+  }
   int32_t begin = 0;
   plan->role = M40LLM_PLAN_TIER;
   plan->sinks = sinks;
   plan->window = window;
   plan->kept_chunk = kept_chunk;
   for (int i = 0; i < plan->n_items; i++) {
-    int32_t splits = (plan->len[i] + plan->chunk - 1) / plan->chunk;
-    if (kept_chunk > 0) {
-      const m40llm_attn_parts p =
-          m40llm_attn_item_parts(full_len[i], window_begin[i], sinks, window);
-      splits += kept_splits(&p, kept_chunk);
-    }
+    const int32_t splits =
+        tier_item_splits(plan, i, full_len, window_begin, sinks, window, kept_chunk);
     plan->full_len[i] = full_len[i];
     plan->window_begin[i] = window_begin[i];
     plan->split_begin[i] = begin;
