@@ -674,7 +674,10 @@ __global__ void __launch_bounds__(32 * W, mma_min_blocks(32 * NC + 16 * TAIL, W)
     if constexpr (CAUSAL) return a.q + ((size_t)b.item * a.n_heads + head_of(r)) * D;
     else return a.q + ((size_t)b.item * a.n_heads + b.h0 + r) * D;
   };
-  wait_for_prerequisite_grid();
+  // A chained tier launch waits at its end instead (m40llm_attn_plan::chained): its blocks fill
+  // the SMs the launch before it leaves, as one launch's would.
+  const bool chained = TIER && plan.chained;
+  if (!chained) wait_for_prerequisite_grid();
   if (plan.max_splits > 1) allow_dependent_launch();  // as in attn_fp32_kernel
   if constexpr (!CAUSAL) write_appended_row<P>(a, plan, b);
 
@@ -1068,6 +1071,7 @@ __global__ void __launch_bounds__(32 * W, mma_min_blocks(32 * NC + 16 * TAIL, W)
       }
     }
   }
+  if (chained) wait_for_prerequisite_grid();
 #else
   (void)a, (void)plan;  // compiled for an older GPU: the host never launches this image
 #endif

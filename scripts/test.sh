@@ -34,6 +34,9 @@ if [ "$what" = all ] || [ "$what" = c ]; then
   cmake --build "$root/build-notc" -j "$jobs" --target m40llm
   configure_build_test cpu -DM40LLM_ENABLE_CUDA=OFF
   configure_build_test asan -DM40LLM_ENABLE_CUDA=OFF -DM40LLM_SANITIZE=ON -DCMAKE_BUILD_TYPE=Debug
+  # How gpu_check.sh's sanitize step reads racecheck's reports (the reading only: no GPU).
+  echo "== racecheck reports"
+  python3 "$root/scripts/racecheck/test_hazards.py"
   # The CPU API as call sequences against a model, libFuzzer + ASan + UBSan, FUZZ_SECONDS (60).
   echo "== fuzz"
   bash "$root/scripts/fuzz.sh"

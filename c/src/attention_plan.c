@@ -50,6 +50,7 @@ void m40llm_attn_plan_build(m40llm_attn_plan *plan, const int32_t *seq_ids, cons
   plan->causal_window = 0;
   plan->append_k = plan->append_v = NULL;
   plan->append_dtype = 0;
+  plan->chained = 0;
 }
 
 void m40llm_attn_plan_mixed(m40llm_attn_plan *plan, const int32_t *window_begin, int32_t sinks,

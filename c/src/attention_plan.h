@@ -55,6 +55,12 @@ typedef struct m40llm_attn_plan {
    * it (the F16 instances; set by the caller) */
   const void *append_k, *append_v;
   int32_t append_dtype;
+  /* M40LLM_PLAN_TIER on the tensor cores: a launch made on the stream after another launch of
+   * its call, as a programmatic dependent of it (1), or not (0). Its inputs are ready when it
+   * starts (every block of the launch before it had waited for the stream's earlier work), so
+   * it waits for that launch only before it ends: its completion then orders every launch of
+   * the call before the combine. */
+  int32_t chained;
 } m40llm_attn_plan;
 
 enum {
