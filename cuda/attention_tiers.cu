@@ -6,12 +6,12 @@
 // rows of that tier), and the FP16 slots' kept parts in the first tier's launch where its kernel
 // runs them (else in an F16 launch of their own). Every split writes a partial, numbered so that
 // each item's partials of all launches lie together, and the one combine of the uniform caches
-// merges them. The launches run side by side, each planned for its share of the call's rows:
-// together they fill the GPU as one launch would, without a launch's ramp and tail per tier.
-// Where every launch is a tensor-core kernel that waits as a programmatic dependent (sm_90),
-// they are chained on the context's stream (m40llm_attn_plan::chained: a launch's blocks start
-// as the one before it has started all of its own, and the combine follows as a dependent);
-// elsewhere they run on streams forked from it (m40llm_cuda_state::side). (One launch for all
+// merges them. The launches overlap, each planned for its share of the call's rows: together
+// they fill the GPU as one launch would, without a launch's ramp and tail per tier. Where every
+// launch is a tensor-core kernel that waits as a programmatic dependent (sm_90), they are
+// chained on the context's stream (m40llm_attn_plan::chained: a launch's blocks start as the
+// one before it has started all of its own, and the combine follows as a dependent); elsewhere
+// they run side by side on streams forked from it (m40llm_cuda_state::side). (One launch for all
 // tiers would need a kernel of every pair at once and the plans in device memory: each is passed
 // by value, near the 4 KB of parameters sm_52 allows.) A call that exports weights or importance
 // runs the FP32 kernels' instances with scores (the tensor-core kernels export none): a tier's

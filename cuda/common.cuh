@@ -130,8 +130,10 @@ __device__ __forceinline__ int opaque_thread() {
 // following it. Each waits, in every block and before it touches global memory, for the grids
 // before it to finish and their writes to be visible. A kernel lets the next one launch (once
 // all its blocks have) only after its own wait, so at most one launched grid waits ahead of
-// the running one; the append kernel, launched plainly, does so at its start. Below sm_90 both
-// are no-ops, and the host launches a kernel as a dependent only where its image has the wait.
+// the running one; the append kernel, launched plainly, does so at its start. The exception:
+// a tiered call's chained launches (m40llm_attn_plan::chained) wait at their end, so up to all
+// of a call's launches and its combine are launched at once. Below sm_90 both are no-ops, and
+// the host launches a kernel as a dependent only where its image has the wait.
 __device__ __forceinline__ void allow_dependent_launch() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;");

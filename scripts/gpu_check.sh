@@ -95,11 +95,12 @@ sanitize() {  # needs build-native (the native step); each run gets SANITIZE_TIM
   else echo "no .gpu-carry/ptx52/test_gpu (scripts/build_carry.sh): the PTX build is NOT sanitized"; rc=1; fi
   # racecheck reports races after barriers of pairs of warps where there are none (the probe,
   # race-free, is flagged by the CUDA 13.0 tool): where it does, the hazards of the kernels
-  # with such barriers are listed but not judged (scripts/racecheck/hazards.py).
-  local unjudged=()
-  if nvcc -O3 -arch=native -o /tmp/pair_barrier_probe scripts/racecheck/pair_barrier_probe.cu \
+  # with such barriers are counted but not judged (scripts/racecheck/hazards.py).
+  local unjudged=() probe
+  probe=$(mktemp -d)/pair_barrier_probe
+  if nvcc -O3 -arch=native -o "$probe" scripts/racecheck/pair_barrier_probe.cu \
       >"$out/racecheck-probe.txt" 2>&1; then
-    compute-sanitizer --tool racecheck /tmp/pair_barrier_probe >>"$out/racecheck-probe.txt" 2>&1
+    compute-sanitizer --tool racecheck "$probe" >>"$out/racecheck-probe.txt" 2>&1
     if ! python3 scripts/racecheck/hazards.py "$out/racecheck-probe.txt" >/dev/null; then
       echo "racecheck flags the race-free pair-barrier probe: split-dims kernels not judged"
       unjudged=(--pair-barriers-unjudged)
@@ -114,14 +115,17 @@ sanitize() {  # needs build-native (the native step); each run gets SANITIZE_TIM
     name=$(basename "$(dirname "$(dirname "$bin")")")  # build-native or .gpu-carry
     for tool in memcheck racecheck; do
       echo "--- compute-sanitizer --tool $tool $bin"
-      local exitcode=(--error-exitcode 1)
-      [ $tool = racecheck ] && exitcode=()  # hazards.py judges its report; the tests' own rc stays
+      # racecheck: hazards.py judges the whole report (every hazard printed); the tests' own
+      # exit code stays the run's
+      local opts=(--error-exitcode 1)
+      [ $tool = racecheck ] && opts=(--print-limit 1000000)
       M40LLM_TEST_SMALL=1 M40LLM_TEST_NO_FAULT=1 timeout "${SANITIZE_TIMEOUT:-300}" \
-        compute-sanitizer --tool "$tool" --report-api-errors no "${exitcode[@]}" "$bin" \
+        compute-sanitizer --tool "$tool" --report-api-errors no "${opts[@]}" "$bin" \
         >"$out/$tool-$name.txt" 2>&1 || rc=1
       tail -n 3 "$out/$tool-$name.txt"
       if [ $tool = racecheck ]; then
-        python3 scripts/racecheck/hazards.py "$out/$tool-$name.txt" "${unjudged[@]}" || rc=1
+        python3 scripts/racecheck/hazards.py "$out/$tool-$name.txt" ${unjudged[@]+"${unjudged[@]}"} ||
+          rc=1
       fi
     done
   done

@@ -51,11 +51,13 @@
  *   Stream order holds as for any kernel. A kernel you launch after a call as a programmatic
  *   dependent must itself wait (cudaGridDependencySynchronize) before it touches the call's q,
  *   out or cache, as any programmatic dependent must.
- * - A tiered cache's attention call (m40llm_kvcache_options.n_tiers) runs its first launch on
- *   the context's stream and the others beside it on streams the context owns (made with its
- *   first tiered cache, of the stream's priority), forked from the stream by an event and
- *   joined back into it before the call's combine kernel: stream order holds as for any call,
- *   and in a graph capture they are branches of the graph.
+ * - A tiered cache's attention call (m40llm_kvcache_options.n_tiers) makes a launch per tier.
+ *   With sm_90 code on the tensor cores they follow each other on the context's stream as
+ *   programmatic dependents. Elsewhere the first runs on the context's stream and the others
+ *   beside it on streams the context owns (made with its first tiered cache, of the stream's
+ *   priority), forked from the stream by an event and joined back into it before the call's
+ *   combine kernel, and in a graph capture they are branches of the graph. Stream order holds
+ *   as for any call.
  *
  * Graphs (CUDA backend)
  * - A decode step's calls can be captured into a CUDA graph on the context's stream

@@ -56,10 +56,12 @@ typedef struct m40llm_attn_plan {
   const void *append_k, *append_v;
   int32_t append_dtype;
   /* M40LLM_PLAN_TIER on the tensor cores: a launch made on the stream after another launch of
-   * its call, as a programmatic dependent of it (1), or not (0). Its inputs are ready when it
-   * starts (every block of the launch before it had waited for the stream's earlier work), so
-   * it waits for that launch only before it ends: its completion then orders every launch of
-   * the call before the combine. */
+   * its call, as a programmatic dependent of it (1), or not (0). It waits for that launch only
+   * before it ends, so its completion orders every launch of the call before the combine. Its
+   * inputs are ready when it starts: a launch starts only once every block of the one before it
+   * has, so after every block of the call's first launch passed its wait for the stream's
+   * earlier work, whose writes were then flushed (the chained launches read them without a
+   * wait of their own; they share only disjoint partials with each other). */
   int32_t chained;
 } m40llm_attn_plan;
 

@@ -5,6 +5,8 @@ head_dim between pairs of warps (attn_mma_kernel at head_dims over 128, which ex
 at barriers of two warps): racecheck reports races across the __syncthreads() that follows such
 barriers where there are none, as pair_barrier_probe.cu shows. gpu_check.sh's sanitize step
 passes the flag only where the probe is flagged, so a fixed tool judges those kernels again.
+A report it cannot read whole (no summary, hazards not printed, a format it does not parse)
+fails.
 
   hazards.py REPORT [--pair-barriers-unjudged]
 """
@@ -43,13 +45,36 @@ def hazards(lines):
     return out
 
 
+SUMMARY = re.compile(r"RACECHECK SUMMARY: (\d+) hazards? displayed \((\d+) errors?, (\d+) warnings?\)")
+
+
+def summary_problem(text, found):
+    """Why the report cannot be judged by its printed hazards, or None: no summary (the run
+    ended early), more hazards than it printed, or printed ones this parser did not see."""
+    sums = SUMMARY.findall(text)
+    if not sums:
+        return "no RACECHECK SUMMARY: the run did not finish"
+    shown = sum(int(d) for d, _, _ in sums)
+    total = sum(int(e) + int(w) for _, e, w in sums)
+    if total > shown:
+        return f"{total} hazards, {shown} printed: run with a larger --print-limit"
+    if shown != len(found):
+        return f"{shown} hazards printed, {len(found)} read: the report's format is not this parser's"
+    return None
+
+
 def main():
     if len(sys.argv) < 2:
         print(__doc__)
         return 2
     unjudged_ok = "--pair-barriers-unjudged" in sys.argv[2:]
     with open(sys.argv[1], errors="replace") as f:
-        found = hazards(f)
+        text = f.read()
+    found = hazards(text.splitlines(keepends=True))
+    problem = summary_problem(text, found)
+    if problem:
+        print(f"racecheck: {problem}")
+        return 1
     unjudged = [h for h in found if unjudged_ok and split_dims(h)]
     judged = [h for h in found if not (unjudged_ok and split_dims(h))]
     print(f"racecheck: {len(found)} hazards reported, {len(judged)} judged"

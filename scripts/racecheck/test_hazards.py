@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Checks hazards.py on reports in racecheck's two formats: a split-dims kernel's hazards pass
-only when not judged, any other kernel's fail, a clean report passes. No GPU."""
+only when not judged, any other kernel's fail, a clean report passes, and a report that is not
+whole (no summary, hazards not printed or not read) fails. No GPU."""
 import os
 import subprocess
 import sys
@@ -14,12 +15,16 @@ RACE = ("========= Error: Race reported between Write access at {a}+0x58b0\n"
 OLD = ("========= ERROR: Potential WAW hazard detected at __shared__ 0x10 in block (0,0,0) :\n"
        "=========     Write Thread (0,0,0) at 0x00000120 in {a}\n"
        "=========     Write Thread (32,0,0) at 0x00000140 in {b}\n=========\n")
-CLEAN = "========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)\n"
+SUMMARY = "========= RACECHECK SUMMARY: {} hazards displayed ({} errors, 0 warnings)\n"
 
 
-def rc(report, *flags):
+def rc(report, *flags, shown=None, errors=None, summary=True):
+    """hazards.py's exit code on report, its summary counting the report's hazards unless
+    told otherwise."""
+    n = report.count("Race reported") + report.count("Potential")
+    tail = SUMMARY.format(n if shown is None else shown, n if errors is None else errors)
     with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
-        f.write("========= COMPUTE-SANITIZER\n" + report + CLEAN)
+        f.write("========= COMPUTE-SANITIZER\n" + report + (tail if summary else ""))
     try:
         return subprocess.run([sys.executable, os.path.join(HERE, "hazards.py"), f.name, *flags],
                               stdout=subprocess.DEVNULL).returncode
@@ -41,8 +46,19 @@ def main():
         ("old format, split dims", OLD.format(a=d256, b=d256), ["--pair-barriers-unjudged"], 0),
         ("old format, elsewhere", OLD.format(a=other, b=other), ["--pair-barriers-unjudged"], 1),
     ]
-    bad = [(name, want, got) for name, text, flags, want in cases
-           if (got := rc(text, *flags)) != want]
+    split = RACE.format(a=d256, b=d256)
+    cases += [
+        ("no summary", split, ["--pair-barriers-unjudged", {"summary": False}], 1),
+        ("clean, no summary", "", [{"summary": False}], 1),
+        ("hazards not printed", split, ["--pair-barriers-unjudged", {"errors": 9}], 1),
+        ("hazards printed, not read", split, ["--pair-barriers-unjudged", {"shown": 2}], 1),
+    ]
+    bad = []
+    for name, text, flags, want in cases:
+        opts = next((f for f in flags if isinstance(f, dict)), {})
+        got = rc(text, *[f for f in flags if isinstance(f, str)], **opts)
+        if got != want:
+            bad.append((name, want, got))
     for name, want, got in bad:
         print(f"test_hazards: {name}: exit {got}, want {want}")
     print(f"test_hazards: {len(cases) - len(bad)} of {len(cases)} cases pass")
