@@ -1294,23 +1294,8 @@ impl KvCache {
         let l = self.layer(layer)?;
         let (ids, n) = self.seq_ids(seq_ids)?;
         let scale = self.check_attention(ids.len(), q, out, scale)?;
-        self.same_context("weights", weights)?;
-        let want = ids
-            .len()
-            .checked_mul(self.config.n_heads)
-            .and_then(|r| r.checked_mul(stride))
-            .ok_or_else(|| Error::invalid("too many weights"))?;
-        if weights.len() != want {
-            return Err(Error::invalid(format!(
-                "weights has {} elements, expected {want} ({} row(s) of n_heads {} x stride {stride})",
-                weights.len(),
-                ids.len(),
-                self.config.n_heads
-            )));
-        }
-        if overlaps(q, weights) || overlaps(out, weights) {
-            return Err(Error::invalid("weights overlap q or out"));
-        }
+        let heads = ("n_heads", self.config.n_heads);
+        self.check_export("weights", weights, q, out, ids.len(), heads, stride)?;
         // SAFETY: q and out cover ids.len() query rows each, weights ids.len() x n_heads rows of
         // stride floats, all in this context's memory and not overlapping; ids is a host array
         // of n valid sequence indices; the library checks stride against the lengths.
@@ -1378,24 +1363,8 @@ impl KvCache {
         let l = self.layer(layer)?;
         let (ids, n) = self.seq_ids(seq_ids)?;
         let scale = self.check_attention(ids.len(), q, out, scale)?;
-        self.same_context("importance", importance)?;
-        let want = ids
-            .len()
-            .checked_mul(self.config.n_kv_heads)
-            .and_then(|r| r.checked_mul(stride))
-            .ok_or_else(|| Error::invalid("too many importance rows"))?;
-        if importance.len() != want {
-            return Err(Error::invalid(format!(
-                "importance has {} elements, expected {want} ({} row(s) of n_kv_heads {} x \
-                 stride {stride})",
-                importance.len(),
-                ids.len(),
-                self.config.n_kv_heads
-            )));
-        }
-        if overlaps(q, importance) || overlaps(out, importance) {
-            return Err(Error::invalid("importance overlaps q or out"));
-        }
+        let heads = ("n_kv_heads", self.config.n_kv_heads);
+        self.check_export("importance", importance, q, out, ids.len(), heads, stride)?;
         // SAFETY: q and out cover ids.len() query rows each, importance ids.len() x n_kv_heads
         // rows of stride floats, all in this context's memory and not overlapping; ids is a
         // host array of n valid sequence indices; the library checks stride and decay.
@@ -1547,6 +1516,39 @@ impl KvCache {
                 scale,
             )
         })
+    }
+
+    /// What an exporting call writes besides `out` (weights, importance): `rows` query rows'
+    /// `heads.1` rows (`heads.0` names them) of `stride` floats, in this context's memory and
+    /// clear of `q` and `out`.
+    #[allow(clippy::too_many_arguments)]
+    fn check_export<T: IoElement>(
+        &self,
+        what: &str,
+        buf: &impl DeviceRead<f32>,
+        q: &impl DeviceRead<T>,
+        out: &impl DeviceRead<T>,
+        rows: usize,
+        heads: (&str, usize),
+        stride: usize,
+    ) -> Result<()> {
+        self.same_context(what, buf)?;
+        let want = rows
+            .checked_mul(heads.1)
+            .and_then(|r| r.checked_mul(stride))
+            .ok_or_else(|| Error::invalid(format!("too many rows of {what}")))?;
+        if buf.len() != want {
+            return Err(Error::invalid(format!(
+                "{what} has {} elements, expected {want} ({rows} row(s) of {} {} x stride {stride})",
+                buf.len(),
+                heads.0,
+                heads.1
+            )));
+        }
+        if overlaps(q, buf) || overlaps(out, buf) {
+            return Err(Error::invalid(format!("{what} and q or out overlap")));
+        }
+        Ok(())
     }
 
     fn check_attention<T: IoElement>(
