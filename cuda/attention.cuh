@@ -311,6 +311,50 @@ int mma_split_passes(m40llm_cuda_state *st, int head_dim, SplitPasses *out);
 // (attention_mma_tiers.cu); pass and direct are one.
 template <typename P>
 int mma_tier_passes(m40llm_cuda_state *st, int head_dim, SplitPasses *out);
+// A pair of formats as one number.
+__host__ __device__ constexpr int kv_pair_id(int k_format, int v_format) {
+  return k_format * kKvFormats + v_format;
+}
+
+// One launch for all of a tiered call's tiers on tensor cores (attention_mma_tiers.cu): every
+// tier's plan travels in its parameters, over 4 KB, which CUDA 12.1 and later pass on sm_70+
+// (and drivers of 12.1 and later). A build that also has older architectures' code (e.g.
+// sm_52 beside sm_90) cannot compile such a kernel for them, and has none (kMmaOneLaunch).
+#if defined(__CUDACC_VER_MAJOR__) && \
+    (__CUDACC_VER_MAJOR__ > 12 || (__CUDACC_VER_MAJOR__ == 12 && __CUDACC_VER_MINOR__ >= 1))
+#define M40LLM_MMA_ONE_LAUNCH 1
+#else
+#define M40LLM_MMA_ONE_LAUNCH 0
+#endif
+#if M40LLM_MMA_ONE_LAUNCH
+#ifdef __CUDA_ARCH_LIST__
+constexpr int kBuiltArchs[] = {__CUDA_ARCH_LIST__};
+#else
+constexpr int kBuiltArchs[] = {0};
+#endif
+constexpr bool all_archs_volta() {
+  for (int arch : kBuiltArchs)
+    if (arch < 700) return false;
+  return true;
+}
+constexpr bool kMmaOneLaunch = kTensorCores && all_archs_volta();
+// Launch l of a tiered call's (a tier's rows, the first also the items' kept rows): its pair
+// (kv_pair_id), arguments and plan (M40LLM_PLAN_TIER), whose blocks are grid y y0[l] on: its
+// plan's split_begin counts from there.
+struct MmaTierLaunch {
+  int n;
+  int pair[M40LLM_MAX_TIERS];
+  int y0[M40LLM_MAX_TIERS];
+  AttnArgs args[M40LLM_MAX_TIERS];
+  m40llm_attn_plan plan[M40LLM_MAX_TIERS];
+};
+// Its passes at head_dim (pass: mma_warps() warps, fine: half; direct is pass), where this
+// build, GPU and driver have the kernel (*have); their kernel fields stay null:
+// mma_tiers_launch finds the kernel of a pass.
+int mma_tiers_passes(m40llm_cuda_state *st, int head_dim, SplitPasses *out, bool *have);
+int mma_tiers_launch(cudaStream_t stream, int head_dim, const SplitPass &pass, dim3 grid,
+                     bool dependent, const MmaTierLaunch &l);
+#endif
 // The same for causal rows (kMmaCausal: an item's query rows packed into a tile's rows, each
 // masked at its own position; attention_mma_causal.cu), for the uniform caches' pairs.
 template <typename P>
@@ -430,10 +474,9 @@ int tier_attention_causal(const m40llm_kvcache *c, int layer, const m40llm_appen
 
 // Launches a kernel of any family on `stream`, as a programmatic dependent of the kernel before
 // it there where `dependent`.
-template <typename Kernel>
+template <typename Kernel, typename... Args>
 int launch_attention_kernel(cudaStream_t stream, const char *what, Kernel kernel, dim3 grid,
-                            int threads, size_t smem, bool dependent, const AttnArgs &a,
-                            const m40llm_attn_plan &plan) {
+                            int threads, size_t smem, bool dependent, const Args &...args) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = dim3((unsigned)threads);
@@ -444,5 +487,5 @@ int launch_attention_kernel(cudaStream_t stream, const char *what, Kernel kernel
   attr.val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = &attr;
   cfg.numAttrs = dependent ? 1 : 0;
-  return m40llm_cuda_status(cudaLaunchKernelEx(&cfg, kernel, a, plan), what);
+  return m40llm_cuda_status(cudaLaunchKernelEx(&cfg, kernel, args...), what);
 }

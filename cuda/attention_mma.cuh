@@ -613,10 +613,38 @@ struct StagedSteps : HalfSteps<NC, TAIL> {
 // plan.causal_window W, a row sees the last W of those positions only.
 //
 // V: kMmaDirect, kMmaStaged, kMmaTier or kMmaCausal.
-template <typename P, int NC, int TAIL, int V, int W>
-__global__ void __launch_bounds__(32 * W, mma_min_blocks(32 * NC + 16 * TAIL, W))
-    attn_mma_kernel(const AttnArgs a, const m40llm_attn_plan plan) {
+//
+// The block's static shared arrays, declared by the kernel (M40LLM_MMA_SHARED) and handed to
+// attn_mma_block: a kernel that runs several pairs' blocks (attn_mma_tiers_kernel) holds them
+// once. They depend on the shape alone.
+template <int NC, int TAIL, int W>
+struct MmaShared {
+  static constexpr int DS = mma_dim_split(32 * NC + 16 * TAIL), WP = W / DS;
+  using State = SoftmaxState[WP][kMaxGroupTile];
+  // q's A fragments, k step (c, h): k 2t, 2t + 1 = dims 32c + 8t + 4h + {0, 1}, k 2t + 8, 2t + 9
+  // = the next two; the tail's k step: dims 32 NC + 4t + {0, 1}, then the next two. Kept in
+  // shared memory, one 16-byte word per lane (registers go to loads in flight instead).
+  using Qa = uint4[NC][2][32];
+  using Qta = uint4[32];
+  // A split head_dim's partial scores, each warp's in turn (two, so a warp's next step's never
+  // overwrites what its partner has yet to read).
+  using Part = float4[DS > 1 ? 2 : 1][DS > 1 ? W : 1][32];
+  State &state;
+  Qa &qa;
+  Qta &qta;
+  Part &part;
+};
+#define M40LLM_MMA_SHARED(S, name)                 \
+  __shared__ typename S::State name##_state;       \
+  __shared__ typename S::Qa name##_qa;             \
+  __shared__ typename S::Qta name##_qta;           \
+  __shared__ typename S::Part name##_part;         \
+  const S name{name##_state, name##_qa, name##_qta, name##_part}
+
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+template <typename P, int NC, int TAIL, int V, int W>
+__device__ __forceinline__ void attn_mma_block(const AttnArgs &a, const m40llm_attn_plan &plan,
+                                               const MmaShared<NC, TAIL, W> &shared) {
   constexpr bool STAGED = V == kMmaStaged, TIER = V == kMmaTier, CAUSAL = V == kMmaCausal;
   constexpr int D = 32 * NC + 16 * TAIL;
   constexpr int G = kMaxGroupTile;
@@ -641,7 +669,10 @@ __global__ void __launch_bounds__(32 * W, mma_min_blocks(32 * NC + 16 * TAIL, W)
       std::conditional_t<kStaged, StagedSteps<KvF16, NC, TAIL, W>,
                          RegisterSteps<KvF16, NW, TAIL, WP, D>>>;
   extern __shared__ uint4 s_dyn[];
-  __shared__ SoftmaxState s_state[WP][G];
+  auto &s_state = shared.state;
+  auto &s_qa = shared.qa;
+  auto &s_qta = shared.qta;
+  auto &s_part = shared.part;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
   const int pw = warp / DS, c0 = NW * (warp % DS);  // its positions' warp, its first chunk
@@ -758,12 +789,8 @@ __global__ void __launch_bounds__(32 * W, mma_min_blocks(32 * NC + 16 * TAIL, W)
       qsum[c] *= up;
     }
   }
-  // A fragments, k step (c, h): k 2t, 2t + 1 = dims 32c + 8t + 4h + {0, 1}, k 2t + 8, 2t + 9 =
-  // the next two; the tail's k step: dims 32 NC + 4t + {0, 1}, then the next two. Kept in
-  // shared memory, one 16-byte word per lane (registers go to loads in flight instead).
-  __shared__ uint4 s_qa[NC][2][32];
-  __shared__ uint4 s_qta[32];
-  // Each warp converts every W-th chunk: the barrier waits on a W-th of the work.
+  // q's A fragments into s_qa. Each warp converts every W-th chunk: the barrier waits on a
+  // W-th of the work.
 #pragma unroll
   for (int c = 0; c < NC; c++) {
     if (c % W == warp) {
@@ -794,10 +821,7 @@ __global__ void __launch_bounds__(32 * W, mma_min_blocks(32 * NC + 16 * TAIL, W)
   // [2..3]; the tail's dims 32 NC + 4t + 2i + {0, 1} the same way.
   float o[NW][4][4], ot[2][4];
   float omin[NW];  // a V min's share of this lane's positions' output, per group (kQuant)
-  // A split head_dim's partial scores, each warp's in turn (two, so a warp's next step's never
-  // overwrites what its partner has yet to read).
-  __shared__ float4 s_part[DS > 1 ? 2 : 1][DS > 1 ? W : 1][32];
-  int part = 0;
+  int part = 0;  // s_part's half this step writes (DS > 1)
 #pragma unroll
   for (int c = 0; c < NW; c++) {
     omin[c] = 0.0f;
@@ -1072,6 +1096,15 @@ __global__ void __launch_bounds__(32 * W, mma_min_blocks(32 * NC + 16 * TAIL, W)
     }
   }
   if (chained) wait_for_prerequisite_grid();
+}
+#endif
+
+template <typename P, int NC, int TAIL, int V, int W>
+__global__ void __launch_bounds__(32 * W, mma_min_blocks(32 * NC + 16 * TAIL, W))
+    attn_mma_kernel(const AttnArgs a, const m40llm_attn_plan plan) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  M40LLM_MMA_SHARED(MmaShared<NC M40LLM_COMMA TAIL M40LLM_COMMA W>, shared);
+  attn_mma_block<P, NC, TAIL, V, W>(a, plan, shared);
 #else
   (void)a, (void)plan;  // compiled for an older GPU: the host never launches this image
 #endif
@@ -1154,22 +1187,17 @@ int stages_for(const m40llm_cuda_state *st, int head_dim, int warps, size_t stat
   return stages >= 2 ? stages : 0;
 }
 
-// The kernel of a variant (kMmaDirect, kMmaStaged, kMmaTier or kMmaCausal) where this build has
-// it for this GPU (sm_80+; a compute_52-only build runs the FP32 kernel on every GPU, and only
-// sm_90+ images stage). The first call per kernel sizes its shared memory and asks its
-// occupancy. No kernel: a null one.
-template <typename P, int V>
-int pass_for(m40llm_cuda_state *st, int head_dim, int warps, SplitPass *out) {
-  constexpr bool staged = V == kMmaStaged;
+// A pass's fields from a kernel k (null: none) of blocks of `warps` at head_dim, asked of the
+// runtime once (info): its shared memory sized, its occupancy; info.usable says whether this
+// build has an image for the GPU, and out->kernel is k where k is a SplitKernel. quant: a
+// quantized pair's (its scratch, its kept rows).
+template <typename Kernel>
+int mma_pass_of(m40llm_cuda_state *st, Kernel k, int head_dim, int warps, bool staged,
+                bool quant, m40llm_cuda_state::MmaInfo &info, SplitPass *out) {
   *out = SplitPass{nullptr, 32 * warps, 0, kMmaRows * warps / mma_dim_split(head_dim), 0, 0,
                    false, false, false, 0};
-  const SplitKernel k = kernel_for<P, V>(head_dim, warps);
   if (!k || st->cc_major < (staged ? 9 : 8) || (staged && !M40LLM_MMA_BULK_BUILT))
     return M40LLM_OK;
-  auto &info =
-      st->mma[P::K::kFormat][P::V::kFormat][V]
-             [warps < mma_warps(head_dim) ? 1 : warps > mma_warps(head_dim) ? 2 : 0]
-             [head_dim / 16];
   if (info.usable == 0) {
     cudaFuncAttributes attr;
     M40LLM_CUDA_TRY(cudaFuncGetAttributes(&attr, k));
@@ -1178,7 +1206,7 @@ int pass_for(m40llm_cuda_state *st, int head_dim, int warps, SplitPass *out) {
       info.usable = -1;
       return M40LLM_OK;
     }
-    const size_t smem = smem_bytes(head_dim, warps, stages, kQuantPair<P>);
+    const size_t smem = smem_bytes(head_dim, warps, stages, quant);
     M40LLM_CUDA_TRY(
         cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     int occ = 0;
@@ -1190,14 +1218,28 @@ int pass_for(m40llm_cuda_state *st, int head_dim, int warps, SplitPass *out) {
     info.dependent = attr.ptxVersion >= 90;
   }
   if (info.usable < 0) return M40LLM_OK;
-  out->kernel = k;
+  if constexpr (std::is_same<Kernel, SplitKernel>::value) out->kernel = k;  // else the caller's
   out->smem = (size_t)info.smem;
   out->stages = info.stages;
   out->target = st->sm_count * info.occupancy * kMmaWaves;
   out->fill = out->target;
   out->dependent = info.dependent;
-  out->mixed = kQuantPair<P>;  // a tier's launch too: the kept rows lead an item's
+  out->mixed = quant;  // a tier's launch too: the kept rows lead an item's
   return M40LLM_OK;
+}
+
+// The kernel of a variant (kMmaDirect, kMmaStaged, kMmaTier or kMmaCausal) where this build has
+// it for this GPU (sm_80+; a compute_52-only build runs the FP32 kernel on every GPU, and only
+// sm_90+ images stage). The first call per kernel sizes its shared memory and asks its
+// occupancy. No kernel: a null one.
+template <typename P, int V>
+int pass_for(m40llm_cuda_state *st, int head_dim, int warps, SplitPass *out) {
+  return mma_pass_of(st, kernel_for<P, V>(head_dim, warps), head_dim, warps, V == kMmaStaged,
+                     kQuantPair<P>,
+                     st->mma[P::K::kFormat][P::V::kFormat][V]
+                            [warps < mma_warps(head_dim) ? 1 : warps > mma_warps(head_dim) ? 2 : 0]
+                            [head_dim / 16],
+                     out);
 }
 
 // The passes of a variant that loads through registers only (kMmaTier, kMmaCausal): blocks of

@@ -11,9 +11,10 @@
 // launch is a tensor-core kernel that waits as a programmatic dependent (sm_90), they are
 // chained on the context's stream (m40llm_attn_plan::chained: a launch's blocks start as the
 // one before it has started all of its own, and the combine follows as a dependent); elsewhere
-// they run side by side on streams forked from it (m40llm_cuda_state::side). (One launch for all
-// tiers would need a kernel of every pair at once and the plans in device memory: each is passed
-// by value, near the 4 KB of parameters sm_52 allows.) A call that exports weights or importance
+// they run side by side on streams forked from it (m40llm_cuda_state::side). A short call runs
+// them as one launch of the kernel of every pair (attn_mma_tiers_kernel, whose parameters carry
+// every plan: CUDA 12.1+ builds), where the launches' starts and tails would cost more than
+// that kernel's slower steps (kTierOneLaunchRowsPerSm). A call that exports weights or importance
 // runs the FP32 kernels' instances with scores (the tensor-core kernels export none): a tier's
 // rows write theirs at the positions of the tier's slot map (m40llm_kvcache.tier_map, kept by
 // the row ops), and the uniform caches' weights kernel reads them over the call's partials.
@@ -80,11 +81,52 @@ int tier_passes(m40llm_cuda_state *st, int head_dim, const Grouping &g, bool sco
 struct TierCall {
   int n = 0;
   bool chain = true;  // every launch chained after the first on the stream, not side by side
+  bool one = false;   // every launch in one (MmaTierLaunch): the blocks of one pass
+  int pair[kMaxLaunches];  // kv_pair_id of each launch's formats
   SplitPass pass[kMaxLaunches];
   AttnArgs args[kMaxLaunches];
   m40llm_attn_plan plan[kMaxLaunches];
   m40llm_attn_plan combine;
 };
+
+// Whether a call's tiers run as one launch (*one) and its pass: where this build has the kernel
+// of every pair at once (CUDA 12.1+, tensor cores; not for exported scores), for a cache of two
+// tiers or more and a call of at most kTierOneLaunchRowsPerSm rows x units an SM; the pass a
+// uniform cache's call over the same rows would take (kept_rows: each item's FP16 slot rows).
+int one_launch_pass(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, int n_items,
+                    const int32_t *kept_rows, bool scores, bool *one, SplitPass *out) {
+  *one = false;
+#if M40LLM_MMA_ONE_LAUNCH
+  if (!kMmaOneLaunch || scores || c->n_tiers < 2) return M40LLM_OK;
+  m40llm_cuda_state *st = cuda_state(c->ctx);
+  const Grouping g = grouping_for(&c->opts);
+  int32_t rows[M40LLM_PLAN_MAX_ITEMS];
+  int64_t unit_rows = 0, tier_rows[M40LLM_MAX_TIERS] = {0};
+  for (int i = 0; i < n_items; i++) {
+    rows[i] = kept_rows[i];
+    tier_rows[0] += kept_rows[i];  // the first tier's launch reads them
+    for (int t = 0; t < c->n_tiers; t++) {
+      const int32_t n = m40llm_tier_counts(c, layer, seq_ids[i])[t];
+      rows[i] += n;
+      tier_rows[t] += n;
+    }
+    unit_rows += (int64_t)rows[i] * g.units;
+  }
+  int live = 0;  // launches with rows: a call of one is one launch already
+  for (int t = 0; t < c->n_tiers; t++) live += tier_rows[t] > 0;
+  if (live < 2 || unit_rows > (int64_t)kTierOneLaunchRowsPerSm * st->sm_count) return M40LLM_OK;
+  SplitPasses passes;
+  bool have = false;
+  const int rc = mma_tiers_passes(st, c->opts.head_dim, &passes, &have);
+  if (rc != M40LLM_OK || !have) return rc;
+  m40llm_attn_plan plan;
+  *out = plan_split_pass(st, passes, g, seq_ids, rows, n_items, &plan);
+  *one = true;
+#else
+  (void)c, (void)layer, (void)seq_ids, (void)n_items, (void)kept_rows, (void)scores, (void)out;
+#endif
+  return M40LLM_OK;
+}
 
 // Plans the call over items seq_ids[0 .. n_items); scores: the instances that export them.
 // limits: each item's visible positions (a causal call's query row: the positions before it and
@@ -111,21 +153,27 @@ int plan_call(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, const 
   const AttnArgs a = common_args(c, scale);
   bool kept_done = c->slots == 0;
   call->n = 0;
+  // One launch (the kernel of every pair at once): its pass is the one a uniform cache's call
+  // of the same rows would take, and each tier plans for its share of that pass's blocks.
+  SplitPass one_pass{};
+  int rc = one_launch_pass(c, layer, seq_ids, n_items, kept_rows, scores, &call->one, &one_pass);
+  if (rc != M40LLM_OK) return rc;
   for (int t = 0; t < c->n_tiers; t++) {
     int64_t tier_rows = 0;
     for (int i = 0; i < n_items; i++) {
       rows[i] = m40llm_tier_counts(c, layer, seq_ids[i])[t];
       tier_rows += rows[i];
     }
-    const int rc = with_tier_pair(o->tiers[t].k_format, o->tiers[t].v_format, [&](auto pair) -> int {
+    rc = with_tier_pair(o->tiers[t].k_format, o->tiers[t].v_format, [&](auto pair) -> int {
       SplitPasses passes;
       bool chainable = false;
       const int rc = tier_passes<decltype(pair)>(st, o->head_dim, g, scores, &passes, &chainable);
       if (rc != M40LLM_OK) return rc;
       call->chain = call->chain && chainable;
-      // The tensor-core kernel reads the kept rows as an item's first rows (no splits of their
-      // own), the FP32 kernel's lean ones in splits of their own.
-      const bool lead = !kept_done && passes.pass.mixed;
+      // The tensor-core kernels (a tier's own, or every pair's in one launch) read the kept
+      // rows as an item's first rows (no splits of their own), the FP32 kernel's lean ones in
+      // splits of their own.
+      const bool lead = !kept_done && (call->one || passes.pass.mixed);
       if (lead)
         for (int i = 0; i < n_items; i++) rows[i] += kept_rows[i];
       // Shares of the rows the tier launches take (the kept rows where they lead an item; in
@@ -155,7 +203,18 @@ int plan_call(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, const 
         kept_done = true;
       }
       m40llm_attn_plan *p = &call->plan[call->n];
-      SplitPass pass = plan_split_pass(st, passes, g, seq_ids, rows, n_items, p);
+      SplitPass pass =
+          call->one ? one_pass : plan_split_pass(st, passes, g, seq_ids, rows, n_items, p);
+      if (call->one) {  // a share of the pass's blocks, and of the smallest plan's (the SMs)
+        const int64_t mine = tier_rows + (lead ? all_kept : 0), all = all_rows + all_kept;
+        const auto share = [&](int64_t blocks) {
+          return all > 0 ? (int)((blocks * mine + all - 1) / all) : 1;
+        };
+        const int min_chunk =
+            kSplitRowsPerHead * g.gt > pass.tile ? kSplitRowsPerHead * g.gt : pass.tile;
+        m40llm_attn_plan_build(p, seq_ids, rows, n_items, g.units, share(pass.target),
+                               share(st->sm_count), min_chunk, pass.tile);
+      }
       const bool with_kept = !kept_done;  // this launch's kernel reads the FP16 slots
       p->kept_k = with_kept ? c->k.fp16 + slot_row : nullptr;
       p->kept_v = with_kept ? c->v.fp16 + slot_row : nullptr;
@@ -164,6 +223,7 @@ int plan_call(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, const 
       p->map = m40llm_tier_map_at(c, t, layer, 0);
       p->map_stride = o->tiers[t].rows;
       kept_done = true;
+      call->pair[call->n] = kv_pair_id(o->tiers[t].k_format, o->tiers[t].v_format);
       call->pass[call->n] = pass;
       call->args[call->n] = a;
       set_tensors(&call->args[call->n],
@@ -178,6 +238,40 @@ int plan_call(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, const 
   m40llm_attn_plan_tier_number(call->plan, call->n, &call->combine);
   return M40LLM_OK;
 }
+
+#if M40LLM_MMA_ONE_LAUNCH
+// A call's launches as one (TierCall::one), each launch's blocks after the ones before it in
+// grid y, on the context's stream; a: the call's q, out and partials.
+int launch_one(m40llm_cuda_state *st, const m40llm_kvcache_options *o, const TierCall &call,
+               const AttnArgs &a) {
+  MmaTierLaunch l{};
+  int y = 0;
+  for (int k = 0; k < call.n; k++) {
+    if (call.plan[k].total_splits == 0) continue;
+    // The call's splits are near its pass's target (kTierOneLaunchRowsPerSm): far from either.
+    if (l.n == M40LLM_MAX_TIERS || y > M40LLM_PLAN_MAX_SPLITS - call.plan[k].total_splits)
+      return m40llm_fail(M40LLM_ERR_UNSUPPORTED, "a tiered call of %d launches and %d splits",
+                         call.n, y + call.plan[k].total_splits);
+    AttnArgs &al = l.args[l.n];
+    al = call.args[k];
+    al.q = a.q;
+    al.out = a.out;
+    al.part_o = a.part_o;
+    al.part_m = a.part_m;
+    al.part_l = a.part_l;
+    m40llm_attn_plan &p = l.plan[l.n];
+    p = call.plan[k];
+    for (int i = 0; i <= p.n_items; i++) p.split_begin[i] += y;
+    l.pair[l.n] = call.pair[k];
+    l.y0[l.n] = y;
+    l.n++;
+    y += p.total_splits;
+  }
+  const SplitPass &pass = call.pass[0];
+  return mma_tiers_launch(st->stream, o->head_dim, pass, split_grid(y, grouping_for(o)),
+                          pass.dependent, l);
+}
+#endif
 
 // The side streams and their events, once a context: of the stream's priority, and not
 // synchronizing with the legacy default stream (the events order them).
@@ -223,6 +317,14 @@ int m40llm_cuda_tier_reserve(const m40llm_kvcache *c) {
   int64_t splits = 2 * M40LLM_PLAN_MAX_ITEMS;
   if (c->slots > 0)  // for the smallest tile any pass has
     splits += M40LLM_PLAN_MAX_ITEMS * m40llm_attn_protect_extra(c->n_sinks, c->window, kept_chunk(1));
+  int one_target = 0;  // a short call's tiers take shares of the one launch's target
+#if M40LLM_MMA_ONE_LAUNCH
+  SplitPasses one;
+  bool have = false;
+  const int one_rc = mma_tiers_passes(st, o->head_dim, &one, &have);
+  if (one_rc != M40LLM_OK) return one_rc;
+  if (have) one_target = one.pass.target > one.fine.target ? one.pass.target : one.fine.target;
+#endif
   for (int t = 0; t < c->n_tiers; t++) {
     int target = 0;
     const int rc = with_tier_pair(o->tiers[t].k_format, o->tiers[t].v_format, [&](auto pair) -> int {
@@ -236,6 +338,7 @@ int m40llm_cuda_tier_reserve(const m40llm_kvcache *c) {
       return rc;
     });
     if (rc != M40LLM_OK) return rc;
+    target = one_target > target ? one_target : target;
     const int64_t bound = 3 * ((target + g.units - 1) / g.units) + 1;
     splits += bound > M40LLM_PLAN_MAX_ITEMS ? bound : M40LLM_PLAN_MAX_ITEMS;
   }
@@ -270,6 +373,13 @@ int tier_attention(const m40llm_kvcache *c, int layer, const int32_t *seq_ids,
     a.part_o = static_cast<float *>(ws);
     a.part_m = a.part_o + n_part * o->head_dim;
     a.part_l = a.part_m + n_part;
+#if M40LLM_MMA_ONE_LAUNCH
+    if (call.one) {
+      if ((rc = launch_one(st, o, call, a)) == M40LLM_OK)
+        rc = combine_launch(st, a, call.combine, combine_dependent);
+      continue;
+    }
+#endif
     // Launches with splits: the first on the stream, the others chained after it there, or
     // beside it on the side streams.
     int live = 0;

@@ -33,7 +33,7 @@ struct m40llm_cuda_state {
   // The causal prefill kernel on tensor cores (FP16 K/V): resident blocks per SM by [log2 tile]
   // [head-dim class 64, 128, 256]; 0 = not asked yet, -1 = this build has no image for this GPU.
   int causal_mma_occupancy[4][3];
-  struct {
+  struct MmaInfo {
     signed char usable;  // whether this build runs it here: 0 = not asked yet, 1 yes, -1 no
     signed char stages;  // K/V steps per warp it stages in shared memory (0: in registers)
     int smem;            // its dynamic shared memory, in bytes
@@ -41,6 +41,9 @@ struct m40llm_cuda_state {
     bool dependent;      // whether its image waits for the grid before it (sm_90+)
   } mma[kKvFormats][kKvFormats][kMmaVariants][3][17];  // the tensor-core kernels, by [K format]
                         // [V format][variant][block width: mma_warps(), half, broad][head_dim / 16]
+  // The kernel of every tier pair at once (attn_mma_tiers_kernel), by [block width: mma_warps(),
+  // half][head_dim / 16].
+  MmaInfo mma_tiers[2][17];
   // Whether the FP32 split and the combine kernels' images wait for the grid before them:
   // 0 = not asked yet, 1 yes, -1 no.
   signed char fp32_dependent, combine_dependent;

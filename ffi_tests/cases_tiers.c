@@ -498,9 +498,10 @@ static m40llm_kvcache_options tiered_options(int max_seq_len, int sinks, int win
  *    which run the FP16 slots in a launch of their own), and tier pairs that no uniform cache has;
  * 2: groups of 4 at head_dim 128 (the tensor-core kernels' 4-warp blocks);
  * 3: MHA at head_dim 32;
- * 4: groups of 8 at head_dim 256 (the tensor-core kernels' pairs of warps, each half the dims). */
+ * 4: groups of 8 at head_dim 256 (the tensor-core kernels' pairs of warps, each half the dims);
+ * 5: groups of 6 at head_dim 192 (the same, three chunks a warp). */
 static m40llm_kvcache_options other_shape(m40llm_kvcache_options o, int shape) {
-  static const int pairs[5][4][2] = {
+  static const int pairs[6][4][2] = {
       {{0}},
       {{M40LLM_KV_Q4, M40LLM_KV_Q8}, {M40LLM_KV_Q8, M40LLM_KV_Q3},
        {M40LLM_KV_Q8, M40LLM_KV_Q2}, {M40LLM_KV_Q4, M40LLM_KV_Q4}},
@@ -509,8 +510,11 @@ static m40llm_kvcache_options other_shape(m40llm_kvcache_options o, int shape) {
       {{M40LLM_KV_Q4, M40LLM_KV_Q4}, {M40LLM_KV_Q8, M40LLM_KV_Q8},
        {M40LLM_KV_Q4, M40LLM_KV_Q3}, {M40LLM_KV_Q8, M40LLM_KV_Q2}},
       {{M40LLM_KV_Q8, M40LLM_KV_Q4}, {M40LLM_KV_Q4, M40LLM_KV_Q4},
-       {M40LLM_KV_Q8, M40LLM_KV_Q8}, {M40LLM_KV_Q4, M40LLM_KV_Q2}}};
-  static const int heads[5][3] = {{0}, {16, 2, 96}, {8, 2, 128}, {3, 3, 32}, {16, 2, 256}};
+       {M40LLM_KV_Q8, M40LLM_KV_Q8}, {M40LLM_KV_Q4, M40LLM_KV_Q2}},
+      {{M40LLM_KV_Q4, M40LLM_KV_Q3}, {M40LLM_KV_Q8, M40LLM_KV_Q2},
+       {M40LLM_KV_Q4, M40LLM_KV_Q8}, {M40LLM_KV_Q8, M40LLM_KV_Q4}}};
+  static const int heads[6][3] = {{0},         {16, 2, 96},  {8, 2, 128},
+                                  {3, 3, 32},  {16, 2, 256}, {12, 2, 192}};
   if (shape == 0) return o;
   o.n_heads = heads[shape][0];
   o.n_kv_heads = heads[shape][1];
@@ -880,6 +884,40 @@ out:
   free(vvals);
 }
 
+/* A call of more rows x K/V head units than kTierOneLaunchRowsPerSm (1024, cuda/tuning.cuh) an
+ * SM: on sm_80+ in builds of CUDA 12.1 and later such a call takes a launch per tier, chained,
+ * where the other cases' calls take one launch for every tier. Three sequences of 256 x SMs
+ * positions, one unit each of 2 K/V heads: 1536 an SM, past the bound (keep it so). */
+static void long_call(m40llm_context *ctx) {
+  m40llm_device_info info = M40LLM_DEVICE_INFO_INIT;
+  if (!on_cuda(ctx) || !T_OK(m40llm_context_device_info(&info, ctx))) return;
+  const int sms = info.multiprocessors > 0 ? info.multiprocessors : 24;
+  const int len = 256 * sms + t_rand_int(0, 99);
+  m40llm_kvcache_options o = tiered_options(len, 4, 32);
+  o.n_layers = 1;
+  t_set_case("tiers: a long call, 3 x %d positions, %d/%d heads", len, o.n_heads, o.n_kv_heads);
+  m40llm_kvcache *c = NULL;
+  model m;
+  if (!T_CHECK(model_init(&m, &o)) || !T_OK(m40llm_kvcache_create(&c, ctx, &o))) {
+    model_free(&m);
+    return;
+  }
+  for (int s = 0; s < 3; s++)
+    while (seq_of(&m, 0, s)->len < len) {
+      const int left = len - seq_of(&m, 0, s)->len;
+      if (append_both(ctx, c, &m, 0, s, left < 4096 ? left : 4096) != M40LLM_OK) goto out;
+    }
+  int32_t rows[M40LLM_MAX_TIERS] = {0};
+  if (T_OK(m40llm_kvcache_tier_rows(rows, c, 0, 1)))
+    for (int t = 0; t < o.n_tiers; t++)
+      T_CHECKF(rows[t] > 0, "tier %d holds no rows of the long sequence", t);
+  const int32_t ids[3] = {2, 0, 1};
+  check_attention(ctx, c, &m, 0, ids, 3);
+out:
+  m40llm_kvcache_destroy(c);
+  model_free(&m);
+}
+
 void t_cases_tiers(m40llm_context *ctx, int small) {
   option_errors(ctx);
   call_errors(ctx);
@@ -896,8 +934,12 @@ void t_cases_tiers(m40llm_context *ctx, int small) {
   history(ctx, 1, 8, small, 3);
   /* the tensor-core kernels' pairs of warps; on the CPU backend (no code by head_dim) it only
    * added 40 s to test_api under ASan */
-  if (on_cuda(ctx)) history(ctx, 2, 16, small, 4);
+  if (on_cuda(ctx)) {
+    history(ctx, 2, 16, small, 4);
+    history(ctx, 4, 8, small, 5);
+  }
   causal_rows(ctx, 0, 0);
   causal_rows(ctx, 0, 1); /* the FP16 slots in a launch of their own on CUDA */
   causal_rows(ctx, 45, 0);
+  long_call(ctx);
 }
