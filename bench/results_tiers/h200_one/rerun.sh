@@ -1,8 +1,10 @@
 #!/bin/bash
-# device call 18: the final tree. Native (nvcc 13, sm_90): test_gpu small, every group; ptxas of
-# the tiers TU; tiers bench (default and short shapes) against HEAD. compute_52 PTX test_gpu
-# (tiers, graph) while the native builds run.
-cd "$(dirname "$0")/.."
+# The final tree against the previous main, on the GPU machine (the device tool, carrying .ab):
+# main's previous commit in .ab/base (git archive), the compute_52 test_gpu of scripts/
+# build_carry.sh in .ab/bins/ptx52.tar.xz. Native (nvcc 13, sm_90): test_gpu small, every
+# group; ptxas of the tiers TU; tiers bench (default and short shapes), each tree's build.
+# compute_52 PTX test_gpu (tiers, graph) while the native builds run.
+cd "$(dirname "$0")/../../.."
 command -v nvcc >/dev/null || export PATH=/usr/local/cuda/bin:$PATH
 export CUDA_CACHE_MAXSIZE=4294967296 CUDA_MODULE_LOADING=LAZY
 t0=$SECONDS
