@@ -360,6 +360,21 @@ int mma_tiers_launch(cudaStream_t stream, int head_dim, const SplitPass &pass, d
 template <typename P>
 int mma_causal_passes(m40llm_cuda_state *st, int head_dim, SplitPasses *out);
 
+// The shortest split a plan makes (a small problem's may be shorter, to fill the SMs).
+inline int split_min_chunk(const Grouping &g, int tile) {
+  return kSplitRowsPerHead * g.gt > tile ? kSplitRowsPerHead * g.gt : tile;
+}
+
+// A launch's arguments with the call's q, out and partials (those of io).
+inline AttnArgs with_call_io(AttnArgs args, const AttnArgs &io) {
+  args.q = io.q;
+  args.out = io.out;
+  args.part_o = io.part_o;
+  args.part_m = io.part_m;
+  args.part_l = io.part_l;
+  return args;
+}
+
 // Plans a launch over items of lengths lens and picks its pass: the tensor-core family's staged
 // pass unless its splits come out too short for staging (then the direct pass), its fine pass
 // where the plan has more blocks than a wave of short splits, its broad pass where it has at
@@ -371,7 +386,7 @@ inline SplitPass plan_split_pass(m40llm_cuda_state *st, const SplitPasses &passe
   int64_t unit_rows = 0;  // positions x units: the work the blocks share
   for (int i = 0; i < n; i++) unit_rows += (int64_t)lens[i] * g.units;
   const auto build = [&] {
-    const int min_chunk = kSplitRowsPerHead * g.gt > pass.tile ? kSplitRowsPerHead * g.gt : pass.tile;
+    const int min_chunk = split_min_chunk(g, pass.tile);
     const bool fill = pass.fill > 0 && unit_rows >= (int64_t)kMmaFillMinRows * pass.fill;
     m40llm_attn_plan_build(plan, seq_ids, lens, n, g.units, pass.target,
                            fill ? pass.fill : st->sm_count, min_chunk, pass.tile);

@@ -210,10 +210,8 @@ int plan_call(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, const 
         const auto share = [&](int64_t blocks) {
           return all > 0 ? (int)((blocks * mine + all - 1) / all) : 1;
         };
-        const int min_chunk =
-            kSplitRowsPerHead * g.gt > pass.tile ? kSplitRowsPerHead * g.gt : pass.tile;
         m40llm_attn_plan_build(p, seq_ids, rows, n_items, g.units, share(pass.target),
-                               share(st->sm_count), min_chunk, pass.tile);
+                               share(st->sm_count), split_min_chunk(g, pass.tile), pass.tile);
       }
       const bool with_kept = !kept_done;  // this launch's kernel reads the FP16 slots
       p->kept_k = with_kept ? c->k.fp16 + slot_row : nullptr;
@@ -252,13 +250,7 @@ int launch_one(m40llm_cuda_state *st, const m40llm_kvcache_options *o, const Tie
     if (l.n == M40LLM_MAX_TIERS || y > M40LLM_PLAN_MAX_SPLITS - call.plan[k].total_splits)
       return m40llm_fail(M40LLM_ERR_UNSUPPORTED, "a tiered call of %d launches and %d splits",
                          call.n, y + call.plan[k].total_splits);
-    AttnArgs &al = l.args[l.n];
-    al = call.args[k];
-    al.q = a.q;
-    al.out = a.out;
-    al.part_o = a.part_o;
-    al.part_m = a.part_m;
-    al.part_l = a.part_l;
+    l.args[l.n] = with_call_io(call.args[k], a);
     m40llm_attn_plan &p = l.plan[l.n];
     p = call.plan[k];
     for (int i = 0; i <= p.n_items; i++) p.split_begin[i] += y;
@@ -396,12 +388,7 @@ int tier_attention(const m40llm_kvcache *c, int layer, const int32_t *seq_ids,
           (rc = m40llm_cuda_status(cudaStreamWaitEvent(stream, st->fork, 0),
                                    "forking a tiered call's streams")) != M40LLM_OK)
         break;
-      AttnArgs al = call.args[l];
-      al.q = a.q;
-      al.out = a.out;
-      al.part_o = a.part_o;
-      al.part_m = a.part_m;
-      al.part_l = a.part_l;
+      const AttnArgs al = with_call_io(call.args[l], a);
       call.plan[l].weights = xn.weights;
       call.plan[l].weights_stride = (int64_t)xn.weights_stride;
       call.plan[l].chained = made > 0 && !side;
