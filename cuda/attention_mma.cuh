@@ -642,6 +642,22 @@ struct MmaShared {
   const S name{name##_state, name##_qa, name##_qta, name##_part}
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+// Rows p_begin .. min(p_end, p_begin + rows) - 1 of FP16 K and V (D halves each) into L2, a line
+// a thread: their DRAM reads start while the block waits for the grid before it and for its q
+// (L2 is where the GPU's writes meet: a row that grid writes is read as written).
+template <int D>
+__device__ __forceinline__ void prefetch_rows_l2(const __half *k, const __half *v, int p_begin,
+                                                 int p_end, int rows) {
+  const int n = min(p_end - p_begin, rows);
+  const char *kb = reinterpret_cast<const char *>(k + (size_t)p_begin * D);
+  const char *vb = reinterpret_cast<const char *>(v + (size_t)p_begin * D);
+  const int lines = n > 0 ? (n * D * (int)sizeof(__half) + 127) / 128 : 0;
+  for (int l = threadIdx.x; l < lines; l += blockDim.x) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(kb + 128 * l));
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(vb + 128 * l));
+  }
+}
+
 template <typename P, int NC, int TAIL, int V, int W>
 __device__ __forceinline__ void attn_mma_block(const AttnArgs &a, const m40llm_attn_plan &plan,
                                                const MmaShared<NC, TAIL, W> &shared) {
@@ -708,6 +724,8 @@ __device__ __forceinline__ void attn_mma_block(const AttnArgs &a, const m40llm_a
   // A chained tier launch waits at its end instead (m40llm_attn_plan::chained): its blocks fill
   // the SMs the launch before it leaves, as one launch's would.
   const bool chained = TIER && plan.chained;
+  if constexpr (!kQuant && !CAUSAL)  // a K/V head's tiles read the same rows: the first asks
+    if (block_head_tile() == 0) prefetch_rows_l2<D>(b.k, b.v, b.p_begin, b.p_end, kMmaL2Rows);
   if (!chained) wait_for_prerequisite_grid();
   if (plan.max_splits > 1) allow_dependent_launch();  // as in attn_fp32_kernel
   if constexpr (!CAUSAL) write_appended_row<P>(a, plan, b);
