@@ -643,8 +643,10 @@ struct MmaShared {
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
 // Rows p_begin .. min(p_end, p_begin + rows) - 1 of FP16 K and V (D halves each) into L2, a line
-// a thread: their DRAM reads start while the block waits for the grid before it and for its q
-// (L2 is where the GPU's writes meet: a row that grid writes is read as written).
+// a thread: their DRAM reads start while the block waits for the grid before it and for its q.
+// Into L2 only, which binds no value: the GPU's writes meet there, so a row that grid (or this
+// block's append) writes is read as written; a prefetch into L1 could serve the loads a stale
+// line.
 template <int D>
 __device__ __forceinline__ void prefetch_rows_l2(const __half *k, const __half *v, int p_begin,
                                                  int p_end, int rows) {
@@ -724,7 +726,9 @@ __device__ __forceinline__ void attn_mma_block(const AttnArgs &a, const m40llm_a
   // A chained tier launch waits at its end instead (m40llm_attn_plan::chained): its blocks fill
   // the SMs the launch before it leaves, as one launch's would.
   const bool chained = TIER && plan.chained;
-  if constexpr (!kQuant && !CAUSAL)  // a K/V head's tiles read the same rows: the first asks
+  // FP16 K/V only, the calls it was measured on (codes and causal rows were not); a K/V head's
+  // tiles read the same rows, so the first asks.
+  if constexpr (!kQuant && !CAUSAL)
     if (block_head_tile() == 0) prefetch_rows_l2<D>(b.k, b.v, b.p_begin, b.p_end, kMmaL2Rows);
   if (!chained) wait_for_prerequisite_grid();
   if (plan.max_splits > 1) allow_dependent_launch();  // as in attn_fp32_kernel

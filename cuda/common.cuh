@@ -130,8 +130,9 @@ __device__ __forceinline__ int opaque_thread() {
 
 // Programmatic dependent launch (sm_90+): the attention kernels launch as dependents of the
 // kernel before them in the stream, so that their launch and start overlap its end instead of
-// following it. Each waits, in every block and before it touches global memory, for the grids
-// before it to finish and their writes to be visible. A kernel lets the next one launch (once
+// following it. Each waits, in every block and before it reads or writes global memory, for the
+// grids before it to finish and their writes to be visible (a tensor-core block's requests of
+// its first rows into L2 go out before: prefetch_rows_l2). A kernel lets the next one launch (once
 // all its blocks have) only after its own wait, so at most one launched grid waits ahead of
 // the running one; the append kernel, launched plainly, does so at its start. The exception:
 // a tiered call's chained launches (m40llm_attn_plan::chained) wait at their end, so up to all

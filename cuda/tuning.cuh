@@ -197,10 +197,10 @@ __host__ __device__ constexpr int mma_dim_split(int head_dim) { return head_dim 
 constexpr int kMmaFineMaxChunk = 1024;
 // Rows of its split (FP16 K and V) a block asks L2 for as it starts, before it waits for the
 // grid before it and reads q: one warp's first step. On an H200, B1 and B8 calls up to 8K
-// positions 0.93-0.97x the time against none (a build with the count read at run time: 1.5-4%
-// of it against that build at none); a block's whole first step, 64 rows, 0.92-0.93x where a
-// block is alone on an SM but up to 1.03x where two are; 256 rows up to 1.14x, the whole split
-// up to 1.37x: prefetches ahead of the warps' own loads delay those (bench/RESULTS.md, "A
+// positions 0.93-1.00x the time against none, median 0.97 (a build with the count read at run
+// time: 1.5-4% of it against that build at none); a block's whole first step, 64 rows,
+// 0.92-0.93x where a block is alone on an SM but up to 1.03x where two are; 256 rows up to
+// 1.15x, the whole split up to 1.38x: prefetches ahead of the warps' own loads delay those (bench/RESULTS.md, "A
 // block's first rows into L2").
 constexpr int kMmaL2Rows = 16;
 // A small problem's plan makes as many blocks as the tensor-core kernel keeps resident (not one

@@ -2,7 +2,7 @@
 # The variants run (variants/, ncu_main/), on the GPU machine: main 47b7835 in .ab/base (git archive), the
 # working tree main with runtime_count.patch applied (git apply), carrying .ab. first/ was the same
 # with configs base, new0 (M40LLM_X_L2=0), new64, new256 and newall (1000000), no SKIP.
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../../.."
 command -v nvcc >/dev/null || export PATH=/usr/local/cuda/bin:$PATH
 export CUDA_CACHE_MAXSIZE=4294967296 CUDA_MODULE_LOADING=LAZY
 t0=$SECONDS

@@ -1,10 +1,11 @@
 #!/bin/bash
-# On the GPU machine (the device tool, carrying .ab made by prepare.sh here; the compute_52
-# test_gpu of scripts/build_carry.sh in .ab/bins/ptx52.tar.xz): both trees natively (nvcc 13,
-# sm_90), main's test_gpu (every group, small mode) and the compute_52 one, the early tree's
-# tiers and graph groups with every tiered call one launch, ptxas of its tiers TU, and the two
-# tier benches (four tiers; one tier of Q4Q3) of each tree with the landed bound and with none,
-# two rounds. (Run as two device calls, the bench again in the second; this is both in one.)
+# On the GPU machine (the device tool), carrying .ab: the trees prepare.sh makes here, and the
+# compute_52 test_gpu of scripts/build_carry.sh as .ab/bins/ptx52.tar.xz (tar -C .gpu-carry/ptx52
+# -cJf .ab/bins/ptx52.tar.xz test_gpu). Both trees natively (nvcc 13, sm_90): main's test_gpu
+# (every group, small mode) and the compute_52 one, the early tree's tiers and graph groups with
+# every tiered call one launch, ptxas of its tiers TU, and the two tier benches (four tiers; one
+# tier of Q4Q3) of each tree with the landed bound and with none, two rounds. (Run as two device
+# calls, the bench again in the second; this is both in one.)
 cd "$(dirname "$0")/../../.."
 command -v nvcc >/dev/null || export PATH=/usr/local/cuda/bin:$PATH
 export CUDA_CACHE_MAXSIZE=4294967296 CUDA_MODULE_LOADING=LAZY
@@ -16,18 +17,18 @@ build() {  # tree dir
 build .ab/base /tmp/base & b1=$!
 build .ab/early /tmp/early & b2=$!
 mkdir -p /tmp/p52 /tmp/ab && tar -C /tmp/p52 -xJf .ab/bins/ptx52.tar.xz
-(M40LLM_REQUIRE_GPU=1 M40LLM_TEST_SMALL=1 timeout 330 /tmp/p52/test_gpu > /tmp/ab/test_ptx52.txt 2>&1
- echo "ptx52 all rc=$? $((SECONDS-t0)) s: $(tail -n 1 /tmp/ab/test_ptx52.txt)") &
+(M40LLM_REQUIRE_GPU=1 M40LLM_TEST_SMALL=1 timeout 330 /tmp/p52/test_gpu > /tmp/ab/test_gpu_ptx52_main.txt 2>&1
+ echo "ptx52 all rc=$? $((SECONDS-t0)) s: $(tail -n 1 /tmp/ab/test_gpu_ptx52_main.txt)") &
 p=$!
 wait $b1 || { echo base build failed; grep -m5 -A5 error /tmp/base.log; }
 wait $b2 || { echo early build failed; grep -m5 -A5 error /tmp/early.log; }
 echo "built $((SECONDS-t0)) s"
 (nvcc -std=c++17 -O3 -arch=sm_90 -DM40LLM_HAVE_CUDA=1 -I.ab/early/c/include -I.ab/early/c/src -I.ab/early/cuda -c .ab/early/cuda/attention_mma_tiers.cu \
   -o /tmp/tiers.o -Xptxas -v > /tmp/ab/ptxas_early_tiers.txt 2>&1; echo "ptxas rc=$?") &
-M40LLM_REQUIRE_GPU=1 M40LLM_TEST_SMALL=1 timeout 130 /tmp/base/ffi_tests/test_gpu > /tmp/ab/test_native_main.txt 2>&1
-echo "native main all rc=$? $((SECONDS-t0)) s"; tail -n 1 /tmp/ab/test_native_main.txt
-M40LLM_X_ONE_ROWS=1000000000 M40LLM_REQUIRE_GPU=1 M40LLM_TEST_SMALL=1 M40LLM_TEST_ONLY=tiers,graph timeout 60 /tmp/early/ffi_tests/test_gpu > /tmp/ab/test_native_early_nobound.txt 2>&1
-echo "native early tiers,graph no bound rc=$? $((SECONDS-t0)) s"; tail -n 1 /tmp/ab/test_native_early_nobound.txt
+M40LLM_REQUIRE_GPU=1 M40LLM_TEST_SMALL=1 timeout 130 /tmp/base/ffi_tests/test_gpu > /tmp/ab/test_gpu_native_main.txt 2>&1
+echo "native main all rc=$? $((SECONDS-t0)) s"; tail -n 1 /tmp/ab/test_gpu_native_main.txt
+M40LLM_X_ONE_ROWS=1000000000 M40LLM_REQUIRE_GPU=1 M40LLM_TEST_SMALL=1 M40LLM_TEST_ONLY=tiers,graph timeout 60 /tmp/early/ffi_tests/test_gpu > /tmp/ab/test_gpu_native_early_one_launch_tiers.txt 2>&1
+echo "native early tiers,graph no bound rc=$? $((SECONDS-t0)) s"; tail -n 1 /tmp/ab/test_gpu_native_early_one_launch_tiers.txt
 wait $p
 SH="--shape 1,32,8,128,1024 --shape 1,32,8,128,4096 --shape 8,32,8,128,1024 --shape 8,32,8,128,2048 --shape 1,16,8,256,8192 --shape 1,32,8,64,8192 --shape 1,32,8,128,8192 --shape 8,32,8,128,8192 --shape 32,32,8,128,8192 --shape 1,32,8,128,32768 --shape 8,32,32,128,8192"
 for r in 1 2; do for cfg in base early base_nb early_nb; do
@@ -38,4 +39,4 @@ for r in 1 2; do for cfg in base early base_nb early_nb; do
   echo "bench r$r $cfg $((SECONDS-t0)) s"
 done; done
 tar czf $OUT/ab.tgz -C /tmp ab
-# Here: tar xzf ab.tgz; mv ab/r1 ab/r2 bench/results_tiers/h200_early/; python3 bench/results_tiers/h200_early/ab_table.py
+# Here: tar xzf ab.tgz; mv ab/* bench/results_tiers/h200_early/; python3 bench/results_tiers/h200_early/ab_table.py
