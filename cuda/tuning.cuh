@@ -200,8 +200,8 @@ constexpr int kMmaFineMaxChunk = 1024;
 // positions 0.93-1.00x the time against none, median 0.97 (a build with the count read at run
 // time: 1.5-4% of it against that build at none); a block's whole first step, 64 rows,
 // 0.92-0.93x where a block is alone on an SM but up to 1.03x where two are; 256 rows up to
-// 1.15x, the whole split up to 1.38x: prefetches ahead of the warps' own loads delay those (bench/RESULTS.md, "A
-// block's first rows into L2").
+// 1.15x, the whole split up to 1.38x: prefetches ahead of the warps' own loads delay those
+// (bench/RESULTS.md, "A block's first rows into L2").
 constexpr int kMmaL2Rows = 16;
 // A small problem's plan makes as many blocks as the tensor-core kernel keeps resident (not one
 // an SM) where each still takes at least this many positions: B8 and B32 8/1 D256 (248 a block)

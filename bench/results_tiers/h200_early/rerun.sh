@@ -39,4 +39,4 @@ for r in 1 2; do for cfg in base early base_nb early_nb; do
   echo "bench r$r $cfg $((SECONDS-t0)) s"
 done; done
 tar czf $OUT/ab.tgz -C /tmp ab
-# Here: tar xzf ab.tgz; mv ab/* bench/results_tiers/h200_early/; python3 bench/results_tiers/h200_early/ab_table.py
+# Here: tar xzf ab.tgz; mv ab/* bench/results_tiers/h200_early/; python3 bench/config_table.py 'bench/results_tiers/h200_early/r{r}/{cfg}/tiers-4.json' (and tier-Q4Q3)
