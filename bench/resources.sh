@@ -48,4 +48,5 @@ python3 "$ROOT/bench/m40_resources.py" --log "$LOG" --src "$ROOT/cuda" \
   --md "$ROOT/bench/m40_resources.md" --json "$ROOT/bench/m40_resources.json" \
   --nvcc "$NVCC_VER" \
   --cmd "cmake -S . -B BUILD ${CMAKE_ARGS[*]:4} && cmake --build BUILD -v -- <cuda objects>" \
-  --block 'causal_warp_kernel<.*, 64>$=256' --block 'causal_wide_kernel<=128' "$@"
+  --block 'causal_warp_kernel<.*, 64>$=256' --block 'causal_wide_kernel<=128' \
+  --block 'attn_combine_kernel<\d+, 8>=256' --block 'attn_combine_kernel<\d+, 32>=1024' "$@"

@@ -26,20 +26,27 @@ __device__ __forceinline__ void load_partial(const AttnArgs &a, bool real, size_
     if (lane + 32 * k < d4) v[k] = po[lane + 32 * k];
 }
 
-// Plans of more than kCombineFewSplits splits, or head_dim above kCombineFewMaxDim: one block
-// per (item, query head). Each warp merges every 8th split, lanes covering the head's dims 4 at
-// a time (K words a lane: 1 up to head_dim 128, else 2), combine_batch(K) splits at a time:
-// their loads go out together (written as one loop, the compiler reused one split's registers
-// for the next, a memory round trip per split). The warps' states and outputs then merge in
-// shared memory.
-constexpr int kCombineWarps = kCombineThreads / 32;
+// Output word d4 of (item, query head h): t x inv_l.
+__device__ __forceinline__ void store_word(const AttnArgs &a, int item, int h, int d4, float4 t,
+                                           float inv_l) {
+  store4(a.out + ((size_t)item * a.n_heads + h) * a.head_dim + d4 * 4,
+         make_float4(t.x * inv_l, t.y * inv_l, t.z * inv_l, t.w * inv_l));
+}
 
-template <int K>
-__global__ void __launch_bounds__(kCombineThreads, kCombineMinBlocksPerSm)
+// Plans of more than kCombineFewSplits splits, or head_dim above kCombineFewMaxDim: one block
+// per (item, query head). Each of its W warps merges every W-th split, lanes covering the
+// head's dims 4 at a time (K words a lane: 1 up to head_dim 128, else 2), combine_batch(K)
+// splits at a time: their loads go out together (written as one loop, the compiler reused one
+// split's registers for the next, a memory round trip per split). The warps' states and outputs
+// then merge in shared memory. W is kCombineWarps, or kCombineWideWarps where the grid leaves
+// SMs idle (combine_wide in tuning.cuh).
+template <int K, int W>
+__global__ void __launch_bounds__(32 * W, W == kCombineWarps ? kCombineMinBlocksPerSm : 1)
     attn_combine_kernel(const AttnArgs a, const m40llm_attn_plan plan) {
+  static_assert(W == kCombineWarps || W == 32, "the wide merge takes a warp's state a lane");
   constexpr int B = combine_batch(K);
-  __shared__ SoftmaxState s_state[kCombineWarps];
-  __shared__ float4 s_acc[kCombineWarps][32 * K];
+  __shared__ SoftmaxState s_state[W];
+  __shared__ float4 s_acc[W][32 * K];
   const int item = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
   const int warp = tid >> 5, lane = tid & 31;
   const int first = plan.split_begin[item];
@@ -53,13 +60,13 @@ __global__ void __launch_bounds__(kCombineThreads, kCombineMinBlocksPerSm)
   float4 acc[K];
 #pragma unroll
   for (int k = 0; k < K; k++) acc[k] = make_float4(0.f, 0.f, 0.f, 0.f);
-  for (int s0 = warp; s0 < n; s0 += kCombineWarps * B) {
+  for (int s0 = warp; s0 < n; s0 += W * B) {
     float ms[B], ls[B];
     float4 v[B][K];
     float batch_max = -INFINITY;
 #pragma unroll
     for (int b = 0; b < B; b++) {
-      const int s = s0 + b * kCombineWarps;
+      const int s = s0 + b * W;
       load_partial(a, s < n, (size_t)(first + s) * a.n_heads + h, lane, ms[b], ls[b], v[b]);
       batch_max = fmaxf(batch_max, ms[b]);
     }
@@ -73,7 +80,7 @@ __global__ void __launch_bounds__(kCombineThreads, kCombineMinBlocksPerSm)
     }
 #pragma unroll
     for (int b = 0; b < B; b++) {
-      if (s0 + b * kCombineWarps < n) {
+      if (s0 + b * W < n) {
         const float w = st.add_partial(ms[b], ls[b]);
 #pragma unroll
         for (int k = 0; k < K; k++)
@@ -87,21 +94,35 @@ __global__ void __launch_bounds__(kCombineThreads, kCombineMinBlocksPerSm)
     if (lane + 32 * k < D4) s_acc[warp][lane + 32 * k] = acc[k];
   __syncthreads();
 
-  // A warp without splits has max -inf and weight 0.
-  float wt[kCombineWarps];
-  float mx = -INFINITY;
+  if constexpr (W == kCombineWarps) {
+    // Each thread that stores a word takes every warp's weight in turn.
+    if (tid >= D4) return;
+    float mx = -INFINITY;
 #pragma unroll
-  for (int w = 0; w < kCombineWarps; w++) mx = fmaxf(mx, s_state[w].m);
-  SoftmaxState all = SoftmaxState::at_max(mx);
-#pragma unroll
-  for (int w = 0; w < kCombineWarps; w++) wt[w] = all.add_partial(s_state[w].m, s_state[w].l);
-  const float inv_l = all.inv_sum();
-  for (int d4 = tid; d4 < D4; d4 += kCombineThreads) {
+    for (int w = 0; w < W; w++) mx = fmaxf(mx, s_state[w].m);
+    SoftmaxState all = SoftmaxState::at_max(mx);
     float4 t = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-    for (int w = 0; w < kCombineWarps; w++) fma4(wt[w], s_acc[w][d4], t);
-    store4(a.out + ((size_t)item * a.n_heads + h) * a.head_dim + d4 * 4,
-           make_float4(t.x * inv_l, t.y * inv_l, t.z * inv_l, t.w * inv_l));
+    for (int w = 0; w < W; w++) fma4(all.add_partial(s_state[w].m, s_state[w].l), s_acc[w][tid], t);
+    store_word(a, item, h, tid, t, all.inv_sum());
+  } else {
+    // At 32 warps a chain of 32 weights a thread would be the block's longest: the warps that
+    // hold a word of the output merge the states with lane w taking warp w's, and each weight is
+    // shuffled from its lane.
+    if (warp * 32 >= D4) return;
+    const SoftmaxState mine = s_state[lane];
+    float mx = mine.m;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    SoftmaxState all = SoftmaxState::at_max(mx);
+    const float wt = all.add_partial(mine.m, mine.l);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) all.l += __shfl_xor_sync(0xffffffffu, all.l, o);
+    const int d4 = tid < D4 ? tid : 0;
+    float4 t = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int w = 0; w < W; w++) fma4(__shfl_sync(0xffffffffu, wt, w), s_acc[w][d4], t);
+    if (tid < D4) store_word(a, item, h, tid, t, all.inv_sum());
   }
 }
 
@@ -145,7 +166,7 @@ __global__ void __launch_bounds__(32 * kCombineFewHeads, 8)
 
 int combine_prepare(m40llm_cuda_state *st, bool *dependent) {
   // One file is built for one architecture list: either kernel's image answers for both.
-  return kernel_waits(st, reinterpret_cast<const void *>(attn_combine_kernel<1>),
+  return kernel_waits(st, reinterpret_cast<const void *>(attn_combine_kernel<1, kCombineWarps>),
                       &st->combine_dependent, dependent);
 }
 
@@ -158,8 +179,14 @@ int combine_launch(m40llm_cuda_state *st, const AttnArgs &a, const m40llm_attn_p
                                    attn_combine_few_kernel, grid, 32 * kCombineFewHeads, 0,
                                    dependent, a, plan);
   }
+  const int words = a.head_dim <= 128 ? 1 : 2;
+  const bool wide = combine_wide(plan.max_splits, words, (long long)items * a.n_heads, st->sm_count);
+  const int warps = wide ? kCombineWideWarps : kCombineWarps;
   return launch_attention_kernel(
       st->stream, "launching attn_combine_kernel",
-      a.head_dim <= 128 ? attn_combine_kernel<1> : attn_combine_kernel<2>,
-      dim3(items, (unsigned)a.n_heads), kCombineThreads, 0, dependent, a, plan);
+      words == 1 ? (wide ? attn_combine_kernel<1, kCombineWideWarps>
+                         : attn_combine_kernel<1, kCombineWarps>)
+                 : (wide ? attn_combine_kernel<2, kCombineWideWarps>
+                         : attn_combine_kernel<2, kCombineWarps>),
+      dim3(items, (unsigned)a.n_heads), 32 * warps, 0, dependent, a, plan);
 }

@@ -141,14 +141,24 @@ constexpr int kMmaWaves = 1;
 constexpr int kCombineFewSplits = 8;
 constexpr int kCombineFewHeads = 4;
 constexpr int kCombineFewMaxDim = 128;
-// Longer plans: a block of kCombineThreads per (item, head), each warp loading
+// Longer plans: a block of kCombineWarps warps per (item, head), each warp loading
 // combine_batch(K) splits at once, K float4 words a lane (one memory round trip for 48 splits
 // up to head_dim 128, for 32 above), in 64 registers (50% on sm_52; 8 splits of one word
 // spilled). Blocks of half a head's dims at head_dim 256 (K = 1, twice the blocks) ran slower
 // there: B1 8/1 D256 L32K 1.08x with the broad pass (H200, bench/RESULTS.md).
-constexpr int kCombineThreads = 256;
+constexpr int kCombineWarps = 8;
 constexpr int kCombineMinBlocksPerSm = 4;
 __host__ __device__ constexpr int combine_batch(int words) { return words == 1 ? 6 : 4; }
+// Plans whose splits take a block of kCombineWarps more than one round trip, on a grid of at
+// most a block an SM (batch 1 with few K/V heads at long contexts; the FP32 kernel's longer
+// plans), take blocks of kCombineWideWarps, one round trip for up to 192 (head_dim <= 128) or
+// 128 splits, on SMs that were idle: on an H200 B1 16/1 D64 L32K 0.88x the time, 8/1 D256 L32K
+// 0.91x, 28/4 D128 L32K 0.93x; the M40 path 0.94-0.98x at batch 1 of one K/V head (16 warps
+// not measured; bench/RESULTS.md, "The combine in blocks of 32 warps").
+constexpr int kCombineWideWarps = 32;
+constexpr bool combine_wide(int max_splits, int words, long long blocks, int sm_count) {
+  return max_splits > kCombineWarps * combine_batch(words) && blocks <= sm_count;
+}
 // attn_weights_kernel (exported scores into weights): a block per (item, query head, about
 // kWeightsChunk positions of the longest item).
 constexpr int kWeightsThreads = 256;
