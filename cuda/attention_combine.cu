@@ -38,8 +38,8 @@ __device__ __forceinline__ void store_word(const AttnArgs &a, int item, int h, i
 // head's dims 4 at a time (K words a lane: 1 up to head_dim 128, else 2), combine_batch(K)
 // splits at a time: their loads go out together (written as one loop, the compiler reused one
 // split's registers for the next, a memory round trip per split). The warps' states and outputs
-// then merge in shared memory. W is kCombineWarps, or kCombineWideWarps where the grid leaves
-// SMs idle (combine_wide in tuning.cuh).
+// then merge in shared memory. W is kCombineWarps, or kCombineWideWarps where 8 warps would take
+// more than one round trip and the grid leaves SMs idle (combine_wide in tuning.cuh).
 template <int K, int W>
 __global__ void __launch_bounds__(32 * W, W == kCombineWarps ? kCombineMinBlocksPerSm : 1)
     attn_combine_kernel(const AttnArgs a, const m40llm_attn_plan plan) {
@@ -165,7 +165,7 @@ __global__ void __launch_bounds__(32 * kCombineFewHeads, 8)
 }  // namespace
 
 int combine_prepare(m40llm_cuda_state *st, bool *dependent) {
-  // One file is built for one architecture list: either kernel's image answers for both.
+  // One file is built for one architecture list: any of its kernels' images answers for all.
   return kernel_waits(st, reinterpret_cast<const void *>(attn_combine_kernel<1, kCombineWarps>),
                       &st->combine_dependent, dependent);
 }

@@ -153,7 +153,7 @@ __host__ __device__ constexpr int combine_batch(int words) { return words == 1 ?
 // most a block an SM (batch 1 with few K/V heads at long contexts; the FP32 kernel's longer
 // plans), take blocks of kCombineWideWarps, one round trip for up to 192 (head_dim <= 128) or
 // 128 splits, on SMs that were idle: on an H200 B1 16/1 D64 L32K 0.88x the time, 8/1 D256 L32K
-// 0.91x, 28/4 D128 L32K 0.93x; the M40 path 0.94-0.98x at batch 1 of one K/V head (16 warps
+// 0.91x, 28/4 D128 L32K 0.93x; the M40 path 0.94-1.00x at batch 1 of few K/V heads (16 warps
 // not measured; bench/RESULTS.md, "The combine in blocks of 32 warps").
 constexpr int kCombineWideWarps = 32;
 constexpr bool combine_wide(int max_splits, int words, long long blocks, int sm_count) {

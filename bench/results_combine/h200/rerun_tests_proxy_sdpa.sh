@@ -1,7 +1,7 @@
 #!/bin/bash
 # The tests, the M40 proxy grid and PyTorch (ptx52/, sdpa/): compute_52 PTX test_gpu of this tree (small mode; .ab/bins/ptx52.tar.xz, built
 # here), the M40 proxy grid A/B (bench/m40_proxy.py, 2 rounds), and PyTorch SDPA over the grid
-# beside this tree's native grid run of call 25 (bench/compare.py --m40-json).
+# beside native/abgrid/new_r1_grid.json, the first version's native grid (bench/compare.py --m40-json).
 cd "$(dirname "$0")/../../.."
 export CUDA_CACHE_MAXSIZE=4294967296 CUDA_MODULE_LOADING=LAZY
 t0=$SECONDS
