@@ -725,11 +725,11 @@ static void test_broad_blocks(void) {
 
 /* Plans of more splits than a combine block of 8 warps loads in one round trip (48 up to head_dim
  * 128, 32 above), on a grid of at most a block an SM, merge in blocks of 32 warps (combine_wide in
- * cuda/tuning.cuh): one K/V head and about 26,500 positions, 52 splits or more on every path (512
- * positions, an 8-head tile's shortest split, or fewer), at head_dim 64 (a word a lane), 80 (the
- * merging warp partly past the head's 20 words) and 256 (two words a lane). Their one-row calls
- * take the wide blocks on GPUs of 16 SMs or more (the M40 has 24), the three-row calls on GPUs
- * of 48 or more. */
+ * cuda/tuning.cuh): one K/V head and about 26,500 positions, at head_dim 64 (a word a lane), 80
+ * (the merging warp partly past the head's 20 words) and 256 (two words a lane). The FP32
+ * kernels' plans (the M40's) split them into 52 or more (512 positions, an 8-head tile's shortest
+ * split), the tensor-core kernel's where its target of blocks allows as many; the one-row calls'
+ * grids are 8-16 blocks (the M40 has 24 SMs), the three-row calls' 24-48. */
 static void test_wide_combine(void) {
   if (!on_cuda) return; /* the CPU backend plans no blocks */
   long_case(16, 1, 64, 26500 + t_rand_int(0, 99), 0.0f);
