@@ -252,6 +252,7 @@ struct Options {
   std::string io_name = "f32";
   bool weights = false;  // --weights: m40llm_kvcache_attn_weights_ex, weights of every head
   bool importance = false;  // --importance: m40llm_kvcache_attn_importance_ex
+  bool observe = false;     // --observe: m40llm_kvcache_attn_observe_ex (needs --tiers)
   // --tiers: a tiered cache, each tier's (K, V) formats and share of the quantized rows
   std::vector<std::pair<int, int>> tier_formats;
   std::vector<double> tier_shares;
@@ -395,6 +396,8 @@ static void usage() {
       "                         one buffer of B x H x L floats for every layer)\n"
       "  --importance           time m40llm_kvcache_attn_importance_ex (decay 0.9, one buffer\n"
       "                         of B x Hkv x L floats for every layer)\n"
+      "  --observe              time m40llm_kvcache_attn_observe_ex: with --tiers, a cache\n"
+      "                         placed by importance (M40LLM_PLACE_IMPORTANCE)\n"
       "  --list                 print the selected shapes and exit (no GPU needed)\n");
 }
 
@@ -416,6 +419,7 @@ static Options parse_args(int argc, char **argv) {
     else if (a == "--no-check") o.check = false;
     else if (a == "--weights") o.weights = true;
     else if (a == "--importance") o.importance = true;
+    else if (a == "--observe") o.observe = true;
     else if (a == "--batch") for (auto &t : split(next(), ',')) o.batches.push_back(parse_int_k(t.c_str()));
     else if (a == "--ctx") for (auto &t : split(next(), ',')) o.ctxs.push_back(parse_int_k(t.c_str()));
     else if (a == "--dim") for (auto &t : split(next(), ',')) o.dims.push_back(parse_int_k(t.c_str()));
@@ -801,6 +805,7 @@ static Result run_shape(Bench &B, const Shape &s) {
   ko.window = o.kv_window;
   ko.v_format = o.v_format;
   apply_tiers(ko, o, s.ctx);
+  if (o.observe) ko.placement = M40LLM_PLACE_IMPORTANCE;
 
   size_t free_b = 0, total_b = 0;
   CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
@@ -912,6 +917,8 @@ static Result run_shape(Bench &B, const Shape &s) {
                   ? m40llm_kvcache_attn_importance_ex(out_l, d_w, (size_t)s.ctx, 0.9f, cache,
                                                       layer, seq_ids.data(), s.batch, q_l, o.io,
                                                       0.0f)
+              : o.observe ? m40llm_kvcache_attn_observe_ex(out_l, cache, layer, seq_ids.data(),
+                                                           s.batch, q_l, o.io, 0.0f)
                   : m40llm_kvcache_attn_batch_ex(out_l, cache, layer, seq_ids.data(), s.batch,
                                                  q_l, o.io, 0.0f);
     if (rc2 != M40LLM_OK && call_rc == M40LLM_OK) call_rc = rc2;
@@ -1125,6 +1132,7 @@ static void write_json(const Bench &B, const std::vector<Result> &rs, bool compl
   std::fprintf(f, "  \"io\": %s,\n", json_str(B.opt.io_name).c_str());
   std::fprintf(f, "  \"weights\": %s,\n", B.opt.weights ? "true" : "false");
   std::fprintf(f, "  \"importance\": %s,\n", B.opt.importance ? "true" : "false");
+  std::fprintf(f, "  \"observe\": %s,\n", B.opt.observe ? "true" : "false");
   std::fprintf(f, "  \"kv_rotation\": %s,\n  \"kv_protect\": [%d, %d],\n",
                B.opt.kv_rotation == M40LLM_ROTATE_NONE ? "\"none\"" : "\"auto\"",
                B.opt.kv_sinks, B.opt.kv_window);
@@ -1224,6 +1232,7 @@ int main(int argc, char **argv) {
               B.opt.kv_window, B.opt.io_name.c_str(),
               B.opt.weights      ? ", with the attention weights (m40llm_kvcache_attn_weights_ex)"
               : B.opt.importance ? ", with the importance (m40llm_kvcache_attn_importance_ex)"
+              : B.opt.observe    ? ", observed (m40llm_kvcache_attn_observe_ex)"
                                  : "");
   std::printf("ceilings: copy %.0f GB/s (read+write, %zu MiB buffer), read sweep %.0f GB/s\n", B.copy_gbps,
               B.ceil0.buffer_bytes >> 20, B.read_gbps);

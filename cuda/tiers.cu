@@ -154,7 +154,8 @@ int m40llm_cuda_tier_rows(const m40llm_kvcache *c, int layer, const m40llm_row_o
     const m40llm_kv_tensor *x[2] = {&c->tier_k[t], &c->tier_v[t]};
     for (int kv = 0; kv < 2; kv++) {
       a.planes[t][kv] = kv_mut_planes(*x[kv]);
-      a.format[t][kv] = (signed char)x[kv]->layout.fmt->format;
+      // a tier of no rows has no planes, nor a layout: no op names it
+      a.format[t][kv] = x[kv]->layout.fmt ? (signed char)x[kv]->layout.fmt->format : 0;
       for (int p = 0; p < M40LLM_KV_PLANES; p++) a.row_bytes[t][kv][p] = (int)x[kv]->layout.row_bytes[p];
     }
     a.rows[t] = o->tiers[t].rows;

@@ -756,10 +756,20 @@ static void call_errors(m40llm_context *ctx) {
   T_FAIL_WITH(m40llm_kvcache_tier_stats(NULL, c), M40LLM_ERR_INVALID_ARGUMENT, "out");
   T_FAIL_WITH(m40llm_kvcache_tier_stats(&st, NULL), M40LLM_ERR_INVALID_ARGUMENT, "cache");
   T_FAIL_WITH(m40llm_kvcache_tier_stats(&st, plain), M40LLM_ERR_INVALID_ARGUMENT, "no tiers");
-  st.version = 2;
+  st.version = M40LLM_TIER_STATS_VERSION + 1;
+  T_FAIL_WITH(m40llm_kvcache_tier_stats(&st, c), M40LLM_ERR_INVALID_ARGUMENT, "version");
+  st.version = 0;
   T_FAIL_WITH(m40llm_kvcache_tier_stats(&st, c), M40LLM_ERR_INVALID_ARGUMENT, "version");
   st.version = M40LLM_TIER_STATS_VERSION;
   T_CHECK(memcmp(&st, &untouched, sizeof st) == 0); /* nothing written */
+  /* A version-1 caller's struct ends before demoted_rows, which is not written. */
+  m40llm_tier_stats v1 = M40LLM_TIER_STATS_INIT;
+  v1.version = 1;
+  v1.demoted_rows = -7;
+  if (T_OK(m40llm_kvcache_tier_stats(&v1, c))) {
+    T_CHECK(v1.version == 1 && v1.demoted_rows == -7);
+    T_CHECK(v1.n_tiers == o.n_tiers);
+  }
   check_stats(c, &m);
 out:
   m40llm_kvcache_destroy(c);

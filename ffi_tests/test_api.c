@@ -518,6 +518,7 @@ int main(void) {
     t_cases_append_batch(ctx, 0);
     t_cases_importance(ctx, NULL, 1);
     t_cases_tiers(ctx, 1);
+    t_cases_policy(ctx, 1);
     test_cpu_shapes(ctx);
     test_host_pointers(ctx);
     m40llm_context_destroy(ctx);

@@ -43,7 +43,7 @@ static int skip_or_fail(const char *why) {
 /* The groups of cases, in the order they run (M40LLM_TEST_ONLY picks some). */
 static const char *const kGroups[] = {"context", "errors", "sequences", "rounding", "attention",
                                       "quantized", "append", "masked", "causal", "dtype",
-                                      "weights", "importance", "tiers", "graph", "decode",
+                                      "weights", "importance", "tiers", "policy", "graph", "decode",
                                       "fault"};
 static const char *only; /* M40LLM_TEST_ONLY, or NULL: every group */
 
@@ -937,6 +937,7 @@ int main(void) {
   if (group("weights")) t_cases_weights(dev, cpu, small);
   if (group("importance")) t_cases_importance(dev, cpu, small);
   if (group("tiers")) t_cases_tiers(dev, small);
+  if (group("policy")) t_cases_policy(dev, small);
   if (group("graph")) {
 #ifdef T_HAVE_CUDART
     if (on_cuda) t_cases_graph(dev, cpu, small);

@@ -198,6 +198,11 @@ void t_ref_head(const float *q, const double *k, const double *v, int len, int d
  * cache against the uniform cache of its formats; errors. A CUDA ctx must refuse them. */
 void t_cases_tiers(m40llm_context *ctx, int small);
 
+/* Importance placement (cases_policy.c): decisions against a host mirror fed with the cache's
+ * own weights, a twin cache driven to them by tier_move (same tiers, same values, same
+ * attention); errors. */
+void t_cases_policy(m40llm_context *ctx, int small);
+
 /* Batched append against single appends and the CPU backend, and its errors (cases_batch.c);
  * small: fewer rounds. */
 void t_cases_append_batch(m40llm_context *ctx, int small);

@@ -54,13 +54,20 @@ class KvOptionsV4(C.Structure):
     _fields_ = KvOptionsV3._fields_ + [("n_tiers", C.c_int), ("tiers", KvTier * 4)]
 
 
+class KvOptionsV5(C.Structure):
+    _fields_ = KvOptionsV4._fields_ + [("placement", C.c_int)]
+
+
+PLACE_FIRST_FREE, PLACE_IMPORTANCE = 0, 1
+
+
 class TierStats(C.Structure):
     _fields_ = [("version", C.c_uint), ("n_tiers", C.c_int), ("rows", C.c_int64 * 4),
                 ("free_rows", C.c_int64 * 4), ("kept_rows", C.c_int64),
                 ("bits_per_value", C.c_double), ("moved_rows", C.c_int64)]
 
 
-KV_OPTIONS = {1: KvOptionsV1, 2: KvOptionsV2, 3: KvOptionsV3, 4: KvOptionsV4}
+KV_OPTIONS = {1: KvOptionsV1, 2: KvOptionsV2, 3: KvOptionsV3, 4: KvOptionsV4, 5: KvOptionsV5}
 
 
 class LibraryError(RuntimeError):
@@ -102,7 +109,7 @@ class Library:
             L.m40llm_kvcache_tier_stats.argtypes = [C.POINTER(TierStats), P]
         self.version = L.m40llm_version_string().decode()
         self.kv_options_version = 1
-        for ver in (4, 3, 2):
+        for ver in (5, 4, 3, 2):
             if L.m40llm_kvcache_options_init(C.byref(KV_OPTIONS[ver]()), ver) == 0:
                 self.kv_options_version = ver
                 break
@@ -118,8 +125,10 @@ class Library:
                                f"({self.lib.m40llm_last_error_message().decode()})")
 
     def needs_version(self, k_format, v_format=-1, rotation=ROTATE_NONE, n_sinks=0, window=0,
-                      tiers=()):
+                      tiers=(), placement=PLACE_FIRST_FREE):
         """The options struct version a cache with these settings needs."""
+        if placement != PLACE_FIRST_FREE:
+            return 5
         if tiers:
             return 4
         if rotation != ROTATE_NONE or n_sinks or window:
@@ -130,11 +139,12 @@ class Library:
         return self.needs_version(k_format, v_format, rotation, n_sinks, window) <= self.kv_options_version
 
     def cache(self, n_layers, n_heads, n_kv_heads, head_dim, max_seq_len, k_format=0, v_format=-1,
-              max_seqs=1, rotation=ROTATE_NONE, n_sinks=0, window=0, tiers=()):
+              max_seqs=1, rotation=ROTATE_NONE, n_sinks=0, window=0, tiers=(),
+              placement=PLACE_FIRST_FREE):
         """tiers: (k_format, v_format, rows) per tier (options version 4); the cache's formats
         are then the first tier's."""
         return Cache(self, n_layers, n_heads, n_kv_heads, head_dim, max_seq_len, k_format,
-                     v_format, max_seqs, rotation, n_sinks, window, tiers)
+                     v_format, max_seqs, rotation, n_sinks, window, tiers, placement)
 
     def close(self):
         if self.ctx:
@@ -144,14 +154,15 @@ class Library:
 
 class Cache:
     def __init__(self, lib, n_layers, n_heads, n_kv_heads, head_dim, max_seq_len, k_format,
-                 v_format, max_seqs, rotation=ROTATE_NONE, n_sinks=0, window=0, tiers=()):
+                 v_format, max_seqs, rotation=ROTATE_NONE, n_sinks=0, window=0, tiers=(),
+                 placement=PLACE_FIRST_FREE):
         self.lib = lib
         L = lib.lib
         if tiers:
             k_format, v_format = tiers[0][0], tiers[0][1]
         if v_format == k_format:
             v_format = -1
-        need = lib.needs_version(k_format, v_format, rotation, n_sinks, window, tiers)
+        need = lib.needs_version(k_format, v_format, rotation, n_sinks, window, tiers, placement)
         ver = lib.kv_options_version
         if need > ver:
             raise LibraryError(f"this library has kvcache options version {ver}, these settings "
@@ -167,6 +178,8 @@ class Cache:
             o.n_tiers = len(tiers)
             for t, (kf_, vf_, rows) in enumerate(tiers):
                 o.tiers[t].k_format, o.tiers[t].v_format, o.tiers[t].rows = kf_, vf_, rows
+        if ver >= 5:
+            o.placement = placement
         o.n_layers, o.n_heads, o.n_kv_heads, o.head_dim = n_layers, n_heads, n_kv_heads, head_dim
         o.max_seqs, o.max_seq_len, o.format = max_seqs, max_seq_len, k_format
         self.H, self.G, self.D = n_heads, n_kv_heads, head_dim
@@ -236,12 +249,25 @@ class Cache:
 
     def tier_stats(self):
         st = TierStats()
-        st.version = 1
+        st.version = 1  # demoted_rows (version 2) is not read here
         self.lib.check(self.lib.lib.m40llm_kvcache_tier_stats(C.byref(st), self.h), "tier_stats")
         n = st.n_tiers
         return dict(rows=list(st.rows[:n]), free_rows=list(st.free_rows[:n]),
                     kept_rows=st.kept_rows, bits_per_value=st.bits_per_value,
                     moved_rows=st.moved_rows)
+
+    def attn_observe(self, layer, q, seq=0):
+        """Attention of one q row [H, D] whose weights feed the cache's importance placement
+        (m40llm_kvcache_attn_observe_ex; options version 5, PLACE_IMPORTANCE)."""
+        q = np.ascontiguousarray(q, np.float32)
+        out = np.empty_like(q)
+        ids = np.array([seq], np.int32)
+        f = _fn(self.lib.lib, "m40llm_kvcache_attn_observe_ex",
+                [C.c_void_p, C.c_void_p, C.c_int, C.c_void_p, C.c_int, C.c_void_p, C.c_int,
+                 C.c_float])
+        rc = f(out.ctypes.data, self.h, layer, ids.ctypes.data, 1, q.ctypes.data, 0, 0.0)
+        self.lib.check(rc, "attn_observe_ex")
+        return out
 
     def attn_importance(self, layer, q, importance, decay, seq=0):
         """Attention of one q row [H, D] over the cache, and importance [G, stride] (float32,

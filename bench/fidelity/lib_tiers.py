@@ -20,7 +20,10 @@ FP16-cache reference). Runs:
   important row is less important than it, and the rows below cascade one tier down each
   (m40llm_kvcache_tier_move, re-quantized from their values). Rows only ever go down;
 - `recent`: the same cascade with the position as the score and no export: a row leaving the
-  window takes the top tier, and the oldest row of each full tier moves one tier down.
+  window takes the top tier, and the oldest row of each full tier moves one tier down;
+- `library`: the library's own placement of that rule (kvcache options version 5,
+  M40LLM_PLACE_IMPORTANCE), fed by m40llm_kvcache_attn_observe_ex every --interval-th step (the
+  plain call on the others); its sums are float where `importance` sums in float64.
 Bits per value: m40llm_kvcache_tier_stats's (codes, parameters, the tiers' slot maps, the FP16
 sinks and window) at the full context. Writes results/lib_tiers_<N>.json and prints a table.
 """
@@ -55,7 +58,9 @@ class LibTiered:
 
     def __init__(self, lib, m, N, tiers, policy, interval):
         self.c = lib.cache(m.L, m.H, m.G, m.D, N, rotation=la.ROTATE_AUTO, n_sinks=SINKS,
-                           window=WINDOW, tiers=tiers)
+                           window=WINDOW, tiers=tiers,
+                           placement=la.PLACE_IMPORTANCE if policy == "library" else
+                           la.PLACE_FIRST_FREE)
         self.cap = [t[2] for t in tiers]
         self.policy, self.interval, self.G = policy, interval, m.G
 
@@ -65,6 +70,13 @@ class LibTiered:
     def attend(self, layer, q, K, V):
         if self.policy == "age":
             return self.c.decode_layer(layer, q, K, V)
+        if self.policy == "library":
+            out = np.empty_like(q)
+            for t in range(q.shape[0]):
+                self.c.append(layer, K[t:t + 1], V[t:t + 1])
+                out[t] = (self.c.attn_observe(layer, q[t]) if t % self.interval == self.interval - 1
+                          else self.c.attn_batch(layer, q[t][None], [0])[0])
+            return out
         N = q.shape[0]
         out = np.empty_like(q)
         imp = np.zeros((self.G, N), np.float32)
@@ -172,7 +184,8 @@ def main():
             todo += [(f"uniform K{k[1]}/V{v[1]}", ("uniform", k, v))
                      for k, v in (x.split("/") for x in args.uniform.split(","))]
         else:
-            todo.append((f"tiers {args.shares} {g}" + (f" 1/{args.interval}" if g == "importance" else ""),
+            todo.append((f"tiers {args.shares} {g}" +
+                         (f" 1/{args.interval}" if g in ("importance", "library") else ""),
                          (g,)))
     for name, spec in todo:
         if name in res["runs"]:

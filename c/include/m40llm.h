@@ -383,11 +383,37 @@ typedef struct m40llm_kv_tier {
   int rows;     /* >= 0 */
 } m40llm_kv_tier;
 
-/* Version 2 added v_format; version 3 rotation, n_sinks and window; version 4 the tiers.
+/* Where a tiered cache puts a row that leaves the window (m40llm_kvcache_options.placement,
+ * version 5). */
+typedef enum m40llm_tier_placement {
+  /* The first tier with a free row: the oldest rows hold the first tiers' formats. */
+  M40LLM_PLACE_FIRST_FREE = 0,
+  /* By importance (issue 15's policy, measured in bench/fidelity/results/buckets.md): the cache
+   * keeps each row's importance, the attention weights its m40llm_kvcache_attn_observe_ex calls
+   * gave it (the largest over the query heads, summed over the calls), divided by the number of
+   * those calls that saw it (ZipCache's normalized score; a row no call saw scores 0). A row
+   * leaving the window goes to the first tier that has a free row or whose least important row
+   * is less important than it; that row moves one tier down (re-quantized from its values, as
+   * m40llm_kvcache_tier_move does), and so on down to a tier with a free row. Rows only ever
+   * move down, one tier at a time, and only to make room: a row whose importance rises later
+   * keeps its tier. Rows appended past the window, never observed, take the first free tier.
+   * Tiers of 0 rows are passed over. A row of an equal score does not displace another; of
+   * equal scores the earlier position is the less important. The decisions are the host's: an
+   * append that takes rows out of the window first copies the sums of its sequences that an
+   * observe call changed back (one copy a call, which waits for
+   * the stream) and scores them, and a cascade of k links takes k launches. Measured on an H200
+   * (bench/RESULTS.md, "Placement by importance"): a decode step of 8 layers x 8 sequences x 8K
+   * with observe calls every 4th step took 2.1x (M40 code) to 2.6x (sm_90) the default
+   * placement's time, host-bound. */
+  M40LLM_PLACE_IMPORTANCE = 1
+} m40llm_tier_placement;
+
+/* Version 2 added v_format; version 3 rotation, n_sinks and window; version 4 the tiers;
+ * version 5 placement.
  * Callers built against an older version keep working, and keep the behaviour of their version:
  * the library reads and writes only the fields of the version a struct says it is, and a
  * version-1 or -2 struct means no rotation and no protected tokens. */
-#define M40LLM_KVCACHE_OPTIONS_VERSION 4
+#define M40LLM_KVCACHE_OPTIONS_VERSION 5
 typedef struct m40llm_kvcache_options {
   unsigned version; /* M40LLM_KVCACHE_OPTIONS_VERSION (or 1 or 2) */
   int n_layers;     /* >= 1 */
@@ -437,12 +463,20 @@ typedef struct m40llm_kvcache_options {
    * as the host's maps stood: as with lengths, capture each step anew. */
   int n_tiers;
   m40llm_kv_tier tiers[M40LLM_MAX_TIERS];
+  /* Version 5: m40llm_tier_placement (default M40LLM_PLACE_FIRST_FREE, what version 4 does).
+   * M40LLM_PLACE_IMPORTANCE needs tiers (n_tiers > 0) and holds, besides the tiers, 4 bytes
+   * of backend memory a position for every (layer, sequence) (the importance sums) and
+   * 4 x max_seqs x n_kv_heads x max_seq_len bytes of scratch (one call's weights), counted by
+   * m40llm_kvcache_bytes_needed, and on the host 12 bytes a position for every (layer,
+   * sequence) and 4 x max_seqs x max_seq_len bytes. Other values: M40LLM_ERR_INVALID_ARGUMENT. */
+  int placement;
 } m40llm_kvcache_options;
 #define M40LLM_KVCACHE_OPTIONS_INIT                                                     \
   { M40LLM_KVCACHE_OPTIONS_VERSION, 0, 0, 0, 0, 0, 0, M40LLM_KV_F16, M40LLM_KV_SAME, \
-    M40LLM_ROTATE_AUTO, 4, 128, 0, { { 0, 0, 0 } } }
-/** Fills *opts with the defaults of the given version, 1 to 4 (all sizes zero, FP16; version 3:
- *  rotation AUTO, 4 sinks, a window of 128; version 4: no tiers). */
+    M40LLM_ROTATE_AUTO, 4, 128, 0, { { 0, 0, 0 } }, M40LLM_PLACE_FIRST_FREE }
+/** Fills *opts with the defaults of the given version, 1 to 5 (all sizes zero, FP16; version 3:
+ *  rotation AUTO, 4 sinks, a window of 128; version 4: no tiers; version 5: placement
+ *  M40LLM_PLACE_FIRST_FREE). */
 int m40llm_kvcache_options_init(m40llm_kvcache_options *opts, unsigned version);
 
 /** Bytes of backend memory a cache with these options holds (K plus V), without allocating.
@@ -540,7 +574,7 @@ int m40llm_kvcache_tier_of(int *out_tier, const m40llm_kvcache *cache, int layer
 
 /** What a tiered cache holds, over all its layers and sequences (m40llm_kvcache_tier_stats).
  *  A row is one position of one (layer, sequence): its K and V, all K/V heads. */
-#define M40LLM_TIER_STATS_VERSION 1
+#define M40LLM_TIER_STATS_VERSION 2
 typedef struct m40llm_tier_stats {
   unsigned version;                      /* set by the caller: M40LLM_TIER_STATS_VERSION */
   int n_tiers;                           /* the cache's */
@@ -552,9 +586,12 @@ typedef struct m40llm_tier_stats {
    * a value), 16 for a kept row (its FP16 slot); 0 while the cache holds no position */
   double bits_per_value;
   int64_t moved_rows; /* rows m40llm_kvcache_tier_move has moved since the cache was created */
+  /* Version 2: rows M40LLM_PLACE_IMPORTANCE has moved a tier down to make room, since the
+   * cache was created. */
+  int64_t demoted_rows;
 } m40llm_tier_stats;
-#define M40LLM_TIER_STATS_INIT { M40LLM_TIER_STATS_VERSION, 0, { 0 }, { 0 }, 0, 0.0, 0 }
-/** Fills *out (its version set by the caller, e.g. from M40LLM_TIER_STATS_INIT) with what the
+#define M40LLM_TIER_STATS_INIT { M40LLM_TIER_STATS_VERSION, 0, { 0 }, { 0 }, 0, 0.0, 0, 0 }
+/** Fills *out (its version, 1 or 2, set by the caller, e.g. from M40LLM_TIER_STATS_INIT) with what the
  *  cache holds now: host bookkeeping only, no backend work and no synchronization. An unknown
  *  version: M40LLM_ERR_INVALID_ARGUMENT. A cache without tiers: M40LLM_ERR_INVALID_ARGUMENT. */
 int m40llm_kvcache_tier_stats(m40llm_tier_stats *out, const m40llm_kvcache *cache);
@@ -697,6 +734,26 @@ int m40llm_kvcache_attn_importance_ex(void *out, float *importance, size_t impor
                                       float decay, m40llm_kvcache *cache, int layer,
                                       const int32_t *seq_ids, int n_seqs, const void *q,
                                       int dtype, float scale);
+
+/** As m40llm_kvcache_attn_batch_ex, and also adds the call's attention weights to the cache's
+ *  own importance of each row (the largest weight a query head of the layer gives the position,
+ *  one sum a position of each (layer, sequence)), and counts one call for every position below
+ *  each sequence's length: what M40LLM_PLACE_IMPORTANCE places rows by. The cache's options
+ *  must say M40LLM_PLACE_IMPORTANCE (else M40LLM_ERR_INVALID_ARGUMENT); seq_ids must name each
+ *  sequence once (M40LLM_ERR_INVALID_ARGUMENT). Errors as for m40llm_kvcache_attn_batch_ex; on
+ *  any error nothing is written and nothing counted. Call it on the steps whose weights the
+ *  policy should see (bench/fidelity measured every 4th step against every 16th: 0.71 against
+ *  0.97 of the uniform formats' KL at 2K tokens and 6 bits; the plain call on the others).
+ *  The weights are m40llm_kvcache_attn_importance_ex's (decay 0), into the cache's scratch,
+ *  then a small kernel adds each position's largest over the K/V heads to its sum: 1.03-1.11x
+ *  that call's time on an H200 (bench/RESULTS.md, "Placement by importance"). The next append of a sequence the call saw
+ *  that takes a row out of the window first copies that (layer, sequence)'s sums to the host
+ *  (4 bytes a position; on CUDA a copy that waits for the stream), so such appends cannot be
+ *  captured in a CUDA graph; the observe call itself can be, but a graph replay of it is not
+ *  counted (the count is host state): capture the plain call. */
+int m40llm_kvcache_attn_observe_ex(void *out, m40llm_kvcache *cache, int layer,
+                                   const int32_t *seq_ids, int n_seqs, const void *q, int dtype,
+                                   float scale);
 
 /** A decode step of one layer in one call: appends one token to each of n_seqs (>= 1)
  *  sequences, then attends each sequence's q row over all its positions, the new one included.

@@ -126,6 +126,12 @@ typedef struct m40llm_backend_ops {
   int (*tier_rows)(const m40llm_kvcache *c, int layer, const m40llm_row_op *ops, int n_ops,
                    const void *k_in, const void *v_in, int dtype, uint16_t *k_out,
                    uint16_t *v_out);
+  /* Importance placement (M40LLM_PLACE_IMPORTANCE): after an observe call's attention wrote
+   * its weights' largest over each K/V head's query heads into c->imp_scratch (row i *
+   * n_kv_heads + g of max_seq_len floats for seq_ids[i]), adds each position's largest over
+   * the K/V heads to c->imp_sum's row of (layer, seq_ids[i]), for positions below its length.
+   * ids distinct and valid. */
+  int (*tier_observe)(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, int n_seqs);
   /* Graphs of the context's calls (NULL where the backend has none). graph_begin starts a
    * capture of the context's stream; graph_end ends it and puts the captured graph into *exec
    * (an executable graph; NULL for a new one): updated in place where the runtime can

@@ -425,6 +425,25 @@ static int cpu_attention_causal(const m40llm_kvcache *c, int layer,
   return M40LLM_OK;
 }
 
+/* Each position's largest over the K/V heads of the call's weights, added to its sum. */
+static int cpu_tier_observe(const m40llm_kvcache *c, int layer, const int32_t *seq_ids,
+                            int n_seqs) {
+  const m40llm_kvcache_options *o = &c->opts;
+  const size_t len_max = (size_t)o->max_seq_len;
+  for (int i = 0; i < n_seqs; i++) {
+    const int len = *m40llm_len_slot(c, layer, seq_ids[i]);
+    float *sum = c->imp_sum + ((size_t)layer * (size_t)o->max_seqs + (size_t)seq_ids[i]) * len_max;
+    const float *w = c->imp_scratch + (size_t)i * (size_t)o->n_kv_heads * len_max;
+    for (int p = 0; p < len; p++) {
+      float most = 0.0f;
+      for (int g = 0; g < o->n_kv_heads; g++)
+        most = w[(size_t)g * len_max + (size_t)p] > most ? w[(size_t)g * len_max + (size_t)p] : most;
+      sum[p] += most;
+    }
+  }
+  return M40LLM_OK;
+}
+
 const m40llm_backend_ops m40llm_cpu_backend = {
     .kind = M40LLM_BACKEND_CPU,
     .device_count = cpu_device_count,
@@ -448,6 +467,7 @@ const m40llm_backend_ops m40llm_cpu_backend = {
     .attention = cpu_attention,
     .attention_causal = cpu_attention_causal,
     .tier_rows = cpu_tier_rows,
+    .tier_observe = cpu_tier_observe,
     .graph_begin = NULL, /* calls complete before they return: nothing to capture */
     .graph_end = NULL,
     .graph_launch = NULL,

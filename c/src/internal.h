@@ -64,7 +64,29 @@ struct m40llm_kvcache {
   m40llm_append_item *batch;
   int *batch_seen;
   int32_t *batch_ids;
+  /* Importance placement (opts.placement == M40LLM_PLACE_IMPORTANCE; tier_policy.c). Backend
+   * memory: each (layer, seq)'s sums of the weights its observe calls gave each position
+   * (imp_sum, [layer][seq][max_seq_len]) and one call's weights (imp_scratch,
+   * [max_seqs][n_kv_heads][max_seq_len], zeroed at create). Host: each row's score as of the
+   * last copy of the sums (imp_host, as imp_sum: the sum over the calls that saw it; valid
+   * where imp_fresh[layer][seq]) and the copy's landing rows (imp_stage, [max_seqs][max_seq_len]),
+   * the observe calls of each
+   * (layer, seq) (imp_calls) and how many of them came before each position was appended
+   * (imp_seen, [layer][seq][pos]); per (layer, seq, tier) its least important rows' positions,
+   * most important last (imp_low, [layer][seq][tier][M40LLM_IMP_LOW]; imp_n_low entries, 0:
+   * not known), the cascade's moves of one round (imp_chain, [max_seqs][M40LLM_MAX_TIERS]; the
+   * items' counts in imp_chain_n), and
+   * the rows the cascade has moved down (imp_demoted). */
+  float *imp_sum, *imp_scratch, *imp_stage;
+  double *imp_host;
+  int32_t *imp_calls, *imp_seen, *imp_low;
+  uint8_t *imp_fresh, *imp_n_low;
+  m40llm_row_op *imp_chain;
+  int32_t *imp_chain_n;
+  int64_t imp_demoted;
 };
+/* Rows a tier's list of its least important rows holds at most. */
+#define M40LLM_IMP_LOW 8
 
 /* The caller's options of any known version as the current version (later fields defaulted);
  * M40LLM_ERR_INVALID_ARGUMENT for NULL or an unknown version. Only reads and converts: the
@@ -128,6 +150,34 @@ int m40llm_tiers_move(m40llm_kvcache *c, int layer, int seq, int begin, int end,
 int m40llm_tiers_truncate(m40llm_kvcache *c, int layer, int seq, int new_len);
 int m40llm_tiers_read(m40llm_kvcache *c, uint16_t *k_out, uint16_t *v_out, int layer, int seq,
                       int pos, int n_tokens);
+/* Importance placement (tier_policy.c), for caches with M40LLM_PLACE_IMPORTANCE (the others'
+ * calls do nothing). alloc: the state, backend memory zeroed; free: releases it. */
+int m40llm_policy_alloc(m40llm_kvcache *c);
+void m40llm_policy_free(m40llm_kvcache *c);
+/* Bytes of backend memory the policy's state takes (0 without it), added to *bytes; 0 on
+ * overflow. */
+int m40llm_policy_add_bytes(size_t *bytes, const m40llm_kvcache_options *o);
+/* After the backend's observe of checked ids: one more call for each (layer, seq). */
+void m40llm_policy_observed(m40llm_kvcache *c, int layer, const int32_t *ids, int n);
+/* Positions [pos, pos + n) of (layer, seq) appended: they start with no call seen. */
+void m40llm_policy_appended(m40llm_kvcache *c, int layer, int seq, int pos, int n);
+/* (layer, seq) truncated from old_len to new_len, and forked from src to dst, whose length was
+ * old_dst_len (after the front end's maps). */
+int m40llm_policy_truncate(m40llm_kvcache *c, int layer, int seq, int old_len, int new_len);
+int m40llm_policy_fork(m40llm_kvcache *c, int layer, int dst, int src, int old_dst_len);
+/* tier_move changed (layer, seq)'s tiers: what the policy knew of their order is gone. */
+void m40llm_policy_forget(m40llm_kvcache *c, int layer, int seq);
+/* Ready to place rows of the items whose leaving[i] is set: the sums of those an observe call
+ * changed since copied to the host (one copy, which waits for the backend) and scored. */
+int m40llm_policy_ready(m40llm_kvcache *c, int layer, const m40llm_append_item *items, int n,
+                        const int32_t *leaving);
+/* Places position e of (layer, seq), leaving the window, by importance: updates the maps and
+ * counts and writes the row ops that do it into chain[0 .. *n), in the order they must run
+ * (each op writes the slot the one before it read: one flush each), the last one e's from its
+ * FP16 slot. */
+int m40llm_policy_place(m40llm_kvcache *c, int layer, int seq, int e, m40llm_row_op *chain,
+                        int *n);
+
 static inline uint32_t *m40llm_tier_where_of(const m40llm_kvcache *c, int layer, int seq) {
   return c->where +
          ((size_t)layer * (size_t)c->opts.max_seqs + (size_t)seq) * (size_t)c->opts.max_seq_len;

@@ -15,7 +15,8 @@ static size_t options_size(unsigned version) {
     case 1: return offsetof(m40llm_kvcache_options, v_format);
     case 2: return offsetof(m40llm_kvcache_options, rotation);
     case 3: return offsetof(m40llm_kvcache_options, n_tiers);
-    case 4: return sizeof(m40llm_kvcache_options);
+    case 4: return offsetof(m40llm_kvcache_options, placement);
+    case 5: return sizeof(m40llm_kvcache_options);
     default: return 0;
   }
 }
@@ -158,6 +159,13 @@ static int check_options(const m40llm_kvcache_options *o, m40llm_kv_layout *k_la
   if (o->n_tiers < 0)
     return FAIL(INVALID_ARGUMENT, "opts->n_tiers is %d, must be in 0..%d", o->n_tiers,
                 M40LLM_MAX_TIERS);
+  if (o->placement != M40LLM_PLACE_FIRST_FREE && o->placement != M40LLM_PLACE_IMPORTANCE)
+    return FAIL(INVALID_ARGUMENT, "opts->placement is %d, not an m40llm_tier_placement",
+                o->placement);
+  if (o->placement == M40LLM_PLACE_IMPORTANCE && o->n_tiers == 0)
+    return FAIL(INVALID_ARGUMENT,
+                "opts->placement is M40LLM_PLACE_IMPORTANCE, which places rows in tiers, but "
+                "opts->n_tiers is 0");
   size_t k_bytes = 0, v_bytes = 0;
   int rc = m40llm_kv_layout_init(k_layout, &k_bytes, o, o->format);
   if (rc == M40LLM_OK) rc = m40llm_kv_layout_init(v_layout, &v_bytes, o, v_format_of(o));
@@ -174,6 +182,7 @@ static int check_options(const m40llm_kvcache_options *o, m40llm_kv_layout *k_la
   for (int i = 0; i < 2; i++)
     if (formats[i] != M40LLM_KV_F16 && !add_protected_bytes(&bytes, o, sinks + window))
       return FAIL(OUT_OF_MEMORY, "cache size overflows size_t");
+  if (!m40llm_policy_add_bytes(&bytes, o)) return FAIL(OUT_OF_MEMORY, "cache size overflows size_t");
   *out_bytes = bytes;
   return M40LLM_OK;
 }
@@ -217,6 +226,7 @@ static void release(m40llm_kvcache *c) {
   free(c->batch);
   free(c->batch_seen);
   free(c->batch_ids);
+  m40llm_policy_free(c);
   free(c);
 }
 
@@ -312,7 +322,7 @@ int m40llm_kvcache_create(m40llm_kvcache **out, m40llm_context *ctx,
   c->n_tiers = o.n_tiers;
   if ((rc = alloc_tensor(&c->k, c, &k_layout, 0)) != M40LLM_OK ||
       (rc = alloc_tensor(&c->v, c, &v_layout, 1)) != M40LLM_OK ||
-      (rc = alloc_tiers(c)) != M40LLM_OK ||
+      (rc = alloc_tiers(c)) != M40LLM_OK || (rc = m40llm_policy_alloc(c)) != M40LLM_OK ||
       (rc = m40llm_context_result(ctx, ctx->ops->cache_created(c))) != M40LLM_OK) {
     release(c);
     return rc;
@@ -382,7 +392,8 @@ int m40llm_kvcache_seq_truncate(m40llm_kvcache *cache, int seq, int new_len) {
     /* A tiered cache's rows past new_len leave their tiers first (a backend failure leaves
      * this layer and the ones after it as they were). */
     if (cache->n_tiers > 0 && *len > new_len &&
-        (rc = m40llm_tiers_truncate(cache, l, seq, new_len)) != M40LLM_OK)
+        ((rc = m40llm_tiers_truncate(cache, l, seq, new_len)) != M40LLM_OK ||
+         (rc = m40llm_policy_truncate(cache, l, seq, *len, new_len)) != M40LLM_OK))
       return rc;
     if (*len > new_len) *len = new_len;
     if (*lo > new_len) *lo = new_len;
@@ -397,8 +408,9 @@ static void fork_maps(m40llm_kvcache *c, int l, int dst, int src) {
   memcpy(m40llm_tier_where_of(c, l, dst), m40llm_tier_where_of(c, l, src),
          (size_t)*m40llm_len_slot(c, l, src) * sizeof(uint32_t));
   for (int t = 0; t < c->n_tiers; t++)
-    memcpy(m40llm_tier_slot_pos(c, t, l, dst), m40llm_tier_slot_pos(c, t, l, src),
-           (size_t)m40llm_tier_counts(c, l, src)[t] * sizeof(int32_t));
+    if (c->opts.tiers[t].rows > 0) /* a tier of no rows has no map */
+      memcpy(m40llm_tier_slot_pos(c, t, l, dst), m40llm_tier_slot_pos(c, t, l, src),
+             (size_t)m40llm_tier_counts(c, l, src)[t] * sizeof(int32_t));
 }
 
 int m40llm_kvcache_seq_fork(m40llm_kvcache *cache, int dst_seq, int src_seq) {
@@ -413,9 +425,11 @@ int m40llm_kvcache_seq_fork(m40llm_kvcache *cache, int dst_seq, int src_seq) {
           M40LLM_OK)
     return rc;
   for (int l = 0; l < cache->opts.n_layers; l++) {
+    const int old_len = *m40llm_len_slot(cache, l, dst_seq);
     *m40llm_len_slot(cache, l, dst_seq) = *m40llm_len_slot(cache, l, src_seq);
     *m40llm_lo_slot(cache, l, dst_seq) = *m40llm_lo_slot(cache, l, src_seq);
     if (cache->n_tiers > 0) fork_maps(cache, l, dst_seq, src_seq);
+    if ((rc = m40llm_policy_fork(cache, l, dst_seq, src_seq, old_len)) != M40LLM_OK) return rc;
   }
   return M40LLM_OK;
 }
@@ -655,9 +669,12 @@ static int check_export(const char *name, const float *buf, size_t stride, int n
 /* Ids copied on the stack up to this many; more come from the heap. */
 #define M40LLM_IDS_ON_STACK 64
 
-/* The batch call, exporting what x asks (not yet checked): nothing (NULL), its weights, or
- * (importance set) its importance. */
-static int attn_batch(void *out, const m40llm_attn_export *x, int importance,
+/* What an attention call exports besides its output (attn_batch's `mode`). */
+enum { EXPORT_WEIGHTS, EXPORT_IMPORTANCE, EXPORT_OBSERVE };
+
+/* The batch call, exporting what x asks (not yet checked): nothing (NULL), its weights, its
+ * importance, or (observe) the weights the cache's importance placement sums. */
+static int attn_batch(void *out, const m40llm_attn_export *x, int mode,
                       m40llm_kvcache *cache, int layer, const int32_t *seq_ids, int n_seqs,
                       const void *q, int dtype, float scale) {
   if (!cache) return FAIL(INVALID_ARGUMENT, "cache is NULL");
@@ -670,7 +687,14 @@ static int attn_batch(void *out, const m40llm_attn_export *x, int importance,
   if (x) {
     const uintptr_t row_bytes = (uintptr_t)cache->opts.n_heads *
                                 (uintptr_t)cache->opts.head_dim * m40llm_dtype_size(dtype);
-    if (importance) {
+    if (mode == EXPORT_OBSERVE) {
+      name = "importance";
+      stride = x->importance_stride;
+      if (cache->opts.placement != M40LLM_PLACE_IMPORTANCE)
+        return FAIL(INVALID_ARGUMENT,
+                    "the cache's placement is not M40LLM_PLACE_IMPORTANCE: it keeps no importance "
+                    "to observe into");
+    } else if (mode == EXPORT_IMPORTANCE) {
       name = "importance";
       stride = x->importance_stride;
       if (!(x->decay >= 0.0f && x->decay <= 1.0f))
@@ -700,18 +724,30 @@ static int attn_batch(void *out, const m40llm_attn_export *x, int importance,
     if (ids[i] < 0 || ids[i] >= cache->opts.max_seqs)
       rc = FAIL(OUT_OF_RANGE, "seq_ids[%d] = %d is outside 0..%d", i, (int)ids[i],
                 cache->opts.max_seqs - 1);
+    else if (mode == EXPORT_OBSERVE && cache->batch_seen[ids[i]])
+      rc = FAIL(INVALID_ARGUMENT, "seq_ids[%d] = %d repeats seq_ids[%d]: an observe call names "
+                "each sequence once", i, (int)ids[i], cache->batch_seen[ids[i]] - 1);
     else if (x && (size_t)*m40llm_len_slot(cache, layer, ids[i]) > stride)
       rc = FAIL(INVALID_ARGUMENT,
                 "%s_stride is %zu, but seq_ids[%d] = %d has %d positions in layer %d: a "
                 "row of %s holds every position of its sequence",
                 name, stride, i, (int)ids[i], *m40llm_len_slot(cache, layer, ids[i]), layer,
                 name);
+    if (mode == EXPORT_OBSERVE && rc == M40LLM_OK) cache->batch_seen[ids[i]] = i + 1;
   }
+  if (mode == EXPORT_OBSERVE)
+    for (int i = 0; i < n_seqs; i++)
+      if (ids[i] >= 0 && ids[i] < cache->opts.max_seqs) cache->batch_seen[ids[i]] = 0;
   if (rc == M40LLM_OK) rc = m40llm_context_check(cache->ctx);
   if (rc == M40LLM_OK)
     rc = m40llm_context_result(cache->ctx,
                                cache->ctx->ops->attention(cache, layer, ids, n_seqs, q, out,
                                                           dtype, scale, x));
+  if (rc == M40LLM_OK && mode == EXPORT_OBSERVE) {
+    rc = m40llm_context_result(cache->ctx,
+                               cache->ctx->ops->tier_observe(cache, layer, ids, n_seqs));
+    if (rc == M40LLM_OK) m40llm_policy_observed(cache, layer, ids, n_seqs);
+  }
   if (ids != on_stack) free(ids);
   return rc;
 }
@@ -719,14 +755,14 @@ static int attn_batch(void *out, const m40llm_attn_export *x, int importance,
 int m40llm_kvcache_attn_batch_ex(void *out, m40llm_kvcache *cache, int layer,
                                  const int32_t *seq_ids, int n_seqs, const void *q, int dtype,
                                  float scale) {
-  return attn_batch(out, NULL, 0, cache, layer, seq_ids, n_seqs, q, dtype, scale);
+  return attn_batch(out, NULL, EXPORT_WEIGHTS, cache, layer, seq_ids, n_seqs, q, dtype, scale);
 }
 
 int m40llm_kvcache_attn_weights_ex(void *out, float *weights, size_t weights_stride,
                                    m40llm_kvcache *cache, int layer, const int32_t *seq_ids,
                                    int n_seqs, const void *q, int dtype, float scale) {
   const m40llm_attn_export x = {weights, weights_stride, NULL, 0, 0.0f, NULL, NULL};
-  return attn_batch(out, &x, 0, cache, layer, seq_ids, n_seqs, q, dtype, scale);
+  return attn_batch(out, &x, EXPORT_WEIGHTS, cache, layer, seq_ids, n_seqs, q, dtype, scale);
 }
 
 int m40llm_kvcache_attn_importance_ex(void *out, float *importance, size_t importance_stride,
@@ -734,7 +770,17 @@ int m40llm_kvcache_attn_importance_ex(void *out, float *importance, size_t impor
                                       const int32_t *seq_ids, int n_seqs, const void *q,
                                       int dtype, float scale) {
   const m40llm_attn_export x = {NULL, 0, importance, importance_stride, decay, NULL, NULL};
-  return attn_batch(out, &x, 1, cache, layer, seq_ids, n_seqs, q, dtype, scale);
+  return attn_batch(out, &x, EXPORT_IMPORTANCE, cache, layer, seq_ids, n_seqs, q, dtype, scale);
+}
+
+int m40llm_kvcache_attn_observe_ex(void *out, m40llm_kvcache *cache, int layer,
+                                   const int32_t *seq_ids, int n_seqs, const void *q, int dtype,
+                                   float scale) {
+  if (!cache) return FAIL(INVALID_ARGUMENT, "cache is NULL");
+  /* decay 0: the scratch rows hold this call's weights alone */
+  const m40llm_attn_export x = {NULL, 0, cache->imp_scratch, (size_t)cache->opts.max_seq_len,
+                                0.0f, NULL, NULL};
+  return attn_batch(out, &x, EXPORT_OBSERVE, cache, layer, seq_ids, n_seqs, q, dtype, scale);
 }
 
 int m40llm_kvcache_attn_batch_f32q(float *out, m40llm_kvcache *cache, int layer,
@@ -936,9 +982,10 @@ int m40llm_kvcache_tier_rows(int32_t *out_rows, const m40llm_kvcache *cache, int
 
 int m40llm_kvcache_tier_stats(m40llm_tier_stats *out, const m40llm_kvcache *cache) {
   if (!out) return FAIL(INVALID_ARGUMENT, "out is NULL");
-  if (out->version != M40LLM_TIER_STATS_VERSION)
-    return FAIL(INVALID_ARGUMENT, "out->version %u is not supported (this library knows %u; use "
-                "M40LLM_TIER_STATS_INIT)", out->version, M40LLM_TIER_STATS_VERSION);
+  const unsigned version = out->version;
+  if (version < 1 || version > M40LLM_TIER_STATS_VERSION)
+    return FAIL(INVALID_ARGUMENT, "out->version %u is not supported (this library knows 1 to %u; "
+                "use M40LLM_TIER_STATS_INIT)", version, M40LLM_TIER_STATS_VERSION);
   const int rc = check_tiered(cache, 0, 0);
   if (rc != M40LLM_OK) return rc;
   const m40llm_kvcache_options *o = &cache->opts;
@@ -965,7 +1012,9 @@ int m40llm_kvcache_tier_stats(m40llm_tier_stats *out, const m40llm_kvcache *cach
   }
   st.bits_per_value = positions > 0 ? 8.0 * bytes / ((double)positions * 2.0 * o->head_dim) : 0.0;
   st.moved_rows = cache->tier_moved;
-  *out = st;
+  st.demoted_rows = cache->imp_demoted;
+  st.version = version;
+  memcpy(out, &st, version == 1 ? offsetof(m40llm_tier_stats, demoted_rows) : sizeof st);
   return M40LLM_OK;
 }
 

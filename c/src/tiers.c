@@ -78,20 +78,68 @@ static int check_buffers(const op_list *l) {
                                                                     l->k_out, l->v_out));
 }
 
+/* The positions [*first, *end) of an item that its append takes out of the window. */
+static void leaving(const m40llm_kvcache *c, int layer, const m40llm_append_item *it, int *first,
+                    int *end) {
+  const int lo = *m40llm_lo_slot(c, layer, it->seq), last = it->pos + it->n_tokens;
+  const int lo_after = lo < last - c->window ? last - c->window : lo;
+  const int q_end = c->n_sinks + m40llm_quantized_rows(c, lo_after, last);
+  *first = c->n_sinks + m40llm_quantized_rows(c, lo, it->pos);
+  *end = q_end < it->pos ? q_end : it->pos;
+}
+
+/* Rows leaving the window placed by importance, in rounds: each round places every item's
+ * next leaving row, and the k-th ops of the rounds' chains run together, a flush each (an op
+ * writes the slot the one before it in its chain read). */
+static int place_by_importance(op_list *l, const m40llm_append_item *items, int n_items) {
+  m40llm_kvcache *c = l->c;
+  for (int i = 0; i < n_items; i++) { /* the items whose append takes rows out of the window */
+    int first, end;
+    leaving(c, l->layer, &items[i], &first, &end);
+    c->imp_chain_n[i] = first < end;
+  }
+  int rc = m40llm_policy_ready(c, l->layer, items, n_items, c->imp_chain_n);
+  for (int r = 0, more = 1; more && rc == M40LLM_OK; r++) {
+    more = 0;
+    int longest = 0;
+    for (int i = 0; i < n_items && rc == M40LLM_OK; i++) {
+      int first, end;
+      leaving(c, l->layer, &items[i], &first, &end);
+      c->imp_chain_n[i] = 0;
+      if (first + r >= end) continue;
+      more = 1;
+      rc = m40llm_policy_place(c, l->layer, items[i].seq, first + r,
+                               &c->imp_chain[(size_t)i * M40LLM_MAX_TIERS], &c->imp_chain_n[i]);
+      if (c->imp_chain_n[i] > longest) longest = c->imp_chain_n[i];
+    }
+    for (int k = 0; k < longest && rc == M40LLM_OK; k++) {
+      for (int i = 0; i < n_items && rc == M40LLM_OK; i++)
+        if (c->imp_chain_n[i] > k) {
+          c->ops[l->n++] = c->imp_chain[(size_t)i * M40LLM_MAX_TIERS + (size_t)k];
+          if (l->n == M40LLM_TIER_OPS) rc = flush(l);
+        }
+      if (rc == M40LLM_OK) rc = flush(l);
+    }
+  }
+  return rc;
+}
+
 int m40llm_tiers_append(m40llm_kvcache *c, int layer, const m40llm_append_item *items,
                         int n_items, const void *k, const void *v, int dtype) {
   op_list l = {c, layer, 0, k, v, dtype, NULL, NULL};
   int rc = check_buffers(&l);
   /* The rows that leave the window, from their FP16 slots, before anything overwrites them. */
-  for (int i = 0; i < n_items && rc == M40LLM_OK; i++) {
-    const m40llm_append_item *it = &items[i];
-    const int lo = *m40llm_lo_slot(c, layer, it->seq), end = it->pos + it->n_tokens;
-    const int lo_after = lo < end - c->window ? end - c->window : lo;
-    const int q_end = c->n_sinks + m40llm_quantized_rows(c, lo_after, end);
-    for (int p = c->n_sinks + m40llm_quantized_rows(c, lo, it->pos);
-         p < q_end && p < it->pos && rc == M40LLM_OK; p++) {
-      const int t = first_free_tier(c, layer, it->seq);
-      rc = push(&l, it->seq, M40LLM_ROW_KEPT, p, t, claim(c, layer, it->seq, p, t), p);
+  if (c->opts.placement == M40LLM_PLACE_IMPORTANCE) {
+    if (rc == M40LLM_OK) rc = place_by_importance(&l, items, n_items);
+  } else {
+    for (int i = 0; i < n_items && rc == M40LLM_OK; i++) {
+      int first, end;
+      leaving(c, layer, &items[i], &first, &end);
+      for (int p = first; p < end && rc == M40LLM_OK; p++) {
+        const int t = first_free_tier(c, layer, items[i].seq);
+        rc = push(&l, items[i].seq, M40LLM_ROW_KEPT, p, t, claim(c, layer, items[i].seq, p, t),
+                  p);
+      }
     }
   }
   if (rc == M40LLM_OK) rc = flush(&l);
@@ -103,14 +151,19 @@ int m40llm_tiers_append(m40llm_kvcache *c, int layer, const m40llm_append_item *
     const int q_end = c->n_sinks + m40llm_quantized_rows(c, lo_after, end);
     for (int p = it->pos; p < end && rc == M40LLM_OK; p++, row++) {
       if (p >= c->n_sinks && p < q_end) {
+        /* never observed: the first free tier; the policy's lists of the tier are stale */
         const int t = first_free_tier(c, layer, it->seq);
         rc = push(&l, it->seq, M40LLM_ROW_INPUT, row, t, claim(c, layer, it->seq, p, t), p);
+        m40llm_policy_forget(c, layer, it->seq);
       } else {
         rc = push(&l, it->seq, M40LLM_ROW_INPUT, row, M40LLM_ROW_KEPT, p, p);
       }
     }
   }
-  return rc == M40LLM_OK ? flush(&l) : rc;
+  if (rc == M40LLM_OK) rc = flush(&l);
+  for (int i = 0; i < n_items && rc == M40LLM_OK; i++)
+    m40llm_policy_appended(c, layer, items[i].seq, items[i].pos, items[i].n_tokens);
+  return rc;
 }
 
 int m40llm_tiers_move(m40llm_kvcache *c, int layer, int seq, int begin, int end, int tier) {
@@ -141,6 +194,7 @@ int m40llm_tiers_move(m40llm_kvcache *c, int layer, int seq, int begin, int end,
     if (freed[t] > 0) rc = compact(&l, layer, seq, t, freed[t]);
   if (rc == M40LLM_OK) rc = flush(&l);
   if (rc == M40LLM_OK) c->tier_moved += moving;
+  m40llm_policy_forget(c, layer, seq);
   return rc;
 }
 

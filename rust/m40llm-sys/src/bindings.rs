@@ -11,8 +11,8 @@ pub const M40LLM_BUILD_INFO_VERSION: u32 = 1;
 pub const M40LLM_CONTEXT_OPTIONS_VERSION: u32 = 2;
 pub const M40LLM_DEVICE_INFO_VERSION: u32 = 2;
 pub const M40LLM_MAX_TIERS: u32 = 4;
-pub const M40LLM_KVCACHE_OPTIONS_VERSION: u32 = 4;
-pub const M40LLM_TIER_STATS_VERSION: u32 = 1;
+pub const M40LLM_KVCACHE_OPTIONS_VERSION: u32 = 5;
+pub const M40LLM_TIER_STATS_VERSION: u32 = 2;
 pub const M40LLM_DEVICE_RESERVE_DEFAULT: u32 = 268435456;
 pub const M40LLM_CAUSAL_OPTIONS_VERSION: u32 = 1;
 pub const M40LLM_OK: m40llm_status = 0;
@@ -128,6 +128,9 @@ pub struct m40llm_kv_tier {
     pub v_format: ::core::ffi::c_int,
     pub rows: ::core::ffi::c_int,
 }
+pub const M40LLM_PLACE_FIRST_FREE: m40llm_tier_placement = 0;
+pub const M40LLM_PLACE_IMPORTANCE: m40llm_tier_placement = 1;
+pub type m40llm_tier_placement = ::core::ffi::c_uint;
 #[repr(C)]
 #[derive(Debug, Default, Copy, Clone)]
 pub struct m40llm_kvcache_options {
@@ -145,6 +148,7 @@ pub struct m40llm_kvcache_options {
     pub window: ::core::ffi::c_int,
     pub n_tiers: ::core::ffi::c_int,
     pub tiers: [m40llm_kv_tier; 4usize],
+    pub placement: ::core::ffi::c_int,
 }
 #[repr(C)]
 #[derive(Debug, Default, Copy, Clone)]
@@ -156,6 +160,7 @@ pub struct m40llm_tier_stats {
     pub kept_rows: i64,
     pub bits_per_value: f64,
     pub moved_rows: i64,
+    pub demoted_rows: i64,
 }
 #[repr(C)]
 #[derive(Debug, Default, Copy, Clone)]
@@ -279,8 +284,9 @@ extern "C" {
         value: ::core::ffi::c_int,
         bytes: usize,
     ) -> ::core::ffi::c_int;
-    /** Fills *opts with the defaults of the given version, 1 to 4 (all sizes zero, FP16; version 3:
-  rotation AUTO, 4 sinks, a window of 128; version 4: no tiers).*/
+    /** Fills *opts with the defaults of the given version, 1 to 5 (all sizes zero, FP16; version 3:
+  rotation AUTO, 4 sinks, a window of 128; version 4: no tiers; version 5: placement
+  M40LLM_PLACE_FIRST_FREE).*/
     pub fn m40llm_kvcache_options_init(
         opts: *mut m40llm_kvcache_options,
         version: ::core::ffi::c_uint,
@@ -450,7 +456,7 @@ extern "C" {
         seq: ::core::ffi::c_int,
         pos: ::core::ffi::c_int,
     ) -> ::core::ffi::c_int;
-    /** Fills *out (its version set by the caller, e.g. from M40LLM_TIER_STATS_INIT) with what the
+    /** Fills *out (its version, 1 or 2, set by the caller, e.g. from M40LLM_TIER_STATS_INIT) with what the
   cache holds now: host bookkeeping only, no backend work and no synchronization. An unknown
   version: M40LLM_ERR_INVALID_ARGUMENT. A cache without tiers: M40LLM_ERR_INVALID_ARGUMENT.*/
     pub fn m40llm_kvcache_tier_stats(
@@ -614,6 +620,32 @@ extern "C" {
         importance: *mut f32,
         importance_stride: usize,
         decay: f32,
+        cache: *mut m40llm_kvcache,
+        layer: ::core::ffi::c_int,
+        seq_ids: *const i32,
+        n_seqs: ::core::ffi::c_int,
+        q: *const ::core::ffi::c_void,
+        dtype: ::core::ffi::c_int,
+        scale: f32,
+    ) -> ::core::ffi::c_int;
+    /** As m40llm_kvcache_attn_batch_ex, and also adds the call's attention weights to the cache's
+  own importance of each row (the largest weight a query head of the layer gives the position,
+  one sum a position of each (layer, sequence)), and counts one call for every position below
+  each sequence's length: what M40LLM_PLACE_IMPORTANCE places rows by. The cache's options
+  must say M40LLM_PLACE_IMPORTANCE (else M40LLM_ERR_INVALID_ARGUMENT); seq_ids must name each
+  sequence once (M40LLM_ERR_INVALID_ARGUMENT). Errors as for m40llm_kvcache_attn_batch_ex; on
+  any error nothing is written and nothing counted. Call it on the steps whose weights the
+  policy should see (bench/fidelity measured every 4th step against every 16th: 0.71 against
+  0.97 of the uniform formats' KL at 2K tokens and 6 bits; the plain call on the others).
+  The weights are m40llm_kvcache_attn_importance_ex's (decay 0), into the cache's scratch,
+  then a small kernel adds each position's largest over the K/V heads to its sum: 1.03-1.11x
+  that call's time on an H200 (bench/RESULTS.md, "Placement by importance"). The next append of a sequence the call saw
+  that takes a row out of the window first copies that (layer, sequence)'s sums to the host
+  (4 bytes a position; on CUDA a copy that waits for the stream), so such appends cannot be
+  captured in a CUDA graph; the observe call itself can be, but a graph replay of it is not
+  counted (the count is host state): capture the plain call.*/
+    pub fn m40llm_kvcache_attn_observe_ex(
+        out: *mut ::core::ffi::c_void,
         cache: *mut m40llm_kvcache,
         layer: ::core::ffi::c_int,
         seq_ids: *const i32,

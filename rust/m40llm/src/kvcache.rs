@@ -156,6 +156,45 @@ impl KvTier {
     }
 }
 
+/// Where a tiered cache puts a row that leaves the FP16 window
+/// ([`KvCacheConfig::placement`]; `m40llm_tier_placement`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[non_exhaustive]
+pub enum TierPlacement {
+    /// The first tier with a free row (`M40LLM_PLACE_FIRST_FREE`): the oldest rows hold the
+    /// first tiers' formats.
+    #[default]
+    FirstFree,
+    /// By importance (`M40LLM_PLACE_IMPORTANCE`): the cache keeps each row's importance from
+    /// the weights of its [`KvCache::attention_observe`] calls (the largest over the query
+    /// heads, summed, over the number of calls that saw the row). A row leaving the window goes
+    /// to the first tier that has a free row or whose least important row is less important;
+    /// that row moves one tier down (re-quantized), and so on to a tier with room. Rows only
+    /// move down. See `m40llm_tier_placement` in `m40llm.h`.
+    Importance,
+}
+
+impl TierPlacement {
+    fn to_raw(self) -> c_int {
+        match self {
+            TierPlacement::FirstFree => sys::M40LLM_PLACE_FIRST_FREE as c_int,
+            TierPlacement::Importance => sys::M40LLM_PLACE_IMPORTANCE as c_int,
+        }
+    }
+
+    fn from_raw(raw: c_int) -> Result<TierPlacement> {
+        [TierPlacement::FirstFree, TierPlacement::Importance]
+            .into_iter()
+            .find(|p| p.to_raw() == raw)
+            .ok_or_else(|| {
+                Error::new(
+                    Status::Unsupported,
+                    format!("the library returned placement {raw}, which this crate does not know"),
+                )
+            })
+    }
+}
+
 /// What a tiered cache holds ([`KvCache::tier_stats`]), over all its layers and sequences. A
 /// row is one position of one (layer, sequence): its K and V, all K/V heads.
 #[derive(Clone, Debug, PartialEq)]
@@ -172,6 +211,8 @@ pub struct TierStats {
     pub bits_per_value: f64,
     /// Rows [`KvCache::tier_move`] has moved since the cache was created.
     pub moved_rows: u64,
+    /// Rows [`TierPlacement::Importance`] has moved a tier down to make room.
+    pub demoted_rows: u64,
 }
 
 /// The most tiers a cache has (`M40LLM_MAX_TIERS`).
@@ -225,6 +266,8 @@ pub struct KvCacheConfig {
     /// How many tiers [`tiers`](Self::tiers) was given (more than [`MAX_TIERS`] is refused
     /// when the config is used).
     pub n_tiers: usize,
+    /// Where a row leaving the window goes (see [`placement`](Self::placement)).
+    pub placement: TierPlacement,
 }
 
 impl KvCacheConfig {
@@ -247,6 +290,7 @@ impl KvCacheConfig {
             window: d.window.max(0) as usize,
             tiers: [None; MAX_TIERS],
             n_tiers: 0,
+            placement: TierPlacement::FirstFree,
         }
     }
 
@@ -283,6 +327,41 @@ impl KvCacheConfig {
             self.v_format = Some(first.v_format);
         }
         self.n_tiers = tiers.len();
+        self
+    }
+
+    /// Where a tiered cache puts the rows leaving its window (default
+    /// [`TierPlacement::FirstFree`]). [`TierPlacement::Importance`] needs tiers, and keeps 4
+    /// bytes of backend memory a position for every (layer, sequence) plus one call's weights
+    /// (`4 x max_seqs x n_kv_heads x max_seq_len` bytes), counted by
+    /// [`bytes_needed`](Self::bytes_needed).
+    ///
+    /// ```
+    /// use m40llm::{Context, DeviceBuffer, KvCache, KvCacheConfig, KvFormat, KvTier, TierPlacement};
+    /// let cfg = KvCacheConfig::new(1, 2, 32).kv_heads(1).max_seq_len(64).sinks(0).window(4)
+    ///     .tiers(&[KvTier::new(KvFormat::Q8, KvFormat::Q8, 2), KvTier::new(KvFormat::Q4, KvFormat::Q2, 64)])
+    ///     .placement(TierPlacement::Importance);
+    /// let ctx = Context::cpu()?;
+    /// let mut kv = KvCache::new(&ctx, &cfg)?;
+    /// let q = DeviceBuffer::from_slice(&ctx, &[0.5f32; 64])?;
+    /// let mut out = DeviceBuffer::<f32>::zeros(&ctx, 64)?;
+    /// for t in 0..16 {
+    ///     // position 9's K lines up with q: it draws most of every later call's attention
+    ///     let row: Vec<f32> =
+    ///         (0..32).map(|d| if t == 9 { 3.0 } else { ((t * 7 + d) % 5) as f32 * 0.1 - 0.2 }).collect();
+    ///     let k = DeviceBuffer::from_slice(&ctx, &row)?;
+    ///     kv.append(0, 0, &k, &k)?;
+    ///     kv.attention_observe(0, &[0], &q, &mut out, None)?; // the weights the policy reads
+    /// }
+    /// // 12 rows left the window; tier 0's two rows went first to positions 0 and 1, then
+    /// // position 9 took one of them (which moved down to tier 1).
+    /// assert_eq!(kv.tier_rows(0, 0)?, vec![2, 10]);
+    /// assert_eq!(kv.tier_of(0, 0, 9)?, Some(0));
+    /// assert!(kv.tier_stats()?.demoted_rows > 0);
+    /// # Ok::<(), m40llm::Error>(())
+    /// ```
+    pub fn placement(mut self, placement: TierPlacement) -> Self {
+        self.placement = placement;
         self
     }
 
@@ -480,6 +559,7 @@ impl KvCacheConfig {
             raw.v_format = t.v_format.to_c();
             raw.rows = to_c(t.rows, "tier rows")?;
         }
+        o.placement = self.placement.to_raw();
         Ok(o)
     }
 
@@ -525,6 +605,7 @@ impl KvCacheConfig {
                 tiers
             },
             n_tiers: size(o.n_tiers),
+            placement: TierPlacement::from_raw(o.placement)?,
         })
     }
 }
@@ -802,6 +883,7 @@ impl KvCache {
             kept_rows: count(raw.kept_rows),
             bits_per_value: raw.bits_per_value,
             moved_rows: count(raw.moved_rows),
+            demoted_rows: count(raw.demoted_rows),
         })
     }
 
@@ -1248,6 +1330,34 @@ impl KvCache {
         let (qp, op) = (q.device_ptr().cast(), out.device_ptr_mut().cast());
         self.call(|c| unsafe {
             sys::m40llm_kvcache_attn_batch_ex(op, c, l, ids.as_ptr(), n, qp, T::DTYPE, scale)
+        })
+    }
+
+    /// [`attention_batch`](Self::attention_batch), and also adds the call's weights (each
+    /// position's largest over the query heads) to the cache's own importance, which
+    /// [`TierPlacement::Importance`] places rows by; each sequence is named once. The cache
+    /// must have that placement ([`Status::InvalidArgument`](crate::Status) otherwise). Call it
+    /// on the steps whose weights the policy should see (e.g. every 4th), the plain call on the
+    /// others. The next append that takes a row of a sequence it saw out of the window first
+    /// copies that sequence's sums to the host, so such appends cannot be captured in a graph.
+    /// See `m40llm_kvcache_attn_observe_ex` in `m40llm.h`; an example is at
+    /// [`KvCacheConfig::placement`].
+    pub fn attention_observe<T: IoElement>(
+        &mut self,
+        layer: usize,
+        seq_ids: &[usize],
+        q: &impl DeviceRead<T>,
+        out: &mut impl DeviceWrite<T>,
+        scale: Option<f32>,
+    ) -> Result<()> {
+        let l = self.layer(layer)?;
+        let (ids, n) = self.seq_ids(seq_ids)?;
+        let scale = self.check_attention(ids.len(), q, out, scale)?;
+        // SAFETY: q and out cover ids.len() query rows each in this context's memory and don't
+        // overlap; ids is a host array of n valid sequence indices (the library refuses repeats).
+        let (qp, op) = (q.device_ptr().cast(), out.device_ptr_mut().cast());
+        self.call(|c| unsafe {
+            sys::m40llm_kvcache_attn_observe_ex(op, c, l, ids.as_ptr(), n, qp, T::DTYPE, scale)
         })
     }
 

@@ -250,7 +250,8 @@ pub use error::{Error, Result, Status};
 pub use graph::Graph;
 pub use half::{bf16, f16};
 pub use kvcache::{
-    KvCache, KvCacheConfig, KvFormat, KvInput, KvRotation, KvTier, TierStats, MAX_TIERS,
+    KvCache, KvCacheConfig, KvFormat, KvInput, KvRotation, KvTier, TierPlacement, TierStats,
+    MAX_TIERS,
 };
 /// The raw FFI bindings this crate wraps.
 pub use m40llm_sys as sys;

@@ -13,7 +13,7 @@ use common::{
 use m40llm::{
     build_info, built_with_cuda, cuda_device_count, f16, library_version, Backend, Context,
     DeviceBuffer, DeviceSlice, DeviceSliceMut, Error, Graph, KvCache, KvCacheConfig, KvFormat,
-    KvTier, Status,
+    KvTier, Status, TierPlacement,
 };
 
 fn cpu() -> Context {
@@ -1259,6 +1259,69 @@ fn attention_importance_reduces_the_weights() {
     );
     assert!(e.message().contains("importance has 36 elements"), "{e}");
     assert_eq!(imp.to_vec().unwrap(), got);
+}
+
+#[test]
+fn placement_by_importance_and_its_errors() {
+    let ctx = cpu();
+    let base = KvCacheConfig::new(1, 4, 64)
+        .kv_heads(2)
+        .max_seqs(2)
+        .max_seq_len(64)
+        .sinks(0)
+        .window(4)
+        .tiers(&[
+            KvTier::new(KvFormat::Q8, KvFormat::Q8, 4),
+            KvTier::new(KvFormat::Q4, KvFormat::Q2, 64),
+        ]);
+    assert_eq!(base.placement, TierPlacement::FirstFree);
+    let cfg = base.placement(TierPlacement::Importance);
+    // The sums (1 layer x 2 sequences x 64 positions) and one call's weights (2 sequences x 2
+    // K/V heads x 64 positions), 4 bytes each.
+    assert_eq!(
+        cfg.bytes_needed().unwrap() - base.bytes_needed().unwrap(),
+        (2 * 64 + 2 * 2 * 64) * 4
+    );
+    let mut kv = KvCache::new(&ctx, &cfg).unwrap();
+    assert_eq!(kv.config().placement, TierPlacement::Importance);
+    let mut plain = KvCache::new(&ctx, &base).unwrap();
+    let mut rng = Rng::fresh("placement_by_importance_and_its_errors");
+    let q = DeviceBuffer::from_slice(&ctx, &rng.normal_vec(2 * base.q_row_len(), 1.0)).unwrap();
+    let mut out = DeviceBuffer::<f32>::zeros(&ctx, 2 * base.q_row_len()).unwrap();
+    let q1 = DeviceBuffer::from_slice(&ctx, &rng.normal_vec(base.q_row_len(), 1.0)).unwrap();
+    let mut out1 = DeviceBuffer::<f32>::zeros(&ctx, base.q_row_len()).unwrap();
+    let e = assert_status(
+        plain.attention_observe(0, &[0], &q1, &mut out1, None),
+        Status::InvalidArgument,
+    );
+    assert!(e.message().contains("PLACE_IMPORTANCE"), "{e}");
+    let e = assert_status(
+        kv.attention_observe(0, &[1, 1], &q, &mut out, None),
+        Status::InvalidArgument,
+    );
+    assert!(e.message().contains("repeats"), "{e}");
+    let untiered = KvCacheConfig::new(1, 4, 64).placement(TierPlacement::Importance);
+    let e = assert_status(KvCache::new(&ctx, &untiered), Status::InvalidArgument);
+    assert!(e.message().contains("n_tiers"), "{e}");
+    // Rows leave the window and cascade; the observe call's output is the plain call's.
+    let mut plain_out = DeviceBuffer::<f32>::zeros(&ctx, 2 * base.q_row_len()).unwrap();
+    for _ in 0..20 {
+        for s in 0..2 {
+            let k =
+                DeviceBuffer::from_slice(&ctx, &rng.normal_vec(base.kv_row_len(), 1.0)).unwrap();
+            let v =
+                DeviceBuffer::from_slice(&ctx, &rng.normal_vec(base.kv_row_len(), 1.0)).unwrap();
+            kv.append(0, s, &k, &v).unwrap();
+        }
+        kv.attention_batch(0, &[0, 1], &q, &mut plain_out, None)
+            .unwrap();
+        kv.attention_observe(0, &[0, 1], &q, &mut out, None)
+            .unwrap();
+        assert_eq!(out.to_vec().unwrap(), plain_out.to_vec().unwrap());
+    }
+    assert_eq!(kv.tier_rows(0, 0).unwrap(), vec![4, 12]);
+    let st = kv.tier_stats().unwrap();
+    assert!(st.demoted_rows > 0 && st.moved_rows == 0, "{st:?}");
 }
 
 #[test]
