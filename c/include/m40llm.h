@@ -399,12 +399,11 @@ typedef enum m40llm_tier_placement {
    * keeps its tier. Rows appended past the window, never observed, take the first free tier.
    * Tiers of 0 rows are passed over. A row of an equal score does not displace another; of
    * equal scores the earlier position is the less important. The decisions are the host's: an
-   * append that takes rows out of the window first copies the sums of its sequences that an
-   * observe call changed back (one copy a call, which waits for
-   * the stream) and scores them, and a cascade of k links takes k launches. Measured on an H200
-   * (bench/RESULTS.md, "Placement by importance"): a decode step of 8 layers x 8 sequences x 8K
-   * with observe calls every 4th step took 2.1x (M40 code) to 2.6x (sm_90) the default
-   * placement's time, host-bound. */
+   * append that takes rows out of the window first copies back the sums of its sequences that
+   * an observe call changed (one copy a call, which waits for the stream) and scores them, and
+   * a cascade of k links takes k launches. Measured on an H200 (bench/RESULTS.md, "Placement by
+   * importance"): a decode step of 8 layers x 8 sequences x 8K with observe calls every 4th
+   * step took 2.1x (M40 code) to 2.6x (sm_90) the default placement's time, host-bound. */
   M40LLM_PLACE_IMPORTANCE = 1
 } m40llm_tier_placement;
 
@@ -576,7 +575,7 @@ int m40llm_kvcache_tier_of(int *out_tier, const m40llm_kvcache *cache, int layer
  *  A row is one position of one (layer, sequence): its K and V, all K/V heads. */
 #define M40LLM_TIER_STATS_VERSION 2
 typedef struct m40llm_tier_stats {
-  unsigned version;                      /* set by the caller: M40LLM_TIER_STATS_VERSION */
+  unsigned version;                      /* set by the caller: M40LLM_TIER_STATS_VERSION (or 1) */
   int n_tiers;                           /* the cache's */
   int64_t rows[M40LLM_MAX_TIERS];        /* rows each tier holds */
   int64_t free_rows[M40LLM_MAX_TIERS];   /* rows each tier has room for still */
@@ -591,9 +590,10 @@ typedef struct m40llm_tier_stats {
   int64_t demoted_rows;
 } m40llm_tier_stats;
 #define M40LLM_TIER_STATS_INIT { M40LLM_TIER_STATS_VERSION, 0, { 0 }, { 0 }, 0, 0.0, 0, 0 }
-/** Fills *out (its version, 1 or 2, set by the caller, e.g. from M40LLM_TIER_STATS_INIT) with what the
- *  cache holds now: host bookkeeping only, no backend work and no synchronization. An unknown
- *  version: M40LLM_ERR_INVALID_ARGUMENT. A cache without tiers: M40LLM_ERR_INVALID_ARGUMENT. */
+/** Fills *out (its version, 1 or 2, set by the caller, e.g. from M40LLM_TIER_STATS_INIT) with
+ *  what the cache holds now: host bookkeeping only, no backend work and no synchronization. An
+ *  unknown version: M40LLM_ERR_INVALID_ARGUMENT. A cache without tiers:
+ *  M40LLM_ERR_INVALID_ARGUMENT. */
 int m40llm_kvcache_tier_stats(m40llm_tier_stats *out, const m40llm_kvcache *cache);
 
 /* ---- Capacity planning ----------------------------------------------------------------------- */
@@ -746,11 +746,12 @@ int m40llm_kvcache_attn_importance_ex(void *out, float *importance, size_t impor
  *  0.97 of the uniform formats' KL at 2K tokens and 6 bits; the plain call on the others).
  *  The weights are m40llm_kvcache_attn_importance_ex's (decay 0), into the cache's scratch,
  *  then a small kernel adds each position's largest over the K/V heads to its sum: 1.03-1.11x
- *  that call's time on an H200 (bench/RESULTS.md, "Placement by importance"). The next append of a sequence the call saw
- *  that takes a row out of the window first copies that (layer, sequence)'s sums to the host
- *  (4 bytes a position; on CUDA a copy that waits for the stream), so such appends cannot be
- *  captured in a CUDA graph; the observe call itself can be, but a graph replay of it is not
- *  counted (the count is host state): capture the plain call. */
+ *  that call's time on an H200 (bench/RESULTS.md, "Placement by importance"). The next append
+ *  of a sequence the call saw that takes a row out of the window first copies the layer's sums
+ *  of such sequences to the host (4 bytes a position; on CUDA a copy that waits for the
+ *  stream), so such appends cannot be captured in a CUDA graph; the observe call itself can
+ *  be, but a graph replay of it is not counted (the count is host state): capture the plain
+ *  call. */
 int m40llm_kvcache_attn_observe_ex(void *out, m40llm_kvcache *cache, int layer,
                                    const int32_t *seq_ids, int n_seqs, const void *q, int dtype,
                                    float scale);

@@ -456,9 +456,10 @@ extern "C" {
         seq: ::core::ffi::c_int,
         pos: ::core::ffi::c_int,
     ) -> ::core::ffi::c_int;
-    /** Fills *out (its version, 1 or 2, set by the caller, e.g. from M40LLM_TIER_STATS_INIT) with what the
-  cache holds now: host bookkeeping only, no backend work and no synchronization. An unknown
-  version: M40LLM_ERR_INVALID_ARGUMENT. A cache without tiers: M40LLM_ERR_INVALID_ARGUMENT.*/
+    /** Fills *out (its version, 1 or 2, set by the caller, e.g. from M40LLM_TIER_STATS_INIT) with
+  what the cache holds now: host bookkeeping only, no backend work and no synchronization. An
+  unknown version: M40LLM_ERR_INVALID_ARGUMENT. A cache without tiers:
+  M40LLM_ERR_INVALID_ARGUMENT.*/
     pub fn m40llm_kvcache_tier_stats(
         out: *mut m40llm_tier_stats,
         cache: *const m40llm_kvcache,
@@ -639,11 +640,12 @@ extern "C" {
   0.97 of the uniform formats' KL at 2K tokens and 6 bits; the plain call on the others).
   The weights are m40llm_kvcache_attn_importance_ex's (decay 0), into the cache's scratch,
   then a small kernel adds each position's largest over the K/V heads to its sum: 1.03-1.11x
-  that call's time on an H200 (bench/RESULTS.md, "Placement by importance"). The next append of a sequence the call saw
-  that takes a row out of the window first copies that (layer, sequence)'s sums to the host
-  (4 bytes a position; on CUDA a copy that waits for the stream), so such appends cannot be
-  captured in a CUDA graph; the observe call itself can be, but a graph replay of it is not
-  counted (the count is host state): capture the plain call.*/
+  that call's time on an H200 (bench/RESULTS.md, "Placement by importance"). The next append
+  of a sequence the call saw that takes a row out of the window first copies the layer's sums
+  of such sequences to the host (4 bytes a position; on CUDA a copy that waits for the
+  stream), so such appends cannot be captured in a CUDA graph; the observe call itself can
+  be, but a graph replay of it is not counted (the count is host state): capture the plain
+  call.*/
     pub fn m40llm_kvcache_attn_observe_ex(
         out: *mut ::core::ffi::c_void,
         cache: *mut m40llm_kvcache,
