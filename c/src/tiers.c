@@ -26,11 +26,15 @@ static int flush(op_list *l) {
                                                                     l->k_out, l->v_out));
 }
 
+static int push_op(op_list *l, m40llm_row_op op) {
+  l->c->ops[l->n++] = op;
+  return l->n == M40LLM_TIER_OPS ? flush(l) : M40LLM_OK;
+}
+
 /* pos: the row's position (written into the tier's map where `to` is a tier). */
 static int push(op_list *l, int seq, int from, int src, int to, int dst, int pos) {
   const m40llm_row_op op = {seq, src, dst, pos, (int16_t)from, (int16_t)to};
-  l->c->ops[l->n++] = op;
-  return l->n == M40LLM_TIER_OPS ? flush(l) : M40LLM_OK;
+  return push_op(l, op);
 }
 
 /* The first tier with a free row: there is one for every row that can leave the window (the
@@ -78,14 +82,15 @@ static int check_buffers(const op_list *l) {
                                                                     l->k_out, l->v_out));
 }
 
-/* The positions [*first, *end) of an item that its append takes out of the window. */
+/* The positions [*first, *end) of an item that its append takes out of the window; the
+ * quantized rows end at *q_end after it (the new rows below it never enter the window). */
 static void leaving(const m40llm_kvcache *c, int layer, const m40llm_append_item *it, int *first,
-                    int *end) {
+                    int *end, int *q_end) {
   const int lo = *m40llm_lo_slot(c, layer, it->seq), last = it->pos + it->n_tokens;
   const int lo_after = lo < last - c->window ? last - c->window : lo;
-  const int q_end = c->n_sinks + m40llm_quantized_rows(c, lo_after, last);
+  *q_end = c->n_sinks + m40llm_quantized_rows(c, lo_after, last);
   *first = c->n_sinks + m40llm_quantized_rows(c, lo, it->pos);
-  *end = q_end < it->pos ? q_end : it->pos;
+  *end = *q_end < it->pos ? *q_end : it->pos;
 }
 
 /* Rows leaving the window placed by importance, in rounds: each round places every item's
@@ -94,8 +99,8 @@ static void leaving(const m40llm_kvcache *c, int layer, const m40llm_append_item
 static int place_by_importance(op_list *l, const m40llm_append_item *items, int n_items) {
   m40llm_kvcache *c = l->c;
   for (int i = 0; i < n_items; i++) { /* the items whose append takes rows out of the window */
-    int first, end;
-    leaving(c, l->layer, &items[i], &first, &end);
+    int first, end, q_end;
+    leaving(c, l->layer, &items[i], &first, &end, &q_end);
     c->imp_chain_n[i] = first < end;
   }
   int rc = m40llm_policy_ready(c, l->layer, items, n_items, c->imp_chain_n);
@@ -103,8 +108,8 @@ static int place_by_importance(op_list *l, const m40llm_append_item *items, int 
     more = 0;
     int longest = 0;
     for (int i = 0; i < n_items && rc == M40LLM_OK; i++) {
-      int first, end;
-      leaving(c, l->layer, &items[i], &first, &end);
+      int first, end, q_end;
+      leaving(c, l->layer, &items[i], &first, &end, &q_end);
       c->imp_chain_n[i] = 0;
       if (first + r >= end) continue;
       more = 1;
@@ -114,10 +119,8 @@ static int place_by_importance(op_list *l, const m40llm_append_item *items, int 
     }
     for (int k = 0; k < longest && rc == M40LLM_OK; k++) {
       for (int i = 0; i < n_items && rc == M40LLM_OK; i++)
-        if (c->imp_chain_n[i] > k) {
-          c->ops[l->n++] = c->imp_chain[(size_t)i * M40LLM_MAX_TIERS + (size_t)k];
-          if (l->n == M40LLM_TIER_OPS) rc = flush(l);
-        }
+        if (c->imp_chain_n[i] > k)
+          rc = push_op(l, c->imp_chain[(size_t)i * M40LLM_MAX_TIERS + (size_t)k]);
       if (rc == M40LLM_OK) rc = flush(l);
     }
   }
@@ -133,8 +136,8 @@ int m40llm_tiers_append(m40llm_kvcache *c, int layer, const m40llm_append_item *
     if (rc == M40LLM_OK) rc = place_by_importance(&l, items, n_items);
   } else {
     for (int i = 0; i < n_items && rc == M40LLM_OK; i++) {
-      int first, end;
-      leaving(c, layer, &items[i], &first, &end);
+      int first, end, q_end;
+      leaving(c, layer, &items[i], &first, &end, &q_end);
       for (int p = first; p < end && rc == M40LLM_OK; p++) {
         const int t = first_free_tier(c, layer, items[i].seq);
         rc = push(&l, items[i].seq, M40LLM_ROW_KEPT, p, t, claim(c, layer, items[i].seq, p, t),
@@ -146,10 +149,9 @@ int m40llm_tiers_append(m40llm_kvcache *c, int layer, const m40llm_append_item *
   /* The new rows: to their FP16 slots, or to a tier where they never enter the window. */
   for (int i = 0, row = 0; i < n_items && rc == M40LLM_OK; i++) {
     const m40llm_append_item *it = &items[i];
-    const int lo = *m40llm_lo_slot(c, layer, it->seq), end = it->pos + it->n_tokens;
-    const int lo_after = lo < end - c->window ? end - c->window : lo;
-    const int q_end = c->n_sinks + m40llm_quantized_rows(c, lo_after, end);
-    for (int p = it->pos; p < end && rc == M40LLM_OK; p++, row++) {
+    int first, end, q_end;
+    leaving(c, layer, it, &first, &end, &q_end);
+    for (int p = it->pos; p < it->pos + it->n_tokens && rc == M40LLM_OK; p++, row++) {
       if (p >= c->n_sinks && p < q_end) {
         /* never observed: the first free tier; the policy's lists of the tier are stale */
         const int t = first_free_tier(c, layer, it->seq);
