@@ -319,8 +319,8 @@ int cuda_append(const m40llm_kvcache *c, int layer, const m40llm_append_item *it
 }
 
 int cuda_tier_rows(const m40llm_kvcache *c, int layer, const m40llm_row_op *ops, int n_ops,
-                   const void *k_in, const void *v_in, int dtype, uint16_t *k_out,
-                   uint16_t *v_out) {
+                   const uint8_t *links, int n_chains, const void *k_in, const void *v_in,
+                   int dtype, uint16_t *k_out, uint16_t *v_out) {
   M40LLM_CUDA_ENTER(c->ctx);
   const void *buffers[4] = {k_in, v_in, k_out, v_out};
   const char *names[4] = {"k", "v", "k_out", "v_out"};
@@ -330,7 +330,8 @@ int cuda_tier_rows(const m40llm_kvcache *c, int layer, const m40llm_row_op *ops,
     if (rc != M40LLM_OK) return rc;
   }
   return n_ops == 0 ? M40LLM_OK
-                    : m40llm_cuda_tier_rows(c, layer, ops, n_ops, k_in, v_in, dtype, k_out, v_out);
+                    : m40llm_cuda_tier_rows(c, layer, ops, n_ops, links, n_chains, k_in, v_in,
+                                            dtype, k_out, v_out);
 }
 
 int cuda_prepare_attention(const m40llm_kvcache *c, int n_rows, const void *q, const void *out,
@@ -353,6 +354,15 @@ int cuda_attention(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, i
                    const void *q, void *out, int dtype, float scale,
                    const m40llm_attn_export *x) {
   int rc = enter_with(c, q, "q", out, "out");
+  if (rc == M40LLM_OK && x && x->observe) {
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    M40LLM_CUDA_TRY(cudaStreamIsCapturing(cuda_state(c->ctx)->stream, &capture));
+    if (capture != cudaStreamCaptureStatusNone)
+      return m40llm_fail(M40LLM_ERR_UNSUPPORTED,
+                         "m40llm_kvcache_attn_observe_ex cannot be captured into a CUDA graph: "
+                         "its ranking reaches the host through a copy the host waits for (make "
+                         "the plain call in the graph, the observe call outside it)");
+  }
   if (rc == M40LLM_OK && x && x->weights)
     rc = m40llm_cuda_check_pointer(cuda_state(c->ctx), x->weights, "weights");
   if (rc == M40LLM_OK && x && x->importance)
@@ -414,7 +424,8 @@ const m40llm_backend_ops m40llm_cuda_backend = {
     cuda_memcpy,         cuda_memset,  cuda_check_cache,        m40llm_cuda_reserve_for,
     cuda_append,         cuda_read_f16, cuda_fork,              cuda_prepare_attention,
     cuda_attention_appends,
-    cuda_attention,      cuda_attention_causal, cuda_tier_rows, m40llm_cuda_tier_observe,
+    cuda_attention,      cuda_attention_causal, cuda_tier_rows, m40llm_cuda_policy_alloc,
+    m40llm_cuda_policy_free, m40llm_cuda_tier_observe, m40llm_cuda_tier_observe_wait,
     m40llm_cuda_graph_begin, m40llm_cuda_graph_end,
     m40llm_cuda_graph_launch, m40llm_cuda_graph_destroy,
 };

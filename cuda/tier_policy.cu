@@ -1,6 +1,10 @@
 // Importance placement on CUDA (M40LLM_PLACE_IMPORTANCE; the decisions are the front end's,
 // c/src/tier_policy.c): an observe call's weights, reduced over the K/V heads, into the
-// cache's importance sums.
+// cache's accumulators; then each sequence's record (its tiers' least important rows, its
+// window's scores), copied to pinned host memory on a stream of its own behind an event of the
+// layer, which the host waits for at the layer's next append.
+#include <climits>
+
 #include "backend_cuda.h"
 #include "common.cuh"
 
@@ -11,54 +15,322 @@ constexpr int kObserveThreads = 256;
 constexpr int kObserveItems = 64;
 // Positions a block takes at least (few blocks for short rows, enough for long ones).
 constexpr int kObserveChunk = 256;
+constexpr int kRankThreads = 256;
+// Rows of a tier a ranking block takes: each thread's loads issued together, then ranked (a
+// tier's rows are gathers through its slot map, so a long loop a thread would be latency-bound).
+constexpr int kRankPerThread = 4;
+constexpr int kRankRows = kRankThreads * kRankPerThread;
+constexpr int kLow = M40LLM_IMP_LOW;
 
 struct ObserveArgs {
   const float *scratch;  // [item][n_kv_heads][max_seq_len]: the call's weights, from item `first`
-  float *sums;           // the layer's [max_seqs][max_seq_len]
+  m40llm_imp_acc *acc;   // the layer's [max_seqs][max_seq_len]
   int32_t seq[kObserveItems], len[kObserveItems];
   int first, n_kv_heads, max_seq_len;
 };
 
 // A block per (item, chunk of positions): each position's largest weight over the K/V heads
-// added to its sum (a plain add, as the host's `+=`).
+// added to its sum (a plain add, as the host's `+=`), and the call counted.
 __global__ void __launch_bounds__(kObserveThreads) tier_observe_kernel(const ObserveArgs a) {
   const int item = blockIdx.x;
   const size_t len_max = (size_t)a.max_seq_len;
   const float *__restrict__ w =
       a.scratch + ((size_t)(a.first + item) * (size_t)a.n_kv_heads) * len_max;
-  float *__restrict__ sum = a.sums + (size_t)a.seq[item] * len_max;
+  m40llm_imp_acc *__restrict__ acc = a.acc + (size_t)a.seq[item] * len_max;
   for (int p = blockIdx.y * blockDim.x + threadIdx.x; p < a.len[item];
        p += gridDim.y * blockDim.x) {
     float most = 0.0f;
     for (int g = 0; g < a.n_kv_heads; g++) most = fmaxf(most, w[(size_t)g * len_max + p]);
-    sum[p] = sum[p] + most;
+    m40llm_imp_acc x = acc[p];
+    x.sum = x.sum + most;
+    x.calls++;
+    acc[p] = x;
   }
 }
 
+struct RankArgs {
+  const m40llm_imp_acc *acc;             // the layer's [max_seqs][max_seq_len]
+  const int32_t *map[M40LLM_MAX_TIERS];  // each tier's slot maps of the layer, [max_seqs][rows]
+  char *records;                         // the layer's [max_seqs] records
+  double *part_score;                    // each block's least important rows:
+  int32_t *part_pos;                     //   [item][tier][chunk][kLow]
+  size_t record_bytes, max_seq_len;
+  int rows[M40LLM_MAX_TIERS];
+  int32_t seq[kObserveItems], win_first[kObserveItems], win_n[kObserveItems];
+  int32_t count[kObserveItems][M40LLM_MAX_TIERS];
+  int n_tiers, chunks;
+};
+
+// The front end's score and order (tier_policy.c): the double quotient, IEEE-rounded on both.
+__device__ __forceinline__ double imp_score(m40llm_imp_acc a) {
+  return a.calls > 0 ? (double)a.sum / (double)a.calls : 0.0;
+}
+__device__ __forceinline__ bool imp_below(double a, int32_t pa, double b, int32_t pb) {
+  return a < b || (a == b && pa < pb);
+}
+
+__device__ __forceinline__ double no_row() { return __longlong_as_double(0x7ff0000000000000LL); }
+
+// A thread's kLow least important rows, in order, in registers: an insertion by
+// compare-and-swap (no dynamic indexing).
+struct LowList {
+  double k[kLow];
+  int32_t kp[kLow];
+  __device__ void clear() {
+#pragma unroll
+    for (int i = 0; i < kLow; i++) k[i] = no_row(), kp[i] = INT_MAX;
+  }
+  __device__ void insert(double sc, int32_t p) {
+    if (!imp_below(sc, p, k[kLow - 1], kp[kLow - 1])) return;
+    k[kLow - 1] = sc, kp[kLow - 1] = p;
+#pragma unroll
+    for (int i = kLow - 1; i > 0; i--)
+      if (imp_below(k[i], kp[i], k[i - 1], kp[i - 1])) {
+        const double ts = k[i];
+        const int32_t tp = kp[i];
+        k[i] = k[i - 1], kp[i] = kp[i - 1], k[i - 1] = ts, kp[i - 1] = tp;
+      }
+  }
+  // The least of a warp's heads, in every lane.
+  __device__ void warp_min(double *bs, int32_t *bp) const {
+    *bs = k[0], *bp = kp[0];
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+      const double os = __shfl_xor_sync(0xffffffffu, *bs, off);
+      const int32_t op = __shfl_xor_sync(0xffffffffu, *bp, off);
+      if (imp_below(os, op, *bs, *bp)) *bs = os, *bp = op;
+    }
+  }
+  // Takes out the head where it is position bp (positions are distinct: one thread holds it).
+  __device__ void pop_if(int32_t bp) {
+    if (kp[0] != bp) return;
+#pragma unroll
+    for (int i = 0; i < kLow - 1; i++) k[i] = k[i + 1], kp[i] = kp[i + 1];
+    k[kLow - 1] = no_row(), kp[kLow - 1] = INT_MAX;
+  }
+};
+
+// A block per (item, tier, chunk of kRankRows rows), and one more per item (tier n_tiers,
+// chunk 0) for its window's scores. A chunk's block: its kLow least important rows (each
+// thread's, then kLow rounds of a block-wide minimum) into the partials, sentinels past its
+// rows.
+__global__ void __launch_bounds__(kRankThreads) tier_rank_kernel(const RankArgs a) {
+  const int item = blockIdx.x, t = blockIdx.y, chunk = blockIdx.z, seq = a.seq[item];
+  const m40llm_imp_acc *__restrict__ acc = a.acc + (size_t)seq * a.max_seq_len;
+  if (t == a.n_tiers) {
+    if (chunk > 0) return;
+    m40llm_imp_record *r =
+        reinterpret_cast<m40llm_imp_record *>(a.records + (size_t)seq * a.record_bytes);
+    double *win = reinterpret_cast<double *>(r + 1);
+    for (int i = threadIdx.x; i < a.win_n[item]; i += blockDim.x)
+      win[i] = imp_score(acc[a.win_first[item] + i]);
+    if (threadIdx.x == 0) r->win_first = a.win_first[item], r->win_n = a.win_n[item];
+    return;
+  }
+  const int begin = chunk * kRankRows, count = a.count[item][t];
+  if (begin >= count) return;  // the merge reads only the chunks that hold rows
+  const int32_t *__restrict__ map = a.map[t] + (size_t)seq * (size_t)a.rows[t];
+  int32_t p[kRankPerThread];
+#pragma unroll
+  for (int j = 0; j < kRankPerThread; j++) {
+    const int s = begin + j * kRankThreads + (int)threadIdx.x;
+    p[j] = s < count ? map[s] : -1;
+  }
+  m40llm_imp_acc x[kRankPerThread];
+#pragma unroll
+  for (int j = 0; j < kRankPerThread; j++) x[j] = p[j] >= 0 ? acc[p[j]] : m40llm_imp_acc{0.0f, 0};
+  LowList l;
+  l.clear();
+#pragma unroll
+  for (int j = 0; j < kRankPerThread; j++)
+    if (p[j] >= 0) l.insert(imp_score(x[j]), p[j]);
+  __shared__ double w_score[kRankThreads / 32];
+  __shared__ int32_t w_pos[kRankThreads / 32];
+  const size_t out = (((size_t)item * M40LLM_MAX_TIERS + (size_t)t) * (size_t)a.chunks +
+                      (size_t)chunk) * kLow;
+  for (int round = 0; round < kLow; round++) {
+    double bs;
+    int32_t bp;
+    l.warp_min(&bs, &bp);
+    if ((threadIdx.x & 31) == 0) w_score[threadIdx.x >> 5] = bs, w_pos[threadIdx.x >> 5] = bp;
+    __syncthreads();
+    bs = w_score[0], bp = w_pos[0];
+    for (int w = 1; w < kRankThreads / 32; w++)
+      if (imp_below(w_score[w], w_pos[w], bs, bp)) bs = w_score[w], bp = w_pos[w];
+    __syncthreads();  // the next round writes w_score
+    l.pop_if(bp);
+    if (threadIdx.x == 0) a.part_score[out + round] = bs, a.part_pos[out + round] = bp;
+  }
+}
+
+// A warp per (item, tier): the kLow least important of its chunks' lists, into the record.
+__global__ void __launch_bounds__(32) tier_rank_merge_kernel(const RankArgs a) {
+  const int item = blockIdx.x, t = blockIdx.y, seq = a.seq[item], count = a.count[item][t];
+  m40llm_imp_record *r =
+      reinterpret_cast<m40llm_imp_record *>(a.records + (size_t)seq * a.record_bytes);
+  const int n = count < kLow ? count : kLow;
+  const int candidates = (count + kRankRows - 1) / kRankRows * kLow;
+  const size_t in = ((size_t)item * M40LLM_MAX_TIERS + (size_t)t) * (size_t)a.chunks * kLow;
+  LowList l;
+  l.clear();
+  for (int i = threadIdx.x; i < candidates; i += 32)
+    if (a.part_pos[in + i] != INT_MAX) l.insert(a.part_score[in + i], a.part_pos[in + i]);
+  for (int round = 0; round < n; round++) {
+    double bs;
+    int32_t bp;
+    l.warp_min(&bs, &bp);
+    l.pop_if(bp);
+    if (threadIdx.x == 0) r->low_score[t][round] = bs, r->low_pos[t][round] = bp;
+  }
+  if (threadIdx.x == 0) r->n_low[t] = n;
+}
+
+// Chunks of kRankRows the largest tier of c takes, and the bytes of a launch's partials.
+int rank_chunks(const m40llm_kvcache *c) {
+  int rows = 1;
+  for (int t = 0; t < c->n_tiers; t++)
+    rows = c->opts.tiers[t].rows > rows ? c->opts.tiers[t].rows : rows;
+  return (rows + kRankRows - 1) / kRankRows;
+}
+// Entries of each of a launch's partials arrays (a launch takes at most this many items:
+// distinct sequences).
+size_t rank_partials(const m40llm_kvcache *c) {
+  const int items = c->opts.max_seqs < kObserveItems ? c->opts.max_seqs : kObserveItems;
+  return (size_t)items * M40LLM_MAX_TIERS * (size_t)rank_chunks(c) * kLow;
+}
+size_t rank_partial_bytes(const m40llm_kvcache *c) {
+  return rank_partials(c) * (sizeof(double) + sizeof(int32_t));
+}
+
+// The CUDA backend's own part of a cache's policy state. The records' copies run on a stream
+// of their own (`copy`, after the ranking's event `ranked`), so that the context's stream goes
+// on while they land; each layer's event `landed` marks its last copy done, for the host and
+// for the next ranking of the layer, which rewrites the records the copy reads.
+struct PolicyState {
+  cudaStream_t copy;
+  bool has_copy;
+  cudaEvent_t ranked;
+  bool has_ranked;
+  int n_events;           // layers' events made so far
+  cudaEvent_t landed[1];  // [n_layers]
+};
+
 }  // namespace
+
+int m40llm_cuda_policy_alloc(m40llm_kvcache *c) {
+  M40LLM_CUDA_ENTER(c->ctx);
+  const int layers = c->opts.n_layers;
+  PolicyState *ps = static_cast<PolicyState *>(
+      m40llm_host_calloc(1, sizeof(PolicyState) + (size_t)(layers - 1) * sizeof(cudaEvent_t)));
+  if (!ps) return m40llm_fail(M40LLM_ERR_OUT_OF_MEMORY, "allocating the policy's events");
+  c->imp_backend = ps;
+  M40LLM_CUDA_TRY(cudaStreamCreateWithFlags(&ps->copy, cudaStreamNonBlocking));
+  ps->has_copy = true;
+  M40LLM_CUDA_TRY(cudaEventCreateWithFlags(&ps->ranked, cudaEventDisableTiming));
+  ps->has_ranked = true;
+  for (; ps->n_events < layers; ps->n_events++)
+    M40LLM_CUDA_TRY(cudaEventCreateWithFlags(&ps->landed[ps->n_events], cudaEventDisableTiming));
+  const size_t bytes = (size_t)layers * (size_t)c->opts.max_seqs * c->imp_record_bytes;
+  M40LLM_CUDA_TRY(cudaHostAlloc(&c->imp_records, bytes, cudaHostAllocDefault));
+  // The rankings' partials live in the context's workspace (after the call's attention on the
+  // stream): reserved here, so that an observe call never allocates.
+  void *ws = nullptr;
+  return m40llm_cuda_workspace(cuda_state(c->ctx), rank_partial_bytes(c), &ws);
+}
+
+void m40llm_cuda_policy_free(m40llm_kvcache *c) {
+  PolicyState *ps = static_cast<PolicyState *>(c->imp_backend);
+  if (!ps) return;
+  // Teardown cannot report failures; the copies into the records end first.
+  (void)cudaSetDevice(c->ctx->device);
+  (void)cudaStreamSynchronize(cuda_state(c->ctx)->stream);
+  if (ps->has_copy) (void)cudaStreamSynchronize(ps->copy);
+  for (int i = 0; i < ps->n_events; i++) (void)cudaEventDestroy(ps->landed[i]);
+  if (ps->has_ranked) (void)cudaEventDestroy(ps->ranked);
+  if (ps->has_copy) (void)cudaStreamDestroy(ps->copy);
+  if (c->imp_records) (void)cudaFreeHost(c->imp_records);
+  (void)cudaGetLastError();
+  c->imp_records = nullptr;
+  c->imp_backend = nullptr;
+  free(ps);
+}
 
 int m40llm_cuda_tier_observe(const m40llm_kvcache *c, int layer, const int32_t *seq_ids,
                              int n_seqs) {
   M40LLM_CUDA_ENTER(c->ctx);
   const m40llm_kvcache_options *o = &c->opts;
+  cudaStream_t stream = cuda_state(c->ctx)->stream;
+  const size_t layer_seqs = (size_t)layer * (size_t)o->max_seqs;
+  m40llm_imp_acc *acc = c->imp_acc + layer_seqs * (size_t)o->max_seq_len;
+  char *records = static_cast<char *>(c->imp_rank) + layer_seqs * c->imp_record_bytes;
+  void *ws = nullptr;
+  const int rc = m40llm_cuda_workspace(cuda_state(c->ctx), rank_partial_bytes(c), &ws);
+  if (rc != M40LLM_OK) return rc;
+  const int chunks = rank_chunks(c);
+  const size_t parts = rank_partials(c);
+  PolicyState *ps = static_cast<PolicyState *>(c->imp_backend);
+  // The layer's last copy has read the records this call rewrites (a no-op for none).
+  M40LLM_CUDA_TRY(cudaStreamWaitEvent(stream, ps->landed[layer], 0));
+  int lo = o->max_seqs, hi = -1;
   for (int first = 0; first < n_seqs; first += kObserveItems) {
+    const int n = n_seqs - first < kObserveItems ? n_seqs - first : kObserveItems;
     ObserveArgs a;
     a.scratch = c->imp_scratch;
-    a.sums = c->imp_sum + (size_t)layer * (size_t)o->max_seqs * (size_t)o->max_seq_len;
+    a.acc = acc;
     a.first = first;
     a.n_kv_heads = o->n_kv_heads;
     a.max_seq_len = o->max_seq_len;
-    const int n = n_seqs - first < kObserveItems ? n_seqs - first : kObserveItems;
+    RankArgs r;
+    r.acc = acc;
+    r.records = records;
+    r.record_bytes = c->imp_record_bytes;
+    r.max_seq_len = (size_t)o->max_seq_len;
+    r.n_tiers = c->n_tiers;
+    r.chunks = chunks;
+    r.part_score = static_cast<double *>(ws);
+    r.part_pos = reinterpret_cast<int32_t *>(r.part_score + parts);
+    for (int t = 0; t < M40LLM_MAX_TIERS; t++) {
+      r.rows[t] = t < c->n_tiers ? o->tiers[t].rows : 0;
+      r.map[t] = r.rows[t] > 0 ? m40llm_tier_map_at(c, t, layer, 0) : nullptr;
+    }
     int longest = 1;
     for (int i = 0; i < n; i++) {
-      a.seq[i] = seq_ids[first + i];
-      a.len[i] = *m40llm_len_slot(c, layer, a.seq[i]);
+      const int seq = seq_ids[first + i];
+      a.seq[i] = r.seq[i] = seq;
+      a.len[i] = *m40llm_len_slot(c, layer, seq);
+      r.win_first[i] = m40llm_window_begin(c, layer, seq);
+      r.win_n[i] = a.len[i] - r.win_first[i];
+      for (int t = 0; t < M40LLM_MAX_TIERS; t++)
+        r.count[i][t] = t < c->n_tiers ? m40llm_tier_counts(c, layer, seq)[t] : 0;
       longest = a.len[i] > longest ? a.len[i] : longest;
+      lo = seq < lo ? seq : lo;
+      hi = seq > hi ? seq : hi;
     }
     const unsigned chunks = (unsigned)((longest + kObserveChunk - 1) / kObserveChunk);
-    tier_observe_kernel<<<dim3((unsigned)n, chunks), kObserveThreads, 0,
-                          cuda_state(c->ctx)->stream>>>(a);
+    tier_observe_kernel<<<dim3((unsigned)n, chunks), kObserveThreads, 0, stream>>>(a);
     M40LLM_CUDA_CHECK_LAUNCH("tier_observe_kernel");
+    tier_rank_kernel<<<dim3((unsigned)n, (unsigned)c->n_tiers + 1, (unsigned)chunks),
+                       kRankThreads, 0, stream>>>(r);
+    M40LLM_CUDA_CHECK_LAUNCH("tier_rank_kernel");
+    tier_rank_merge_kernel<<<dim3((unsigned)n, (unsigned)c->n_tiers), 32, 0, stream>>>(r);
+    M40LLM_CUDA_CHECK_LAUNCH("tier_rank_merge_kernel");
   }
+  // One copy for the records of sequences lo..hi (the others in it are older records, which
+  // the host has read or will read the same), on the copy stream.
+  const size_t off = (layer_seqs + (size_t)lo) * c->imp_record_bytes;
+  M40LLM_CUDA_TRY(cudaEventRecord(ps->ranked, stream));
+  M40LLM_CUDA_TRY(cudaStreamWaitEvent(ps->copy, ps->ranked, 0));
+  M40LLM_CUDA_TRY(cudaMemcpyAsync(static_cast<char *>(c->imp_records) + off,
+                                  static_cast<const char *>(c->imp_rank) + off,
+                                  (size_t)(hi - lo + 1) * c->imp_record_bytes,
+                                  cudaMemcpyDeviceToHost, ps->copy));
+  M40LLM_CUDA_TRY(cudaEventRecord(ps->landed[layer], ps->copy));
+  return M40LLM_OK;
+}
+
+int m40llm_cuda_tier_observe_wait(const m40llm_kvcache *c, int layer) {
+  M40LLM_CUDA_ENTER(c->ctx);
+  M40LLM_CUDA_TRY(
+      cudaEventSynchronize(static_cast<PolicyState *>(c->imp_backend)->landed[layer]));
   return M40LLM_OK;
 }

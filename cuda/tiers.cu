@@ -44,6 +44,7 @@ __device__ void encode_row(int format, const KvMutPlanes &t, size_t e, const flo
 
 struct TierOps {
   m40llm_row_op op[M40LLM_TIER_OPS];
+  uint8_t first[M40LLM_TIER_OPS];            // each chain's first op (backend.h's links)
   KvMutPlanes planes[M40LLM_MAX_TIERS][2];    // [tier][K, V]
   int32_t *map[M40LLM_MAX_TIERS];             // the tiers' slot maps (m40llm_row_op.pos)
   int row_bytes[M40LLM_MAX_TIERS][2][M40LLM_KV_PLANES];
@@ -52,7 +53,7 @@ struct TierOps {
   __half *kept[2];                           // the FP16 slots of K and V
   const void *in[2];                         // appended rows (M40LLM_ROW_INPUT)
   __half *out[2];                            // read_f16's rows (M40LLM_ROW_OUTPUT), or null
-  int n_ops, layer, max_seqs, n_kv_heads, head_dim, n_sinks, window, slots, dtype;
+  int n_ops, n_chains, layer, max_seqs, n_kv_heads, head_dim, n_sinks, window, slots, dtype;
   bool rotated[2];
   float rot_scale;
 
@@ -75,81 +76,89 @@ __device__ float load_input(const void *p, int dtype, size_t i) {
   return static_cast<const float *>(p)[i];
 }
 
-// One warp a (op, K/V head, tensor): the row into shared memory as FP32 in the stored frame,
-// then out where it goes.
+// One warp a (chain, K/V head, tensor), its ops in order: each row into shared memory as FP32
+// in the stored frame, then out where it goes (a chain's next op may write the row this one
+// read: the warp has read it by then).
 __global__ void __launch_bounds__(kTierThreads) tier_rows_kernel(const TierOps a) {
   __shared__ float stage[kTierWarps][256];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, D = a.head_dim;
   float *x = stage[warp];
-  const int units = a.n_ops * a.n_kv_heads * 2;
+  const int units = a.n_chains * a.n_kv_heads * 2;
   for (int u = blockIdx.x * kTierWarps + warp; u < units; u += gridDim.x * kTierWarps) {
-    const m40llm_row_op op = a.op[u / (2 * a.n_kv_heads)];
-    const int h = (u / 2) % a.n_kv_heads, kv = u % 2;
-    if (op.to >= 0 && u % (2 * a.n_kv_heads) == 0 && lane == 0)
-      a.map[op.to][((size_t)a.layer * a.max_seqs + op.seq) * a.rows[op.to] + op.dst] = op.pos;
-    if (op.from >= 0 && op.from == op.to) {  // within a tier: the bytes
-      for (int p = 0; p < M40LLM_KV_PLANES; p++) {
-        const int rb = a.row_bytes[op.from][kv][p];
-        uint8_t *base = static_cast<uint8_t *>(a.planes[op.from][kv].plane[p]);
-        if (!base) continue;
-        const size_t dst = a.tier_elem(op.from, op.seq, h, op.dst) / D * rb;
-        const size_t src = a.tier_elem(op.from, op.seq, h, op.src) / D * rb;
-        for (int b = lane; b < rb; b += 32) base[dst + b] = base[src + b];
+    const int chain = u / (2 * a.n_kv_heads);
+    const int end = chain + 1 < a.n_chains ? a.first[chain + 1] : a.n_ops;
+    for (int k = a.first[chain]; k < end; k++) {
+      const m40llm_row_op op = a.op[k];
+      const int h = (u / 2) % a.n_kv_heads, kv = u % 2;
+      if (op.to >= 0 && u % (2 * a.n_kv_heads) == 0 && lane == 0)
+        a.map[op.to][((size_t)a.layer * a.max_seqs + op.seq) * a.rows[op.to] + op.dst] = op.pos;
+      if (op.from >= 0 && op.from == op.to) {  // within a tier: the bytes
+        for (int p = 0; p < M40LLM_KV_PLANES; p++) {
+          const int rb = a.row_bytes[op.from][kv][p];
+          uint8_t *base = static_cast<uint8_t *>(a.planes[op.from][kv].plane[p]);
+          if (!base) continue;
+          const size_t dst = a.tier_elem(op.from, op.seq, h, op.dst) / D * rb;
+          const size_t src = a.tier_elem(op.from, op.seq, h, op.src) / D * rb;
+          for (int b = lane; b < rb; b += 32) base[dst + b] = base[src + b];
+        }
+        __syncwarp();
+        continue;
       }
-      continue;
-    }
-    float v[8];  // dims lane + 32 e
-    if (op.from == M40LLM_ROW_INPUT) {
-      const size_t at = ((size_t)op.src * a.n_kv_heads + h) * D;
-#pragma unroll
-      for (int e = 0; e < 8; e++)
-        v[e] = lane + 32 * e < D ? load_input(a.in[kv], a.dtype, at + lane + 32 * e) : 0.0f;
-      if (a.rotated[kv]) warp_rotate(v, D, a.rot_scale);
-#pragma unroll
-      for (int e = 0; e < 8; e++)
-        if (lane + 32 * e < D) x[lane + 32 * e] = v[e];
-    } else if (op.from == M40LLM_ROW_KEPT) {
-      const __half *s = a.kept[kv] + a.kept_elem(op.seq, h, op.src);
-      for (int i = lane; i < D; i += 32) x[i] = __half2float(s[i]);
-    } else if (lane < D / 8) {
-      float f[8];
-      KvPlanes t;
-      for (int p = 0; p < M40LLM_KV_PLANES; p++) t.plane[p] = a.planes[op.from][kv].plane[p];
-      decode_row(a.format[op.from][kv], t, a.tier_elem(op.from, op.seq, h, op.src) + lane * 8, f);
-#pragma unroll
-      for (int j = 0; j < 8; j++) x[lane * 8 + j] = f[j];
-    }
-    __syncwarp();
-    if (op.to == M40LLM_ROW_OUTPUT) {
-      if (a.out[kv]) {
-#pragma unroll
-        for (int e = 0; e < 8; e++) v[e] = lane + 32 * e < D ? x[lane + 32 * e] : 0.0f;
-        if (a.rotated[kv]) warp_rotate(v, D, a.rot_scale);
-        __half *o = a.out[kv] + ((size_t)op.dst * a.n_kv_heads + h) * D;
+      float v[8];  // dims lane + 32 e
+      if (op.from == M40LLM_ROW_INPUT) {
+        const size_t at = ((size_t)op.src * a.n_kv_heads + h) * D;
 #pragma unroll
         for (int e = 0; e < 8; e++)
-          if (lane + 32 * e < D) o[lane + 32 * e] = __float2half_rn(v[e]);
+          v[e] = lane + 32 * e < D ? load_input(a.in[kv], a.dtype, at + lane + 32 * e) : 0.0f;
+        if (a.rotated[kv]) warp_rotate(v, D, a.rot_scale);
+#pragma unroll
+        for (int e = 0; e < 8; e++)
+          if (lane + 32 * e < D) x[lane + 32 * e] = v[e];
+      } else if (op.from == M40LLM_ROW_KEPT) {
+        const __half *s = a.kept[kv] + a.kept_elem(op.seq, h, op.src);
+        for (int i = lane; i < D; i += 32) x[i] = __half2float(s[i]);
+      } else if (lane < D / 8) {
+        float f[8];
+        KvPlanes t;
+        for (int p = 0; p < M40LLM_KV_PLANES; p++) t.plane[p] = a.planes[op.from][kv].plane[p];
+        decode_row(a.format[op.from][kv], t, a.tier_elem(op.from, op.seq, h, op.src) + lane * 8, f);
+#pragma unroll
+        for (int j = 0; j < 8; j++) x[lane * 8 + j] = f[j];
       }
-    } else if (op.to == M40LLM_ROW_KEPT) {
-      __half *s = a.kept[kv] + a.kept_elem(op.seq, h, op.dst);
-      for (int i = lane; i < D; i += 32) s[i] = __float2half_rn(x[i]);
-    } else {
-      encode_row(a.format[op.to][kv], a.planes[op.to][kv], a.tier_elem(op.to, op.seq, h, op.dst),
-                 x, D, lane);
+      __syncwarp();
+      if (op.to == M40LLM_ROW_OUTPUT) {
+        if (a.out[kv]) {
+#pragma unroll
+          for (int e = 0; e < 8; e++) v[e] = lane + 32 * e < D ? x[lane + 32 * e] : 0.0f;
+          if (a.rotated[kv]) warp_rotate(v, D, a.rot_scale);
+          __half *o = a.out[kv] + ((size_t)op.dst * a.n_kv_heads + h) * D;
+#pragma unroll
+          for (int e = 0; e < 8; e++)
+            if (lane + 32 * e < D) o[lane + 32 * e] = __float2half_rn(v[e]);
+        }
+      } else if (op.to == M40LLM_ROW_KEPT) {
+        __half *s = a.kept[kv] + a.kept_elem(op.seq, h, op.dst);
+        for (int i = lane; i < D; i += 32) s[i] = __float2half_rn(x[i]);
+      } else {
+        encode_row(a.format[op.to][kv], a.planes[op.to][kv], a.tier_elem(op.to, op.seq, h, op.dst),
+                   x, D, lane);
+      }
+      __syncwarp();  // the row is read before the next one is staged
     }
-    __syncwarp();  // the row is read before the next one is staged
   }
 }
 
 }  // namespace
 
 int m40llm_cuda_tier_rows(const m40llm_kvcache *c, int layer, const m40llm_row_op *ops,
-                          int n_ops, const void *k_in, const void *v_in, int dtype,
-                          uint16_t *k_out, uint16_t *v_out) {
+                          int n_ops, const uint8_t *links, int n_chains, const void *k_in,
+                          const void *v_in, int dtype, uint16_t *k_out, uint16_t *v_out) {
   M40LLM_CUDA_ENTER(c->ctx);
   const m40llm_kvcache_options *o = &c->opts;
   TierOps a;
   memcpy(a.op, ops, (size_t)n_ops * sizeof *ops);
+  for (int ch = 0, i = 0; ch < n_chains; i += links[ch++]) a.first[ch] = (uint8_t)i;
+  a.n_chains = n_chains;
   for (int t = 0; t < c->n_tiers; t++) {
     const m40llm_kv_tensor *x[2] = {&c->tier_k[t], &c->tier_v[t]};
     for (int kv = 0; kv < 2; kv++) {
@@ -179,7 +188,7 @@ int m40llm_cuda_tier_rows(const m40llm_kvcache *c, int layer, const m40llm_row_o
   a.rotated[0] = c->k.rotated;
   a.rotated[1] = c->v.rotated;
   a.rot_scale = m40llm_rotation_scale(m40llm_rotation_block(o->head_dim));
-  const int units = n_ops * o->n_kv_heads * 2;
+  const int units = n_chains * o->n_kv_heads * 2;
   tier_rows_kernel<<<(units + kTierWarps - 1) / kTierWarps, kTierThreads, 0,
                      cuda_state(c->ctx)->stream>>>(a);
   M40LLM_CUDA_CHECK_LAUNCH("tier_rows_kernel");

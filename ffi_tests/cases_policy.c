@@ -29,6 +29,7 @@ typedef struct {
   int *len;     /* [layer][seq] */
   int *count;   /* [layer][seq][M40LLM_MAX_TIERS] */
   long long demoted, moved; /* the rule's moves; the caller's (tier_move) */
+  float *same_k, *same_v; /* NULL, or the row that half the appended rows are (equal scores) */
 } mirror;
 
 static size_t at(const mirror *m, int layer, int seq) {
@@ -53,6 +54,8 @@ static int mirror_init(mirror *m, const m40llm_kvcache_options *o) {
 }
 
 static void mirror_free(mirror *m) {
+  free(m->same_k);
+  free(m->same_v);
   free(m->sum);
   free(m->seen);
   free(m->tier);
@@ -109,6 +112,18 @@ static int place(mirror *m, m40llm_kvcache *twin, int layer, int seq, int e) {
   return rc;
 }
 
+/* Rows alike have equal weights, and equal scores where the same calls saw them in the same
+ * tier: the order of equal scores (the earlier position first) decides. */
+static int mirror_same_rows(mirror *m) {
+  const size_t row = (size_t)m->o.n_kv_heads * (size_t)m->o.head_dim;
+  m->same_k = malloc(row * sizeof(float));
+  m->same_v = malloc(row * sizeof(float));
+  if (!m->same_k || !m->same_v) return 0;
+  t_fill_kv_values(m->same_k, (size_t)m->o.n_kv_heads, m->o.head_dim, 0);
+  t_fill_kv_values(m->same_v, (size_t)m->o.n_kv_heads, m->o.head_dim, 1);
+  return 1;
+}
+
 /* One append of counts[i] tokens to each of ids: to the cache in one batched call, to the twin
  * a token at a time, each leaving row's placement by the mirror first (a batch's rows leave in
  * order, each placed before the next, as the twin's single appends place them). */
@@ -123,6 +138,11 @@ static void step_append(m40llm_context *ctx, m40llm_kvcache *c, m40llm_kvcache *
   if (!T_CHECK(k && v)) goto out;
   t_fill_kv_values(k, (size_t)total * heads, d, 0);
   t_fill_kv_values(v, (size_t)total * heads, d, 1);
+  for (int r = 0; r < total && m->same_k; r++)
+    if (t_rand_int(0, 1) == 0) {
+      memcpy(k + (size_t)r * row, m->same_k, row * sizeof(float));
+      memcpy(v + (size_t)r * row, m->same_v, row * sizeof(float));
+    }
   for (int i = 0, r = 0; i < n; i++)
     for (int j = 0; j < counts[i]; j++, r++) {
       const size_t s = at(m, layer, ids[i]);
@@ -304,10 +324,10 @@ static void mirror_fork(mirror *m, int dst, int src) {
 
 /* A cache of these options (placement aside) and its twin, `steps` decode steps of every
  * sequence but the last (the fork's), an observe call every `every` steps. */
-static void run(m40llm_context *ctx, m40llm_kvcache_options o, int steps, int every) {
+static void run(m40llm_context *ctx, m40llm_kvcache_options o, int steps, int every, int ties) {
   t_set_case("placement by importance: %d/%d heads, head_dim %d, %d tiers, sinks %d, window %d, "
-             "observe every %d", o.n_heads, o.n_kv_heads, o.head_dim, o.n_tiers, o.n_sinks,
-             o.window, every);
+             "observe every %d%s", o.n_heads, o.n_kv_heads, o.head_dim, o.n_tiers, o.n_sinks,
+             o.window, every, ties ? ", half the rows alike" : "");
   m40llm_kvcache *c = NULL, *twin = NULL;
   mirror m;
   o.placement = M40LLM_PLACE_IMPORTANCE;
@@ -317,6 +337,7 @@ static void run(m40llm_context *ctx, m40llm_kvcache_options o, int steps, int ev
       (size_t)o.max_seqs * (size_t)o.n_kv_heads * (size_t)o.max_seq_len * sizeof(float);
   float *dimp = t_dev_alloc(ctx, imp_bytes);
   if (!T_CHECK(mirror_init(&m, &o)) || !dimp || !T_OK(m40llm_memset(ctx, dimp, 0, imp_bytes)) ||
+      (ties && !T_CHECK(mirror_same_rows(&m))) ||
       !T_OK(m40llm_kvcache_create(&c, ctx, &o)) || !T_OK(m40llm_kvcache_create(&twin, ctx, &ot)))
     goto out;
   const int n = o.max_seqs - 1;
@@ -335,6 +356,12 @@ static void run(m40llm_context *ctx, m40llm_kvcache_options o, int steps, int ev
     for (int l = 0; l < o.n_layers; l++) {
       step_append(ctx, c, twin, &m, l, ids, counts, n);
       if (step % every == every - 1) observe(ctx, c, twin, &m, l, ids, n, dimp);
+      /* sometimes a second call before the next append, on the first and last ids: its
+       * records replace the first call's, and the copy spans sequences it did not see */
+      if (step % every == every - 1 && t_rand_int(0, 4) == 0) {
+        const int32_t ends[2] = {ids[0], ids[n - 1]};
+        observe(ctx, c, twin, &m, l, ends, 2, dimp);
+      }
       if (t_rand_int(0, 3) == 0) random_move(c, twin, &m, l, ids[t_rand_int(0, n - 1)]);
     }
     if (t_rand_int(0, 9) == 0 || step == steps - 1)
@@ -410,12 +437,16 @@ static void errors(m40llm_context *ctx) {
   m40llm_kvcache_options untiered = o;
   untiered.n_tiers = 0;
   T_FAIL_WITH(m40llm_kvcache_create(&c, ctx, &untiered), M40LLM_ERR_INVALID_ARGUMENT, "n_tiers");
-  /* the sums (layers x seqs x positions) and the scratch (seqs x K/V heads x positions) */
+  /* the accumulators (layers x seqs x positions, a float and a count), the scratch (seqs x K/V
+   * heads x positions) and a record per (layer, seq): 4 tiers' counts, 8 positions and 8 double
+   * scores, the window's first and count, and a double per window row */
   m40llm_kvcache_options plain = o;
   plain.placement = M40LLM_PLACE_FIRST_FREE;
+  const size_t record = 4 * 4 + 4 * 8 * 4 + 4 * 8 * 8 + 2 * 4 + 16 * 8;
   if (T_OK(m40llm_kvcache_bytes_needed(&plain_bytes, &plain)) &&
       T_OK(m40llm_kvcache_bytes_needed(&policy_bytes, &o)))
-    T_CHECK(policy_bytes - plain_bytes == (size_t)(2 * 4 + 4 * 2) * 200 * sizeof(float));
+    T_INT_EQ(policy_bytes - plain_bytes,
+             (size_t)2 * 4 * 200 * 8 + (size_t)4 * 2 * 200 * 4 + (size_t)2 * 4 * record);
   /* version 4 callers: no placement field, the default */
   m40llm_kvcache_options v4 = plain, back;
   v4.version = 4;
@@ -457,6 +488,22 @@ static void errors(m40llm_context *ctx) {
     /* a repeat after a failure is not remembered: the ids' marks are cleared */
     const int32_t fine[2] = {2, 1};
     T_OK(m40llm_kvcache_attn_observe_ex(dout, c, 0, fine, 2, dq, M40LLM_DTYPE_F32, 0.0f));
+    /* CUDA: not in a graph capture (its ranking reaches the host by a copy the host waits
+     * for), refused before anything is queued */
+    m40llm_device_info di = M40LLM_DEVICE_INFO_INIT;
+    if (T_OK(m40llm_context_device_info(&di, ctx)) && di.backend == M40LLM_BACKEND_CUDA &&
+        T_OK(m40llm_memset(ctx, dout, 0x7f, 3 * row * sizeof(float))) &&
+        T_OK(m40llm_graph_capture_begin(ctx))) {
+      T_FAIL_WITH(m40llm_kvcache_attn_observe_ex(dout, c, 0, fine, 2, dq, M40LLM_DTYPE_F32, 0.0f),
+                  M40LLM_ERR_UNSUPPORTED, "graph");
+      m40llm_graph *g = NULL;
+      T_OK(m40llm_graph_capture_end(&g, ctx, NULL));
+      if (g) T_OK(m40llm_graph_launch(g)); /* an empty graph: nothing of the call in it */
+      m40llm_graph_destroy(g);
+      if (t_dev_download(ctx, out, dout, 3 * row * sizeof(float)))
+        T_CHECK(t_all_bytes(out, 3 * row * sizeof(float), 0x7f));
+      T_OK(m40llm_kvcache_attn_observe_ex(dout, c, 0, fine, 2, dq, M40LLM_DTYPE_F32, 0.0f));
+    }
   }
   free(out);
   m40llm_free(ctx, dq);
@@ -468,16 +515,17 @@ void t_cases_policy(m40llm_context *ctx, int small) {
   errors(ctx);
   const int steps = small ? 120 : 300;
   const int len = 2 * steps + 3 * 40 + 8; /* appends of up to 2 tokens on average, the forks' */
-  run(ctx, shape(6, 3, 64, len, 2, 16), steps, 2); /* groups of 2, K/V heads 3 */
-  run(ctx, shape(8, 2, 128, len, 4, 8), steps, 3); /* groups of 4 */
+  run(ctx, shape(6, 3, 64, len, 2, 16), steps, 2, 0); /* groups of 2, K/V heads 3 */
+  run(ctx, shape(6, 3, 64, len, 2, 16), steps, 2, 1);
+  run(ctx, shape(8, 2, 128, len, 4, 8), steps, 3, 0); /* groups of 4 */
   m40llm_kvcache_options gap = shape(9, 3, 64, len, 0, 12);
   gap.tiers[1].rows = 0;             /* passed over */
   gap.tiers[3].rows = gap.max_seq_len; /* room for the rows tier 1 would have held */
-  run(ctx, gap, steps, 1);
+  run(ctx, gap, steps, 1, 0);
   /* observe calls rarer than rows leave a window of 4: rows no call saw (score 0, ties), and
    * placements on orders the last observe call did not reset */
-  run(ctx, shape(6, 3, 64, len, 2, 4), steps, 6);
+  run(ctx, shape(6, 3, 64, len, 2, 4), steps, 6, 0);
   /* rarer still: the lists a truncate or a caller's move made stale are met before a call resets
    * them */
-  run(ctx, shape(4, 2, 64, len, 2, 4), steps, 25);
+  run(ctx, shape(4, 2, 64, len, 2, 4), steps, 25, 1);
 }

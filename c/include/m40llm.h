@@ -67,7 +67,9 @@
  *   (m40llm_context_cuda_stream; the caller's, if it gave one): append, append_batch,
  *   attn_batch, attn_last_token, append_attn and attn_causal, their _ex forms, every K/V
  *   format. They allocate no device memory (after the warm-up below), never wait for the
- *   GPU and read no device memory on the host; the capture records their kernel launches. Not capturable: host copies,
+ *   GPU and read no device memory on the host; the capture records their kernel launches.
+ *   Except: with M40LLM_PLACE_IMPORTANCE, an append may wait for the GPU (see
+ *   m40llm_kvcache_attn_observe_ex), and the observe call is refused. Not capturable: host copies,
  *   m40llm_malloc and m40llm_free, m40llm_context_synchronize, creating or destroying a cache.
  * - A captured call bakes in what the host decided when it was made: the positions an append
  *   writes and the lengths attention reads (its split plan is a kernel argument), the
@@ -398,12 +400,17 @@ typedef enum m40llm_tier_placement {
    * move down, one tier at a time, and only to make room: a row whose importance rises later
    * keeps its tier. Rows appended past the window, never observed, take the first free tier.
    * Tiers of 0 rows are passed over. A row of an equal score does not displace another; of
-   * equal scores the earlier position is the less important. The decisions are the host's: an
-   * append that takes rows out of the window first copies back the sums of its sequences that
-   * an observe call changed (one copy a call, which waits for the stream) and scores them, and
-   * a cascade of k links takes k launches. Measured on an H200 (bench/RESULTS.md, "Placement by
+   * equal scores the earlier position is the less important. The decisions are the host's,
+   * from what the GPU ranks: each observe call finds, on the GPU, every tier's 8 least important
+   * rows of each sequence it saw and the scores of its window's rows, and copies them to the
+   * host behind the stream; the layer's next append waits for that copy (a step later, so
+   * normally done). Where an append could need more of a tier's order than that (more rows
+   * leave than its ranking holds, or it held fewer than 8 rows, or a tier_move, a truncate, a
+   * fork or a row appended past the window made its order unknown), the append first copies
+   * the sequence's sums back (a wait for the stream) and ranks on the host. An append's
+   * cascades run in one launch. Measured on an H200 (bench/RESULTS.md, "Placement by
    * importance"): a decode step of 8 layers x 8 sequences x 8K with observe calls every 4th
-   * step took 2.1x (M40 code) to 2.6x (sm_90) the default placement's time, host-bound. */
+   * step took 1.19x (M40 code) and 1.52x (sm_90) the default placement's time. */
   M40LLM_PLACE_IMPORTANCE = 1
 } m40llm_tier_placement;
 
@@ -463,11 +470,13 @@ typedef struct m40llm_kvcache_options {
   int n_tiers;
   m40llm_kv_tier tiers[M40LLM_MAX_TIERS];
   /* Version 5: m40llm_tier_placement (default M40LLM_PLACE_FIRST_FREE, what version 4 does).
-   * M40LLM_PLACE_IMPORTANCE needs tiers (n_tiers > 0) and holds, besides the tiers, 4 bytes
-   * of backend memory a position for every (layer, sequence) (the importance sums) and
-   * 4 x max_seqs x n_kv_heads x max_seq_len bytes of scratch (one call's weights), counted by
-   * m40llm_kvcache_bytes_needed, and on the host 12 bytes a position for every (layer,
-   * sequence) and 4 x max_seqs x max_seq_len bytes. Other values: M40LLM_ERR_INVALID_ARGUMENT. */
+   * M40LLM_PLACE_IMPORTANCE needs tiers (n_tiers > 0) and holds, besides the tiers, 8 bytes
+   * of backend memory a position for every (layer, sequence) (the importance sums and their
+   * counts), 4 x max_seqs x n_kv_heads x max_seq_len bytes of scratch (one call's weights) and
+   * 408 + 8 x window bytes for every (layer, sequence) (the observe calls' rankings), counted
+   * by m40llm_kvcache_bytes_needed; on the host 8 bytes a position for every (layer,
+   * sequence) and 8 x max_seq_len bytes, and on CUDA the rankings again, in pinned memory.
+   * Other values: M40LLM_ERR_INVALID_ARGUMENT. */
   int placement;
 } m40llm_kvcache_options;
 #define M40LLM_KVCACHE_OPTIONS_INIT                                                     \
@@ -745,13 +754,15 @@ int m40llm_kvcache_attn_importance_ex(void *out, float *importance, size_t impor
  *  policy should see (bench/fidelity measured every 4th step against every 16th: 0.71 against
  *  0.97 of the uniform formats' KL at 2K tokens and 6 bits; the plain call on the others).
  *  The weights are m40llm_kvcache_attn_importance_ex's (decay 0), into the cache's scratch,
- *  then a small kernel adds each position's largest over the K/V heads to its sum: 1.03-1.11x
- *  that call's time on an H200 (bench/RESULTS.md, "Placement by importance"). The next append
- *  of a sequence the call saw that takes a row out of the window first copies the layer's sums
- *  of such sequences to the host (4 bytes a position; on CUDA a copy that waits for the
- *  stream), so such appends cannot be captured in a CUDA graph; the observe call itself can
- *  be, but a graph replay of it is not counted (the count is host state): capture the plain
- *  call. */
+ *  then small kernels add each position's largest over the K/V heads to its sum, count the
+ *  call, and rank each sequence's tiers (M40LLM_PLACE_IMPORTANCE), whose result is copied to
+ *  pinned host memory without a wait (bench/RESULTS.md, "Placement by importance"). On CUDA
+ *  the call cannot be captured in a graph (M40LLM_ERR_UNSUPPORTED before anything is queued:
+ *  the host reads the ranking after the copy): capture the plain call, and make the observe
+ *  calls outside graphs. The next append of a sequence the call saw waits for that copy (one
+ *  wait a layer), and an append that takes rows out of the window may copy a sequence's sums
+ *  back (a wait for the stream) where a tier's ranking is not known (see
+ *  M40LLM_PLACE_IMPORTANCE): do not capture the appends of such a cache. */
 int m40llm_kvcache_attn_observe_ex(void *out, m40llm_kvcache *cache, int layer,
                                    const int32_t *seq_ids, int n_seqs, const void *q, int dtype,
                                    float scale);

@@ -29,7 +29,10 @@ typedef struct m40llm_append_item {
  * query row, updated with decay), one of the two, each stride at least the longest length; or,
  * where the backend's attention_appends says it can, it appends: append_k and append_v hold
  * one [n_kv_heads][head_dim] row a query row, of the call's element type, which the call
- * writes at its sequence's last position (the lengths already count it) before reading it. */
+ * writes at its sequence's last position (the lengths already count it) before reading it.
+ * observe: the call is m40llm_kvcache_attn_observe_ex's (importance into c->imp_scratch), which
+ * a backend with graphs refuses during a capture before it queues anything (its records reach
+ * the host by a copy and an event the host waits for). */
 typedef struct m40llm_attn_export {
   float *weights;
   size_t weights_stride;
@@ -37,6 +40,7 @@ typedef struct m40llm_attn_export {
   size_t importance_stride;
   float decay;
   const void *append_k, *append_v;
+  int observe;
 } m40llm_attn_export;
 
 /* A row op of a tiered cache: where one row (one sequence's position: every K/V head, K and
@@ -55,8 +59,30 @@ typedef struct m40llm_row_op {
   int32_t seq, src, dst, pos;
   int16_t from, to;
 } m40llm_row_op;
-/* Row ops a backend call takes: they travel as a CUDA kernel argument (4 KB on sm_52). */
-#define M40LLM_TIER_OPS 176
+/* Row ops a backend call takes (at most 255: a chain's first op is a byte): they travel, with
+ * their chains' first ops, as a CUDA kernel argument (4 KB on sm_52). */
+#define M40LLM_TIER_OPS 168
+
+/* Importance placement (M40LLM_PLACE_IMPORTANCE). A position's accumulator: the sum of the
+ * weights the observe calls gave it and the number of those calls (its score is sum / calls,
+ * in double, or 0 where calls is 0: m40llm_imp_score). */
+typedef struct m40llm_imp_acc {
+  float sum;
+  int32_t calls;
+} m40llm_imp_acc;
+/* Rows a tier's list of its least important rows holds at most. */
+#define M40LLM_IMP_LOW 8
+/* What an observe call ranks for each (layer, seq) it saw, from the state its stream position
+ * sees: for each tier t < n_tiers, its min(rows held, M40LLM_IMP_LOW) least important rows in
+ * order (score, then position: the less important first), and the scores of the window's
+ * positions win_first .. win_first + win_n - 1 (win_first = m40llm_window_begin, win_n <=
+ * c->window), as doubles after the record (m40llm_imp_window). */
+typedef struct m40llm_imp_record {
+  int32_t n_low[M40LLM_MAX_TIERS];
+  int32_t low_pos[M40LLM_MAX_TIERS][M40LLM_IMP_LOW];
+  double low_score[M40LLM_MAX_TIERS][M40LLM_IMP_LOW];
+  int32_t win_first, win_n;
+} m40llm_imp_record;
 
 typedef struct m40llm_backend_ops {
   int kind; /* m40llm_backend */
@@ -117,21 +143,31 @@ typedef struct m40llm_backend_ops {
                           int window);
   /* Tiered caches (c->n_tiers > 0): the
    * front end (tiers.c) keeps the maps and counts and asks for rows to be written, n_ops
-   * (>= 1, <= M40LLM_TIER_OPS) independent row ops at a time (no op reads what another writes),
-   * on layer `layer`: each op's row, every K/V head of it, K and V, from `from` to `to`
-   * (m40llm_row_op). k_in and v_in: the call's appended rows ([row][kv_head][dim] of element
+   * (>= 1, <= M40LLM_TIER_OPS) row ops at a time, on layer `layer`: each op's row, every K/V
+   * head of it, K and V, from `from` to `to` (m40llm_row_op). The ops come in n_chains chains,
+   * links[i] ops each, in order (the counts sum to n_ops): a chain's ops run one after another
+   * (an op may write what the one before it in its chain read), and no op reads what an op of
+   * another chain writes. k_in and v_in: the call's appended rows ([row][kv_head][dim] of element
    * type dtype) for ops from M40LLM_ROW_INPUT; k_out and v_out (FP16, either may be NULL) for
    * ops to M40LLM_ROW_OUTPUT. n_ops 0 only checks those buffers (CUDA: that the GPU can address
    * them), before the front end changes its maps. */
   int (*tier_rows)(const m40llm_kvcache *c, int layer, const m40llm_row_op *ops, int n_ops,
-                   const void *k_in, const void *v_in, int dtype, uint16_t *k_out,
-                   uint16_t *v_out);
-  /* Importance placement (M40LLM_PLACE_IMPORTANCE): after an observe call's attention wrote
-   * its weights' largest over each K/V head's query heads into c->imp_scratch (row i *
-   * n_kv_heads + g of max_seq_len floats for seq_ids[i]), adds each position's largest over
-   * the K/V heads to c->imp_sum's row of (layer, seq_ids[i]), for positions below its length.
-   * ids distinct and valid. */
+                   const uint8_t *links, int n_chains, const void *k_in, const void *v_in,
+                   int dtype, uint16_t *k_out, uint16_t *v_out);
+  /* Importance placement (M40LLM_PLACE_IMPORTANCE). policy_alloc, after the front end's state
+   * is made: sets c->imp_records, host memory of c->imp_rank's size where the records become
+   * readable, and c->imp_backend, what else the backend needs; policy_free releases them (either
+   * may be NULL: a failed create). tier_observe, after an observe call's attention wrote its
+   * weights' largest over each K/V head's query heads into c->imp_scratch (row i * n_kv_heads
+   * + g of max_seq_len floats for seq_ids[i]): adds each position's largest over the K/V heads
+   * to its accumulator in c->imp_acc's row of (layer, seq_ids[i]) and counts the call, for
+   * positions below its length; then writes the record of each (layer, seq_ids[i]) into
+   * c->imp_rank and starts copying them to c->imp_records, where they are once
+   * tier_observe_wait(c, layer) returns. ids distinct and valid; not during a graph capture. */
+  int (*policy_alloc)(m40llm_kvcache *c);
+  void (*policy_free)(m40llm_kvcache *c);
   int (*tier_observe)(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, int n_seqs);
+  int (*tier_observe_wait)(const m40llm_kvcache *c, int layer);
   /* Graphs of the context's calls (NULL where the backend has none). graph_begin starts a
    * capture of the context's stream; graph_end ends it and puts the captured graph into *exec
    * (an executable graph; NULL for a new one): updated in place where the runtime can

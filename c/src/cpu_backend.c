@@ -193,16 +193,18 @@ static void row_op(const m40llm_kvcache *c, int layer, const m40llm_row_op *op, 
   }
 }
 
-/* Last op first: a call's ops are independent (backend.h), as the GPU, which runs them at once,
- * needs; a list that leaned on their order would then fail the tests here too. */
+/* Last chain first: a call's chains are independent (backend.h), as the GPU, which runs them
+ * at once, needs; a list that leaned on their order would then fail the tests here too. A
+ * chain's ops in order. */
 static int cpu_tier_rows(const m40llm_kvcache *c, int layer, const m40llm_row_op *ops, int n_ops,
-                         const void *k_in, const void *v_in, int dtype, uint16_t *k_out,
-                         uint16_t *v_out) {
-  for (int i = n_ops - 1; i >= 0; i--)
-    for (int h = 0; h < c->opts.n_kv_heads; h++) {
-      row_op(c, layer, &ops[i], 0, h, k_in, dtype, k_out);
-      row_op(c, layer, &ops[i], 1, h, v_in, dtype, v_out);
-    }
+                         const uint8_t *links, int n_chains, const void *k_in, const void *v_in,
+                         int dtype, uint16_t *k_out, uint16_t *v_out) {
+  for (int ch = n_chains - 1, end = n_ops; ch >= 0; end -= links[ch--])
+    for (int i = end - links[ch]; i < end; i++)
+      for (int h = 0; h < c->opts.n_kv_heads; h++) {
+        row_op(c, layer, &ops[i], 0, h, k_in, dtype, k_out);
+        row_op(c, layer, &ops[i], 1, h, v_in, dtype, v_out);
+      }
   return M40LLM_OK;
 }
 
@@ -425,22 +427,80 @@ static int cpu_attention_causal(const m40llm_kvcache *c, int layer,
   return M40LLM_OK;
 }
 
-/* Each position's largest over the K/V heads of the call's weights, added to its sum. */
+/* Calls complete before they return: the records are read where they are written. */
+static int cpu_policy_alloc(m40llm_kvcache *c) {
+  c->imp_records = c->imp_rank;
+  return M40LLM_OK;
+}
+
+static void cpu_policy_free(m40llm_kvcache *c) { c->imp_records = NULL; }
+
+static double imp_score(m40llm_imp_acc a) {
+  return a.calls > 0 ? (double)a.sum / (double)a.calls : 0.0;
+}
+
+/* Less important: the lower score, then the earlier position. */
+static int imp_below(double a, int32_t pa, double b, int32_t pb) {
+  return a < b || (a == b && pa < pb);
+}
+
+/* The record of (layer, seq): each tier's least important rows by insertion, the window's
+ * scores. */
+static void rank(const m40llm_kvcache *c, int layer, int seq) {
+  const m40llm_imp_acc *acc =
+      c->imp_acc + ((size_t)layer * (size_t)c->opts.max_seqs + (size_t)seq) *
+                       (size_t)c->opts.max_seq_len;
+  m40llm_imp_record *r = m40llm_imp_record_at(c, c->imp_rank, layer, seq);
+  for (int t = 0; t < c->n_tiers; t++) {
+    const int count = m40llm_tier_counts(c, layer, seq)[t];
+    const int32_t *map = count > 0 ? m40llm_tier_map_at(c, t, layer, seq) : NULL;
+    int n = 0;
+    for (int s = 0; s < count; s++) {
+      const int32_t p = map[s];
+      const double sc = imp_score(acc[p]);
+      if (n == M40LLM_IMP_LOW && !imp_below(sc, p, r->low_score[t][n - 1], r->low_pos[t][n - 1]))
+        continue;
+      int i = n < M40LLM_IMP_LOW ? n++ : n - 1;
+      for (; i > 0 && imp_below(sc, p, r->low_score[t][i - 1], r->low_pos[t][i - 1]); i--) {
+        r->low_score[t][i] = r->low_score[t][i - 1];
+        r->low_pos[t][i] = r->low_pos[t][i - 1];
+      }
+      r->low_score[t][i] = sc;
+      r->low_pos[t][i] = p;
+    }
+    r->n_low[t] = n;
+  }
+  r->win_first = m40llm_window_begin(c, layer, seq);
+  r->win_n = *m40llm_len_slot(c, layer, seq) - r->win_first;
+  double *win = m40llm_imp_window(r);
+  for (int i = 0; i < r->win_n; i++) win[i] = imp_score(acc[r->win_first + i]);
+}
+
+/* Each position's largest over the K/V heads of the call's weights, added to its sum and
+ * counted; then the sequences' records. */
 static int cpu_tier_observe(const m40llm_kvcache *c, int layer, const int32_t *seq_ids,
                             int n_seqs) {
   const m40llm_kvcache_options *o = &c->opts;
   const size_t len_max = (size_t)o->max_seq_len;
   for (int i = 0; i < n_seqs; i++) {
     const int len = *m40llm_len_slot(c, layer, seq_ids[i]);
-    float *sum = c->imp_sum + ((size_t)layer * (size_t)o->max_seqs + (size_t)seq_ids[i]) * len_max;
+    m40llm_imp_acc *acc =
+        c->imp_acc + ((size_t)layer * (size_t)o->max_seqs + (size_t)seq_ids[i]) * len_max;
     const float *w = c->imp_scratch + (size_t)i * (size_t)o->n_kv_heads * len_max;
     for (int p = 0; p < len; p++) {
       float most = 0.0f;
       for (int g = 0; g < o->n_kv_heads; g++)
         most = w[(size_t)g * len_max + (size_t)p] > most ? w[(size_t)g * len_max + (size_t)p] : most;
-      sum[p] += most;
+      acc[p].sum += most;
+      acc[p].calls++;
     }
+    rank(c, layer, seq_ids[i]);
   }
+  return M40LLM_OK;
+}
+
+static int cpu_tier_observe_wait(const m40llm_kvcache *c, int layer) {
+  (void)c, (void)layer;
   return M40LLM_OK;
 }
 
@@ -467,7 +527,10 @@ const m40llm_backend_ops m40llm_cpu_backend = {
     .attention = cpu_attention,
     .attention_causal = cpu_attention_causal,
     .tier_rows = cpu_tier_rows,
+    .policy_alloc = cpu_policy_alloc,
+    .policy_free = cpu_policy_free,
     .tier_observe = cpu_tier_observe,
+    .tier_observe_wait = cpu_tier_observe_wait,
     .graph_begin = NULL, /* calls complete before they return: nothing to capture */
     .graph_end = NULL,
     .graph_launch = NULL,

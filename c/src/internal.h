@@ -65,28 +65,28 @@ struct m40llm_kvcache {
   int *batch_seen;
   int32_t *batch_ids;
   /* Importance placement (opts.placement == M40LLM_PLACE_IMPORTANCE; tier_policy.c). Backend
-   * memory: each (layer, seq)'s sums of the weights its observe calls gave each position
-   * (imp_sum, [layer][seq][max_seq_len]) and one call's weights (imp_scratch,
-   * [max_seqs][n_kv_heads][max_seq_len], zeroed at create). Host: each row's score as of the
-   * last copy of the sums (imp_host, as imp_sum: the sum over the calls that saw it; valid
-   * where imp_fresh[layer][seq]) and the copy's landing rows (imp_stage, [max_seqs][max_seq_len]),
-   * the observe calls of each
-   * (layer, seq) (imp_calls) and how many of them came before each position was appended
-   * (imp_seen, [layer][seq][pos]); per (layer, seq, tier) its least important rows' positions,
-   * most important last (imp_low, [layer][seq][tier][M40LLM_IMP_LOW]; imp_n_low entries, 0:
-   * not known), the cascade's moves of one round (imp_chain, [max_seqs][M40LLM_MAX_TIERS]; the
-   * items' counts in imp_chain_n), and
-   * the rows the cascade has moved down (imp_demoted). */
-  float *imp_sum, *imp_scratch, *imp_stage;
+   * memory: each (layer, seq)'s accumulators, a position's sum of the weights its observe calls
+   * gave it and their number (imp_acc, [layer][seq][max_seq_len]), one call's weights
+   * (imp_scratch, [max_seqs][n_kv_heads][max_seq_len], zeroed at create), and what the last
+   * observe call of each (layer, seq) ranked (imp_rank, [layer][seq] records of
+   * imp_record_bytes: m40llm_imp_record), which the backend makes readable on the host at
+   * imp_records (its own: pinned on CUDA; imp_backend holds what else it needs, per-layer
+   * events). Host: each row's score where known (imp_host: the window's rows and the lists'
+   * as of the last observe call, every row where imp_full[layer][seq]; 0 for rows appended
+   * since), the landing rows of a full copy of one (layer, seq)'s accumulators (imp_fetch,
+   * [max_seq_len]), which (layer, seq) have a record not yet read (imp_pending) and which
+   * layers' records have landed (imp_landed); per (layer, seq, tier) its least important rows'
+   * positions, most important last (imp_low, [layer][seq][tier][M40LLM_IMP_LOW]; imp_n_low
+   * entries, 0: not known), and the rows the cascade has moved down (imp_demoted). */
+  struct m40llm_imp_acc *imp_acc, *imp_fetch;
+  float *imp_scratch;
+  void *imp_rank, *imp_records, *imp_backend;
+  size_t imp_record_bytes;
   double *imp_host;
-  int32_t *imp_calls, *imp_seen, *imp_low;
-  uint8_t *imp_fresh, *imp_n_low;
-  m40llm_row_op *imp_chain;
-  int32_t *imp_chain_n;
+  int32_t *imp_low;
+  uint8_t *imp_full, *imp_pending, *imp_landed, *imp_n_low;
   int64_t imp_demoted;
 };
-/* Rows a tier's list of its least important rows holds at most. */
-#define M40LLM_IMP_LOW 8
 
 /* The caller's options of any known version as the current version (later fields defaulted);
  * M40LLM_ERR_INVALID_ARGUMENT for NULL or an unknown version. Only reads and converts: the
@@ -154,29 +154,45 @@ int m40llm_tiers_read(m40llm_kvcache *c, uint16_t *k_out, uint16_t *v_out, int l
  * calls do nothing). alloc: the state, backend memory zeroed; free: releases it. */
 int m40llm_policy_alloc(m40llm_kvcache *c);
 void m40llm_policy_free(m40llm_kvcache *c);
-/* Bytes of backend memory the policy's state takes (0 without it), added to *bytes; 0 on
- * overflow. */
-int m40llm_policy_add_bytes(size_t *bytes, const m40llm_kvcache_options *o);
-/* After the backend's observe of checked ids: one more call for each (layer, seq). */
+/* Bytes of backend memory the policy's state takes (0 without it) with a window of `window`
+ * rows, added to *bytes; 0 on overflow. */
+int m40llm_policy_add_bytes(size_t *bytes, const m40llm_kvcache_options *o, int window);
+/* After the backend's observe of checked ids: their records are on their way, their scores
+ * stale. */
 void m40llm_policy_observed(m40llm_kvcache *c, int layer, const int32_t *ids, int n);
+/* Before anything changes or reads (layer, seq)'s placement state: its record, where an
+ * observe call left one, read (a wait for the backend's copy of the layer's records, once per
+ * observe call of the layer). */
+int m40llm_policy_settle(m40llm_kvcache *c, int layer, int seq);
 /* Positions [pos, pos + n) of (layer, seq) appended: they start with no call seen. */
 void m40llm_policy_appended(m40llm_kvcache *c, int layer, int seq, int pos, int n);
 /* (layer, seq) truncated from old_len to new_len, and forked from src to dst, whose length was
- * old_dst_len (after the front end's maps). */
+ * old_dst_len (after the front end's maps; both settled before). */
 int m40llm_policy_truncate(m40llm_kvcache *c, int layer, int seq, int old_len, int new_len);
 int m40llm_policy_fork(m40llm_kvcache *c, int layer, int dst, int src, int old_dst_len);
-/* tier_move changed (layer, seq)'s tiers: what the policy knew of their order is gone. */
+/* (layer, seq)'s tiers changed other than by a placement: what the policy knew of their order
+ * is gone. */
 void m40llm_policy_forget(m40llm_kvcache *c, int layer, int seq);
-/* Ready to place rows of the items whose leaving[i] is set: the sums of those an observe call
- * changed since copied to the host (one copy, which waits for the backend) and scored. */
-int m40llm_policy_ready(m40llm_kvcache *c, int layer, const m40llm_append_item *items, int n,
-                        const int32_t *leaving);
+/* Before an append places `leaving` rows of (layer, seq): every score a placement might read
+ * made known first (a copy of the accumulators, which waits for the stream, where a list could
+ * run out or is not known), so that a failure comes before anything changes. */
+int m40llm_policy_prepare(m40llm_kvcache *c, int layer, int seq, int leaving);
 /* Places position e of (layer, seq), leaving the window, by importance: updates the maps and
- * counts and writes the row ops that do it into chain[0 .. *n), in the order they must run
- * (each op writes the slot the one before it read: one flush each), the last one e's from its
- * FP16 slot. */
+ * counts and writes the row ops that do it into chain[0 .. *n) (at most M40LLM_MAX_TIERS), in
+ * the order they must run (each op writes the slot the one before it read: a chain of
+ * backend.h's tier_rows), the last one e's from its FP16 slot. */
 int m40llm_policy_place(m40llm_kvcache *c, int layer, int seq, int e, m40llm_row_op *chain,
                         int *n);
+
+/* The record of (layer, seq) in a buffer of records (imp_rank or imp_records). */
+static inline m40llm_imp_record *m40llm_imp_record_at(const m40llm_kvcache *c, void *records,
+                                                      int layer, int seq) {
+  return (m40llm_imp_record *)((char *)records +
+                               ((size_t)layer * (size_t)c->opts.max_seqs + (size_t)seq) *
+                                   c->imp_record_bytes);
+}
+/* A record's window scores: win_n doubles after it. */
+static inline double *m40llm_imp_window(m40llm_imp_record *r) { return (double *)(r + 1); }
 
 static inline uint32_t *m40llm_tier_where_of(const m40llm_kvcache *c, int layer, int seq) {
   return c->where +

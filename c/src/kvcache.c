@@ -182,7 +182,7 @@ static int check_options(const m40llm_kvcache_options *o, m40llm_kv_layout *k_la
   for (int i = 0; i < 2; i++)
     if (formats[i] != M40LLM_KV_F16 && !add_protected_bytes(&bytes, o, sinks + window))
       return FAIL(OUT_OF_MEMORY, "cache size overflows size_t");
-  if (!m40llm_policy_add_bytes(&bytes, o)) return FAIL(OUT_OF_MEMORY, "cache size overflows size_t");
+  if (!m40llm_policy_add_bytes(&bytes, o, window)) return FAIL(OUT_OF_MEMORY, "cache size overflows size_t");
   *out_bytes = bytes;
   return M40LLM_OK;
 }
@@ -420,10 +420,14 @@ int m40llm_kvcache_seq_fork(m40llm_kvcache *cache, int dst_seq, int src_seq) {
       (rc = check_seq(cache, "src_seq", src_seq)) != M40LLM_OK)
     return rc;
   if (dst_seq == src_seq) return FAIL(INVALID_ARGUMENT, "dst_seq and src_seq are both %d", dst_seq);
-  if ((rc = m40llm_context_check(cache->ctx)) != M40LLM_OK ||
-      (rc = m40llm_context_result(cache->ctx, cache->ctx->ops->fork(cache, dst_seq, src_seq))) !=
-          M40LLM_OK)
-    return rc;
+  if ((rc = m40llm_context_check(cache->ctx)) != M40LLM_OK) return rc;
+  /* What observe calls left for either sequence is read before the fork replaces dst's */
+  for (int l = 0; l < cache->opts.n_layers; l++)
+    if ((rc = m40llm_policy_settle(cache, l, src_seq)) != M40LLM_OK ||
+        (rc = m40llm_policy_settle(cache, l, dst_seq)) != M40LLM_OK)
+      return rc;
+  rc = m40llm_context_result(cache->ctx, cache->ctx->ops->fork(cache, dst_seq, src_seq));
+  if (rc != M40LLM_OK) return rc;
   for (int l = 0; l < cache->opts.n_layers; l++) {
     const int old_len = *m40llm_len_slot(cache, l, dst_seq);
     *m40llm_len_slot(cache, l, dst_seq) = *m40llm_len_slot(cache, l, src_seq);
@@ -761,7 +765,7 @@ int m40llm_kvcache_attn_batch_ex(void *out, m40llm_kvcache *cache, int layer,
 int m40llm_kvcache_attn_weights_ex(void *out, float *weights, size_t weights_stride,
                                    m40llm_kvcache *cache, int layer, const int32_t *seq_ids,
                                    int n_seqs, const void *q, int dtype, float scale) {
-  const m40llm_attn_export x = {weights, weights_stride, NULL, 0, 0.0f, NULL, NULL};
+  const m40llm_attn_export x = {weights, weights_stride, NULL, 0, 0.0f, NULL, NULL, 0};
   return attn_batch(out, &x, EXPORT_WEIGHTS, cache, layer, seq_ids, n_seqs, q, dtype, scale);
 }
 
@@ -769,7 +773,7 @@ int m40llm_kvcache_attn_importance_ex(void *out, float *importance, size_t impor
                                       float decay, m40llm_kvcache *cache, int layer,
                                       const int32_t *seq_ids, int n_seqs, const void *q,
                                       int dtype, float scale) {
-  const m40llm_attn_export x = {NULL, 0, importance, importance_stride, decay, NULL, NULL};
+  const m40llm_attn_export x = {NULL, 0, importance, importance_stride, decay, NULL, NULL, 0};
   return attn_batch(out, &x, EXPORT_IMPORTANCE, cache, layer, seq_ids, n_seqs, q, dtype, scale);
 }
 
@@ -779,7 +783,7 @@ int m40llm_kvcache_attn_observe_ex(void *out, m40llm_kvcache *cache, int layer,
   if (!cache) return FAIL(INVALID_ARGUMENT, "cache is NULL");
   /* decay 0: the scratch rows hold this call's weights alone */
   const m40llm_attn_export x = {NULL, 0, cache->imp_scratch, (size_t)cache->opts.max_seq_len,
-                                0.0f, NULL, NULL};
+                                0.0f, NULL, NULL, 1};
   return attn_batch(out, &x, EXPORT_OBSERVE, cache, layer, seq_ids, n_seqs, q, dtype, scale);
 }
 
@@ -836,7 +840,7 @@ int m40llm_kvcache_append_attn_ex(void *out, m40llm_kvcache *cache, int layer,
     /* One backend call writes the rows and attends: it sees the lengths that count them. A
      * failure leaves the lengths as they were (a row written past them is not there). */
     for (int i = 0; i < n_items; i++) *m40llm_len_slot(cache, layer, cache->batch[i].seq) += 1;
-    const m40llm_attn_export x = {NULL, 0, NULL, 0, 0.0f, k, v};
+    const m40llm_attn_export x = {NULL, 0, NULL, 0, 0.0f, k, v, 0};
     rc = m40llm_context_result(cache->ctx, ops->attention(cache, layer, cache->batch_ids,
                                                           n_items, q, out, dtype, scale, &x));
     for (int i = 0; i < n_items; i++) *m40llm_len_slot(cache, layer, cache->batch[i].seq) -= 1;

@@ -1,12 +1,15 @@
 /* Importance placement (M40LLM_PLACE_IMPORTANCE): where a tiered cache puts a row leaving the
  * window, by the attention its observe calls gave it (bench/fidelity/results/buckets.md is the
  * study this rule comes from; bench/fidelity/lib_tiers.py ran it through the public calls).
- * The sums live in backend memory, where the observe calls' kernels add to them; the
- * decisions are the host's, as all of a tiered cache's bookkeeping is (tiers.c), so the sums of
- * a (layer, seq) are copied back before its first placement after an observe call. A victim is
- * a tier's least important row: each (layer, seq, tier) keeps its M40LLM_IMP_LOW least
- * important rows in order, rebuilt by a scan of the tier when it runs out or when the scores
- * change, so that a decode step's placement does not scan every row of every tier. */
+ * The accumulators live in backend memory, where the observe calls' kernels add to them; the
+ * decisions are the host's, as all of a tiered cache's bookkeeping is (tiers.c). A victim is a
+ * tier's least important row: each (layer, seq, tier) keeps its M40LLM_IMP_LOW least
+ * important rows in order. An observe call ranks them on the backend, with the scores of the
+ * window's rows (the rows that can leave next), and its copy to the host lands while the GPU
+ * goes on: the host waits for it at the layer's next append, a step later, not at the call.
+ * A list that runs out (more rows demoted from a tier than it held) or that a move, a
+ * truncate or a row appended straight into a tier made stale is rebuilt on the host from a
+ * full copy of the (layer, seq)'s accumulators, which waits for the stream. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -24,15 +27,24 @@ static size_t row_of(const m40llm_kvcache *c, int layer, int seq) {
   return seq_index(c, layer, seq) * (size_t)c->opts.max_seq_len;
 }
 
-int m40llm_policy_add_bytes(size_t *bytes, const m40llm_kvcache_options *o) {
+static size_t record_bytes(int window) {
+  return sizeof(m40llm_imp_record) + (size_t)window * sizeof(double);
+}
+
+int m40llm_policy_add_bytes(size_t *bytes, const m40llm_kvcache_options *o, int window) {
   if (o->placement != M40LLM_PLACE_IMPORTANCE) return 1;
-  const size_t len = (size_t)o->max_seq_len * sizeof(float);
-  const size_t sums = (size_t)o->n_layers * (size_t)o->max_seqs;
+  const size_t len = (size_t)o->max_seq_len;
+  const size_t seqs = (size_t)o->n_layers * (size_t)o->max_seqs;
   const size_t scratch = (size_t)o->max_seqs * (size_t)o->n_kv_heads;
-  if (sums > SIZE_MAX / len || scratch > SIZE_MAX / len || sums * len > SIZE_MAX - scratch * len ||
-      *bytes > SIZE_MAX - sums * len - scratch * len)
+  const size_t acc = sizeof(m40llm_imp_acc), rec = record_bytes(window);
+  if (seqs > SIZE_MAX / len / acc || scratch > SIZE_MAX / len / sizeof(float) ||
+      seqs > SIZE_MAX / rec)
     return 0;
-  *bytes += sums * len + scratch * len;
+  const size_t parts[3] = {seqs * len * acc, scratch * len * sizeof(float), seqs * rec};
+  for (int i = 0; i < 3; i++) {
+    if (*bytes > SIZE_MAX - parts[i]) return 0;
+    *bytes += parts[i];
+  }
   return 1;
 }
 
@@ -42,40 +54,40 @@ int m40llm_policy_alloc(m40llm_kvcache *c) {
   const size_t seqs = (size_t)o->n_layers * (size_t)o->max_seqs;
   const size_t positions = seqs * (size_t)o->max_seq_len;
   const size_t scratch = (size_t)o->max_seqs * (size_t)o->n_kv_heads * (size_t)o->max_seq_len;
+  c->imp_record_bytes = record_bytes(c->window);
   c->imp_host = m40llm_host_calloc(positions, sizeof *c->imp_host);
-  c->imp_stage = m40llm_host_calloc((size_t)o->max_seqs * (size_t)o->max_seq_len,
-                                    sizeof *c->imp_stage);
-  c->imp_seen = m40llm_host_calloc(positions, sizeof *c->imp_seen);
-  c->imp_calls = m40llm_host_calloc(seqs, sizeof *c->imp_calls);
-  c->imp_fresh = m40llm_host_calloc(seqs, sizeof *c->imp_fresh);
+  c->imp_fetch = m40llm_host_calloc((size_t)o->max_seq_len, sizeof *c->imp_fetch);
+  c->imp_full = m40llm_host_calloc(seqs, sizeof *c->imp_full);
+  c->imp_pending = m40llm_host_calloc(seqs, sizeof *c->imp_pending);
+  c->imp_landed = m40llm_host_calloc((size_t)o->n_layers, sizeof *c->imp_landed);
   c->imp_low = m40llm_host_calloc(seqs * M40LLM_MAX_TIERS * M40LLM_IMP_LOW, sizeof *c->imp_low);
   c->imp_n_low = m40llm_host_calloc(seqs * M40LLM_MAX_TIERS, sizeof *c->imp_n_low);
-  c->imp_chain = m40llm_host_calloc((size_t)o->max_seqs * M40LLM_MAX_TIERS, sizeof *c->imp_chain);
-  c->imp_chain_n = m40llm_host_calloc((size_t)o->max_seqs, sizeof *c->imp_chain_n);
-  if (!c->imp_host || !c->imp_stage || !c->imp_seen || !c->imp_calls || !c->imp_fresh || !c->imp_low ||
-      !c->imp_n_low || !c->imp_chain || !c->imp_chain_n)
+  if (!c->imp_host || !c->imp_fetch || !c->imp_full || !c->imp_pending || !c->imp_landed ||
+      !c->imp_low || !c->imp_n_low)
     return FAIL(OUT_OF_MEMORY, "allocating the importance placement's host state");
-  memset(c->imp_fresh, 1, seqs); /* the sums start at 0 on both sides */
-  int rc = m40llm_malloc((void **)&c->imp_sum, c->ctx, positions * sizeof(float));
+  memset(c->imp_full, 1, seqs); /* every score is 0 on both sides */
+  int rc = m40llm_malloc((void **)&c->imp_acc, c->ctx, positions * sizeof(m40llm_imp_acc));
   if (rc == M40LLM_OK) rc = m40llm_malloc((void **)&c->imp_scratch, c->ctx, scratch * sizeof(float));
-  if (rc == M40LLM_OK) rc = m40llm_memset(c->ctx, c->imp_sum, 0, positions * sizeof(float));
+  if (rc == M40LLM_OK) rc = m40llm_malloc(&c->imp_rank, c->ctx, seqs * c->imp_record_bytes);
+  if (rc == M40LLM_OK) rc = m40llm_memset(c->ctx, c->imp_acc, 0, positions * sizeof(m40llm_imp_acc));
   /* decay 0 still reads the old value (0 x NaN would be NaN) */
   if (rc == M40LLM_OK) rc = m40llm_memset(c->ctx, c->imp_scratch, 0, scratch * sizeof(float));
+  if (rc == M40LLM_OK) rc = m40llm_context_result(c->ctx, c->ctx->ops->policy_alloc(c));
   return rc;
 }
 
 void m40llm_policy_free(m40llm_kvcache *c) {
-  m40llm_free(c->ctx, c->imp_sum);
+  if (c->ctx->ops->policy_free) c->ctx->ops->policy_free(c);
+  m40llm_free(c->ctx, c->imp_acc);
   m40llm_free(c->ctx, c->imp_scratch);
+  m40llm_free(c->ctx, c->imp_rank);
   free(c->imp_host);
-  free(c->imp_stage);
-  free(c->imp_seen);
-  free(c->imp_calls);
-  free(c->imp_fresh);
+  free(c->imp_fetch);
+  free(c->imp_full);
+  free(c->imp_pending);
+  free(c->imp_landed);
   free(c->imp_low);
   free(c->imp_n_low);
-  free(c->imp_chain);
-  free(c->imp_chain_n);
 }
 
 void m40llm_policy_forget(m40llm_kvcache *c, int layer, int seq) {
@@ -84,99 +96,13 @@ void m40llm_policy_forget(m40llm_kvcache *c, int layer, int seq) {
 }
 
 void m40llm_policy_observed(m40llm_kvcache *c, int layer, const int32_t *ids, int n) {
+  c->imp_landed[layer] = 0;
   for (int i = 0; i < n; i++) {
     const size_t s = seq_index(c, layer, ids[i]);
-    c->imp_calls[s]++;
-    c->imp_fresh[s] = 0;
-    m40llm_policy_forget(c, layer, ids[i]);
+    c->imp_pending[s] = 1;
+    c->imp_full[s] = 0;
   }
 }
-
-void m40llm_policy_appended(m40llm_kvcache *c, int layer, int seq, int pos, int n) {
-  if (!on(c)) return;
-  const int32_t calls = c->imp_calls[seq_index(c, layer, seq)];
-  int32_t *seen = &c->imp_seen[row_of(c, layer, seq)];
-  double *score = &c->imp_host[row_of(c, layer, seq)];
-  for (int p = pos; p < pos + n; p++) seen[p] = calls, score[p] = 0.0; /* no call saw it */
-}
-
-int m40llm_policy_truncate(m40llm_kvcache *c, int layer, int seq, int old_len, int new_len) {
-  if (!on(c) || old_len <= new_len) return M40LLM_OK;
-  /* Positions appended again start from 0. */
-  const size_t row = row_of(c, layer, seq);
-  memset(&c->imp_host[row + (size_t)new_len], 0, (size_t)(old_len - new_len) * sizeof(double));
-  m40llm_policy_forget(c, layer, seq);
-  return m40llm_memset(c->ctx, &c->imp_sum[row + (size_t)new_len], 0,
-                       (size_t)(old_len - new_len) * sizeof(float));
-}
-
-int m40llm_policy_fork(m40llm_kvcache *c, int layer, int dst, int src, int old_dst_len) {
-  if (!on(c)) return M40LLM_OK;
-  const size_t d = seq_index(c, layer, dst), s = seq_index(c, layer, src);
-  const size_t len = (size_t)*m40llm_len_slot(c, layer, src);
-  const size_t max_len = (size_t)c->opts.max_seq_len;
-  memcpy(&c->imp_host[d * max_len], &c->imp_host[s * max_len], len * sizeof(double));
-  memcpy(&c->imp_seen[d * max_len], &c->imp_seen[s * max_len], len * sizeof(int32_t));
-  c->imp_calls[d] = c->imp_calls[s];
-  c->imp_fresh[d] = c->imp_fresh[s];
-  m40llm_policy_forget(c, layer, dst);
-  int rc = len == 0 ? M40LLM_OK
-                    : m40llm_memcpy_device(c->ctx, &c->imp_sum[d * max_len],
-                                           &c->imp_sum[s * max_len], len * sizeof(float));
-  /* dst's own positions past src's length: appended again, they start from 0 */
-  if (rc == M40LLM_OK && (size_t)old_dst_len > len) {
-    memset(&c->imp_host[d * max_len + len], 0, ((size_t)old_dst_len - len) * sizeof(double));
-    rc = m40llm_memset(c->ctx, &c->imp_sum[d * max_len + len], 0,
-                       ((size_t)old_dst_len - len) * sizeof(float));
-  }
-  return rc;
-}
-
-int m40llm_policy_ready(m40llm_kvcache *c, int layer, const m40llm_append_item *items, int n,
-                        const int32_t *leaving) {
-  int lo = c->opts.max_seqs, hi = -1;
-  for (int i = 0; i < n; i++)
-    if (leaving[i] && !c->imp_fresh[seq_index(c, layer, items[i].seq)]) {
-      lo = items[i].seq < lo ? items[i].seq : lo;
-      hi = items[i].seq > hi ? items[i].seq : hi;
-    }
-  if (hi < 0) return M40LLM_OK;
-  /* One copy for the layer's rows lo..hi (a wait for the backend each, so not one a row). */
-  const size_t max_len = (size_t)c->opts.max_seq_len;
-  const size_t n_floats = (size_t)(hi - lo) * max_len + (size_t)*m40llm_len_slot(c, layer, hi);
-  const int rc = n_floats == 0 ? M40LLM_OK
-                               : m40llm_memcpy_to_host(c->ctx, c->imp_stage,
-                                                       &c->imp_sum[row_of(c, layer, lo)],
-                                                       n_floats * sizeof(float));
-  if (rc != M40LLM_OK) return rc;
-  for (int seq = lo; seq <= hi; seq++) {
-    const size_t s = seq_index(c, layer, seq);
-    const float *sum = &c->imp_stage[(size_t)(seq - lo) * max_len];
-    const int32_t *seen = &c->imp_seen[s * max_len];
-    double *score = &c->imp_host[s * max_len];
-    for (int p = 0; p < *m40llm_len_slot(c, layer, seq); p++) {
-      const int32_t calls = c->imp_calls[s] - seen[p];
-      score[p] = calls > 0 ? (double)sum[p] / (double)calls : 0.0;
-    }
-    c->imp_fresh[s] = 1;
-  }
-  return M40LLM_OK;
-}
-
-/* A row's importance (its sum over the observe calls that saw it, over their number: imp_host
- * since the last copy), and its position. */
-typedef struct {
-  double score;
-  int pos;
-} key;
-
-static key key_of(const m40llm_kvcache *c, int layer, int seq, int pos) {
-  const key k = {c->imp_host[row_of(c, layer, seq) + (size_t)pos], pos};
-  return k;
-}
-
-/* Less important; ties by position, the earlier first. */
-static int below(key a, key b) { return a.score < b.score || (a.score == b.score && a.pos < b.pos); }
 
 /* The least important rows of tier t of (layer, seq): n entries, most important last. */
 typedef struct {
@@ -189,6 +115,98 @@ static low_list low_of(const m40llm_kvcache *c, int layer, int seq, int t) {
   const low_list l = {&c->imp_low[i * M40LLM_IMP_LOW], &c->imp_n_low[i]};
   return l;
 }
+
+int m40llm_policy_settle(m40llm_kvcache *c, int layer, int seq) {
+  if (!on(c) || !c->imp_pending[seq_index(c, layer, seq)]) return M40LLM_OK;
+  if (!c->imp_landed[layer]) {
+    const int rc = m40llm_context_result(c->ctx, c->ctx->ops->tier_observe_wait(c, layer));
+    if (rc != M40LLM_OK) return rc;
+    c->imp_landed[layer] = 1;
+  }
+  m40llm_imp_record *r = m40llm_imp_record_at(c, c->imp_records, layer, seq);
+  double *score = &c->imp_host[row_of(c, layer, seq)];
+  for (int t = 0; t < c->n_tiers; t++) {
+    const low_list l = low_of(c, layer, seq, t);
+    *l.n = (uint8_t)r->n_low[t];
+    for (int i = 0; i < r->n_low[t]; i++) {
+      l.pos[i] = r->low_pos[t][i];
+      score[l.pos[i]] = r->low_score[t][i];
+    }
+  }
+  const double *win = m40llm_imp_window(r);
+  for (int i = 0; i < r->win_n; i++) score[r->win_first + i] = win[i];
+  c->imp_pending[seq_index(c, layer, seq)] = 0;
+  return M40LLM_OK;
+}
+
+void m40llm_policy_appended(m40llm_kvcache *c, int layer, int seq, int pos, int n) {
+  if (!on(c)) return;
+  double *score = &c->imp_host[row_of(c, layer, seq)];
+  for (int p = pos; p < pos + n; p++) score[p] = 0.0; /* no call saw it */
+}
+
+int m40llm_policy_truncate(m40llm_kvcache *c, int layer, int seq, int old_len, int new_len) {
+  if (!on(c) || old_len <= new_len) return M40LLM_OK;
+  /* Positions appended again start from 0. */
+  const size_t row = row_of(c, layer, seq);
+  memset(&c->imp_host[row + (size_t)new_len], 0, (size_t)(old_len - new_len) * sizeof(double));
+  m40llm_policy_forget(c, layer, seq);
+  return m40llm_memset(c->ctx, &c->imp_acc[row + (size_t)new_len], 0,
+                       (size_t)(old_len - new_len) * sizeof(m40llm_imp_acc));
+}
+
+int m40llm_policy_fork(m40llm_kvcache *c, int layer, int dst, int src, int old_dst_len) {
+  if (!on(c)) return M40LLM_OK;
+  const size_t d = seq_index(c, layer, dst), s = seq_index(c, layer, src);
+  const size_t len = (size_t)*m40llm_len_slot(c, layer, src);
+  const size_t max_len = (size_t)c->opts.max_seq_len;
+  memcpy(&c->imp_host[d * max_len], &c->imp_host[s * max_len], len * sizeof(double));
+  c->imp_full[d] = c->imp_full[s];
+  m40llm_policy_forget(c, layer, dst);
+  int rc = len == 0 ? M40LLM_OK
+                    : m40llm_memcpy_device(c->ctx, &c->imp_acc[d * max_len],
+                                           &c->imp_acc[s * max_len], len * sizeof(m40llm_imp_acc));
+  /* dst's own positions past src's length: appended again, they start from 0 */
+  if (rc == M40LLM_OK && (size_t)old_dst_len > len) {
+    memset(&c->imp_host[d * max_len + len], 0, ((size_t)old_dst_len - len) * sizeof(double));
+    rc = m40llm_memset(c->ctx, &c->imp_acc[d * max_len + len], 0,
+                       ((size_t)old_dst_len - len) * sizeof(m40llm_imp_acc));
+  }
+  return rc;
+}
+
+/* Every row's score of (layer, seq) from a copy of its accumulators (which waits for the
+ * stream): for a list to be rebuilt by a scan. */
+static int fetch_all(m40llm_kvcache *c, int layer, int seq) {
+  const size_t s = seq_index(c, layer, seq);
+  if (c->imp_full[s]) return M40LLM_OK;
+  const int len = *m40llm_len_slot(c, layer, seq);
+  const int rc = m40llm_memcpy_to_host(c->ctx, c->imp_fetch, &c->imp_acc[row_of(c, layer, seq)],
+                                       (size_t)len * sizeof(m40llm_imp_acc));
+  if (rc != M40LLM_OK) return rc;
+  double *score = &c->imp_host[row_of(c, layer, seq)];
+  for (int p = 0; p < len; p++)
+    score[p] = c->imp_fetch[p].calls > 0
+                   ? (double)c->imp_fetch[p].sum / (double)c->imp_fetch[p].calls
+                   : 0.0;
+  c->imp_full[s] = 1;
+  return M40LLM_OK;
+}
+
+/* A row's importance (its sum over the observe calls that saw it, over their number: imp_host),
+ * and its position. */
+typedef struct {
+  double score;
+  int pos;
+} key;
+
+static key key_of(const m40llm_kvcache *c, int layer, int seq, int pos) {
+  const key k = {c->imp_host[row_of(c, layer, seq) + (size_t)pos], pos};
+  return k;
+}
+
+/* Less important; ties by position, the earlier first. */
+static int below(key a, key b) { return a.score < b.score || (a.score == b.score && a.pos < b.pos); }
 
 /* Puts pos into the list in order if it is among the rows the list must hold: below its last
  * entry, or anywhere while the list holds every row of the tier. The list stays the tier's n
@@ -206,15 +224,31 @@ static void low_insert(const m40llm_kvcache *c, int layer, int seq, low_list l, 
   *l.n = (uint8_t)(n + 1);
 }
 
-/* The least important row of tier t (which holds rows): its list, rebuilt when empty. */
-static int lowest(const m40llm_kvcache *c, int layer, int seq, int t) {
+int m40llm_policy_prepare(m40llm_kvcache *c, int layer, int seq, int leaving) {
+  if (c->imp_full[seq_index(c, layer, seq)]) return M40LLM_OK;
+  const int32_t *count = m40llm_tier_counts(c, layer, seq);
+  /* A placement pops at most one entry of a tier's list and an insertion never shortens it, so
+   * a list of `leaving` entries or more lasts; only a tier that is or may become full is read. */
+  for (int t = 0; t < c->n_tiers; t++)
+    if (c->opts.tiers[t].rows > 0 && count[t] + leaving >= c->opts.tiers[t].rows &&
+        *low_of(c, layer, seq, t).n < leaving)
+      return fetch_all(c, layer, seq);
+  return M40LLM_OK;
+}
+
+/* The least important row of tier t (which holds rows) into *pos: its list's first, the list
+ * rebuilt by a scan of the tier when empty (after m40llm_policy_prepare, without a copy). */
+static int lowest(m40llm_kvcache *c, int layer, int seq, int t, int *pos) {
   low_list l = low_of(c, layer, seq, t);
   if (*l.n == 0) {
+    const int rc = fetch_all(c, layer, seq);
+    if (rc != M40LLM_OK) return rc;
     const int32_t *map = m40llm_tier_slot_pos(c, t, layer, seq);
     const int count = m40llm_tier_counts(c, layer, seq)[t];
     for (int s = 0; s < count; s++) low_insert(c, layer, seq, l, map[s], *l.n < M40LLM_IMP_LOW);
   }
-  return l.pos[0];
+  *pos = l.pos[0];
+  return M40LLM_OK;
 }
 
 static void low_pop(const m40llm_kvcache *c, int layer, int seq, int t) {
@@ -232,25 +266,30 @@ int m40llm_policy_place(m40llm_kvcache *c, int layer, int seq, int e, m40llm_row
   for (int t = 0; t < c->n_tiers; t++)
     if (c->opts.tiers[t].rows > 0) use[n_use++] = t;
   const key ke = key_of(c, layer, seq, e);
-  int dest = -1, free_at = -1;
+  int dest = -1, free_at = -1, v, rc;
   for (int u = 0; u < n_use && dest < 0; u++) {
     const int t = use[u];
-    if (count[t] < c->opts.tiers[t].rows)
+    if (count[t] < c->opts.tiers[t].rows) {
       dest = free_at = u;
-    else if (key_of(c, layer, seq, lowest(c, layer, seq, t)).score < ke.score)
-      dest = u;
+    } else {
+      if ((rc = lowest(c, layer, seq, t, &v)) != M40LLM_OK) return rc;
+      if (key_of(c, layer, seq, v).score < ke.score) dest = u;
+    }
   }
   for (int u = dest; u >= 0 && u < n_use && free_at < 0; u++)
     if (count[use[u]] < c->opts.tiers[use[u]].rows) free_at = u;
   if (dest < 0 || free_at < 0) /* the create check makes room for every row that can leave */
     return FAIL(CAPACITY, "no tier of layer %d seq %d has room for position %d", layer, seq, e);
   /* Bottom up: the lowest row of each full tier from free_at - 1 to dest one tier down, into
-   * the free row, then each into the slot the one below it left; e into dest's. */
+   * the free row, then each into the slot the one below it left; e into dest's. A failure
+   * (a list rebuilt from a copy that failed) comes before anything changes. */
+  for (int u = free_at - 1; u >= dest; u--)
+    if ((rc = lowest(c, layer, seq, use[u], &v)) != M40LLM_OK) return rc;
   int slot = count[use[free_at]]++;
   *n = 0;
   for (int u = free_at - 1; u >= dest; u--) {
     const int from = use[u], to = use[u + 1];
-    const int v = lowest(c, layer, seq, from);
+    (void)lowest(c, layer, seq, from, &v); /* known: each tier's list is only popped once */
     const int v_slot = m40llm_where_slot(where[v]);
     low_pop(c, layer, seq, from);
     const m40llm_row_op op = {seq, v_slot, slot, v, (int16_t)from, (int16_t)to};

@@ -2,9 +2,10 @@
  * each quantized row, kept on the host, and the row ops that make the backend's tiers follow.
  * Every change is computed here in host order, so the counts and maps always say what the
  * stream will have done; a backend only writes rows (ops->tier_rows). Ops handed over in one
- * call never touch what another op of the call reads: a change that needs an order (rows
- * leaving the window before new rows take their FP16 slots; rows leaving a tier before its
- * last rows fill the holes) is made in phases, each flushed before the next. */
+ * call never touch what another op of the call reads, except the links of one chain, which
+ * run in order (an importance placement's cascade): a change that needs an order across rows
+ * of several ops (rows leaving the window before new rows take their FP16 slots; rows leaving
+ * a tier before its last rows fill the holes) is made in phases, each flushed before the next. */
 #include <string.h>
 
 #include "internal.h"
@@ -15,20 +16,35 @@ typedef struct {
   const void *k_in, *v_in;
   int dtype;
   uint16_t *k_out, *v_out;
+  int n_chains;
+  uint8_t links[M40LLM_TIER_OPS]; /* each chain's ops (backend.h) */
 } op_list;
 
 static int flush(op_list *l) {
   if (l->n == 0) return M40LLM_OK;
-  const int n = l->n;
-  l->n = 0;
-  return m40llm_context_result(l->c->ctx, l->c->ctx->ops->tier_rows(l->c, l->layer, l->c->ops, n,
-                                                                    l->k_in, l->v_in, l->dtype,
-                                                                    l->k_out, l->v_out));
+  const int n = l->n, chains = l->n_chains;
+  l->n = l->n_chains = 0;
+  return m40llm_context_result(
+      l->c->ctx, l->c->ctx->ops->tier_rows(l->c, l->layer, l->c->ops, n, l->links, chains,
+                                           l->k_in, l->v_in, l->dtype, l->k_out, l->v_out));
 }
 
+/* An op on its own: a chain of one. */
 static int push_op(op_list *l, m40llm_row_op op) {
   l->c->ops[l->n++] = op;
+  l->links[l->n_chains++] = 1;
   return l->n == M40LLM_TIER_OPS ? flush(l) : M40LLM_OK;
+}
+
+/* The next link of the chain `open` (0: the op starts a chain): a chain cut by a full list
+ * goes on as a new chain of the next call, which runs after this one. */
+static int push_link(op_list *l, m40llm_row_op op, int open) {
+  if (open && l->n > 0) {
+    l->c->ops[l->n++] = op;
+    l->links[l->n_chains - 1]++;
+    return l->n == M40LLM_TIER_OPS ? flush(l) : M40LLM_OK;
+  }
+  return push_op(l, op);
 }
 
 /* pos: the row's position (written into the tier's map where `to` is a tier). */
@@ -77,9 +93,9 @@ static int compact(op_list *l, int layer, int seq, int t, int freed) {
 
 /* The backend's check of a call's buffers, before any map changes. */
 static int check_buffers(const op_list *l) {
-  return m40llm_context_result(l->c->ctx, l->c->ctx->ops->tier_rows(l->c, l->layer, l->c->ops, 0,
-                                                                    l->k_in, l->v_in, l->dtype,
-                                                                    l->k_out, l->v_out));
+  return m40llm_context_result(
+      l->c->ctx, l->c->ctx->ops->tier_rows(l->c, l->layer, l->c->ops, 0, NULL, 0, l->k_in,
+                                           l->v_in, l->dtype, l->k_out, l->v_out));
 }
 
 /* The positions [*first, *end) of an item that its append takes out of the window; the
@@ -93,35 +109,25 @@ static void leaving(const m40llm_kvcache *c, int layer, const m40llm_append_item
   *end = *q_end < it->pos ? *q_end : it->pos;
 }
 
-/* Rows leaving the window placed by importance, in rounds: each round places every item's
- * next leaving row, and the k-th ops of the rounds' chains run together, a flush each (an op
- * writes the slot the one before it in its chain read). */
+/* Rows leaving the window placed by importance: each item's placements, in order, one chain
+ * (each op writes the slot the one before it in its chain read, and the next row's placement
+ * reads what the last one wrote); the items' chains run side by side. */
 static int place_by_importance(op_list *l, const m40llm_append_item *items, int n_items) {
   m40llm_kvcache *c = l->c;
-  for (int i = 0; i < n_items; i++) { /* the items whose append takes rows out of the window */
+  int rc = M40LLM_OK;
+  for (int i = 0; i < n_items && rc == M40LLM_OK; i++) {
     int first, end, q_end;
     leaving(c, l->layer, &items[i], &first, &end, &q_end);
-    c->imp_chain_n[i] = first < end;
+    if (first < end) rc = m40llm_policy_prepare(c, l->layer, items[i].seq, end - first);
   }
-  int rc = m40llm_policy_ready(c, l->layer, items, n_items, c->imp_chain_n);
-  for (int r = 0, more = 1; more && rc == M40LLM_OK; r++) {
-    more = 0;
-    int longest = 0;
-    for (int i = 0; i < n_items && rc == M40LLM_OK; i++) {
-      int first, end, q_end;
-      leaving(c, l->layer, &items[i], &first, &end, &q_end);
-      c->imp_chain_n[i] = 0;
-      if (first + r >= end) continue;
-      more = 1;
-      rc = m40llm_policy_place(c, l->layer, items[i].seq, first + r,
-                               &c->imp_chain[(size_t)i * M40LLM_MAX_TIERS], &c->imp_chain_n[i]);
-      if (c->imp_chain_n[i] > longest) longest = c->imp_chain_n[i];
-    }
-    for (int k = 0; k < longest && rc == M40LLM_OK; k++) {
-      for (int i = 0; i < n_items && rc == M40LLM_OK; i++)
-        if (c->imp_chain_n[i] > k)
-          rc = push_op(l, c->imp_chain[(size_t)i * M40LLM_MAX_TIERS + (size_t)k]);
-      if (rc == M40LLM_OK) rc = flush(l);
+  m40llm_row_op chain[M40LLM_MAX_TIERS];
+  for (int i = 0; i < n_items && rc == M40LLM_OK; i++) {
+    int first, end, q_end, open = 0;
+    leaving(c, l->layer, &items[i], &first, &end, &q_end);
+    for (int e = first; e < end && rc == M40LLM_OK; e++) {
+      int n = 0;
+      rc = m40llm_policy_place(c, l->layer, items[i].seq, e, chain, &n);
+      for (int k = 0; k < n && rc == M40LLM_OK; k++, open = 1) rc = push_link(l, chain[k], open);
     }
   }
   return rc;
@@ -129,8 +135,10 @@ static int place_by_importance(op_list *l, const m40llm_append_item *items, int 
 
 int m40llm_tiers_append(m40llm_kvcache *c, int layer, const m40llm_append_item *items,
                         int n_items, const void *k, const void *v, int dtype) {
-  op_list l = {c, layer, 0, k, v, dtype, NULL, NULL};
+  op_list l = {c, layer, 0, k, v, dtype, NULL, NULL, 0, {0}};
   int rc = check_buffers(&l);
+  for (int i = 0; i < n_items && rc == M40LLM_OK; i++)
+    rc = m40llm_policy_settle(c, layer, items[i].seq);
   /* The rows that leave the window, from their FP16 slots, before anything overwrites them. */
   if (c->opts.placement == M40LLM_PLACE_IMPORTANCE) {
     if (rc == M40LLM_OK) rc = place_by_importance(&l, items, n_items);
@@ -176,13 +184,14 @@ int m40llm_tiers_move(m40llm_kvcache *c, int layer, int seq, int begin, int end,
   if (end > q_end) end = q_end;
   int moving = 0, freed[M40LLM_MAX_TIERS] = {0};
   for (int p = begin; p < end; p++) moving += m40llm_where_tier(where[p]) != tier;
+  int rc = m40llm_policy_settle(c, layer, seq);
+  if (rc != M40LLM_OK) return rc;
   const int free_rows = c->opts.tiers[tier].rows - m40llm_tier_counts(c, layer, seq)[tier];
   if (moving > free_rows)
     return m40llm_fail(M40LLM_ERR_CAPACITY,
                        "moving %d row(s) of layer %d seq %d into tier %d, which has %d free: "
                        "none was moved", moving, layer, seq, tier, free_rows);
-  op_list l = {c, layer, 0, NULL, NULL, 0, NULL, NULL};
-  int rc = M40LLM_OK;
+  op_list l = {c, layer, 0, NULL, NULL, 0, NULL, NULL, 0, {0}};
   for (int p = begin; p < end && rc == M40LLM_OK; p++) {
     const uint32_t w = where[p];
     const int from = m40llm_where_tier(w), slot = m40llm_where_slot(w);
@@ -201,8 +210,8 @@ int m40llm_tiers_move(m40llm_kvcache *c, int layer, int seq, int begin, int end,
 }
 
 int m40llm_tiers_truncate(m40llm_kvcache *c, int layer, int seq, int new_len) {
-  op_list l = {c, layer, 0, NULL, NULL, 0, NULL, NULL};
-  int rc = M40LLM_OK;
+  op_list l = {c, layer, 0, NULL, NULL, 0, NULL, NULL, 0, {0}};
+  int rc = m40llm_policy_settle(c, layer, seq);
   for (int t = 0; t < c->n_tiers && rc == M40LLM_OK; t++) {
     int32_t *map = m40llm_tier_slot_pos(c, t, layer, seq);
     int freed = 0;
@@ -215,7 +224,7 @@ int m40llm_tiers_truncate(m40llm_kvcache *c, int layer, int seq, int new_len) {
 
 int m40llm_tiers_read(m40llm_kvcache *c, uint16_t *k_out, uint16_t *v_out, int layer, int seq,
                       int pos, int n_tokens) {
-  op_list l = {c, layer, 0, NULL, NULL, 0, k_out, v_out};
+  op_list l = {c, layer, 0, NULL, NULL, 0, k_out, v_out, 0, {0}};
   const uint32_t *where = m40llm_tier_where_of(c, layer, seq);
   int rc = check_buffers(&l);
   for (int r = 0; r < n_tokens && rc == M40LLM_OK; r++) {

@@ -639,13 +639,15 @@ extern "C" {
   policy should see (bench/fidelity measured every 4th step against every 16th: 0.71 against
   0.97 of the uniform formats' KL at 2K tokens and 6 bits; the plain call on the others).
   The weights are m40llm_kvcache_attn_importance_ex's (decay 0), into the cache's scratch,
-  then a small kernel adds each position's largest over the K/V heads to its sum: 1.03-1.11x
-  that call's time on an H200 (bench/RESULTS.md, "Placement by importance"). The next append
-  of a sequence the call saw that takes a row out of the window first copies the layer's sums
-  of such sequences to the host (4 bytes a position; on CUDA a copy that waits for the
-  stream), so such appends cannot be captured in a CUDA graph; the observe call itself can
-  be, but a graph replay of it is not counted (the count is host state): capture the plain
-  call.*/
+  then small kernels add each position's largest over the K/V heads to its sum, count the
+  call, and rank each sequence's tiers (M40LLM_PLACE_IMPORTANCE), whose result is copied to
+  pinned host memory without a wait (bench/RESULTS.md, "Placement by importance"). On CUDA
+  the call cannot be captured in a graph (M40LLM_ERR_UNSUPPORTED before anything is queued:
+  the host reads the ranking after the copy): capture the plain call, and make the observe
+  calls outside graphs. The next append of a sequence the call saw waits for that copy (one
+  wait a layer), and an append that takes rows out of the window may copy a sequence's sums
+  back (a wait for the stream) where a tier's ranking is not known (see
+  M40LLM_PLACE_IMPORTANCE): do not capture the appends of such a cache.*/
     pub fn m40llm_kvcache_attn_observe_ex(
         out: *mut ::core::ffi::c_void,
         cache: *mut m40llm_kvcache,

@@ -331,10 +331,11 @@ impl KvCacheConfig {
     }
 
     /// Where a tiered cache puts the rows leaving its window (default
-    /// [`TierPlacement::FirstFree`]). [`TierPlacement::Importance`] needs tiers, and keeps 4
-    /// bytes of backend memory a position for every (layer, sequence) plus one call's weights
-    /// (`4 x max_seqs x n_kv_heads x max_seq_len` bytes), counted by
-    /// [`bytes_needed`](Self::bytes_needed).
+    /// [`TierPlacement::FirstFree`]). [`TierPlacement::Importance`] needs tiers, and keeps 8
+    /// bytes of backend memory a position for every (layer, sequence) (the importance sums
+    /// and their counts), one call's weights (`4 x max_seqs x n_kv_heads x max_seq_len`
+    /// bytes) and `408 + 8 x window` bytes for every (layer, sequence) (the observe calls'
+    /// rankings), counted by [`bytes_needed`](Self::bytes_needed).
     ///
     /// ```
     /// use m40llm::{Context, DeviceBuffer, KvCache, KvCacheConfig, KvFormat, KvTier, TierPlacement};
@@ -1338,8 +1339,10 @@ impl KvCache {
     /// [`TierPlacement::Importance`] places rows by; each sequence is named once. The cache
     /// must have that placement ([`Status::InvalidArgument`](crate::Status) otherwise). Call it
     /// on the steps whose weights the policy should see (e.g. every 4th), the plain call on the
-    /// others. The next append that takes a row of a sequence it saw out of the window first
-    /// copies that sequence's sums to the host, so such appends cannot be captured in a graph.
+    /// others. On CUDA it ranks each sequence's tiers on the GPU and copies the result to the
+    /// host without waiting: it cannot be captured in a graph
+    /// ([`Status::Unsupported`](crate::Status)), and the next append of a sequence it saw
+    /// waits for that copy.
     /// See `m40llm_kvcache_attn_observe_ex` in `m40llm.h`; an example is at
     /// [`KvCacheConfig::placement`].
     pub fn attention_observe<T: IoElement>(
