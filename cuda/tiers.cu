@@ -68,6 +68,7 @@ struct TierOps {
   }
 };
 static_assert(sizeof(TierOps) <= 4000, "TierOps travels as a kernel argument (4 KB on sm_52)");
+static_assert(M40LLM_TIER_OPS <= 256, "a chain's first op is a byte");
 
 __device__ float load_input(const void *p, int dtype, size_t i) {
   if (dtype == M40LLM_DTYPE_F16) return __half2float(static_cast<const __half *>(p)[i]);
@@ -78,7 +79,8 @@ __device__ float load_input(const void *p, int dtype, size_t i) {
 
 // One warp a (chain, K/V head, tensor), its ops in order: each row into shared memory as FP32
 // in the stored frame, then out where it goes (a chain's next op may write the row this one
-// read: the warp has read it by then).
+// read: the warp has read it by then; no op reads a row this launch writes, so the read-only
+// path's loads are safe).
 __global__ void __launch_bounds__(kTierThreads) tier_rows_kernel(const TierOps a) {
   __shared__ float stage[kTierWarps][256];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, D = a.head_dim;

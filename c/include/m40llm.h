@@ -404,11 +404,12 @@ typedef enum m40llm_tier_placement {
    * from what the GPU ranks: each observe call finds, on the GPU, every tier's 8 least important
    * rows of each sequence it saw and the scores of its window's rows, and copies them to the
    * host behind the stream; the layer's next append waits for that copy (a step later, so
-   * normally done). Where an append could need more of a tier's order than that (more rows
-   * leave than its ranking holds, or it held fewer than 8 rows, or a tier_move, a truncate, a
-   * fork or a row appended past the window made its order unknown), the append first copies
-   * the sequence's sums back (a wait for the stream) and ranks on the host. An append's
-   * cascades run in one launch. Measured on an H200 (bench/RESULTS.md, "Placement by
+   * normally done). Where an append could need more of a tier's order than that (a tier that
+   * is or may become full whose ranking holds fewer rows than leave, or whose order a
+   * tier_move, a truncate, a fork or a row appended past the window made unknown), the append
+   * first copies the sequence's sums back (a wait for the stream) and ranks on the host. The
+   * cascades of a decode step's append (a leaving row a sequence) run in one launch; an append
+   * of several leaving rows a sequence takes a launch for each. Measured on an H200 (bench/RESULTS.md, "Placement by
    * importance"): a decode step of 8 layers x 8 sequences x 8K with observe calls every 4th
    * step took 1.19x (M40 code) and 1.52x (sm_90) the default placement's time. */
   M40LLM_PLACE_IMPORTANCE = 1
@@ -474,8 +475,9 @@ typedef struct m40llm_kvcache_options {
    * of backend memory a position for every (layer, sequence) (the importance sums and their
    * counts), 4 x max_seqs x n_kv_heads x max_seq_len bytes of scratch (one call's weights) and
    * 408 + 8 x window bytes for every (layer, sequence) (the observe calls' rankings), counted
-   * by m40llm_kvcache_bytes_needed; on the host 8 bytes a position for every (layer,
-   * sequence) and 8 x max_seq_len bytes, and on CUDA the rankings again, in pinned memory.
+   * by m40llm_kvcache_bytes_needed; on the host 8 bytes a position and 134 bytes for every
+   * (layer, sequence) and 8 x max_seq_len bytes, and on CUDA the rankings again, in pinned
+   * memory.
    * Other values: M40LLM_ERR_INVALID_ARGUMENT. */
   int placement;
 } m40llm_kvcache_options;

@@ -59,8 +59,8 @@ typedef struct m40llm_row_op {
   int32_t seq, src, dst, pos;
   int16_t from, to;
 } m40llm_row_op;
-/* Row ops a backend call takes (at most 255: a chain's first op is a byte): they travel, with
- * their chains' first ops, as a CUDA kernel argument (4 KB on sm_52). */
+/* Row ops a backend call takes: they travel, with their chains' first ops (a byte each), as a
+ * CUDA kernel argument (4 KB on sm_52). */
 #define M40LLM_TIER_OPS 168
 
 /* Importance placement (M40LLM_PLACE_IMPORTANCE). A position's accumulator: the sum of the
@@ -145,9 +145,9 @@ typedef struct m40llm_backend_ops {
    * front end (tiers.c) keeps the maps and counts and asks for rows to be written, n_ops
    * (>= 1, <= M40LLM_TIER_OPS) row ops at a time, on layer `layer`: each op's row, every K/V
    * head of it, K and V, from `from` to `to` (m40llm_row_op). The ops come in n_chains chains,
-   * links[i] ops each, in order (the counts sum to n_ops): a chain's ops run one after another
-   * (an op may write what the one before it in its chain read), and no op reads what an op of
-   * another chain writes. k_in and v_in: the call's appended rows ([row][kv_head][dim] of element
+   * links[i] ops each, in order (the counts sum to n_ops): a chain's ops run one after another,
+   * so that an op may write what an earlier op of its chain read; no op reads what another op
+   * of the call writes (CUDA reads tier rows through the read-only cache). k_in and v_in: the call's appended rows ([row][kv_head][dim] of element
    * type dtype) for ops from M40LLM_ROW_INPUT; k_out and v_out (FP16, either may be NULL) for
    * ops to M40LLM_ROW_OUTPUT. n_ops 0 only checks those buffers (CUDA: that the GPU can address
    * them), before the front end changes its maps. */

@@ -193,12 +193,30 @@ static void row_op(const m40llm_kvcache *c, int layer, const m40llm_row_op *op, 
   }
 }
 
+/* Whether ops a and b name the same tier row. */
+static int same_row(const m40llm_row_op *a, int a_tier, int a_slot, const m40llm_row_op *b,
+                    int b_tier, int b_slot) {
+  return a_tier >= 0 && a_tier == b_tier && a_slot == b_slot && a->seq == b->seq;
+}
+
 /* Last chain first: a call's chains are independent (backend.h), as the GPU, which runs them
  * at once, needs; a list that leaned on their order would then fail the tests here too. A
- * chain's ops in order. */
+ * chain's ops in order. A list in which an op reads a tier row that another op of the call
+ * writes, other than a later op of its own chain, is refused: the GPU, which reads tier rows
+ * through the read-only cache, could read the old row (a bug of the front end's, which the
+ * tests then see). */
 static int cpu_tier_rows(const m40llm_kvcache *c, int layer, const m40llm_row_op *ops, int n_ops,
                          const uint8_t *links, int n_chains, const void *k_in, const void *v_in,
                          int dtype, uint16_t *k_out, uint16_t *v_out) {
+  for (int ch = 0, begin = 0; ch < n_chains; begin += links[ch++])
+    for (int i = begin; i < begin + links[ch]; i++)
+      for (int j = 0; j < n_ops; j++)
+        if (j != i && !(j > i && j < begin + links[ch]) &&
+            same_row(&ops[i], ops[i].from, ops[i].src, &ops[j], ops[j].to, ops[j].dst))
+          return m40llm_fail(M40LLM_ERR_INVALID_ARGUMENT,
+                             "row op %d reads tier %d slot %d of seq %d, which op %d of the same "
+                             "call writes (a library bug)",
+                             i, ops[i].from, ops[i].src, ops[i].seq, j);
   for (int ch = n_chains - 1, end = n_ops; ch >= 0; end -= links[ch--])
     for (int i = end - links[ch]; i < end; i++)
       for (int h = 0; h < c->opts.n_kv_heads; h++) {

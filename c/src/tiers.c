@@ -2,9 +2,9 @@
  * each quantized row, kept on the host, and the row ops that make the backend's tiers follow.
  * Every change is computed here in host order, so the counts and maps always say what the
  * stream will have done; a backend only writes rows (ops->tier_rows). Ops handed over in one
- * call never touch what another op of the call reads, except the links of one chain, which
- * run in order (an importance placement's cascade): a change that needs an order across rows
- * of several ops (rows leaving the window before new rows take their FP16 slots; rows leaving
+ * call never touch what another op of the call reads, except that an op of a chain may write
+ * what an earlier op of its chain read (an importance placement's cascade): a change that needs
+ * any other order (rows leaving the window before new rows take their FP16 slots; rows leaving
  * a tier before its last rows fill the holes) is made in phases, each flushed before the next. */
 #include <string.h>
 
@@ -36,7 +36,7 @@ static int push_op(op_list *l, m40llm_row_op op) {
   return l->n == M40LLM_TIER_OPS ? flush(l) : M40LLM_OK;
 }
 
-/* The next link of the chain `open` (0: the op starts a chain): a chain cut by a full list
+/* The next link of the open chain (open 0: the op starts a chain): a chain cut by a full list
  * goes on as a new chain of the next call, which runs after this one. */
 static int push_link(op_list *l, m40llm_row_op op, int open) {
   if (open && l->n > 0) {
@@ -109,9 +109,11 @@ static void leaving(const m40llm_kvcache *c, int layer, const m40llm_append_item
   *end = *q_end < it->pos ? *q_end : it->pos;
 }
 
-/* Rows leaving the window placed by importance: each item's placements, in order, one chain
- * (each op writes the slot the one before it in its chain read, and the next row's placement
- * reads what the last one wrote); the items' chains run side by side. */
+/* Rows leaving the window placed by importance, in rounds: each round places every item's
+ * next leaving row, each row's cascade one chain (an op writes the slot the one before it read;
+ * none reads what another wrote), a launch a round (the next row's cascade may read what this
+ * one wrote: the GPU reads tier rows through the read-only cache, which a later launch sees
+ * fresh). A decode step's append is one round. */
 static int place_by_importance(op_list *l, const m40llm_append_item *items, int n_items) {
   m40llm_kvcache *c = l->c;
   int rc = M40LLM_OK;
@@ -121,14 +123,17 @@ static int place_by_importance(op_list *l, const m40llm_append_item *items, int 
     if (first < end) rc = m40llm_policy_prepare(c, l->layer, items[i].seq, end - first);
   }
   m40llm_row_op chain[M40LLM_MAX_TIERS];
-  for (int i = 0; i < n_items && rc == M40LLM_OK; i++) {
-    int first, end, q_end, open = 0;
-    leaving(c, l->layer, &items[i], &first, &end, &q_end);
-    for (int e = first; e < end && rc == M40LLM_OK; e++) {
-      int n = 0;
-      rc = m40llm_policy_place(c, l->layer, items[i].seq, e, chain, &n);
-      for (int k = 0; k < n && rc == M40LLM_OK; k++, open = 1) rc = push_link(l, chain[k], open);
+  for (int r = 0, more = 1; more && rc == M40LLM_OK; r++) {
+    more = 0;
+    for (int i = 0; i < n_items && rc == M40LLM_OK; i++) {
+      int first, end, q_end, n = 0;
+      leaving(c, l->layer, &items[i], &first, &end, &q_end);
+      if (first + r >= end) continue;
+      more = 1;
+      rc = m40llm_policy_place(c, l->layer, items[i].seq, first + r, chain, &n);
+      for (int k = 0; k < n && rc == M40LLM_OK; k++) rc = push_link(l, chain[k], k > 0);
     }
+    if (rc == M40LLM_OK) rc = flush(l);
   }
   return rc;
 }

@@ -1342,7 +1342,8 @@ impl KvCache {
     /// others. On CUDA it ranks each sequence's tiers on the GPU and copies the result to the
     /// host without waiting: it cannot be captured in a graph
     /// ([`Status::Unsupported`](crate::Status)), and the next append of a sequence it saw
-    /// waits for that copy.
+    /// waits for that copy (and may copy the sequence's sums back, a wait for the stream),
+    /// so the appends of such a cache should not be captured either.
     /// See `m40llm_kvcache_attn_observe_ex` in `m40llm.h`; an example is at
     /// [`KvCacheConfig::placement`].
     pub fn attention_observe<T: IoElement>(
