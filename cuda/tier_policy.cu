@@ -61,7 +61,8 @@ struct RankArgs {
   int n_tiers, chunks;
 };
 
-// The front end's score and order (tier_policy.c): the double quotient, IEEE-rounded on both.
+// backend.h's m40llm_imp_score and m40llm_imp_below on the device: the double quotient,
+// IEEE-rounded on both, so that the ranking is the host's.
 __device__ __forceinline__ double imp_score(m40llm_imp_acc a) {
   return a.calls > 0 ? (double)a.sum / (double)a.calls : 0.0;
 }

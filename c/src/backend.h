@@ -70,6 +70,14 @@ typedef struct m40llm_imp_acc {
   float sum;
   int32_t calls;
 } m40llm_imp_acc;
+/* The host's score and order of rows (cuda/tier_policy.cu has the device's, the same). */
+static inline double m40llm_imp_score(m40llm_imp_acc a) {
+  return a.calls > 0 ? (double)a.sum / (double)a.calls : 0.0;
+}
+/* Less important: the lower score, then the earlier position. */
+static inline int m40llm_imp_below(double a, int32_t pa, double b, int32_t pb) {
+  return a < b || (a == b && pa < pb);
+}
 /* Rows a tier's list of its least important rows holds at most. */
 #define M40LLM_IMP_LOW 8
 /* What an observe call ranks for each (layer, seq) it saw, from the state its stream position

@@ -453,15 +453,6 @@ static int cpu_policy_alloc(m40llm_kvcache *c) {
 
 static void cpu_policy_free(m40llm_kvcache *c) { c->imp_records = NULL; }
 
-static double imp_score(m40llm_imp_acc a) {
-  return a.calls > 0 ? (double)a.sum / (double)a.calls : 0.0;
-}
-
-/* Less important: the lower score, then the earlier position. */
-static int imp_below(double a, int32_t pa, double b, int32_t pb) {
-  return a < b || (a == b && pa < pb);
-}
-
 /* The record of (layer, seq): each tier's least important rows by insertion, the window's
  * scores. */
 static void rank(const m40llm_kvcache *c, int layer, int seq) {
@@ -475,11 +466,11 @@ static void rank(const m40llm_kvcache *c, int layer, int seq) {
     int n = 0;
     for (int s = 0; s < count; s++) {
       const int32_t p = map[s];
-      const double sc = imp_score(acc[p]);
-      if (n == M40LLM_IMP_LOW && !imp_below(sc, p, r->low_score[t][n - 1], r->low_pos[t][n - 1]))
+      const double sc = m40llm_imp_score(acc[p]);
+      if (n == M40LLM_IMP_LOW && !m40llm_imp_below(sc, p, r->low_score[t][n - 1], r->low_pos[t][n - 1]))
         continue;
       int i = n < M40LLM_IMP_LOW ? n++ : n - 1;
-      for (; i > 0 && imp_below(sc, p, r->low_score[t][i - 1], r->low_pos[t][i - 1]); i--) {
+      for (; i > 0 && m40llm_imp_below(sc, p, r->low_score[t][i - 1], r->low_pos[t][i - 1]); i--) {
         r->low_score[t][i] = r->low_score[t][i - 1];
         r->low_pos[t][i] = r->low_pos[t][i - 1];
       }
@@ -491,7 +482,7 @@ static void rank(const m40llm_kvcache *c, int layer, int seq) {
   r->win_first = m40llm_window_begin(c, layer, seq);
   r->win_n = *m40llm_len_slot(c, layer, seq) - r->win_first;
   double *win = m40llm_imp_window(r);
-  for (int i = 0; i < r->win_n; i++) win[i] = imp_score(acc[r->win_first + i]);
+  for (int i = 0; i < r->win_n; i++) win[i] = m40llm_imp_score(acc[r->win_first + i]);
 }
 
 /* Each position's largest over the K/V heads of the call's weights, added to its sum and

@@ -7,9 +7,10 @@
  * important rows in order. An observe call ranks them on the backend, with the scores of the
  * window's rows (the rows that can leave next), and its copy to the host lands while the GPU
  * goes on: the host waits for it at the layer's next append, a step later, not at the call.
- * A list that runs out (more rows demoted from a tier than it held) or that a move, a
- * truncate or a row appended straight into a tier made stale is rebuilt on the host from a
- * full copy of the (layer, seq)'s accumulators, which waits for the stream. */
+ * Where an append could run a list out (more rows leave than it holds) or meet one that a
+ * move, a truncate, a fork or a row appended straight into a tier made stale, the host first
+ * copies the (layer, seq)'s accumulators back (a wait for the stream), before the append
+ * changes anything, and rebuilds the list by a scan. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -186,9 +187,7 @@ static int fetch_all(m40llm_kvcache *c, int layer, int seq) {
   if (rc != M40LLM_OK) return rc;
   double *score = &c->imp_host[row_of(c, layer, seq)];
   for (int p = 0; p < len; p++)
-    score[p] = c->imp_fetch[p].calls > 0
-                   ? (double)c->imp_fetch[p].sum / (double)c->imp_fetch[p].calls
-                   : 0.0;
+    score[p] = m40llm_imp_score(c->imp_fetch[p]);
   c->imp_full[s] = 1;
   return M40LLM_OK;
 }
@@ -206,7 +205,7 @@ static key key_of(const m40llm_kvcache *c, int layer, int seq, int pos) {
 }
 
 /* Less important; ties by position, the earlier first. */
-static int below(key a, key b) { return a.score < b.score || (a.score == b.score && a.pos < b.pos); }
+static int below(key a, key b) { return m40llm_imp_below(a.score, a.pos, b.score, b.pos); }
 
 /* Puts pos into the list in order if it is among the rows the list must hold: below its last
  * entry, or anywhere while the list holds every row of the tier. The list stays the tier's n
