@@ -426,19 +426,25 @@ int combine_launch(m40llm_cuda_state *st, const AttnArgs &a, const m40llm_attn_p
 
 // Turns the scores a plan with weights had its split kernel export into softmax weights, from
 // every split's (max, sum) partial (attention_weights.cu).
-// With imp.rows set, it also reduces them into importance (m40llm_kvcache_attn_importance_ex):
+// With imp.rows set, it reduces them into importance instead (m40llm_kvcache_attn_importance_ex):
 // rows[(item * n_kv_heads + g) * stride + p] = decay * itself + the largest weight of p over
-// K/V head g's query heads.
+// K/V head g's query heads. With imp.acc set (m40llm_kvcache_attn_observe_ex), it adds the
+// largest weight of p over every query head to acc[plan.seq[item] * acc_stride + p] and counts
+// the call, every query head's merged softmax state first put into states ([item][n_heads]).
 struct ImportanceArgs {
   float *rows;
   int64_t stride;
   float decay;
+  m40llm_imp_acc *acc = nullptr;
+  int64_t acc_stride = 0;
+  float2 *states = nullptr;
 };
 int weights_launch(m40llm_cuda_state *st, const AttnArgs &a, const m40llm_attn_plan &plan,
                    const ImportanceArgs &imp);
-// A scratch buffer of at least `floats` floats for the weights an importance call reduces
-// (grown, never shrunk; the context's own).
-int scores_stage(m40llm_cuda_state *st, size_t floats, float **out);
+// A scratch buffer of at least `floats` floats for the weights an importance call reduces, and
+// after them `states` softmax states (grown, never shrunk; the context's own).
+int scores_stage(m40llm_cuda_state *st, size_t floats, size_t states, float **out,
+                 float2 **out_states);
 
 // What a call does besides its output, for its first item: the weights it exports (NULL:
 // none) in rows weights_stride apart, written as scores by the split kernels and turned into
@@ -455,8 +461,9 @@ struct CallExport {
   size_t append_row_bytes = 0;
   CallExport at(int first) const {
     CallExport x = *this;
+    // The staged scores of an importance or observe call are a launch's: not moved.
     if (imp.rows) x.imp.rows += (size_t)first * n_kv_heads * (size_t)imp.stride;
-    else if (weights) x.weights += (size_t)first * n_heads * weights_stride;
+    else if (weights && !imp.acc) x.weights += (size_t)first * n_heads * weights_stride;
     if (append_k) {
       x.append_k += (size_t)first * append_row_bytes;
       x.append_v += (size_t)first * append_row_bytes;

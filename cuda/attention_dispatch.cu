@@ -219,7 +219,7 @@ int m40llm_cuda_attention(const m40llm_kvcache *c, int layer, const int32_t *seq
   const size_t row = (size_t)o->n_heads * (size_t)o->head_dim;
   CallExport ex{x ? x->weights : nullptr, x ? x->weights_stride : 0, {nullptr, 0, 0.0f},
                 o->n_heads, o->n_kv_heads};
-  if (x && x->importance) {
+  if (x && (x->importance || x->observe)) {
     // The weights go to the scratch buffer, a launch's items at a time (launches on one stream
     // run in order, so each reuses it), rows as long as the batch's longest.
     size_t longest = 1;
@@ -228,11 +228,19 @@ int m40llm_cuda_attention(const m40llm_kvcache *c, int layer, const int32_t *seq
       longest = len > longest ? len : longest;
     }
     const int items = n_seqs < M40LLM_PLAN_MAX_ITEMS ? n_seqs : M40LLM_PLAN_MAX_ITEMS;
+    float2 *states = nullptr;
     const int rc = scores_stage(cuda_state(c->ctx), (size_t)items * o->n_heads * longest,
-                                &ex.weights);
+                                x->observe ? (size_t)items * o->n_heads : 0, &ex.weights,
+                                &states);
     if (rc != M40LLM_OK) return rc;
     ex.weights_stride = longest;
-    ex.imp = ImportanceArgs{x->importance, (int64_t)x->importance_stride, x->decay};
+    if (x->observe) {
+      ex.imp.acc = c->imp_acc + (size_t)layer * (size_t)o->max_seqs * (size_t)o->max_seq_len;
+      ex.imp.acc_stride = o->max_seq_len;
+    } else {
+      ex.imp = ImportanceArgs{x->importance, (int64_t)x->importance_stride, x->decay};
+    }
+    ex.imp.states = states;
   }
   if (x && x->append_k) {  // attention_appends: an F16 cache, never tiered
     ex.append_k = static_cast<const char *>(x->append_k);

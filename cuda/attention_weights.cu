@@ -2,7 +2,8 @@
 // score (log2 domain) into the caller's rows as it computes it, and every split's (max, sum)
 // partial into the workspace; once the call's splits are done, this kernel merges a head's
 // partials into its softmax (max, sum) and turns its scores into weights in place, or, for
-// m40llm_kvcache_attn_importance_ex, reduces them into each K/V row's importance.
+// m40llm_kvcache_attn_importance_ex, reduces them into each K/V row's importance, or, for
+// m40llm_kvcache_attn_observe_ex, into the cache's accumulators.
 #include <math.h>
 
 #include "attention.cuh"
@@ -102,6 +103,22 @@ __device__ SoftmaxState merged_by_warp(const AttnArgs &a, const m40llm_attn_plan
   return st;
 }
 
+// An observe call's first: a block per (item, 8 query heads), a warp per head merging its
+// partials (merged_by_warp) into states[item * n_heads + h]: its max as SoftmaxState::weight
+// takes it, and 1 / sum. Once for the call: attn_observe_kernel's blocks need every head's, and
+// each merging them itself took 4x the kernel's own time (B8 32/8 L8K). (The importance
+// kernel's blocks merge only their group's heads: this launch more cost its calls 2-10%.)
+__global__ void __launch_bounds__(kWeightsThreads)
+    attn_head_state_kernel(const AttnArgs a, const m40llm_attn_plan plan, float2 *states) {
+  __shared__ float2 pairs[kWeightsThreads / 32][32 * kImportanceMergeBatch];  // a warp's merge
+  const int item = blockIdx.x, h = blockIdx.y * (kWeightsThreads / 32) + (threadIdx.x >> 5);
+  if (h >= a.n_heads) return;
+  const SoftmaxState st = merged_by_warp(a, plan, item, h, pairs[threadIdx.x >> 5]);
+  if ((threadIdx.x & 31) == 0)
+    states[(size_t)item * a.n_heads + h] =
+        make_float2(SoftmaxState::reference(st.m), st.inv_sum());
+}
+
 // A block per (item, K/V head g, slice of positions), the grid one wave of resident blocks (or
 // fewer, at least kImportanceChunk positions a block): a warp per query head of g merges its
 // partials into shared memory (its max, as SoftmaxState::weight takes it, and 1 / sum), then for
@@ -142,12 +159,58 @@ __global__ void __launch_bounds__(kWeightsThreads, kImportanceBlocksPerSm)
   }
 }
 
+// An observe call's: a block per (item, slice of positions), kObservePositions positions at a
+// time, each position's heads shared among kObserveHeadGroups threads (a thread's loads issued
+// together: with a thread a position, loading every head in turn, the kernel took 3x the
+// time): for each position the largest of its weights over every query head added to its
+// accumulator, and the call counted. The weights are attn_importance_kernel's, and the largest
+// of them over the K/V heads is what its rows at decay 0 held, bit for bit.
+__global__ void __launch_bounds__(kObservePositions * kObserveHeadGroups)
+    attn_observe_kernel(const AttnArgs a, const m40llm_attn_plan plan, const ImportanceArgs imp) {
+  extern __shared__ float2 head_states[];  // [n_heads] (reference max, 1 / sum)
+  __shared__ float part[kObserveHeadGroups][kObservePositions];
+  const int item = blockIdx.x;
+  int begin, end;
+  block_slice(plan, &begin, &end);
+  if (begin >= end) return;
+  for (int h = threadIdx.x; h < a.n_heads; h += blockDim.x)
+    head_states[h] = imp.states[(size_t)item * a.n_heads + h];
+  __syncthreads();
+  const int at = threadIdx.x % kObservePositions, first = threadIdx.x / kObservePositions;
+  const float *__restrict__ scores = plan.weights + (size_t)item * a.n_heads * plan.weights_stride;
+  m40llm_imp_acc *__restrict__ acc = imp.acc + (size_t)plan.seq[item] * imp.acc_stride;
+  for (int p0 = begin; p0 < end; p0 += kObservePositions) {
+    const int p = p0 + at;
+    float most = 0.0f;
+    if (p < end) {
+#pragma unroll 8
+      for (int h = first; h < a.n_heads; h += kObserveHeadGroups)
+        most = fmaxf(most,
+                     exp2f(scores[(size_t)h * plan.weights_stride + p] - head_states[h].x) *
+                         head_states[h].y);
+    }
+    part[first][at] = most;
+    __syncthreads();
+    if (first == 0 && p < end) {
+      const m40llm_imp_acc old = acc[p];
+#pragma unroll
+      for (int g = 1; g < kObserveHeadGroups; g++) most = fmaxf(most, part[g][at]);
+      acc[p] = m40llm_imp_acc{old.sum + most, old.calls + 1};
+    }
+    __syncthreads();  // the next positions rewrite part
+  }
+}
+
 }  // namespace
 
-int scores_stage(m40llm_cuda_state *st, size_t floats, float **out) {
-  const int rc = m40llm_cuda_grow(st, &st->scores, &st->scores_bytes, floats * sizeof(float),
+int scores_stage(m40llm_cuda_state *st, size_t floats, size_t states, float **out,
+                 float2 **out_states) {
+  const size_t at = (floats + 1) / 2 * 2;  // the states 8-byte aligned
+  const int rc = m40llm_cuda_grow(st, &st->scores, &st->scores_bytes,
+                                  at * sizeof(float) + states * sizeof(float2),
                                   "scratch buffer of an importance call's weights");
   *out = static_cast<float *>(st->scores);
+  *out_states = reinterpret_cast<float2 *>(*out + at);
   return rc;
 }
 
@@ -155,6 +218,20 @@ int weights_launch(m40llm_cuda_state *st, const AttnArgs &a, const m40llm_attn_p
                    const ImportanceArgs &imp) {
   int longest = 1;
   for (int i = 0; i < plan.n_items; i++) longest = plan.len[i] > longest ? plan.len[i] : longest;
+  if (imp.acc) {
+    constexpr int heads_a_block = kWeightsThreads / 32;
+    attn_head_state_kernel<<<dim3((unsigned)plan.n_items,
+                                  (unsigned)((a.n_heads + heads_a_block - 1) / heads_a_block)),
+                             kWeightsThreads, 0, st->stream>>>(a, plan, imp.states);
+    M40LLM_CUDA_CHECK_LAUNCH("attn_head_state_kernel");
+    const long long slices = (longest + kObservePositions - 1) / kObservePositions;
+    attn_observe_kernel<<<dim3((unsigned)plan.n_items, 1,
+                               (unsigned)(slices < 65535 ? slices : 65535)),
+                          kObservePositions * kObserveHeadGroups,
+                          (size_t)a.n_heads * sizeof(float2), st->stream>>>(a, plan, imp);
+    M40LLM_CUDA_CHECK_LAUNCH("attn_observe_kernel");
+    return M40LLM_OK;
+  }
   const long long per_block = imp.rows ? kImportanceChunk : kWeightsChunk;
   long long chunks = (longest + per_block - 1) / per_block;
   if (imp.rows) {

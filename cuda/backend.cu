@@ -425,7 +425,7 @@ const m40llm_backend_ops m40llm_cuda_backend = {
     cuda_append,         cuda_read_f16, cuda_fork,              cuda_prepare_attention,
     cuda_attention_appends,
     cuda_attention,      cuda_attention_causal, cuda_tier_rows, m40llm_cuda_policy_alloc,
-    m40llm_cuda_policy_free, m40llm_cuda_tier_observe, m40llm_cuda_tier_observe_wait,
+    m40llm_cuda_policy_free, m40llm_cuda_tier_rank, m40llm_cuda_tier_rank_wait,
     m40llm_cuda_graph_begin, m40llm_cuda_graph_end,
     m40llm_cuda_graph_launch, m40llm_cuda_graph_destroy,
 };

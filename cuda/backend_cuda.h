@@ -20,13 +20,13 @@ int m40llm_cuda_tier_rows(const m40llm_kvcache *c, int layer, const m40llm_row_o
                           int n_ops, const uint8_t *links, int n_chains, const void *k_in,
                           const void *v_in, int dtype, uint16_t *k_out, uint16_t *v_out);
 int m40llm_cuda_tier_reserve(const m40llm_kvcache *c);
-// Importance placement: the backend's policy_alloc, policy_free, tier_observe and
-// tier_observe_wait ops (tier_policy.cu).
+// Importance placement: the backend's policy_alloc, policy_free, tier_rank and tier_rank_wait
+// ops (tier_policy.cu).
 int m40llm_cuda_policy_alloc(m40llm_kvcache *c);
 void m40llm_cuda_policy_free(m40llm_kvcache *c);
-int m40llm_cuda_tier_observe(const m40llm_kvcache *c, int layer, const int32_t *seq_ids,
-                             int n_seqs);
-int m40llm_cuda_tier_observe_wait(const m40llm_kvcache *c, int layer);
+int m40llm_cuda_tier_rank(const m40llm_kvcache *c, int layer, const int32_t *seq_ids,
+                          int n_seqs);
+int m40llm_cuda_tier_rank_wait(const m40llm_kvcache *c, int layer);
 // Positions [pos, pos + n_tokens) of tensor t decoded to FP16 rows (read.cu).
 int m40llm_cuda_read_decoded(const m40llm_kvcache *c, const m40llm_kv_tensor &t, uint16_t *out,
                              int layer, int seq, int pos, int n_tokens);

@@ -1,8 +1,9 @@
 // Importance placement on CUDA (M40LLM_PLACE_IMPORTANCE; the decisions are the front end's,
-// c/src/tier_policy.c): an observe call's weights, reduced over the K/V heads, into the
-// cache's accumulators; then each sequence's record (its tiers' least important rows, its
-// window's scores), copied to pinned host memory on a stream of its own behind an event of the
-// layer, which the host waits for at the layer's next append.
+// c/src/tier_policy.c): after an observe call's attention has added its weights to the
+// cache's accumulators (attn_observe_kernel, attention_weights.cu), each sequence's record
+// (its tiers' least important rows, its window's scores), copied to pinned host memory on a
+// stream of its own behind an event of the layer, which the host waits for at the layer's next
+// append.
 #include <climits>
 
 #include "backend_cuda.h"
@@ -10,54 +11,29 @@
 
 namespace {
 
-constexpr int kObserveThreads = 256;
-// Items a launch takes: their ids and lengths travel in its argument.
-constexpr int kObserveItems = 64;
-// Positions a block takes at least (few blocks for short rows, enough for long ones).
-constexpr int kObserveChunk = 256;
-constexpr int kRankThreads = 256;
+// Items a launch takes: their ids and counts travel in its argument.
+constexpr int kRankItems = 64;
+// A block of 32 warps: a tier of up to 4,096 rows (a decode step's at 8K-10K contexts) ranked
+// by one block, without the merge of several blocks' lists that longer tiers take.
+constexpr int kRankThreads = 1024;
+constexpr int kRankWarps = kRankThreads / 32;
 // Rows of a tier a ranking block takes: each thread's loads issued together, then ranked (a
 // tier's rows are gathers through its slot map, so a long loop a thread would be latency-bound).
 constexpr int kRankPerThread = 4;
 constexpr int kRankRows = kRankThreads * kRankPerThread;
 constexpr int kLow = M40LLM_IMP_LOW;
 
-struct ObserveArgs {
-  const float *scratch;  // [item][n_kv_heads][max_seq_len]: the call's weights, from item `first`
-  m40llm_imp_acc *acc;   // the layer's [max_seqs][max_seq_len]
-  int32_t seq[kObserveItems], len[kObserveItems];
-  int first, n_kv_heads, max_seq_len;
-};
-
-// A block per (item, chunk of positions): each position's largest weight over the K/V heads
-// added to its sum (a plain add, as the host's `+=`), and the call counted.
-__global__ void __launch_bounds__(kObserveThreads) tier_observe_kernel(const ObserveArgs a) {
-  const int item = blockIdx.x;
-  const size_t len_max = (size_t)a.max_seq_len;
-  const float *__restrict__ w =
-      a.scratch + ((size_t)(a.first + item) * (size_t)a.n_kv_heads) * len_max;
-  m40llm_imp_acc *__restrict__ acc = a.acc + (size_t)a.seq[item] * len_max;
-  for (int p = blockIdx.y * blockDim.x + threadIdx.x; p < a.len[item];
-       p += gridDim.y * blockDim.x) {
-    float most = 0.0f;
-    for (int g = 0; g < a.n_kv_heads; g++) most = fmaxf(most, w[(size_t)g * len_max + p]);
-    m40llm_imp_acc x = acc[p];
-    x.sum = x.sum + most;
-    x.calls++;
-    acc[p] = x;
-  }
-}
-
 struct RankArgs {
   const m40llm_imp_acc *acc;             // the layer's [max_seqs][max_seq_len]
   const int32_t *map[M40LLM_MAX_TIERS];  // each tier's slot maps of the layer, [max_seqs][rows]
   char *records;                         // the layer's [max_seqs] records
-  double *part_score;                    // each block's least important rows:
-  int32_t *part_pos;                     //   [item][tier][chunk][kLow]
+  double *part_score;                    // each chunk's least important rows of a tier with
+  int32_t *part_pos;                     //   several: [item][tier][chunk][kLow]
+  int32_t *done;                         // the cache's [max_seqs][M40LLM_MAX_TIERS] chunks done
   size_t record_bytes, max_seq_len;
   int rows[M40LLM_MAX_TIERS];
-  int32_t seq[kObserveItems], win_first[kObserveItems], win_n[kObserveItems];
-  int32_t count[kObserveItems][M40LLM_MAX_TIERS];
+  int32_t seq[kRankItems], win_first[kRankItems], win_n[kRankItems];
+  int32_t count[kRankItems][M40LLM_MAX_TIERS];
   int n_tiers, chunks;
 };
 
@@ -109,19 +85,41 @@ struct LowList {
     for (int i = 0; i < kLow - 1; i++) k[i] = k[i + 1], kp[i] = kp[i + 1];
     k[kLow - 1] = no_row(), kp[kLow - 1] = INT_MAX;
   }
+  // The warp's kLow least important, in order, into score[] and pos[] (lane 0 writes;
+  // sentinels where the warp holds fewer).
+  __device__ void warp_lowest(double *score, int32_t *pos) {
+#pragma unroll
+    for (int round = 0; round < kLow; round++) {
+      double bs;
+      int32_t bp;
+      warp_min(&bs, &bp);
+      pop_if(bp);
+      if ((threadIdx.x & 31) == 0) score[round] = bs, pos[round] = bp;
+    }
+  }
 };
 
+// The first n of a ranked list into tier t's entries of record r (lane 0 of the warp).
+__device__ void write_low(m40llm_imp_record *r, int t, int n, const double *score,
+                          const int32_t *pos) {
+  if ((threadIdx.x & 31) != 0) return;
+  for (int i = 0; i < n; i++) r->low_score[t][i] = score[i], r->low_pos[t][i] = pos[i];
+  r->n_low[t] = n;
+}
+
 // A block per (item, tier, chunk of kRankRows rows), and one more per item (tier n_tiers,
-// chunk 0) for its window's scores. A chunk's block: its kLow least important rows (each
-// thread's, then kLow rounds of a block-wide minimum) into the partials, sentinels past its
-// rows.
+// chunk 0) for its window's scores. A chunk's block: each warp's kLow least important rows
+// (its threads' lists, kLow rounds of a warp-wide minimum), then warp 0's of those. A tier of
+// one chunk writes them into the record; a tier of several writes them into the partials, and
+// its last block to finish (the cache's counter of the (sequence, tier), reset by that block)
+// merges every chunk's into the record.
 __global__ void __launch_bounds__(kRankThreads) tier_rank_kernel(const RankArgs a) {
   const int item = blockIdx.x, t = blockIdx.y, chunk = blockIdx.z, seq = a.seq[item];
   const m40llm_imp_acc *__restrict__ acc = a.acc + (size_t)seq * a.max_seq_len;
+  m40llm_imp_record *r =
+      reinterpret_cast<m40llm_imp_record *>(a.records + (size_t)seq * a.record_bytes);
   if (t == a.n_tiers) {
     if (chunk > 0) return;
-    m40llm_imp_record *r =
-        reinterpret_cast<m40llm_imp_record *>(a.records + (size_t)seq * a.record_bytes);
     double *win = reinterpret_cast<double *>(r + 1);
     for (int i = threadIdx.x; i < a.win_n[item]; i += blockDim.x)
       win[i] = imp_score(acc[a.win_first[item] + i]);
@@ -129,7 +127,7 @@ __global__ void __launch_bounds__(kRankThreads) tier_rank_kernel(const RankArgs 
     return;
   }
   const int begin = chunk * kRankRows, count = a.count[item][t];
-  if (begin >= count) return;  // the merge reads only the chunks that hold rows
+  if (begin >= count && chunk > 0) return;  // only the chunks that hold rows count
   const int32_t *__restrict__ map = a.map[t] + (size_t)seq * (size_t)a.rows[t];
   int32_t p[kRankPerThread];
 #pragma unroll
@@ -145,45 +143,44 @@ __global__ void __launch_bounds__(kRankThreads) tier_rank_kernel(const RankArgs 
 #pragma unroll
   for (int j = 0; j < kRankPerThread; j++)
     if (p[j] >= 0) l.insert(imp_score(x[j]), p[j]);
-  __shared__ double w_score[kRankThreads / 32];
-  __shared__ int32_t w_pos[kRankThreads / 32];
-  const size_t out = (((size_t)item * M40LLM_MAX_TIERS + (size_t)t) * (size_t)a.chunks +
-                      (size_t)chunk) * kLow;
-  for (int round = 0; round < kLow; round++) {
-    double bs;
-    int32_t bp;
-    l.warp_min(&bs, &bp);
-    if ((threadIdx.x & 31) == 0) w_score[threadIdx.x >> 5] = bs, w_pos[threadIdx.x >> 5] = bp;
-    __syncthreads();
-    bs = w_score[0], bp = w_pos[0];
-    for (int w = 1; w < kRankThreads / 32; w++)
-      if (imp_below(w_score[w], w_pos[w], bs, bp)) bs = w_score[w], bp = w_pos[w];
-    __syncthreads();  // the next round writes w_score
-    l.pop_if(bp);
-    if (threadIdx.x == 0) a.part_score[out + round] = bs, a.part_pos[out + round] = bp;
-  }
-}
-
-// A warp per (item, tier): the kLow least important of its chunks' lists, into the record.
-__global__ void __launch_bounds__(32) tier_rank_merge_kernel(const RankArgs a) {
-  const int item = blockIdx.x, t = blockIdx.y, seq = a.seq[item], count = a.count[item][t];
-  m40llm_imp_record *r =
-      reinterpret_cast<m40llm_imp_record *>(a.records + (size_t)seq * a.record_bytes);
+  __shared__ double w_score[kRankWarps * kLow];
+  __shared__ int32_t w_pos[kRankWarps * kLow];
+  __shared__ bool last;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  l.warp_lowest(w_score + warp * kLow, w_pos + warp * kLow);
+  __syncthreads();
+  if (warp != 0) return;
   const int n = count < kLow ? count : kLow;
-  const int candidates = (count + kRankRows - 1) / kRankRows * kLow;
-  const size_t in = ((size_t)item * M40LLM_MAX_TIERS + (size_t)t) * (size_t)a.chunks * kLow;
-  LowList l;
   l.clear();
-  for (int i = threadIdx.x; i < candidates; i += 32)
-    if (a.part_pos[in + i] != INT_MAX) l.insert(a.part_score[in + i], a.part_pos[in + i]);
-  for (int round = 0; round < n; round++) {
-    double bs;
-    int32_t bp;
-    l.warp_min(&bs, &bp);
-    l.pop_if(bp);
-    if (threadIdx.x == 0) r->low_score[t][round] = bs, r->low_pos[t][round] = bp;
+  for (int i = lane; i < kRankWarps * kLow; i += 32) l.insert(w_score[i], w_pos[i]);
+  const int chunks = (count + kRankRows - 1) / kRankRows;
+  if (chunks <= 1) {  // the block's list is the tier's (a tier of no rows: n 0)
+    double bs[kLow];
+    int32_t bp[kLow];
+    l.warp_lowest(bs, bp);
+    write_low(r, t, n, bs, bp);
+    return;
   }
-  if (threadIdx.x == 0) r->n_low[t] = n;
+  const size_t base = ((size_t)item * M40LLM_MAX_TIERS + (size_t)t) * (size_t)a.chunks * kLow;
+  l.warp_lowest(a.part_score + base + (size_t)chunk * kLow, a.part_pos + base + (size_t)chunk * kLow);
+  // The last chunk's block sees every other's partials (the fence before its count, the
+  // classic reduction's pattern).
+  __threadfence();
+  int32_t *done = a.done + (size_t)seq * M40LLM_MAX_TIERS + t;
+  if (lane == 0) last = atomicAdd(done, 1) == chunks - 1;
+  __syncwarp();
+  if (!last) return;
+  __threadfence();
+  l.clear();
+  const volatile double *ps = a.part_score + base;
+  const volatile int32_t *pp = a.part_pos + base;
+  for (int i = lane; i < chunks * kLow; i += 32)
+    if (pp[i] != INT_MAX) l.insert(ps[i], pp[i]);
+  double bs[kLow];
+  int32_t bp[kLow];
+  l.warp_lowest(bs, bp);
+  write_low(r, t, n, bs, bp);
+  if (lane == 0) *done = 0;
 }
 
 // Chunks of kRankRows the largest tier of c takes, and the bytes of a launch's partials.
@@ -196,7 +193,7 @@ int rank_chunks(const m40llm_kvcache *c) {
 // Entries of each of a launch's partials arrays (a launch takes at most this many items:
 // distinct sequences).
 size_t rank_partials(const m40llm_kvcache *c) {
-  const int items = c->opts.max_seqs < kObserveItems ? c->opts.max_seqs : kObserveItems;
+  const int items = c->opts.max_seqs < kRankItems ? c->opts.max_seqs : kRankItems;
   return (size_t)items * M40LLM_MAX_TIERS * (size_t)rank_chunks(c) * kLow;
 }
 size_t rank_partial_bytes(const m40llm_kvcache *c) {
@@ -256,13 +253,12 @@ void m40llm_cuda_policy_free(m40llm_kvcache *c) {
   free(ps);
 }
 
-int m40llm_cuda_tier_observe(const m40llm_kvcache *c, int layer, const int32_t *seq_ids,
-                             int n_seqs) {
+int m40llm_cuda_tier_rank(const m40llm_kvcache *c, int layer, const int32_t *seq_ids,
+                          int n_seqs) {
   M40LLM_CUDA_ENTER(c->ctx);
   const m40llm_kvcache_options *o = &c->opts;
   cudaStream_t stream = cuda_state(c->ctx)->stream;
   const size_t layer_seqs = (size_t)layer * (size_t)o->max_seqs;
-  m40llm_imp_acc *acc = c->imp_acc + layer_seqs * (size_t)o->max_seq_len;
   char *records = static_cast<char *>(c->imp_rank) + layer_seqs * c->imp_record_bytes;
   void *ws = nullptr;
   const int rc = m40llm_cuda_workspace(cuda_state(c->ctx), rank_partial_bytes(c), &ws);
@@ -273,16 +269,10 @@ int m40llm_cuda_tier_observe(const m40llm_kvcache *c, int layer, const int32_t *
   // The layer's last copy has read the records this call rewrites (a no-op for none).
   M40LLM_CUDA_TRY(cudaStreamWaitEvent(stream, ps->landed[layer], 0));
   int lo = o->max_seqs, hi = -1;
-  for (int first = 0; first < n_seqs; first += kObserveItems) {
-    const int n = n_seqs - first < kObserveItems ? n_seqs - first : kObserveItems;
-    ObserveArgs a;
-    a.scratch = c->imp_scratch;
-    a.acc = acc;
-    a.first = first;
-    a.n_kv_heads = o->n_kv_heads;
-    a.max_seq_len = o->max_seq_len;
+  for (int first = 0; first < n_seqs; first += kRankItems) {
+    const int n = n_seqs - first < kRankItems ? n_seqs - first : kRankItems;
     RankArgs r;
-    r.acc = acc;
+    r.acc = c->imp_acc + layer_seqs * (size_t)o->max_seq_len;
     r.records = records;
     r.record_bytes = c->imp_record_bytes;
     r.max_seq_len = (size_t)o->max_seq_len;
@@ -290,31 +280,24 @@ int m40llm_cuda_tier_observe(const m40llm_kvcache *c, int layer, const int32_t *
     r.chunks = chunks;
     r.part_score = static_cast<double *>(ws);
     r.part_pos = reinterpret_cast<int32_t *>(r.part_score + parts);
+    r.done = c->imp_done;
     for (int t = 0; t < M40LLM_MAX_TIERS; t++) {
       r.rows[t] = t < c->n_tiers ? o->tiers[t].rows : 0;
       r.map[t] = r.rows[t] > 0 ? m40llm_tier_map_at(c, t, layer, 0) : nullptr;
     }
-    int longest = 1;
     for (int i = 0; i < n; i++) {
       const int seq = seq_ids[first + i];
-      a.seq[i] = r.seq[i] = seq;
-      a.len[i] = *m40llm_len_slot(c, layer, seq);
+      r.seq[i] = seq;
       r.win_first[i] = m40llm_window_begin(c, layer, seq);
-      r.win_n[i] = a.len[i] - r.win_first[i];
+      r.win_n[i] = *m40llm_len_slot(c, layer, seq) - r.win_first[i];
       for (int t = 0; t < M40LLM_MAX_TIERS; t++)
         r.count[i][t] = t < c->n_tiers ? m40llm_tier_counts(c, layer, seq)[t] : 0;
-      longest = a.len[i] > longest ? a.len[i] : longest;
       lo = seq < lo ? seq : lo;
       hi = seq > hi ? seq : hi;
     }
-    const unsigned chunks = (unsigned)((longest + kObserveChunk - 1) / kObserveChunk);
-    tier_observe_kernel<<<dim3((unsigned)n, chunks), kObserveThreads, 0, stream>>>(a);
-    M40LLM_CUDA_CHECK_LAUNCH("tier_observe_kernel");
     tier_rank_kernel<<<dim3((unsigned)n, (unsigned)c->n_tiers + 1, (unsigned)chunks),
                        kRankThreads, 0, stream>>>(r);
     M40LLM_CUDA_CHECK_LAUNCH("tier_rank_kernel");
-    tier_rank_merge_kernel<<<dim3((unsigned)n, (unsigned)c->n_tiers), 32, 0, stream>>>(r);
-    M40LLM_CUDA_CHECK_LAUNCH("tier_rank_merge_kernel");
   }
   // One copy for the records of sequences lo..hi (the others in it are older records, which
   // the host has read or will read the same), on the copy stream.
@@ -329,7 +312,7 @@ int m40llm_cuda_tier_observe(const m40llm_kvcache *c, int layer, const int32_t *
   return M40LLM_OK;
 }
 
-int m40llm_cuda_tier_observe_wait(const m40llm_kvcache *c, int layer) {
+int m40llm_cuda_tier_rank_wait(const m40llm_kvcache *c, int layer) {
   M40LLM_CUDA_ENTER(c->ctx);
   M40LLM_CUDA_TRY(
       cudaEventSynchronize(static_cast<PolicyState *>(c->imp_backend)->landed[layer]));

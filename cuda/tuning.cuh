@@ -175,6 +175,12 @@ constexpr int kImportanceChunk = kWeightsThreads;
 // L32K 85.9 -> 69.3 us). 6 hold its 40 registers on sm_52; at 8 (32 registers) it spilled.
 // Other values were not measured.
 constexpr int kImportanceBlocksPerSm = 6;
+// attn_observe_kernel: a block per (item, slice of positions), kObservePositions positions at a
+// time, each position's query heads split among kObserveHeadGroups threads (at 32 heads, 8
+// loads a thread, issued together). A thread a position and its heads in turn took 12.1 us
+// (ncu, base clocks, B8 32/8 L8K); other values were not measured.
+constexpr int kObservePositions = 64;
+constexpr int kObserveHeadGroups = 4;
 // Splits a lane loads at once when a warp merges a head's partials: up to 128 splits in one
 // memory round trip (B1 32/8 L32K: 128 splits on an H100, about 50 on the M40).
 constexpr int kImportanceMergeBatch = 4;

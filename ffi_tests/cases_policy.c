@@ -127,8 +127,13 @@ static int mirror_same_rows(mirror *m) {
 /* One append of counts[i] tokens to each of ids: to the cache in one batched call, to the twin
  * a token at a time, each leaving row's placement by the mirror first (a batch's rows leave in
  * order, each placed before the next, as the twin's single appends place them). */
+/* twin_batch: the twin takes the rows in the same batched append (rows leaving the window in
+ * the append they came in are quantized from the input, not from an FP16 slot), for rows no
+ * observe call has seen, which displace nothing. */
 static void step_append(m40llm_context *ctx, m40llm_kvcache *c, m40llm_kvcache *twin, mirror *m,
-                        int layer, const int32_t *ids, const int32_t *counts, int n) {
+                        int layer, const int32_t *ids, const int32_t *counts, int n,
+                        int twin_batch) {
+  const long long demoted = m->demoted;
   const int heads = m->o.n_kv_heads, d = m->o.head_dim;
   const size_t row = (size_t)heads * (size_t)d;
   int total = 0;
@@ -152,11 +157,13 @@ static void step_append(m40llm_context *ctx, m40llm_kvcache *c, m40llm_kvcache *
       const int q1 = lo_after > m->sinks ? lo_after : m->sinks;
       for (int e = q0; e < q1 && e < pos; e++)
         if (place(m, twin, layer, ids[i], e) != M40LLM_OK) goto out;
-      float *dk = t_dev_upload(ctx, k + (size_t)r * row, row * sizeof(float));
-      float *dv = t_dev_upload(ctx, v + (size_t)r * row, row * sizeof(float));
-      T_OK(m40llm_kvcache_append_f32(twin, layer, ids[i], dk, dv, 1));
-      m40llm_free(ctx, dk);
-      m40llm_free(ctx, dv);
+      if (!twin_batch) {
+        float *dk = t_dev_upload(ctx, k + (size_t)r * row, row * sizeof(float));
+        float *dv = t_dev_upload(ctx, v + (size_t)r * row, row * sizeof(float));
+        T_OK(m40llm_kvcache_append_f32(twin, layer, ids[i], dk, dv, 1));
+        m40llm_free(ctx, dk);
+        m40llm_free(ctx, dv);
+      }
       m->seen[s * (size_t)m->o.max_seq_len + (size_t)pos] = m->calls[s];
       m->tier[s * (size_t)m->o.max_seq_len + (size_t)pos] = -1;
       m->len[s] = pos + 1;
@@ -174,6 +181,10 @@ static void step_append(m40llm_context *ctx, m40llm_kvcache *c, m40llm_kvcache *
   float *dk = t_dev_upload(ctx, k, (size_t)total * row * sizeof(float));
   float *dv = t_dev_upload(ctx, v, (size_t)total * row * sizeof(float));
   T_OK(m40llm_kvcache_append_batch_f32(c, layer, ids, counts, n, dk, dv));
+  if (twin_batch) {
+    T_CHECK(m->demoted == demoted);
+    T_OK(m40llm_kvcache_append_batch_f32(twin, layer, ids, counts, n, dk, dv));
+  }
   m40llm_free(ctx, dk);
   m40llm_free(ctx, dv);
 out:
@@ -324,10 +335,13 @@ static void mirror_fork(mirror *m, int dst, int src) {
 
 /* A cache of these options (placement aside) and its twin, `steps` decode steps of every
  * sequence but the last (the fork's), an observe call every `every` steps. */
-static void run(m40llm_context *ctx, m40llm_kvcache_options o, int steps, int every, int ties) {
+/* prompt: tokens appended to each sequence first, in one append of the batch (rows no observe
+ * call has seen: the first free tier). */
+static void run(m40llm_context *ctx, m40llm_kvcache_options o, int prompt, int steps, int every,
+                int ties) {
   t_set_case("placement by importance: %d/%d heads, head_dim %d, %d tiers, sinks %d, window %d, "
-             "observe every %d%s", o.n_heads, o.n_kv_heads, o.head_dim, o.n_tiers, o.n_sinks,
-             o.window, every, ties ? ", half the rows alike" : "");
+             "prompt %d, observe every %d%s", o.n_heads, o.n_kv_heads, o.head_dim, o.n_tiers,
+             o.n_sinks, o.window, prompt, every, ties ? ", half the rows alike" : "");
   m40llm_kvcache *c = NULL, *twin = NULL;
   mirror m;
   o.placement = M40LLM_PLACE_IMPORTANCE;
@@ -343,6 +357,9 @@ static void run(m40llm_context *ctx, m40llm_kvcache_options o, int steps, int ev
   const int n = o.max_seqs - 1;
   int32_t ids[8], counts[8];
   for (int i = 0; i < n; i++) ids[i] = n - 1 - i; /* not in order */
+  for (int i = 0; i < n && prompt > 0; i++) counts[i] = prompt;
+  for (int l = 0; l < o.n_layers && prompt > 0; l++)
+    step_append(ctx, c, twin, &m, l, ids, counts, n, 1);
   for (int step = 0; step < steps; step++) {
     /* part-way: seq 0 cut back into its quantized rows, then grown again */
     if (step == steps / 2) {
@@ -354,7 +371,7 @@ static void run(m40llm_context *ctx, m40llm_kvcache_options o, int steps, int ev
     /* mostly one token a sequence; some appends of 2-3 take several rows out of the window */
     for (int i = 0; i < n; i++) counts[i] = t_rand_int(0, 3) == 0 ? t_rand_int(2, 3) : 1;
     for (int l = 0; l < o.n_layers; l++) {
-      step_append(ctx, c, twin, &m, l, ids, counts, n);
+      step_append(ctx, c, twin, &m, l, ids, counts, n, 0);
       if (step % every == every - 1) observe(ctx, c, twin, &m, l, ids, n, dimp);
       /* sometimes a second call before the next append, on the first and last ids: its
        * records replace the first call's, and the copy spans sequences it did not see */
@@ -379,7 +396,7 @@ static void run(m40llm_context *ctx, m40llm_kvcache_options o, int steps, int ev
   const int32_t forked[3] = {n, 2, 0}, ones[3] = {1, 1, 1};
   for (int step = 0; step < 40; step++)
     for (int l = 0; l < o.n_layers; l++) {
-      step_append(ctx, c, twin, &m, l, forked, ones, 3);
+      step_append(ctx, c, twin, &m, l, forked, ones, 3, 0);
       if (step % every == every - 1) observe(ctx, c, twin, &m, l, forked, 3, dimp);
     }
   for (int l = 0; l < o.n_layers; l++)
@@ -437,8 +454,8 @@ static void errors(m40llm_context *ctx) {
   m40llm_kvcache_options untiered = o;
   untiered.n_tiers = 0;
   T_FAIL_WITH(m40llm_kvcache_create(&c, ctx, &untiered), M40LLM_ERR_INVALID_ARGUMENT, "n_tiers");
-  /* the accumulators (layers x seqs x positions, a float and a count), the scratch (seqs x K/V
-   * heads x positions) and a record per (layer, seq): 4 tiers' counts, 8 positions and 8 double
+  /* the accumulators (layers x seqs x positions, a float and a count), the ranking's counters
+   * (seqs x 4 tiers) and a record per (layer, seq): 4 tiers' counts, 8 positions and 8 double
    * scores, the window's first and count, and a double per window row */
   m40llm_kvcache_options plain = o;
   plain.placement = M40LLM_PLACE_FIRST_FREE;
@@ -446,7 +463,7 @@ static void errors(m40llm_context *ctx) {
   if (T_OK(m40llm_kvcache_bytes_needed(&plain_bytes, &plain)) &&
       T_OK(m40llm_kvcache_bytes_needed(&policy_bytes, &o)))
     T_INT_EQ(policy_bytes - plain_bytes,
-             (size_t)2 * 4 * 200 * 8 + (size_t)4 * 2 * 200 * 4 + (size_t)2 * 4 * record);
+             (size_t)2 * 4 * 200 * 8 + (size_t)4 * 4 * 4 + (size_t)2 * 4 * record);
   /* version 4 callers: no placement field, the default */
   m40llm_kvcache_options v4 = plain, back;
   v4.version = 4;
@@ -515,17 +532,28 @@ void t_cases_policy(m40llm_context *ctx, int small) {
   errors(ctx);
   const int steps = small ? 120 : 300;
   const int len = 2 * steps + 3 * 40 + 8; /* appends of up to 2 tokens on average, the forks' */
-  run(ctx, shape(6, 3, 64, len, 2, 16), steps, 2, 0); /* groups of 2, K/V heads 3 */
-  run(ctx, shape(6, 3, 64, len, 2, 16), steps, 2, 1);
-  run(ctx, shape(8, 2, 128, len, 4, 8), steps, 3, 0); /* groups of 4 */
+  run(ctx, shape(6, 3, 64, len, 2, 16), 0, steps, 2, 0); /* groups of 2, K/V heads 3 */
+  run(ctx, shape(6, 3, 64, len, 2, 16), 0, steps, 2, 1);
+  run(ctx, shape(8, 2, 128, len, 4, 8), 0, steps, 3, 0); /* groups of 4 */
   m40llm_kvcache_options gap = shape(9, 3, 64, len, 0, 12);
   gap.tiers[1].rows = 0;             /* passed over */
   gap.tiers[3].rows = gap.max_seq_len; /* room for the rows tier 1 would have held */
-  run(ctx, gap, steps, 1, 0);
+  run(ctx, gap, 0, steps, 1, 0);
   /* observe calls rarer than rows leave a window of 4: rows no call saw (score 0, ties), and
    * placements on orders the last observe call did not reset */
-  run(ctx, shape(6, 3, 64, len, 2, 4), steps, 6, 0);
+  run(ctx, shape(6, 3, 64, len, 2, 4), 0, steps, 6, 0);
   /* rarer still: the lists a truncate or a caller's move made stale are met before a call resets
    * them */
-  run(ctx, shape(4, 2, 64, len, 2, 4), steps, 25, 1);
+  run(ctx, shape(4, 2, 64, len, 2, 4), 0, steps, 25, 1);
+  /* a full middle tier of 4,300 rows after a prompt: its order (which every leaving row that
+   * does not stay in tier 0 is compared with) is ranked on CUDA in two chunks of 4,096 rows and
+   * merged; the truncate cuts one sequence's tier down to one chunk */
+  const int prompt = 4500, long_steps = 16;
+  m40llm_kvcache_options big = shape(4, 2, 64, prompt + 3 * long_steps + 3 * 40 + 8, 2, 16);
+  big.n_layers = 1;
+  big.n_tiers = 3;
+  big.tiers[0].rows = 64;
+  big.tiers[1] = (m40llm_kv_tier){M40LLM_KV_Q8, M40LLM_KV_Q4, 4300};
+  big.tiers[2] = (m40llm_kv_tier){M40LLM_KV_Q4, M40LLM_KV_Q2, big.max_seq_len};
+  run(ctx, big, prompt, long_steps, 1, 1);
 }

@@ -409,9 +409,10 @@ typedef enum m40llm_tier_placement {
    * tier_move, a truncate, a fork or a row appended past the window made unknown), the append
    * first copies the sequence's sums back (a wait for the stream) and ranks on the host. The
    * cascades of a decode step's append (a leaving row a sequence) run in one launch; an append
-   * of several leaving rows a sequence takes a launch for each. Measured on an H200 (bench/RESULTS.md, "Placement by
-   * importance"): a decode step of 8 layers x 8 sequences x 8K with observe calls every 4th
-   * step took 1.19x (M40 code) and 1.52x (sm_90) the default placement's time. */
+   * of several leaving rows a sequence takes a launch for each. Measured on an H200
+   * (bench/RESULTS.md, "Placement by importance" and after): a decode step of 8 layers x 8
+   * sequences x 8K with observe calls every 4th step took 1.15-1.18x (M40 code) and
+   * 1.44-1.50x (sm_90) the default placement's time. */
   M40LLM_PLACE_IMPORTANCE = 1
 } m40llm_tier_placement;
 
@@ -473,8 +474,8 @@ typedef struct m40llm_kvcache_options {
   /* Version 5: m40llm_tier_placement (default M40LLM_PLACE_FIRST_FREE, what version 4 does).
    * M40LLM_PLACE_IMPORTANCE needs tiers (n_tiers > 0) and holds, besides the tiers, 8 bytes
    * of backend memory a position for every (layer, sequence) (the importance sums and their
-   * counts), 4 x max_seqs x n_kv_heads x max_seq_len bytes of scratch (one call's weights) and
-   * 408 + 8 x window bytes for every (layer, sequence) (the observe calls' rankings), counted
+   * counts), 16 bytes a sequence (the ranking's counters) and 408 + 8 x window bytes for
+   * every (layer, sequence) (the observe calls' rankings), counted
    * by m40llm_kvcache_bytes_needed; on the host 8 bytes a position and 134 bytes for every
    * (layer, sequence) and 8 x max_seq_len bytes, and on CUDA the rankings again, in pinned
    * memory.
@@ -755,10 +756,10 @@ int m40llm_kvcache_attn_importance_ex(void *out, float *importance, size_t impor
  *  any error nothing is written and nothing counted. Call it on the steps whose weights the
  *  policy should see (bench/fidelity measured every 4th step against every 16th: 0.71 against
  *  0.97 of the uniform formats' KL at 2K tokens and 6 bits; the plain call on the others).
- *  The weights are m40llm_kvcache_attn_importance_ex's (decay 0), into the cache's scratch,
- *  then small kernels add each position's largest over the K/V heads to its sum, count the
- *  call, and rank each sequence's tiers (M40LLM_PLACE_IMPORTANCE), whose result is copied to
- *  pinned host memory without a wait (bench/RESULTS.md, "Placement by importance"). On CUDA
+ *  The weights are m40llm_kvcache_attn_importance_ex's (decay 0); a small kernel adds each
+ *  position's largest over the query heads to its sum and counts the call, another ranks each
+ *  sequence's tiers (M40LLM_PLACE_IMPORTANCE), whose result is copied to pinned host memory
+ *  without a wait (bench/RESULTS.md, "Placement by importance"). On CUDA
  *  the call cannot be captured in a graph (M40LLM_ERR_UNSUPPORTED before anything is queued:
  *  the host reads the ranking after the copy): capture the plain call, and make the observe
  *  calls outside graphs. The next append of a sequence the call saw waits for that copy (one

@@ -30,8 +30,11 @@ typedef struct m40llm_append_item {
  * where the backend's attention_appends says it can, it appends: append_k and append_v hold
  * one [n_kv_heads][head_dim] row a query row, of the call's element type, which the call
  * writes at its sequence's last position (the lengths already count it) before reading it.
- * observe: the call is m40llm_kvcache_attn_observe_ex's (importance into c->imp_scratch), which
- * a backend with graphs refuses during a capture before it queues anything (its records reach
+ * observe: the call is m40llm_kvcache_attn_observe_ex's (weights and importance NULL): it adds
+ * each position's largest weight over every query head (as the importance call with decay 0
+ * computes it per K/V head) to its accumulator in c->imp_acc's row of (layer, seq_ids[i]) and
+ * counts the call, for every position below the sequence's length. A backend with graphs
+ * refuses it during a capture before it queues anything (the tier_rank that follows reaches
  * the host by a copy and an event the host waits for). */
 typedef struct m40llm_attn_export {
   float *weights;
@@ -165,17 +168,15 @@ typedef struct m40llm_backend_ops {
   /* Importance placement (M40LLM_PLACE_IMPORTANCE). policy_alloc, after the front end's state
    * is made: sets c->imp_records, host memory of c->imp_rank's size where the records become
    * readable, and c->imp_backend, what else the backend needs; policy_free releases them (either
-   * may be NULL: a failed create). tier_observe, after an observe call's attention wrote its
-   * weights' largest over each K/V head's query heads into c->imp_scratch (row i * n_kv_heads
-   * + g of max_seq_len floats for seq_ids[i]): adds each position's largest over the K/V heads
-   * to its accumulator in c->imp_acc's row of (layer, seq_ids[i]) and counts the call, for
-   * positions below its length; then writes the record of each (layer, seq_ids[i]) into
-   * c->imp_rank and starts copying them to c->imp_records, where they are once
-   * tier_observe_wait(c, layer) returns. ids distinct and valid; not during a graph capture. */
+   * may be NULL: a failed create). tier_rank, after an observe call's attention added its
+   * weights to the accumulators (m40llm_attn_export.observe): writes the record of each (layer,
+   * seq_ids[i]) into c->imp_rank and starts copying them to c->imp_records, where they are once
+   * tier_rank_wait(c, layer) returns. c->imp_done, zeroed at create, is the backend's to use and
+   * leave zeroed after each call. ids distinct and valid; not during a graph capture. */
   int (*policy_alloc)(m40llm_kvcache *c);
   void (*policy_free)(m40llm_kvcache *c);
-  int (*tier_observe)(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, int n_seqs);
-  int (*tier_observe_wait)(const m40llm_kvcache *c, int layer);
+  int (*tier_rank)(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, int n_seqs);
+  int (*tier_rank_wait)(const m40llm_kvcache *c, int layer);
   /* Graphs of the context's calls (NULL where the backend has none). graph_begin starts a
    * capture of the context's stream; graph_end ends it and puts the captured graph into *exec
    * (an executable graph; NULL for a new one): updated in place where the runtime can

@@ -393,12 +393,13 @@ static void attend_row(const m40llm_kvcache *c, int layer, int seq, int begin, i
 }
 
 /* Importance (m40llm_attn_export): each query head's weights into a scratch row, then, per
- * position, the largest over a K/V head's query heads added to the decayed value. */
+ * position, the largest over a K/V head's query heads added to the decayed value; an observe
+ * call's largest over every query head added to the position's accumulator, and counted. */
 static int cpu_attention(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, int n_seqs,
                          const void *q, void *out, int dtype, float scale,
                          const m40llm_attn_export *x) {
   const m40llm_kvcache_options *o = &c->opts;
-  if (!x || !x->importance) {
+  if (!x || (!x->importance && !x->observe)) {
     for (int i = 0; i < n_seqs; i++)
       attend_row(c, layer, seq_ids[i], 0, *m40llm_len_slot(c, layer, seq_ids[i]), (size_t)i, q,
                  out, dtype, scale,
@@ -406,7 +407,7 @@ static int cpu_attention(const m40llm_kvcache *c, int layer, const int32_t *seq_
                  x ? x->weights_stride : 0);
     return M40LLM_OK;
   }
-  const size_t stride = x->importance_stride;
+  const size_t stride = x->observe ? (size_t)o->max_seq_len : x->importance_stride;
   float *w = stride ? m40llm_host_malloc((size_t)o->n_heads * stride * sizeof *w) : NULL;
   if (stride && !w)
     return m40llm_fail(M40LLM_ERR_OUT_OF_MEMORY, "allocating the weights of %d query heads",
@@ -415,6 +416,19 @@ static int cpu_attention(const m40llm_kvcache *c, int layer, const int32_t *seq_
   for (int i = 0; i < n_seqs; i++) {
     const int len = *m40llm_len_slot(c, layer, seq_ids[i]);
     attend_row(c, layer, seq_ids[i], 0, len, (size_t)i, q, out, dtype, scale, w, stride);
+    if (x->observe) {
+      m40llm_imp_acc *acc = c->imp_acc + ((size_t)layer * (size_t)o->max_seqs +
+                                          (size_t)seq_ids[i]) * (size_t)o->max_seq_len;
+      for (int p = 0; p < len; p++) {
+        float most = 0.0f;
+        for (int h = 0; h < o->n_heads; h++)
+          most = w[(size_t)h * stride + (size_t)p] > most ? w[(size_t)h * stride + (size_t)p]
+                                                          : most;
+        acc[p].sum += most;
+        acc[p].calls++;
+      }
+      continue;
+    }
     for (int g = 0; g < o->n_kv_heads; g++) {
       float *imp = x->importance + ((size_t)i * (size_t)o->n_kv_heads + (size_t)g) * stride;
       for (int p = 0; p < len; p++) {
@@ -485,30 +499,14 @@ static void rank(const m40llm_kvcache *c, int layer, int seq) {
   for (int i = 0; i < r->win_n; i++) win[i] = m40llm_imp_score(acc[r->win_first + i]);
 }
 
-/* Each position's largest over the K/V heads of the call's weights, added to its sum and
- * counted; then the sequences' records. */
-static int cpu_tier_observe(const m40llm_kvcache *c, int layer, const int32_t *seq_ids,
-                            int n_seqs) {
-  const m40llm_kvcache_options *o = &c->opts;
-  const size_t len_max = (size_t)o->max_seq_len;
-  for (int i = 0; i < n_seqs; i++) {
-    const int len = *m40llm_len_slot(c, layer, seq_ids[i]);
-    m40llm_imp_acc *acc =
-        c->imp_acc + ((size_t)layer * (size_t)o->max_seqs + (size_t)seq_ids[i]) * len_max;
-    const float *w = c->imp_scratch + (size_t)i * (size_t)o->n_kv_heads * len_max;
-    for (int p = 0; p < len; p++) {
-      float most = 0.0f;
-      for (int g = 0; g < o->n_kv_heads; g++)
-        most = w[(size_t)g * len_max + (size_t)p] > most ? w[(size_t)g * len_max + (size_t)p] : most;
-      acc[p].sum += most;
-      acc[p].calls++;
-    }
-    rank(c, layer, seq_ids[i]);
-  }
+/* The sequences' records (the observe call's attention has added its weights). */
+static int cpu_tier_rank(const m40llm_kvcache *c, int layer, const int32_t *seq_ids,
+                         int n_seqs) {
+  for (int i = 0; i < n_seqs; i++) rank(c, layer, seq_ids[i]);
   return M40LLM_OK;
 }
 
-static int cpu_tier_observe_wait(const m40llm_kvcache *c, int layer) {
+static int cpu_tier_rank_wait(const m40llm_kvcache *c, int layer) {
   (void)c, (void)layer;
   return M40LLM_OK;
 }
@@ -538,8 +536,8 @@ const m40llm_backend_ops m40llm_cpu_backend = {
     .tier_rows = cpu_tier_rows,
     .policy_alloc = cpu_policy_alloc,
     .policy_free = cpu_policy_free,
-    .tier_observe = cpu_tier_observe,
-    .tier_observe_wait = cpu_tier_observe_wait,
+    .tier_rank = cpu_tier_rank,
+    .tier_rank_wait = cpu_tier_rank_wait,
     .graph_begin = NULL, /* calls complete before they return: nothing to capture */
     .graph_end = NULL,
     .graph_launch = NULL,

@@ -66,8 +66,9 @@ struct m40llm_kvcache {
   int32_t *batch_ids;
   /* Importance placement (opts.placement == M40LLM_PLACE_IMPORTANCE; tier_policy.c). Backend
    * memory: each (layer, seq)'s accumulators, a position's sum of the weights its observe calls
-   * gave it and their number (imp_acc, [layer][seq][max_seq_len]), one call's weights
-   * (imp_scratch, [max_seqs][n_kv_heads][max_seq_len], zeroed at create), and what the last
+   * gave it and their number (imp_acc, [layer][seq][max_seq_len]), the ranking's counters
+   * (imp_done, [max_seqs][M40LLM_MAX_TIERS], zeroed at create: on CUDA, a tier's blocks that
+   * have ranked their rows), and what the last
    * observe call of each (layer, seq) ranked (imp_rank, [layer][seq] records of
    * imp_record_bytes: m40llm_imp_record), which the backend makes readable on the host at
    * imp_records (its own: pinned on CUDA; imp_backend holds what else it needs, per-layer
@@ -79,7 +80,7 @@ struct m40llm_kvcache {
    * positions, most important last (imp_low, [layer][seq][tier][M40LLM_IMP_LOW]; imp_n_low
    * entries, 0: not known), and the rows the cascade has moved down (imp_demoted). */
   struct m40llm_imp_acc *imp_acc, *imp_fetch;
-  float *imp_scratch;
+  int32_t *imp_done;
   void *imp_rank, *imp_records, *imp_backend;
   size_t imp_record_bytes;
   double *imp_host;

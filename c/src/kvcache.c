@@ -693,7 +693,7 @@ static int attn_batch(void *out, const m40llm_attn_export *x, int mode,
                                 (uintptr_t)cache->opts.head_dim * m40llm_dtype_size(dtype);
     if (mode == EXPORT_OBSERVE) {
       name = "importance";
-      stride = x->importance_stride;
+      stride = (size_t)cache->opts.max_seq_len; /* the cache's own rows: always long enough */
       if (cache->opts.placement != M40LLM_PLACE_IMPORTANCE)
         return FAIL(INVALID_ARGUMENT,
                     "the cache's placement is not M40LLM_PLACE_IMPORTANCE: it keeps no importance "
@@ -749,7 +749,7 @@ static int attn_batch(void *out, const m40llm_attn_export *x, int mode,
                                                           dtype, scale, x));
   if (rc == M40LLM_OK && mode == EXPORT_OBSERVE) {
     rc = m40llm_context_result(cache->ctx,
-                               cache->ctx->ops->tier_observe(cache, layer, ids, n_seqs));
+                               cache->ctx->ops->tier_rank(cache, layer, ids, n_seqs));
     if (rc == M40LLM_OK) m40llm_policy_observed(cache, layer, ids, n_seqs);
   }
   if (ids != on_stack) free(ids);
@@ -781,9 +781,7 @@ int m40llm_kvcache_attn_observe_ex(void *out, m40llm_kvcache *cache, int layer,
                                    const int32_t *seq_ids, int n_seqs, const void *q, int dtype,
                                    float scale) {
   if (!cache) return FAIL(INVALID_ARGUMENT, "cache is NULL");
-  /* decay 0: the scratch rows hold this call's weights alone */
-  const m40llm_attn_export x = {NULL, 0, cache->imp_scratch, (size_t)cache->opts.max_seq_len,
-                                0.0f, NULL, NULL, 1};
+  const m40llm_attn_export x = {NULL, 0, NULL, 0, 0.0f, NULL, NULL, 1};
   return attn_batch(out, &x, EXPORT_OBSERVE, cache, layer, seq_ids, n_seqs, q, dtype, scale);
 }
 

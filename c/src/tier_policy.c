@@ -36,12 +36,10 @@ int m40llm_policy_add_bytes(size_t *bytes, const m40llm_kvcache_options *o, int 
   if (o->placement != M40LLM_PLACE_IMPORTANCE) return 1;
   const size_t len = (size_t)o->max_seq_len;
   const size_t seqs = (size_t)o->n_layers * (size_t)o->max_seqs;
-  const size_t scratch = (size_t)o->max_seqs * (size_t)o->n_kv_heads;
+  const size_t done = (size_t)o->max_seqs * M40LLM_MAX_TIERS * sizeof(int32_t);
   const size_t acc = sizeof(m40llm_imp_acc), rec = record_bytes(window);
-  if (seqs > SIZE_MAX / len / acc || scratch > SIZE_MAX / len / sizeof(float) ||
-      seqs > SIZE_MAX / rec)
-    return 0;
-  const size_t parts[3] = {seqs * len * acc, scratch * len * sizeof(float), seqs * rec};
+  if (seqs > SIZE_MAX / len / acc || seqs > SIZE_MAX / rec) return 0;
+  const size_t parts[3] = {seqs * len * acc, done, seqs * rec};
   for (int i = 0; i < 3; i++) {
     if (*bytes > SIZE_MAX - parts[i]) return 0;
     *bytes += parts[i];
@@ -54,7 +52,7 @@ int m40llm_policy_alloc(m40llm_kvcache *c) {
   const m40llm_kvcache_options *o = &c->opts;
   const size_t seqs = (size_t)o->n_layers * (size_t)o->max_seqs;
   const size_t positions = seqs * (size_t)o->max_seq_len;
-  const size_t scratch = (size_t)o->max_seqs * (size_t)o->n_kv_heads * (size_t)o->max_seq_len;
+  const size_t done = (size_t)o->max_seqs * M40LLM_MAX_TIERS * sizeof(int32_t);
   c->imp_record_bytes = record_bytes(c->window);
   c->imp_host = m40llm_host_calloc(positions, sizeof *c->imp_host);
   c->imp_fetch = m40llm_host_calloc((size_t)o->max_seq_len, sizeof *c->imp_fetch);
@@ -68,11 +66,10 @@ int m40llm_policy_alloc(m40llm_kvcache *c) {
     return FAIL(OUT_OF_MEMORY, "allocating the importance placement's host state");
   memset(c->imp_full, 1, seqs); /* every score is 0 on both sides */
   int rc = m40llm_malloc((void **)&c->imp_acc, c->ctx, positions * sizeof(m40llm_imp_acc));
-  if (rc == M40LLM_OK) rc = m40llm_malloc((void **)&c->imp_scratch, c->ctx, scratch * sizeof(float));
+  if (rc == M40LLM_OK) rc = m40llm_malloc((void **)&c->imp_done, c->ctx, done);
   if (rc == M40LLM_OK) rc = m40llm_malloc(&c->imp_rank, c->ctx, seqs * c->imp_record_bytes);
   if (rc == M40LLM_OK) rc = m40llm_memset(c->ctx, c->imp_acc, 0, positions * sizeof(m40llm_imp_acc));
-  /* decay 0 still reads the old value (0 x NaN would be NaN) */
-  if (rc == M40LLM_OK) rc = m40llm_memset(c->ctx, c->imp_scratch, 0, scratch * sizeof(float));
+  if (rc == M40LLM_OK) rc = m40llm_memset(c->ctx, c->imp_done, 0, done);
   if (rc == M40LLM_OK) rc = m40llm_context_result(c->ctx, c->ctx->ops->policy_alloc(c));
   return rc;
 }
@@ -80,7 +77,7 @@ int m40llm_policy_alloc(m40llm_kvcache *c) {
 void m40llm_policy_free(m40llm_kvcache *c) {
   if (c->ctx->ops->policy_free) c->ctx->ops->policy_free(c);
   m40llm_free(c->ctx, c->imp_acc);
-  m40llm_free(c->ctx, c->imp_scratch);
+  m40llm_free(c->ctx, c->imp_done);
   m40llm_free(c->ctx, c->imp_rank);
   free(c->imp_host);
   free(c->imp_fetch);
@@ -120,7 +117,7 @@ static low_list low_of(const m40llm_kvcache *c, int layer, int seq, int t) {
 int m40llm_policy_settle(m40llm_kvcache *c, int layer, int seq) {
   if (!on(c) || !c->imp_pending[seq_index(c, layer, seq)]) return M40LLM_OK;
   if (!c->imp_landed[layer]) {
-    const int rc = m40llm_context_result(c->ctx, c->ctx->ops->tier_observe_wait(c, layer));
+    const int rc = m40llm_context_result(c->ctx, c->ctx->ops->tier_rank_wait(c, layer));
     if (rc != M40LLM_OK) return rc;
     c->imp_landed[layer] = 1;
   }

@@ -638,10 +638,10 @@ extern "C" {
   any error nothing is written and nothing counted. Call it on the steps whose weights the
   policy should see (bench/fidelity measured every 4th step against every 16th: 0.71 against
   0.97 of the uniform formats' KL at 2K tokens and 6 bits; the plain call on the others).
-  The weights are m40llm_kvcache_attn_importance_ex's (decay 0), into the cache's scratch,
-  then small kernels add each position's largest over the K/V heads to its sum, count the
-  call, and rank each sequence's tiers (M40LLM_PLACE_IMPORTANCE), whose result is copied to
-  pinned host memory without a wait (bench/RESULTS.md, "Placement by importance"). On CUDA
+  The weights are m40llm_kvcache_attn_importance_ex's (decay 0); a small kernel adds each
+  position's largest over the query heads to its sum and counts the call, another ranks each
+  sequence's tiers (M40LLM_PLACE_IMPORTANCE), whose result is copied to pinned host memory
+  without a wait (bench/RESULTS.md, "Placement by importance"). On CUDA
   the call cannot be captured in a graph (M40LLM_ERR_UNSUPPORTED before anything is queued:
   the host reads the ranking after the copy): capture the plain call, and make the observe
   calls outside graphs. The next append of a sequence the call saw waits for that copy (one

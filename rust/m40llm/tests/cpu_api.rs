@@ -1276,12 +1276,12 @@ fn placement_by_importance_and_its_errors() {
         ]);
     assert_eq!(base.placement, TierPlacement::FirstFree);
     let cfg = base.placement(TierPlacement::Importance);
-    // The sums and counts (1 layer x 2 sequences x 64 positions, 8 bytes each), one call's
-    // weights (2 sequences x 2 K/V heads x 64 positions, 4 bytes each) and a ranking of each
-    // (layer, sequence): 408 bytes and 8 a window row.
+    // The sums and counts (1 layer x 2 sequences x 64 positions, 8 bytes each), the ranking's
+    // counters (2 sequences x 4 tiers, 4 bytes each) and a ranking of each (layer, sequence):
+    // 408 bytes and 8 a window row.
     assert_eq!(
         cfg.bytes_needed().unwrap() - base.bytes_needed().unwrap(),
-        2 * 64 * 8 + 2 * 2 * 64 * 4 + 2 * (408 + 8 * 4)
+        2 * 64 * 8 + 2 * 4 * 4 + 2 * (408 + 8 * 4)
     );
     let mut kv = KvCache::new(&ctx, &cfg).unwrap();
     assert_eq!(kv.config().placement, TierPlacement::Importance);
