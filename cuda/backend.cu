@@ -9,6 +9,7 @@
 #include "common.cuh"
 #include "io_rows.cuh"
 #include "kv_format.cuh"
+#include "tuning.cuh"
 
 namespace {
 
@@ -216,6 +217,11 @@ int cuda_check_cache(const m40llm_kvcache_options *o) {
   if (o->head_dim % 8 != 0)
     return m40llm_fail(M40LLM_ERR_UNSUPPORTED,
                        "opts->head_dim %d: the CUDA backend needs a multiple of 8", o->head_dim);
+  if (o->placement == M40LLM_PLACE_IMPORTANCE && o->n_heads > kObserveMaxHeads)
+    return m40llm_fail(M40LLM_ERR_UNSUPPORTED,
+                       "opts->n_heads %d with M40LLM_PLACE_IMPORTANCE: the CUDA backend's observe "
+                       "call takes at most %d query heads",
+                       o->n_heads, kObserveMaxHeads);
   if (o->n_tiers > 0) return M40LLM_OK;  // every pair of tier formats (tiers.cu)
   const int v_format = o->v_format == M40LLM_KV_SAME ? o->format : o->v_format;
   return with_kv_pair(o->format, v_format, [](auto) -> int { return M40LLM_OK; });

@@ -181,6 +181,9 @@ constexpr int kImportanceBlocksPerSm = 6;
 // (ncu, base clocks, B8 32/8 L8K); other values were not measured.
 constexpr int kObservePositions = 64;
 constexpr int kObserveHeadGroups = 4;
+// Query heads whose softmax states (8 bytes each) attn_observe_kernel holds in shared memory:
+// caches placed by importance with more are refused at create (cuda_check_cache).
+constexpr int kObserveMaxHeads = 4096;
 // Splits a lane loads at once when a warp merges a head's partials: up to 128 splits in one
 // memory round trip (B1 32/8 L32K: 128 splits on an H100, about 50 on the M40).
 constexpr int kImportanceMergeBatch = 4;

@@ -454,6 +454,17 @@ static void errors(m40llm_context *ctx) {
   m40llm_kvcache_options untiered = o;
   untiered.n_tiers = 0;
   T_FAIL_WITH(m40llm_kvcache_create(&c, ctx, &untiered), M40LLM_ERR_INVALID_ARGUMENT, "n_tiers");
+  /* the observe call's softmax states of every query head in shared memory on CUDA */
+  m40llm_kvcache_options many = o;
+  many.n_heads = 4098;
+  m40llm_device_info info = M40LLM_DEVICE_INFO_INIT;
+  if (T_OK(m40llm_context_device_info(&info, ctx)) && info.backend == M40LLM_BACKEND_CUDA) {
+    T_FAIL_WITH(m40llm_kvcache_create(&c, ctx, &many), M40LLM_ERR_UNSUPPORTED, "4096 query heads");
+    T_CHECK(c == NULL);
+  } else if (T_OK(m40llm_kvcache_create(&c, ctx, &many))) {
+    m40llm_kvcache_destroy(c);
+    c = NULL;
+  }
   /* the accumulators (layers x seqs x positions, a float and a count), the ranking's counters
    * (seqs x 4 tiers) and a record per (layer, seq): 4 tiers' counts, 8 positions and 8 double
    * scores, the window's first and count, and a double per window row */

@@ -472,7 +472,8 @@ typedef struct m40llm_kvcache_options {
   int n_tiers;
   m40llm_kv_tier tiers[M40LLM_MAX_TIERS];
   /* Version 5: m40llm_tier_placement (default M40LLM_PLACE_FIRST_FREE, what version 4 does).
-   * M40LLM_PLACE_IMPORTANCE needs tiers (n_tiers > 0) and holds, besides the tiers, 8 bytes
+   * M40LLM_PLACE_IMPORTANCE needs tiers (n_tiers > 0), on CUDA at most 4096 query heads
+   * (M40LLM_ERR_UNSUPPORTED), and holds, besides the tiers, 8 bytes
    * of backend memory a position for every (layer, sequence) (the importance sums and their
    * counts), 16 bytes a sequence (the ranking's counters) and 408 + 8 x window bytes for
    * every (layer, sequence) (the observe calls' rankings), counted
@@ -753,9 +754,13 @@ int m40llm_kvcache_attn_importance_ex(void *out, float *importance, size_t impor
  *  each sequence's length: what M40LLM_PLACE_IMPORTANCE places rows by. The cache's options
  *  must say M40LLM_PLACE_IMPORTANCE (else M40LLM_ERR_INVALID_ARGUMENT); seq_ids must name each
  *  sequence once (M40LLM_ERR_INVALID_ARGUMENT). Errors as for m40llm_kvcache_attn_batch_ex; on
- *  any error nothing is written and nothing counted. Call it on the steps whose weights the
- *  policy should see (bench/fidelity measured every 4th step against every 16th: 0.71 against
- *  0.97 of the uniform formats' KL at 2K tokens and 6 bits; the plain call on the others).
+ *  an error of the arguments nothing is written and nothing counted (a device fault once the
+ *  call's kernels are queued may leave some sums counted: the cache then copies them back
+ *  before it places a row by them). The CUDA backend takes at most 4096 query heads for
+ *  M40LLM_PLACE_IMPORTANCE (M40LLM_ERR_UNSUPPORTED at create). Call it on the steps whose
+ *  weights the policy should see (bench/fidelity measured every 4th step against every 16th:
+ *  0.71 against 0.97 of the uniform formats' KL at 2K tokens and 6 bits; the plain call on the
+ *  others).
  *  The weights are m40llm_kvcache_attn_importance_ex's (decay 0); a small kernel adds each
  *  position's largest over the query heads to its sum and counts the call, another ranks each
  *  sequence's tiers (M40LLM_PLACE_IMPORTANCE), whose result is copied to pinned host memory

@@ -161,6 +161,10 @@ int m40llm_policy_add_bytes(size_t *bytes, const m40llm_kvcache_options *o, int 
 /* After the backend's observe of checked ids: their records are on their way, their scores
  * stale. */
 void m40llm_policy_observed(m40llm_kvcache *c, int layer, const int32_t *ids, int n);
+/* After an observe of checked ids failed once the backend was called (it may have counted the
+ * call in some sums): what the host knows of their order and scores is dropped, so that it
+ * copies the sums back before it places a row by them. */
+void m40llm_policy_unknown(m40llm_kvcache *c, int layer, const int32_t *ids, int n);
 /* Before anything changes or reads (layer, seq)'s placement state: its record, where an
  * observe call left one, read (a wait for the backend's copy of the layer's records, once per
  * observe call of the layer). */

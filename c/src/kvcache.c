@@ -743,14 +743,19 @@ static int attn_batch(void *out, const m40llm_attn_export *x, int mode,
     for (int i = 0; i < n_seqs; i++)
       if (ids[i] >= 0 && ids[i] < cache->opts.max_seqs) cache->batch_seen[ids[i]] = 0;
   if (rc == M40LLM_OK) rc = m40llm_context_check(cache->ctx);
-  if (rc == M40LLM_OK)
+  const int called = rc == M40LLM_OK;
+  if (called)
     rc = m40llm_context_result(cache->ctx,
                                cache->ctx->ops->attention(cache, layer, ids, n_seqs, q, out,
                                                           dtype, scale, x));
-  if (rc == M40LLM_OK && mode == EXPORT_OBSERVE) {
-    rc = m40llm_context_result(cache->ctx,
-                               cache->ctx->ops->tier_rank(cache, layer, ids, n_seqs));
+  if (mode == EXPORT_OBSERVE && called) {
+    if (rc == M40LLM_OK)
+      rc = m40llm_context_result(cache->ctx,
+                                 cache->ctx->ops->tier_rank(cache, layer, ids, n_seqs));
+    /* A failure past the backend's first launch (a device fault) may have counted the call in
+     * some sums: the host no longer trusts what it knows of them. */
     if (rc == M40LLM_OK) m40llm_policy_observed(cache, layer, ids, n_seqs);
+    else m40llm_policy_unknown(cache, layer, ids, n_seqs);
   }
   if (ids != on_stack) free(ids);
   return rc;

@@ -102,6 +102,15 @@ void m40llm_policy_observed(m40llm_kvcache *c, int layer, const int32_t *ids, in
   }
 }
 
+void m40llm_policy_unknown(m40llm_kvcache *c, int layer, const int32_t *ids, int n) {
+  for (int i = 0; i < n; i++) {
+    const size_t s = seq_index(c, layer, ids[i]);
+    c->imp_pending[s] = 0;
+    c->imp_full[s] = 0;
+    m40llm_policy_forget(c, layer, ids[i]);
+  }
+}
+
 /* The least important rows of tier t of (layer, seq): n entries, most important last. */
 typedef struct {
   int32_t *pos;

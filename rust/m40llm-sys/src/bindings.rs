@@ -635,9 +635,13 @@ extern "C" {
   each sequence's length: what M40LLM_PLACE_IMPORTANCE places rows by. The cache's options
   must say M40LLM_PLACE_IMPORTANCE (else M40LLM_ERR_INVALID_ARGUMENT); seq_ids must name each
   sequence once (M40LLM_ERR_INVALID_ARGUMENT). Errors as for m40llm_kvcache_attn_batch_ex; on
-  any error nothing is written and nothing counted. Call it on the steps whose weights the
-  policy should see (bench/fidelity measured every 4th step against every 16th: 0.71 against
-  0.97 of the uniform formats' KL at 2K tokens and 6 bits; the plain call on the others).
+  an error of the arguments nothing is written and nothing counted (a device fault once the
+  call's kernels are queued may leave some sums counted: the cache then copies them back
+  before it places a row by them). The CUDA backend takes at most 4096 query heads for
+  M40LLM_PLACE_IMPORTANCE (M40LLM_ERR_UNSUPPORTED at create). Call it on the steps whose
+  weights the policy should see (bench/fidelity measured every 4th step against every 16th:
+  0.71 against 0.97 of the uniform formats' KL at 2K tokens and 6 bits; the plain call on the
+  others).
   The weights are m40llm_kvcache_attn_importance_ex's (decay 0); a small kernel adds each
   position's largest over the query heads to its sum and counts the call, another ranks each
   sequence's tiers (M40LLM_PLACE_IMPORTANCE), whose result is copied to pinned host memory

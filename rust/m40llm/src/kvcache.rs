@@ -333,9 +333,9 @@ impl KvCacheConfig {
     /// Where a tiered cache puts the rows leaving its window (default
     /// [`TierPlacement::FirstFree`]). [`TierPlacement::Importance`] needs tiers, and keeps 8
     /// bytes of backend memory a position for every (layer, sequence) (the importance sums
-    /// and their counts), one call's weights (`4 x max_seqs x n_kv_heads x max_seq_len`
-    /// bytes) and `408 + 8 x window` bytes for every (layer, sequence) (the observe calls'
-    /// rankings), counted by [`bytes_needed`](Self::bytes_needed).
+    /// and their counts), 16 bytes a sequence (the ranking's counters) and `408 + 8 x window`
+    /// bytes for every (layer, sequence) (the observe calls' rankings), counted by
+    /// [`bytes_needed`](Self::bytes_needed). On CUDA, at most 4,096 query heads.
     ///
     /// ```
     /// use m40llm::{Context, DeviceBuffer, KvCache, KvCacheConfig, KvFormat, KvTier, TierPlacement};
