@@ -4,10 +4,11 @@
  * prompt of PROMPT positions, 32/8 heads, head_dim 128. A step is, per layer, one batched
  * append of a token to every sequence and one attention call:
  *   first free   the default placement, attn_batch every step
- *   every 4th    importance placement, attn_observe every 4th step (the study's default), the
- *                plain call on the others (each observe ranks the tiers on the GPU; the next
- *                append of the layer waits for that ranking's copy to the host)
- *   every step   importance placement, attn_observe every step
+ *   every 4th    importance placement, the plain call every step, of which the cache makes
+ *                every 4th an observe call (observe_interval 4, the default, the study's): each
+ *                observe ranks the tiers on the GPU; the next append of the layer waits for
+ *                that ranking's copy to the host
+ *   every step   importance placement, observe_interval 1: every call observes
  * Host microseconds a step (STEPS steps enqueued back to back, then a synchronize; median of
  * SAMPLES), after the prompt and enough steps that every step moves rows down the tiers. The
  * modes "..., a wait each step" synchronize after every step, as a model does for its logits
@@ -33,7 +34,7 @@ static int cmp_double(const void *a, const void *b) {
 
 typedef struct {
   const char *name;
-  int placement, every; /* every: observe every n-th step (0: never) */
+  int placement, every; /* every: the cache's observe_interval (0: no observe calls) */
   int wait;             /* synchronize after every step */
 } mode;
 
@@ -46,7 +47,8 @@ static const mode modes[] = {
 enum { MODES = sizeof modes / sizeof modes[0] };
 
 /* Median host microseconds a step of mode m; -1 on failure. */
-static double run(m40llm_context *ctx, const mode *m, double *bits, long long *demoted) {
+static double run(m40llm_context *ctx, const mode *m, double *bits, long long *demoted,
+                  long long *observed) {
   m40llm_kvcache_options o = M40LLM_KVCACHE_OPTIONS_INIT;
   o.n_layers = LAYERS, o.n_heads = HEADS, o.n_kv_heads = KV_HEADS, o.head_dim = DIM;
   o.max_seqs = SEQS, o.max_seq_len = PROMPT + STEPS * (SAMPLES + 1);
@@ -61,6 +63,7 @@ static double run(m40llm_context *ctx, const mode *m, double *bits, long long *d
   }
   o.format = pairs[0][0], o.v_format = pairs[0][1];
   o.placement = m->placement;
+  o.observe_interval = m->every;
   m40llm_kvcache *c = NULL;
   float *kv = NULL, *q = NULL, *out = NULL;
   const size_t row = (size_t)KV_HEADS * DIM, q_row = (size_t)HEADS * DIM;
@@ -79,15 +82,13 @@ static double run(m40llm_context *ctx, const mode *m, double *bits, long long *d
   CHECK(m40llm_memset(ctx, q, 0x3b, SEQS * q_row * sizeof(float)));
   for (int l = 0; l < LAYERS; l++)
     for (int s = 0; s < SEQS; s++) CHECK(m40llm_kvcache_append_f32(c, l, s, kv, kv, PROMPT));
-  for (int r = -1, step = 0; r < SAMPLES; r++) { /* r = -1: warm-up, every tier full */
+  for (int r = -1; r < SAMPLES; r++) { /* r = -1: warm-up, every tier full */
     CHECK(m40llm_context_synchronize(ctx));
     const double t0 = now_us();
-    for (int i = 0; i < STEPS; i++, step++)
+    for (int i = 0; i < STEPS; i++)
       for (int l = 0; l < LAYERS; l++) {
         CHECK(m40llm_kvcache_append_batch_f32(c, l, ids, NULL, SEQS, kv, kv));
-        CHECK(m->every && step % m->every == 0
-                  ? m40llm_kvcache_attn_observe_ex(out, c, l, ids, SEQS, q, M40LLM_DTYPE_F32, 0.0f)
-                  : m40llm_kvcache_attn_batch_f32q(out, c, l, ids, SEQS, q, 0.0f));
+        CHECK(m40llm_kvcache_attn_batch_f32q(out, c, l, ids, SEQS, q, 0.0f));
         if (m->wait && l == LAYERS - 1) CHECK(m40llm_context_synchronize(ctx));
       }
     CHECK(m40llm_context_synchronize(ctx));
@@ -98,6 +99,7 @@ static double run(m40llm_context *ctx, const mode *m, double *bits, long long *d
   CHECK(m40llm_kvcache_tier_stats(&st, c));
   *bits = st.bits_per_value;
   *demoted = (long long)st.demoted_rows;
+  *observed = (long long)st.observe_calls;
   result = t[SAMPLES / 2];
 out:
   m40llm_free(ctx, kv);
@@ -118,10 +120,10 @@ int main(int argc, char **argv) {
     return 1;
   }
   double us[MODES], bits[MODES];
-  long long demoted[MODES];
+  long long demoted[MODES], observed[MODES];
   int failed = 0;
   for (int i = 0; i < MODES && !failed; i++) {
-    us[i] = run(ctx, &modes[i], &bits[i], &demoted[i]);
+    us[i] = run(ctx, &modes[i], &bits[i], &demoted[i], &observed[i]);
     failed = us[i] < 0;
   }
   m40llm_context_destroy(ctx);
@@ -129,17 +131,21 @@ int main(int argc, char **argv) {
   printf("decode step of %d layers, %d sequences x %d positions, %d/%d heads, head_dim %d, "
          "tiers K8V8/K8V4/K4V3/K4V2 (0.1/0.2/0.3/0.4)\n", LAYERS, SEQS, PROMPT, HEADS, KV_HEADS,
          DIM);
-  printf("%-32s %10s %8s %8s %10s\n", "placement", "us/step", "x first", "bits", "demoted");
+  printf("%-32s %10s %8s %8s %10s %9s\n", "placement", "us/step", "x first", "bits", "demoted",
+         "observes");
   FILE *f = fopen(path, "w");
   if (f) fprintf(f, "{\n  \"layers\": %d, \"seqs\": %d, \"prompt\": %d, \"rows\": [\n", LAYERS, SEQS, PROMPT);
   for (int i = 0, base = 0; i < MODES; i++) {
     if (i > 0 && modes[i].wait != modes[i - 1].wait) base = i; /* the first free of its kind */
     const double x = us[i] / us[base];
-    printf("%-32s %10.1f %8.3f %8.3f %10lld\n", modes[i].name, us[i], x, bits[i], demoted[i]);
+    printf("%-32s %10.1f %8.3f %8.3f %10lld %9lld\n", modes[i].name, us[i], x, bits[i],
+           demoted[i], observed[i]);
     if (f)
       fprintf(f, "    {\"placement\": \"%s\", \"wait_each_step\": %d, \"us_per_step\": %.2f, "
-              "\"x_first_free\": %.4f, \"bits_per_value\": %.4f, \"demoted_rows\": %lld}%s\n",
-              modes[i].name, modes[i].wait, us[i], x, bits[i], demoted[i], i + 1 < MODES ? "," : "");
+              "\"x_first_free\": %.4f, \"bits_per_value\": %.4f, \"demoted_rows\": %lld, "
+              "\"observe_calls\": %lld}%s\n",
+              modes[i].name, modes[i].wait, us[i], x, bits[i], demoted[i], observed[i],
+              i + 1 < MODES ? "," : "");
   }
   if (f) fprintf(f, "  ]\n}\n"), fclose(f);
   return 0;

@@ -211,6 +211,22 @@ int m40llm_cuda_tensor_cores(m40llm_cuda_state *st, int *out) {
   return rc;
 }
 
+// The scratch an importance or observe call's scores take: a launch's items at a time (launches
+// on one stream run in order, so each reuses it), rows as long as the batch's longest, and after
+// them an observe call's softmax state a query head.
+static int stage_scores(const m40llm_kvcache *c, int n_seqs, size_t longest, bool observe,
+                        float **weights, float2 **states) {
+  const int items = n_seqs < M40LLM_PLAN_MAX_ITEMS ? n_seqs : M40LLM_PLAN_MAX_ITEMS;
+  const size_t heads = (size_t)items * c->opts.n_heads;
+  return scores_stage(cuda_state(c->ctx), heads * longest, observe ? heads : 0, weights, states);
+}
+
+int m40llm_cuda_prepare_observe(const m40llm_kvcache *c, int n_seqs, int longest) {
+  float *weights = nullptr;
+  float2 *states = nullptr;
+  return stage_scores(c, n_seqs, longest > 1 ? (size_t)longest : 1, true, &weights, &states);
+}
+
 int m40llm_cuda_attention(const m40llm_kvcache *c, int layer, const int32_t *seq_ids,
                           int n_seqs, const void *q, void *out, int dtype, float scale,
                           const m40llm_attn_export *x) {
@@ -220,18 +236,13 @@ int m40llm_cuda_attention(const m40llm_kvcache *c, int layer, const int32_t *seq
   CallExport ex{x ? x->weights : nullptr, x ? x->weights_stride : 0, {nullptr, 0, 0.0f},
                 o->n_heads, o->n_kv_heads};
   if (x && (x->importance || x->observe)) {
-    // The weights go to the scratch buffer, a launch's items at a time (launches on one stream
-    // run in order, so each reuses it), rows as long as the batch's longest.
     size_t longest = 1;
     for (int i = 0; i < n_seqs; i++) {
       const size_t len = (size_t)*m40llm_len_slot(c, layer, seq_ids[i]);
       longest = len > longest ? len : longest;
     }
-    const int items = n_seqs < M40LLM_PLAN_MAX_ITEMS ? n_seqs : M40LLM_PLAN_MAX_ITEMS;
     float2 *states = nullptr;
-    const int rc = scores_stage(cuda_state(c->ctx), (size_t)items * o->n_heads * longest,
-                                x->observe ? (size_t)items * o->n_heads : 0, &ex.weights,
-                                &states);
+    const int rc = stage_scores(c, n_seqs, longest, x->observe, &ex.weights, &states);
     if (rc != M40LLM_OK) return rc;
     ex.weights_stride = longest;
     if (x->observe) {

@@ -341,8 +341,9 @@ int cuda_tier_rows(const m40llm_kvcache *c, int layer, const m40llm_row_op *ops,
 }
 
 int cuda_prepare_attention(const m40llm_kvcache *c, int n_rows, const void *q, const void *out,
-                           int dtype) {
+                           int dtype, int observe_len) {
   int rc = enter_with(c, q, "q", out, "out");
+  if (rc == M40LLM_OK && observe_len > 0) rc = m40llm_cuda_prepare_observe(c, n_rows, observe_len);
   if (rc != M40LLM_OK || dtype == M40LLM_DTYPE_F32) return rc;
   float *stage = nullptr;  // with_f32_rows's size for these rows
   return m40llm_cuda_io_stage(cuda_state(c->ctx),
@@ -433,5 +434,5 @@ const m40llm_backend_ops m40llm_cuda_backend = {
     cuda_attention,      cuda_attention_causal, cuda_tier_rows, m40llm_cuda_policy_alloc,
     m40llm_cuda_policy_free, m40llm_cuda_tier_rank, m40llm_cuda_tier_rank_wait,
     m40llm_cuda_graph_begin, m40llm_cuda_graph_end,
-    m40llm_cuda_graph_launch, m40llm_cuda_graph_destroy,
+    m40llm_cuda_graph_launch, m40llm_cuda_graph_destroy, m40llm_cuda_capturing,
 };

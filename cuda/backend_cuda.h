@@ -4,6 +4,9 @@
 #include "internal.h"
 
 int m40llm_cuda_reserve_for(m40llm_kvcache *c);  // attention_dispatch.cu
+// The scratch an observe call of n_seqs rows, the longest of `longest` positions, needs, grown
+// (attention_dispatch.cu).
+int m40llm_cuda_prepare_observe(const m40llm_kvcache *c, int n_seqs, int longest);
 int m40llm_cuda_attention(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, int n_seqs,
                           const void *q, void *out, int dtype, float scale,
                           const m40llm_attn_export *x);
@@ -36,6 +39,7 @@ int m40llm_cuda_read_decoded(const m40llm_kvcache *c, const m40llm_kv_tensor &t,
 int m40llm_cuda_graph_begin(m40llm_context *ctx);
 int m40llm_cuda_graph_end(m40llm_context *ctx, void **exec, int *updated);
 int m40llm_cuda_graph_launch(m40llm_context *ctx, void *exec);
+int m40llm_cuda_capturing(const m40llm_context *ctx);
 void m40llm_cuda_graph_destroy(void *exec);
 
 struct m40llm_cuda_state;

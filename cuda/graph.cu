@@ -28,6 +28,13 @@ bool update_in_place(cudaGraphExec_t exec, cudaGraph_t graph) {
 
 }  // namespace
 
+int m40llm_cuda_capturing(const m40llm_context *ctx) {
+  cudaError_t err;
+  const cudaStreamCaptureStatus status = capture_status(cuda_state(ctx)->stream, &err);
+  if (err != cudaSuccess) (void)cudaGetLastError();
+  return err != cudaSuccess || status != cudaStreamCaptureStatusNone;
+}
+
 int m40llm_cuda_graph_begin(m40llm_context *ctx) {
   M40LLM_CUDA_ENTER(ctx);
   const cudaStream_t st = cuda_state(ctx)->stream;

@@ -441,6 +441,220 @@ static m40llm_kvcache_options shape(int n_heads, int n_kv_heads, int head_dim, i
   return o;
 }
 
+/* auto_observe's two caches and the test's model of the header's count (since[layer][seq]: the
+ * plain calls that named the sequence since the last observe call that did). */
+enum { AUTO_SEQS = 4 };
+typedef struct {
+  m40llm_context *ctx;
+  m40llm_kvcache *c, *twin;
+  m40llm_kvcache_options o;
+  int cuda;
+  int since[2][AUTO_SEQS];
+  long long observed;  /* observe calls the model counts */
+  float *dq, *dout, *dout_twin, *dk, *dv, *dimp; /* device: q, outputs, K/V of 4 rows; importance */
+  float *h1, *h2;
+} twins;
+
+/* The model: whether a call of distinct ids is due, and what a call does to the counts. */
+static int model_due(const twins *t, int layer, const int32_t *ids, int n) {
+  for (int i = 0; i < n; i++)
+    if (t->since[layer][ids[i]] >= t->o.observe_interval - 1) return 1;
+  return 0;
+}
+static void model_call(twins *t, int layer, const int32_t *ids, int n, int observed) {
+  int named[AUTO_SEQS] = {0};
+  for (int i = 0; i < n; i++) named[ids[i]] = 1;
+  for (int s = 0; s < AUTO_SEQS; s++)
+    if (named[s] && observed) t->since[layer][s] = 0;
+    else if (named[s] && t->since[layer][s] < t->o.observe_interval) t->since[layer][s]++;
+  t->observed += observed;
+}
+
+/* One attention call of ids on both caches: c's plain call (last_token for one id), the twin's
+ * an observe call where the model says c's is due (can: the call could observe), else plain;
+ * the same kind of call on both, so the same kernels and the same bits. */
+static void both_attend(twins *t, int layer, const int32_t *ids, int n, int can, const char *what) {
+  const size_t bytes = (size_t)n * (size_t)t->o.n_heads * (size_t)t->o.head_dim * sizeof(float);
+  const int due = can && model_due(t, layer, ids, n);
+  T_OK(n == 1 ? m40llm_kvcache_attn_last_token_f32q(t->dout, t->c, layer, ids[0], t->dq, 0.0f)
+              : m40llm_kvcache_attn_batch_f32q(t->dout, t->c, layer, ids, n, t->dq, 0.0f));
+  T_OK(due ? m40llm_kvcache_attn_observe_ex(t->dout_twin, t->twin, layer, ids, n, t->dq,
+                                            M40LLM_DTYPE_F32, 0.0f)
+           : m40llm_kvcache_attn_batch_f32q(t->dout_twin, t->twin, layer, ids, n, t->dq, 0.0f));
+  model_call(t, layer, ids, n, due);
+  if (t_dev_download(t->ctx, t->h1, t->dout, bytes) &&
+      t_dev_download(t->ctx, t->h2, t->dout_twin, bytes))
+    T_CHECKF(memcmp(t->h1, t->h2, bytes) == 0, "layer %d, %s (observe %s): the output differs "
+             "from the twin's", layer, what, due ? "due" : "not due");
+}
+
+enum { CALL_PLAIN, CALL_APPEND_ATTN, CALL_REPEATS, CALL_EXPLICIT, CALL_CAPTURED, CALL_SINGLES,
+       CALL_OTHERS };
+
+/* A decode step of one layer on both caches: a token appended to every sequence, then calls of
+ * the kind given. */
+static void twin_step(twins *t, int layer, int kind) {
+  const size_t q_row = (size_t)t->o.n_heads * (size_t)t->o.head_dim;
+  const size_t kv_row = (size_t)t->o.n_kv_heads * (size_t)t->o.head_dim;
+  const int32_t ids[AUTO_SEQS] = {2, 0, 3, 1}, repeats[3] = {1, 3, 1}, pair[2] = {3, 0};
+  float *hq = malloc((size_t)AUTO_SEQS * q_row * sizeof(float));
+  float *hkv = malloc((size_t)AUTO_SEQS * kv_row * sizeof(float));
+  if (!T_CHECK(hq && hkv)) goto out;
+  t_fill_uniform(hq, (size_t)AUTO_SEQS * q_row, -1.0f, 1.0f);
+  if (!T_OK(m40llm_memcpy_to_device(t->ctx, t->dq, hq, (size_t)AUTO_SEQS * q_row * sizeof(float))))
+    goto out;
+  t_fill_kv_values(hkv, (size_t)AUTO_SEQS * t->o.n_kv_heads, t->o.head_dim, 0);
+  if (!T_OK(m40llm_memcpy_to_device(t->ctx, t->dk, hkv, (size_t)AUTO_SEQS * kv_row * sizeof(float))))
+    goto out;
+  t_fill_kv_values(hkv, (size_t)AUTO_SEQS * t->o.n_kv_heads, t->o.head_dim, 1);
+  if (!T_OK(m40llm_memcpy_to_device(t->ctx, t->dv, hkv, (size_t)AUTO_SEQS * kv_row * sizeof(float))))
+    goto out;
+  T_OK(m40llm_kvcache_append_batch_f32(t->twin, layer, ids, NULL, AUTO_SEQS, t->dk, t->dv));
+  if (kind == CALL_APPEND_ATTN) { /* append and attend in one call on c */
+    const size_t bytes = (size_t)AUTO_SEQS * q_row * sizeof(float);
+    const int due = model_due(t, layer, ids, AUTO_SEQS);
+    T_OK(m40llm_kvcache_append_attn_f32q(t->dout, t->c, layer, ids, AUTO_SEQS, t->dk, t->dv,
+                                         t->dq, 0.0f));
+    T_OK(due ? m40llm_kvcache_attn_observe_ex(t->dout_twin, t->twin, layer, ids, AUTO_SEQS,
+                                              t->dq, M40LLM_DTYPE_F32, 0.0f)
+             : m40llm_kvcache_attn_batch_f32q(t->dout_twin, t->twin, layer, ids, AUTO_SEQS, t->dq,
+                                              0.0f));
+    model_call(t, layer, ids, AUTO_SEQS, due);
+    if (t_dev_download(t->ctx, t->h1, t->dout, bytes) &&
+        t_dev_download(t->ctx, t->h2, t->dout_twin, bytes))
+      T_CHECKF(memcmp(t->h1, t->h2, bytes) == 0, "layer %d, append_attn (observe %s): the "
+               "output differs from the twin's", layer, due ? "due" : "not due");
+    goto out;
+  }
+  T_OK(m40llm_kvcache_append_batch_f32(t->c, layer, ids, NULL, AUTO_SEQS, t->dk, t->dv));
+  switch (kind) {
+    case CALL_REPEATS: /* a sequence named twice: plain, and the ones it names counted once */
+      both_attend(t, layer, repeats, 3, 0, "a sequence named twice");
+      break;
+    case CALL_CAPTURED: { /* plain in a graph capture, nothing counted until it ran */
+      m40llm_graph *g = NULL;
+      if (!T_OK(m40llm_graph_capture_begin(t->ctx))) break;
+      T_OK(m40llm_kvcache_attn_batch_f32q(t->dout, t->c, layer, ids, AUTO_SEQS, t->dq, 0.0f));
+      T_OK(m40llm_kvcache_attn_batch_f32q(t->dout_twin, t->twin, layer, ids, AUTO_SEQS, t->dq,
+                                          0.0f));
+      if (T_OK(m40llm_graph_capture_end(&g, t->ctx, NULL))) T_OK(m40llm_graph_launch(g));
+      m40llm_graph_destroy(g);
+      model_call(t, layer, ids, AUTO_SEQS, 0);
+      const size_t bytes = (size_t)AUTO_SEQS * q_row * sizeof(float);
+      if (t_dev_download(t->ctx, t->h1, t->dout, bytes) &&
+          t_dev_download(t->ctx, t->h2, t->dout_twin, bytes))
+        T_CHECKF(memcmp(t->h1, t->h2, bytes) == 0, "layer %d, captured: the output differs",
+                 layer);
+      break;
+    }
+    case CALL_SINGLES: /* a call a sequence: each counted and observed on its own */
+      for (int i = 0; i < AUTO_SEQS; i++) both_attend(t, layer, &ids[i], 1, 1, "one sequence");
+      break;
+    case CALL_OTHERS: { /* neither a failed call nor an export counts; then two of the four */
+      const int32_t one = ids[0];
+      T_FAIL_WITH(m40llm_kvcache_attn_batch_f32q(t->dout, t->c, layer, ids, AUTO_SEQS, NULL, 0.0f),
+                  M40LLM_ERR_INVALID_ARGUMENT, "q");
+      T_FAIL_WITH(m40llm_kvcache_attn_last_token_f32q(t->dout, t->c, layer, AUTO_SEQS, t->dq, 0.0f),
+                  M40LLM_ERR_OUT_OF_RANGE, "seq");
+      const size_t stride = (size_t)t->o.max_seq_len;
+      T_OK(m40llm_kvcache_attn_importance_ex(t->dout, t->dimp, stride, 0.0f, t->c, layer, ids,
+                                             AUTO_SEQS, t->dq, M40LLM_DTYPE_F32, 0.0f));
+      T_OK(m40llm_kvcache_attn_weights_ex(t->dout, t->dimp, stride, t->c, layer, &one, 1, t->dq,
+                                          M40LLM_DTYPE_F32, 0.0f));
+      both_attend(t, layer, pair, 2, 1, "two of the sequences");
+      break;
+    }
+    default:
+      both_attend(t, layer, ids, AUTO_SEQS, 1, "the batch");
+  }
+  /* a caller's own observe call on both: it starts the count again for its sequences */
+  if (kind == CALL_EXPLICIT) {
+    T_OK(m40llm_kvcache_attn_observe_ex(t->dout, t->c, layer, pair, 2, t->dq, M40LLM_DTYPE_F32, 0.0f));
+    T_OK(m40llm_kvcache_attn_observe_ex(t->dout_twin, t->twin, layer, pair, 2, t->dq,
+                                        M40LLM_DTYPE_F32, 0.0f));
+    model_call(t, layer, pair, 2, 1);
+  }
+out:
+  free(hq);
+  free(hkv);
+}
+
+/* The cache's own observe calls (m40llm_kvcache_options.observe_interval = every), made by a
+ * loop of plain calls, against a twin with observe_interval 0 whose caller makes the observe
+ * calls where the header says the cache makes its own: every tier decision, every output bit
+ * and the count of observe calls must be the twin's. Among the calls: append_attn, a call that
+ * names a sequence twice when due (made plain: it stays due), calls a sequence (counted a
+ * sequence), calls of two of the four sequences, failed calls and exports (counted nothing), a
+ * caller's own observe call (the count starts again), and on CUDA calls inside a graph capture
+ * (made plain). */
+static void auto_observe(m40llm_context *ctx, int every, int steps) {
+  t_set_case("placement by importance: the cache's own observe calls, every %d", every);
+  m40llm_kvcache_options o = shape(6, 3, 64, steps + 8, 2, 4);
+  o.max_seqs = AUTO_SEQS;
+  o.placement = M40LLM_PLACE_IMPORTANCE;
+  o.observe_interval = every;
+  m40llm_kvcache_options ot = o;
+  ot.observe_interval = 0;
+  twins t = {ctx, NULL, NULL, o, 0, {{0}}, 0, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
+  m40llm_device_info info = M40LLM_DEVICE_INFO_INIT;
+  t.cuda = T_OK(m40llm_context_device_info(&info, ctx)) && info.backend == M40LLM_BACKEND_CUDA;
+  const size_t q_bytes = AUTO_SEQS * (size_t)o.n_heads * (size_t)o.head_dim * sizeof(float);
+  const size_t kv_bytes = AUTO_SEQS * (size_t)o.n_kv_heads * (size_t)o.head_dim * sizeof(float);
+  const size_t imp_bytes = AUTO_SEQS * (size_t)o.n_heads * (size_t)o.max_seq_len * sizeof(float);
+  t.dq = t_dev_alloc(ctx, q_bytes);
+  t.dout = t_dev_alloc(ctx, q_bytes);
+  t.dout_twin = t_dev_alloc(ctx, q_bytes);
+  t.dk = t_dev_alloc(ctx, kv_bytes);
+  t.dv = t_dev_alloc(ctx, kv_bytes);
+  t.dimp = t_dev_alloc(ctx, imp_bytes);
+  t.h1 = malloc(q_bytes);
+  t.h2 = malloc(q_bytes);
+  if (!T_CHECK(t.dq && t.dout && t.dout_twin && t.dk && t.dv && t.dimp && t.h1 && t.h2) ||
+      !T_OK(m40llm_kvcache_create(&t.c, ctx, &o)) || !T_OK(m40llm_kvcache_create(&t.twin, ctx, &ot)))
+    goto out;
+  static const int kinds[] = {CALL_PLAIN, CALL_PLAIN,   CALL_APPEND_ATTN, CALL_REPEATS,
+                              CALL_PLAIN, CALL_SINGLES, CALL_OTHERS,      CALL_EXPLICIT,
+                              CALL_PLAIN, CALL_CAPTURED, CALL_SINGLES,    CALL_PLAIN};
+  const int n_kinds = sizeof kinds / sizeof kinds[0];
+  for (int step = 0; step < steps; step++)
+    for (int l = 0; l < o.n_layers; l++) {
+      const int kind = kinds[(step * 5 + l) % n_kinds];
+      twin_step(&t, l, kind == CALL_CAPTURED && !t.cuda ? CALL_PLAIN : kind);
+    }
+  int bad = 0, first_l = 0, first_s = 0, first_p = 0;
+  for (int l = 0; l < o.n_layers; l++)
+    for (int s = 0; s < AUTO_SEQS; s++)
+      for (int p = 0; p < steps; p++) {
+        int a = -9, b = -9;
+        T_OK(m40llm_kvcache_tier_of(&a, t.c, l, s, p));
+        T_OK(m40llm_kvcache_tier_of(&b, t.twin, l, s, p));
+        if (a != b && bad++ == 0) first_l = l, first_s = s, first_p = p;
+      }
+  T_CHECKF(bad == 0, "%d position(s) in another tier than the twin's, first layer %d seq %d "
+           "position %d", bad, first_l, first_s, first_p);
+  m40llm_tier_stats st = M40LLM_TIER_STATS_INIT, st_twin = M40LLM_TIER_STATS_INIT;
+  if (T_OK(m40llm_kvcache_tier_stats(&st, t.c)) && T_OK(m40llm_kvcache_tier_stats(&st_twin, t.twin))) {
+    T_CHECKF(st.observe_calls == t.observed && st_twin.observe_calls == t.observed,
+             "observe_calls %lld (twin %lld), the model counts %lld", (long long)st.observe_calls,
+             (long long)st_twin.observe_calls, t.observed);
+    T_CHECKF(st.demoted_rows == st_twin.demoted_rows && st.demoted_rows > 0,
+             "demoted_rows %lld, the twin's %lld", (long long)st.demoted_rows,
+             (long long)st_twin.demoted_rows);
+    for (int k = 0; k < o.n_tiers; k++) T_CHECK(st.rows[k] == st_twin.rows[k]);
+  }
+out:
+  m40llm_kvcache_destroy(t.c);
+  m40llm_kvcache_destroy(t.twin);
+  m40llm_free(ctx, t.dq);
+  m40llm_free(ctx, t.dout);
+  m40llm_free(ctx, t.dout_twin);
+  m40llm_free(ctx, t.dk);
+  m40llm_free(ctx, t.dv);
+  m40llm_free(ctx, t.dimp);
+  free(t.h1);
+  free(t.h2);
+}
+
 static void errors(m40llm_context *ctx) {
   t_set_case("placement by importance: errors");
   m40llm_kvcache_options o = shape(4, 2, 64, 200, 2, 16);
@@ -451,6 +665,18 @@ static void errors(m40llm_context *ctx) {
   T_FAIL_WITH(m40llm_kvcache_create(&c, ctx, &o), M40LLM_ERR_INVALID_ARGUMENT, "placement");
   T_CHECK(c == NULL);
   o.placement = M40LLM_PLACE_IMPORTANCE;
+  o.observe_interval = -1;
+  T_FAIL_WITH(m40llm_kvcache_bytes_needed(&bytes, &o), M40LLM_ERR_INVALID_ARGUMENT,
+              "observe_interval");
+  T_FAIL_WITH(m40llm_kvcache_create(&c, ctx, &o), M40LLM_ERR_INVALID_ARGUMENT, "observe_interval");
+  T_CHECK(c == NULL);
+  o.observe_interval = 4;
+  /* version 6's default: the cache observes every 4th call; version 5's struct ends before it */
+  m40llm_kvcache_options v5 = o, v6;
+  memset(&v6, 0x5a, sizeof v6);
+  if (T_OK(m40llm_kvcache_options_init(&v6, M40LLM_KVCACHE_OPTIONS_VERSION))) T_INT_EQ(v6.observe_interval, 4);
+  memset(&v5, 0x5a, sizeof v5);
+  if (T_OK(m40llm_kvcache_options_init(&v5, 5))) T_INT_EQ(v5.observe_interval, 0x5a5a5a5a);
   m40llm_kvcache_options untiered = o;
   untiered.n_tiers = 0;
   T_FAIL_WITH(m40llm_kvcache_create(&c, ctx, &untiered), M40LLM_ERR_INVALID_ARGUMENT, "n_tiers");
@@ -493,6 +719,21 @@ static void errors(m40llm_context *ctx) {
                   M40LLM_ERR_INVALID_ARGUMENT, "PLACE_IMPORTANCE");
     m40llm_free(ctx, dq);
     m40llm_free(ctx, dout);
+  }
+  m40llm_kvcache_destroy(c4);
+  c4 = NULL;
+  /* version 5 callers: no observe_interval field, no observe calls but their own */
+  m40llm_kvcache_options v5_opts = o;
+  v5_opts.version = 5;
+  v5_opts.observe_interval = 99; /* past its struct */
+  if (T_OK(m40llm_kvcache_create(&c4, ctx, &v5_opts))) {
+    back = o;
+    back.version = M40LLM_KVCACHE_OPTIONS_VERSION;
+    if (T_OK(m40llm_kvcache_get_options(&back, c4))) T_INT_EQ(back.observe_interval, 0);
+    m40llm_tier_stats v2 = M40LLM_TIER_STATS_INIT;
+    v2.version = 2;
+    v2.observe_calls = 77; /* past a version-2 struct: not written */
+    if (T_OK(m40llm_kvcache_tier_stats(&v2, c4))) T_CHECK(v2.observe_calls == 77 && v2.version == 2);
   }
   m40llm_kvcache_destroy(c4);
   if (!T_OK(m40llm_kvcache_create(&c, ctx, &o))) return;
@@ -567,4 +808,6 @@ void t_cases_policy(m40llm_context *ctx, int small) {
   big.tiers[1] = (m40llm_kv_tier){M40LLM_KV_Q8, M40LLM_KV_Q4, 4300};
   big.tiers[2] = (m40llm_kv_tier){M40LLM_KV_Q4, M40LLM_KV_Q2, big.max_seq_len};
   run(ctx, big, prompt, long_steps, 1, 1);
+  auto_observe(ctx, 3, small ? 60 : 150);
+  auto_observe(ctx, 1, small ? 40 : 100);
 }

@@ -193,7 +193,7 @@ static void test_version_1(void) {
   if (T_OK(m40llm_kvcache_max_seq_len(&len, as_v1, (size_t)1 << 30)))
     T_INT_EQ(len, check_plan(&(m40llm_kvcache_options){M40LLM_KVCACHE_OPTIONS_VERSION, 32, 32, 8,
                                                         128, 1, 0, M40LLM_KV_Q4, M40LLM_KV_SAME,
-                                                        M40LLM_ROTATE_NONE, 0, 0, 0, {{0, 0, 0}}, 0},
+                                                        M40LLM_ROTATE_NONE, 0, 0, 0, {{0, 0, 0}}, 0, 0},
                              (size_t)1 << 30));
   free(old);
 }

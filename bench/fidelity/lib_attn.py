@@ -15,7 +15,9 @@ loaded library accepts (m40llm_kvcache_options_init); a v3 cache without rotatio
 explicitly (v3's default AUTO rotates), a v1/v2 cache has neither rotation nor protected tokens.
 Version 4 adds tiers (n_tiers, tiers[4] of (k_format, v_format, rows)): a tiered cache, with
 tier_move, tier_of, tier_stats and the importance export for a placement policy of the caller's
-(lib_tiers.py).
+(lib_tiers.py); version 5 the library's own placement (PLACE_IMPORTANCE, fed by observe calls);
+version 6 observe_interval, the cache's own observe calls among plain ones (0 here unless asked,
+so a v6 cache behaves as a v5 one).
 """
 import ctypes as C
 import os
@@ -58,16 +60,22 @@ class KvOptionsV5(C.Structure):
     _fields_ = KvOptionsV4._fields_ + [("placement", C.c_int)]
 
 
+class KvOptionsV6(C.Structure):
+    _fields_ = KvOptionsV5._fields_ + [("observe_interval", C.c_int)]
+
+
 PLACE_FIRST_FREE, PLACE_IMPORTANCE = 0, 1
 
 
 class TierStats(C.Structure):
     _fields_ = [("version", C.c_uint), ("n_tiers", C.c_int), ("rows", C.c_int64 * 4),
                 ("free_rows", C.c_int64 * 4), ("kept_rows", C.c_int64),
-                ("bits_per_value", C.c_double), ("moved_rows", C.c_int64)]
+                ("bits_per_value", C.c_double), ("moved_rows", C.c_int64),
+                ("demoted_rows", C.c_int64), ("observe_calls", C.c_int64)]
 
 
-KV_OPTIONS = {1: KvOptionsV1, 2: KvOptionsV2, 3: KvOptionsV3, 4: KvOptionsV4, 5: KvOptionsV5}
+KV_OPTIONS = {1: KvOptionsV1, 2: KvOptionsV2, 3: KvOptionsV3, 4: KvOptionsV4, 5: KvOptionsV5,
+              6: KvOptionsV6}
 
 
 class LibraryError(RuntimeError):
@@ -109,7 +117,7 @@ class Library:
             L.m40llm_kvcache_tier_stats.argtypes = [C.POINTER(TierStats), P]
         self.version = L.m40llm_version_string().decode()
         self.kv_options_version = 1
-        for ver in (5, 4, 3, 2):
+        for ver in (6, 5, 4, 3, 2):
             if L.m40llm_kvcache_options_init(C.byref(KV_OPTIONS[ver]()), ver) == 0:
                 self.kv_options_version = ver
                 break
@@ -125,8 +133,10 @@ class Library:
                                f"({self.lib.m40llm_last_error_message().decode()})")
 
     def needs_version(self, k_format, v_format=-1, rotation=ROTATE_NONE, n_sinks=0, window=0,
-                      tiers=(), placement=PLACE_FIRST_FREE):
+                      tiers=(), placement=PLACE_FIRST_FREE, observe_interval=0):
         """The options struct version a cache with these settings needs."""
+        if observe_interval:
+            return 6
         if placement != PLACE_FIRST_FREE:
             return 5
         if tiers:
@@ -140,11 +150,13 @@ class Library:
 
     def cache(self, n_layers, n_heads, n_kv_heads, head_dim, max_seq_len, k_format=0, v_format=-1,
               max_seqs=1, rotation=ROTATE_NONE, n_sinks=0, window=0, tiers=(),
-              placement=PLACE_FIRST_FREE):
+              placement=PLACE_FIRST_FREE, observe_interval=0):
         """tiers: (k_format, v_format, rows) per tier (options version 4); the cache's formats
-        are then the first tier's."""
+        are then the first tier's. observe_interval: the cache's own observe calls (version 6;
+        0, the default here, leaves them to the caller, as versions up to 5 do)."""
         return Cache(self, n_layers, n_heads, n_kv_heads, head_dim, max_seq_len, k_format,
-                     v_format, max_seqs, rotation, n_sinks, window, tiers, placement)
+                     v_format, max_seqs, rotation, n_sinks, window, tiers, placement,
+                     observe_interval)
 
     def close(self):
         if self.ctx:
@@ -155,14 +167,15 @@ class Library:
 class Cache:
     def __init__(self, lib, n_layers, n_heads, n_kv_heads, head_dim, max_seq_len, k_format,
                  v_format, max_seqs, rotation=ROTATE_NONE, n_sinks=0, window=0, tiers=(),
-                 placement=PLACE_FIRST_FREE):
+                 placement=PLACE_FIRST_FREE, observe_interval=0):
         self.lib = lib
         L = lib.lib
         if tiers:
             k_format, v_format = tiers[0][0], tiers[0][1]
         if v_format == k_format:
             v_format = -1
-        need = lib.needs_version(k_format, v_format, rotation, n_sinks, window, tiers, placement)
+        need = lib.needs_version(k_format, v_format, rotation, n_sinks, window, tiers, placement,
+                                 observe_interval)
         ver = lib.kv_options_version
         if need > ver:
             raise LibraryError(f"this library has kvcache options version {ver}, these settings "
@@ -180,6 +193,8 @@ class Cache:
                 o.tiers[t].k_format, o.tiers[t].v_format, o.tiers[t].rows = kf_, vf_, rows
         if ver >= 5:
             o.placement = placement
+        if ver >= 6:
+            o.observe_interval = observe_interval
         o.n_layers, o.n_heads, o.n_kv_heads, o.head_dim = n_layers, n_heads, n_kv_heads, head_dim
         o.max_seqs, o.max_seq_len, o.format = max_seqs, max_seq_len, k_format
         self.H, self.G, self.D = n_heads, n_kv_heads, head_dim
@@ -249,12 +264,16 @@ class Cache:
 
     def tier_stats(self):
         st = TierStats()
-        st.version = 1  # demoted_rows (version 2) is not read here
+        # versions 2 and 3 add demoted_rows and observe_calls: read where the library has them
+        st.version = 3 if self.lib.kv_options_version >= 6 else 1
         self.lib.check(self.lib.lib.m40llm_kvcache_tier_stats(C.byref(st), self.h), "tier_stats")
         n = st.n_tiers
-        return dict(rows=list(st.rows[:n]), free_rows=list(st.free_rows[:n]),
-                    kept_rows=st.kept_rows, bits_per_value=st.bits_per_value,
-                    moved_rows=st.moved_rows)
+        out = dict(rows=list(st.rows[:n]), free_rows=list(st.free_rows[:n]),
+                   kept_rows=st.kept_rows, bits_per_value=st.bits_per_value,
+                   moved_rows=st.moved_rows)
+        if st.version == 3:
+            out.update(demoted_rows=st.demoted_rows, observe_calls=st.observe_calls)
+        return out
 
     def attn_observe(self, layer, q, seq=0):
         """Attention of one q row [H, D] whose weights feed the cache's importance placement

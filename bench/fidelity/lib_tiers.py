@@ -23,7 +23,10 @@ FP16-cache reference). Runs:
   window takes the top tier, and the oldest row of each full tier moves one tier down;
 - `library`: the library's own placement of that rule (kvcache options version 5,
   M40LLM_PLACE_IMPORTANCE), fed by m40llm_kvcache_attn_observe_ex every --interval-th step (the
-  plain call on the others); its sums are float where `importance` sums in float64.
+  plain call on the others); its sums are float where `importance` sums in float64;
+- `auto`: the same placement fed by the cache's own observe calls (options version 6,
+  observe_interval = --interval): the plain call every step, as a decode loop makes it. The
+  same observe calls as `library`'s, so the same result to the last bit.
 Bits per value: m40llm_kvcache_tier_stats's (codes, parameters, the tiers' slot maps, the FP16
 sinks and window) at the full context. Writes results/lib_tiers_<N>.json and prints a table.
 """
@@ -53,14 +56,16 @@ def fmt_id(name):
 
 class LibTiered:
     """kv_hook / attend for Model.forward over a tiered library cache; policy 'age' (the
-    library's placement), 'importance' (the cascade above) or 'recent' (the same cascade with
-    the position as the score)."""
+    library's placement), 'importance' (the cascade above), 'recent' (the same cascade with
+    the position as the score), 'library' or 'auto' (the library's placement by importance, fed
+    by the caller's observe calls or the cache's own)."""
 
     def __init__(self, lib, m, N, tiers, policy, interval):
         self.c = lib.cache(m.L, m.H, m.G, m.D, N, rotation=la.ROTATE_AUTO, n_sinks=SINKS,
                            window=WINDOW, tiers=tiers,
-                           placement=la.PLACE_IMPORTANCE if policy == "library" else
-                           la.PLACE_FIRST_FREE)
+                           placement=la.PLACE_IMPORTANCE if policy in ("library", "auto") else
+                           la.PLACE_FIRST_FREE,
+                           observe_interval=interval if policy == "auto" else 0)
         self.cap = [t[2] for t in tiers]
         self.policy, self.interval, self.G = policy, interval, m.G
 
@@ -68,7 +73,7 @@ class LibTiered:
         return K, V
 
     def attend(self, layer, q, K, V):
-        if self.policy == "age":
+        if self.policy in ("age", "auto"):
             return self.c.decode_layer(layer, q, K, V)
         if self.policy == "library":
             out = np.empty_like(q)
@@ -185,7 +190,7 @@ def main():
                      for k, v in (x.split("/") for x in args.uniform.split(","))]
         else:
             todo.append((f"tiers {args.shares} {g}" +
-                         (f" 1/{args.interval}" if g in ("importance", "library") else ""),
+                         (f" 1/{args.interval}" if g in ("importance", "library", "auto") else ""),
                          (g,)))
     for name, spec in todo:
         if name in res["runs"]:
@@ -203,6 +208,8 @@ def main():
             bits = st["bits_per_value"]
             extra = dict(tier_rows=st["rows"], moved_rows=st["moved_rows"],
                          tiers=[n for n in PAIRS], capacity=rows)
+            if "observe_calls" in st:
+                extra.update(demoted_rows=st["demoted_rows"], observe_calls=st["observe_calls"])
         cache.close()
         r.update(bits=bits, seconds=round(time.time() - t0, 1), **extra)
         res["runs"][name] = r

@@ -391,7 +391,8 @@ typedef enum m40llm_tier_placement {
   /* The first tier with a free row: the oldest rows hold the first tiers' formats. */
   M40LLM_PLACE_FIRST_FREE = 0,
   /* By importance (issue 15's policy, measured in bench/fidelity/results/buckets.md): the cache
-   * keeps each row's importance, the attention weights its m40llm_kvcache_attn_observe_ex calls
+   * keeps each row's importance, the attention weights its observe calls (its own, every
+   * m40llm_kvcache_options.observe_interval-th plain call, and m40llm_kvcache_attn_observe_ex)
    * gave it (the largest over the query heads, summed over the calls), divided by the number of
    * those calls that saw it (ZipCache's normalized score; a row no call saw scores 0). A row
    * leaving the window goes to the first tier that has a free row or whose least important row
@@ -417,13 +418,13 @@ typedef enum m40llm_tier_placement {
 } m40llm_tier_placement;
 
 /* Version 2 added v_format; version 3 rotation, n_sinks and window; version 4 the tiers;
- * version 5 placement.
+ * version 5 placement; version 6 observe_interval.
  * Callers built against an older version keep working, and keep the behaviour of their version:
  * the library reads and writes only the fields of the version a struct says it is, and a
  * version-1 or -2 struct means no rotation and no protected tokens. */
-#define M40LLM_KVCACHE_OPTIONS_VERSION 5
+#define M40LLM_KVCACHE_OPTIONS_VERSION 6
 typedef struct m40llm_kvcache_options {
-  unsigned version; /* M40LLM_KVCACHE_OPTIONS_VERSION (or 1 or 2) */
+  unsigned version; /* M40LLM_KVCACHE_OPTIONS_VERSION (or 1 to 5) */
   int n_layers;     /* >= 1 */
   int n_heads;      /* query heads, >= 1, a multiple of n_kv_heads */
   int n_kv_heads;   /* >= 1; n_heads / n_kv_heads query heads share one K/V head (GQA/MQA) */
@@ -477,18 +478,42 @@ typedef struct m40llm_kvcache_options {
    * of backend memory a position for every (layer, sequence) (the importance sums and their
    * counts), 16 bytes a sequence (the ranking's counters) and 408 + 8 x window bytes for
    * every (layer, sequence) (the observe calls' rankings), counted
-   * by m40llm_kvcache_bytes_needed; on the host 8 bytes a position and 134 bytes for every
-   * (layer, sequence) and 8 x max_seq_len bytes, and on CUDA the rankings again, in pinned
-   * memory.
+   * by m40llm_kvcache_bytes_needed; on the host 8 bytes a position and 138 bytes for every
+   * (layer, sequence), 8 x max_seq_len bytes and a byte a layer, and on CUDA the rankings
+   * again, in pinned memory.
    * Other values: M40LLM_ERR_INVALID_ARGUMENT. */
   int placement;
+  /* Version 6: >= 0 (else M40LLM_ERR_INVALID_ARGUMENT, whatever the placement); used by
+   * M40LLM_PLACE_IMPORTANCE: a plain decode attention call (m40llm_kvcache_attn_batch_f32q and
+   * _ex, m40llm_kvcache_attn_last_token_f32q, m40llm_kvcache_append_attn_f32q and _ex) is made
+   * as m40llm_kvcache_attn_observe_ex makes it where it is due, so a decode loop of plain calls
+   * feeds the placement by itself. Each (layer, sequence) counts the plain calls that name it
+   * (once a call) since the last observe call that did; a call is due where one of its
+   * sequences has been named observe_interval - 1 times, and an observe call, the caller's or
+   * the cache's own, starts the count again for every sequence it names: every
+   * observe_interval-th call of a batched loop observes, and so does every sequence's own
+   * observe_interval-th call in a loop of calls a sequence. Default 4 (bench/fidelity measured
+   * every 4th step against every 16th: 0.71 against 0.97 of the uniform formats' KL at 2K
+   * tokens and 6 bits; at 8K every 16th did as well); 0: only the caller's
+   * m40llm_kvcache_attn_observe_ex calls observe (what versions up to 5 do). The weights and
+   * importance exports and causal calls neither count nor observe; a call that fails counts
+   * nothing. A due call that cannot observe is made as a plain call and stays due for its
+   * sequences' next call: one that names a sequence twice, or one made while the context's
+   * stream is being captured into a CUDA graph (an observe call cannot be captured; see
+   * m40llm_kvcache_attn_observe_ex), so a decode step captured whole never observes. A call
+   * that observes is an observe call in all else: its output comes from the FP32 kernels that
+   * export weights (on sm_80+ not the tensor-core kernels; the two agree within 1e-5), it
+   * grows the context's scratch of the scores as an observe call does (append_attn before it
+   * appends), failing with M40LLM_ERR_OUT_OF_MEMORY where that fails, and it costs what one
+   * costs (see M40LLM_PLACE_IMPORTANCE). */
+  int observe_interval;
 } m40llm_kvcache_options;
 #define M40LLM_KVCACHE_OPTIONS_INIT                                                     \
   { M40LLM_KVCACHE_OPTIONS_VERSION, 0, 0, 0, 0, 0, 0, M40LLM_KV_F16, M40LLM_KV_SAME, \
-    M40LLM_ROTATE_AUTO, 4, 128, 0, { { 0, 0, 0 } }, M40LLM_PLACE_FIRST_FREE }
-/** Fills *opts with the defaults of the given version, 1 to 5 (all sizes zero, FP16; version 3:
+    M40LLM_ROTATE_AUTO, 4, 128, 0, { { 0, 0, 0 } }, M40LLM_PLACE_FIRST_FREE, 4 }
+/** Fills *opts with the defaults of the given version, 1 to 6 (all sizes zero, FP16; version 3:
  *  rotation AUTO, 4 sinks, a window of 128; version 4: no tiers; version 5: placement
- *  M40LLM_PLACE_FIRST_FREE). */
+ *  M40LLM_PLACE_FIRST_FREE; version 6: observe_interval 4). */
 int m40llm_kvcache_options_init(m40llm_kvcache_options *opts, unsigned version);
 
 /** Bytes of backend memory a cache with these options holds (K plus V), without allocating.
@@ -586,9 +611,9 @@ int m40llm_kvcache_tier_of(int *out_tier, const m40llm_kvcache *cache, int layer
 
 /** What a tiered cache holds, over all its layers and sequences (m40llm_kvcache_tier_stats).
  *  A row is one position of one (layer, sequence): its K and V, all K/V heads. */
-#define M40LLM_TIER_STATS_VERSION 2
+#define M40LLM_TIER_STATS_VERSION 3
 typedef struct m40llm_tier_stats {
-  unsigned version;                      /* set by the caller: M40LLM_TIER_STATS_VERSION (or 1) */
+  unsigned version;                      /* set by the caller: M40LLM_TIER_STATS_VERSION (or 1, 2) */
   int n_tiers;                           /* the cache's */
   int64_t rows[M40LLM_MAX_TIERS];        /* rows each tier holds */
   int64_t free_rows[M40LLM_MAX_TIERS];   /* rows each tier has room for still */
@@ -601,9 +626,13 @@ typedef struct m40llm_tier_stats {
   /* Version 2: rows M40LLM_PLACE_IMPORTANCE has moved a tier down to make room, since the
    * cache was created. */
   int64_t demoted_rows;
+  /* Version 3: observe calls made since the cache was created, a layer's call counting once:
+   * the caller's m40llm_kvcache_attn_observe_ex calls and the cache's own
+   * (m40llm_kvcache_options.observe_interval). */
+  int64_t observe_calls;
 } m40llm_tier_stats;
-#define M40LLM_TIER_STATS_INIT { M40LLM_TIER_STATS_VERSION, 0, { 0 }, { 0 }, 0, 0.0, 0, 0 }
-/** Fills *out (its version, 1 or 2, set by the caller, e.g. from M40LLM_TIER_STATS_INIT) with
+#define M40LLM_TIER_STATS_INIT { M40LLM_TIER_STATS_VERSION, 0, { 0 }, { 0 }, 0, 0.0, 0, 0, 0 }
+/** Fills *out (its version, 1 to 3, set by the caller, e.g. from M40LLM_TIER_STATS_INIT) with
  *  what the cache holds now: host bookkeeping only, no backend work and no synchronization. An
  *  unknown version: M40LLM_ERR_INVALID_ARGUMENT. A cache without tiers:
  *  M40LLM_ERR_INVALID_ARGUMENT. */
@@ -757,10 +786,10 @@ int m40llm_kvcache_attn_importance_ex(void *out, float *importance, size_t impor
  *  an error of the arguments nothing is written and nothing counted (a device fault once the
  *  call's kernels are queued may leave some sums counted: the cache then copies them back
  *  before it places a row by them). The CUDA backend takes at most 4096 query heads for
- *  M40LLM_PLACE_IMPORTANCE (M40LLM_ERR_UNSUPPORTED at create). Call it on the steps whose
- *  weights the policy should see (bench/fidelity measured every 4th step against every 16th:
- *  0.71 against 0.97 of the uniform formats' KL at 2K tokens and 6 bits; the plain call on the
- *  others).
+ *  M40LLM_PLACE_IMPORTANCE (M40LLM_ERR_UNSUPPORTED at create). The cache makes its own
+ *  observe calls, a sequence's every m40llm_kvcache_options.observe_interval-th plain call (4
+ *  by default); call this one where the caller chooses the steps (with observe_interval 0), or
+ *  for a call the count would not make; it starts the count again for the sequences it names.
  *  The weights are m40llm_kvcache_attn_importance_ex's (decay 0); a small kernel adds each
  *  position's largest over the query heads to its sum and counts the call, another ranks each
  *  sequence's tiers (M40LLM_PLACE_IMPORTANCE), whose result is copied to pinned host memory
@@ -782,7 +811,8 @@ int m40llm_kvcache_attn_observe_ex(void *out, m40llm_kvcache *cache, int layer,
  *  with the same results bit for bit, and the checks of both made before anything is written:
  *  seq_ids names each sequence once; k and v are [n_seqs][n_kv_heads][head_dim], q and out
  *  [n_seqs][n_heads][head_dim] (q and out must not overlap; out may overlap k or v, which are
- *  read first); seq_ids may share memory with out (it is read once, first). No allocation. On
+ *  read first); seq_ids may share memory with out (it is read once, first). No allocation (but
+ *  an observe call's scratch where the call observes: observe_interval). On
  *  the CUDA backend, for an F16 cache (K and V) whose head_dim is a multiple of 16 and an out
  *  that overlaps neither k nor v, it is the attention's launches alone: the blocks that read a
  *  sequence's last position write its new row first (a launch fewer than the two calls). Else

@@ -132,10 +132,11 @@ typedef struct m40llm_backend_ops {
   int (*fork)(const m40llm_kvcache *c, int dst_seq, int src_seq);
   /* Readies a decode attention call of n_rows query rows of element type dtype from q into
    * out, so that what would fail it fails here, before the caller writes anything: append_attn
-   * calls it before its append. (CUDA: the pointer-kind check of q and out, and the 16-bit
-   * rows' staging buffer grown to the call's size.) */
+   * calls it before its append. observe_len > 0: the call observes (m40llm_attn_export.observe),
+   * its longest sequence that long. (CUDA: the pointer-kind check of q and out, the 16-bit
+   * rows' staging buffer and an observe call's scores' scratch grown to the call's size.) */
   int (*prepare_attention)(const m40llm_kvcache *c, int n_rows, const void *q, const void *out,
-                           int dtype);
+                           int dtype, int observe_len);
   /* Nonzero where `attention` on c can take a decode step's appended rows (x->append_k and
    * append_v) and write them itself; NULL or zero: append_attn makes the two calls. */
   int (*attention_appends)(const m40llm_kvcache *c);
@@ -187,6 +188,10 @@ typedef struct m40llm_backend_ops {
   int (*graph_end)(m40llm_context *ctx, void **exec, int *updated);
   int (*graph_launch)(m40llm_context *ctx, void *exec);
   void (*graph_destroy)(void *exec);
+  /* Whether the context's stream is being captured into a graph, by the library's calls or the
+   * caller's own (1 also where that cannot be told): a cache then makes none of its own observe
+   * calls. */
+  int (*capturing)(const m40llm_context *ctx);
 } m40llm_backend_ops;
 
 extern const m40llm_backend_ops m40llm_cpu_backend;

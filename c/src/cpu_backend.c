@@ -77,8 +77,8 @@ static int cpu_cache_created(m40llm_kvcache *c) {
 }
 
 static int cpu_prepare_attention(const m40llm_kvcache *c, int n_rows, const void *q,
-                                 const void *out, int dtype) {
-  (void)c, (void)n_rows, (void)q, (void)out, (void)dtype;
+                                 const void *out, int dtype, int observe_len) {
+  (void)c, (void)n_rows, (void)q, (void)out, (void)dtype, (void)observe_len;
   return M40LLM_OK;
 }
 
@@ -542,4 +542,5 @@ const m40llm_backend_ops m40llm_cpu_backend = {
     .graph_end = NULL,
     .graph_launch = NULL,
     .graph_destroy = NULL,
+    .capturing = NULL,
 };

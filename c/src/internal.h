@@ -78,7 +78,9 @@ struct m40llm_kvcache {
    * [max_seq_len]), which (layer, seq) have a record not yet read (imp_pending) and which
    * layers' records have landed (imp_landed); per (layer, seq, tier) its least important rows'
    * positions, most important last (imp_low, [layer][seq][tier][M40LLM_IMP_LOW]; imp_n_low
-   * entries, 0: not known), and the rows the cascade has moved down (imp_demoted). */
+   * entries, 0: not known), and the rows the cascade has moved down (imp_demoted); per (layer,
+   * seq) the plain calls that named it since the last observe call that did (imp_since, up to
+   * opts.observe_interval), and the observe calls made (imp_observed). */
   struct m40llm_imp_acc *imp_acc, *imp_fetch;
   int32_t *imp_done;
   void *imp_rank, *imp_records, *imp_backend;
@@ -87,6 +89,8 @@ struct m40llm_kvcache {
   int32_t *imp_low;
   uint8_t *imp_full, *imp_pending, *imp_landed, *imp_n_low;
   int64_t imp_demoted;
+  int *imp_since;
+  int64_t imp_observed;
 };
 
 /* The caller's options of any known version as the current version (later fields defaulted);
@@ -158,8 +162,13 @@ void m40llm_policy_free(m40llm_kvcache *c);
 /* Bytes of backend memory the policy's state takes (0 without it) with a window of `window`
  * rows, added to *bytes; 0 on overflow. */
 int m40llm_policy_add_bytes(size_t *bytes, const m40llm_kvcache_options *o, int window);
+/* The cache's own observe calls (opts.observe_interval): whether a plain call of layer on
+ * checked ids is due to observe (one of its sequences is), and a plain call of theirs made (not
+ * an observe; ids may repeat). */
+int m40llm_policy_due(const m40llm_kvcache *c, int layer, const int32_t *ids, int n);
+void m40llm_policy_plain_call(m40llm_kvcache *c, int layer, const int32_t *ids, int n);
 /* After the backend's observe of checked ids: their records are on their way, their scores
- * stale. */
+ * stale; the layer's count of plain calls starts again. */
 void m40llm_policy_observed(m40llm_kvcache *c, int layer, const int32_t *ids, int n);
 /* After an observe of checked ids failed once the backend was called (it may have counted the
  * call in some sums): what the host knows of their order and scores is dropped, so that it

@@ -16,7 +16,8 @@ static size_t options_size(unsigned version) {
     case 2: return offsetof(m40llm_kvcache_options, rotation);
     case 3: return offsetof(m40llm_kvcache_options, n_tiers);
     case 4: return offsetof(m40llm_kvcache_options, placement);
-    case 5: return sizeof(m40llm_kvcache_options);
+    case 5: return offsetof(m40llm_kvcache_options, observe_interval);
+    case 6: return sizeof(m40llm_kvcache_options);
     default: return 0;
   }
 }
@@ -47,6 +48,7 @@ static int read_options(m40llm_kvcache_options *out, const m40llm_kvcache_option
     out->rotation = M40LLM_ROTATE_NONE;
     out->n_sinks = out->window = 0;
   }
+  if (in->version < 6) out->observe_interval = 0; /* observe calls only where the caller makes them */
   memcpy(out, in, options_size(in->version));
   out->version = M40LLM_KVCACHE_OPTIONS_VERSION;
   return M40LLM_OK;
@@ -162,6 +164,9 @@ static int check_options(const m40llm_kvcache_options *o, m40llm_kv_layout *k_la
   if (o->placement != M40LLM_PLACE_FIRST_FREE && o->placement != M40LLM_PLACE_IMPORTANCE)
     return FAIL(INVALID_ARGUMENT, "opts->placement is %d, not an m40llm_tier_placement",
                 o->placement);
+  if (o->observe_interval < 0)
+    return FAIL(INVALID_ARGUMENT, "opts->observe_interval is %d, must be >= 0",
+                o->observe_interval);
   if (o->placement == M40LLM_PLACE_IMPORTANCE && o->n_tiers == 0)
     return FAIL(INVALID_ARGUMENT,
                 "opts->placement is M40LLM_PLACE_IMPORTANCE, which places rows in tiers, but "
@@ -676,8 +681,42 @@ static int check_export(const char *name, const float *buf, size_t stride, int n
 /* What an attention call exports besides its output (attn_batch's `mode`). */
 enum { EXPORT_WEIGHTS, EXPORT_IMPORTANCE, EXPORT_OBSERVE };
 
-/* The batch call, exporting what x asks (not yet checked): nothing (NULL), its weights, its
- * importance, or (observe) the weights the cache's importance placement sums. */
+/* What the cache's own observe calls export (m40llm_kvcache_options.observe_interval). */
+static const m40llm_attn_export observe_export = {NULL, 0, NULL, 0, 0.0f, NULL, NULL, 1};
+
+/* Whether a plain call of layer on n checked ids is one of the cache's own observe calls: due,
+ * the ids distinct, and the context's stream not being captured (an observe call cannot be). */
+static int observes_itself(m40llm_kvcache *c, int layer, const int32_t *ids, int n) {
+  if (!m40llm_policy_due(c, layer, ids, n)) return 0;
+  int distinct = 1;
+  for (int i = 0; i < n; i++) {
+    distinct &= !c->batch_seen[ids[i]];
+    c->batch_seen[ids[i]] = 1;
+  }
+  for (int i = 0; i < n; i++) c->batch_seen[ids[i]] = 0;
+  const m40llm_backend_ops *ops = c->ctx->ops;
+  return distinct && !(ops->capturing && ops->capturing(c->ctx));
+}
+
+/* After the backend's attention of a call on checked ids (rc: its status): an observe call's
+ * ranking and the host's view of its sequences, or a plain call counted toward the next. */
+static int attended(m40llm_kvcache *c, int layer, const int32_t *ids, int n, int observe, int rc) {
+  if (!observe) {
+    if (rc == M40LLM_OK) m40llm_policy_plain_call(c, layer, ids, n);
+    return rc;
+  }
+  if (rc == M40LLM_OK)
+    rc = m40llm_context_result(c->ctx, c->ctx->ops->tier_rank(c, layer, ids, n));
+  /* A failure past the backend's first launch (a device fault) may have counted the call in
+   * some sums: the host no longer trusts what it knows of them. */
+  if (rc == M40LLM_OK) m40llm_policy_observed(c, layer, ids, n);
+  else m40llm_policy_unknown(c, layer, ids, n);
+  return rc;
+}
+
+/* The batch call, exporting what x asks (not yet checked): nothing (NULL: a plain call, which
+ * may be one of the cache's own observe calls), its weights, its importance, or (observe) the
+ * weights the cache's importance placement sums. */
 static int attn_batch(void *out, const m40llm_attn_export *x, int mode,
                       m40llm_kvcache *cache, int layer, const int32_t *seq_ids, int n_seqs,
                       const void *q, int dtype, float scale) {
@@ -743,19 +782,13 @@ static int attn_batch(void *out, const m40llm_attn_export *x, int mode,
     for (int i = 0; i < n_seqs; i++)
       if (ids[i] >= 0 && ids[i] < cache->opts.max_seqs) cache->batch_seen[ids[i]] = 0;
   if (rc == M40LLM_OK) rc = m40llm_context_check(cache->ctx);
-  const int called = rc == M40LLM_OK;
-  if (called)
+  if (rc == M40LLM_OK) {
+    int observe = mode == EXPORT_OBSERVE;
+    if (!x && observes_itself(cache, layer, ids, n_seqs)) x = &observe_export, observe = 1;
     rc = m40llm_context_result(cache->ctx,
                                cache->ctx->ops->attention(cache, layer, ids, n_seqs, q, out,
                                                           dtype, scale, x));
-  if (mode == EXPORT_OBSERVE && called) {
-    if (rc == M40LLM_OK)
-      rc = m40llm_context_result(cache->ctx,
-                                 cache->ctx->ops->tier_rank(cache, layer, ids, n_seqs));
-    /* A failure past the backend's first launch (a device fault) may have counted the call in
-     * some sums: the host no longer trusts what it knows of them. */
-    if (rc == M40LLM_OK) m40llm_policy_observed(cache, layer, ids, n_seqs);
-    else m40llm_policy_unknown(cache, layer, ids, n_seqs);
+    if (!x || observe) rc = attended(cache, layer, ids, n_seqs, observe, rc);
   }
   if (ids != on_stack) free(ids);
   return rc;
@@ -830,11 +863,18 @@ int m40llm_kvcache_append_attn_ex(void *out, m40llm_kvcache *cache, int layer,
       M40LLM_OK)
     return rc;
   for (int i = 0; i < n_items; i++) cache->batch_ids[i] = cache->batch[i].seq;
-  /* What would fail the attention (q or out the backend cannot use, a buffer it cannot grow)
-   * fails before the append writes. */
+  /* What would fail the attention (q or out the backend cannot use, a buffer it cannot grow, an
+   * observe call's scratch among them) fails before the append writes. */
+  const int observe = observes_itself(cache, layer, cache->batch_ids, n_items);
+  int observe_len = 0;
+  for (int i = 0; i < n_items && observe; i++) {
+    const int len = *m40llm_len_slot(cache, layer, cache->batch[i].seq) + 1;
+    observe_len = len > observe_len ? len : observe_len;
+  }
   if ((rc = m40llm_context_check(cache->ctx)) != M40LLM_OK ||
-      (rc = m40llm_context_result(cache->ctx, cache->ctx->ops->prepare_attention(
-                                                  cache, n_items, q, out, dtype))) != M40LLM_OK)
+      (rc = m40llm_context_result(cache->ctx,
+                                  cache->ctx->ops->prepare_attention(cache, n_items, q, out, dtype,
+                                                                     observe_len))) != M40LLM_OK)
     return rc;
   const m40llm_backend_ops *ops = cache->ctx->ops;
   if (n_items > 0 && cache->n_tiers == 0 && ops->attention_appends &&
@@ -851,8 +891,10 @@ int m40llm_kvcache_append_attn_ex(void *out, m40llm_kvcache *cache, int layer,
     return rc;
   }
   if ((rc = run_append(cache, layer, cache->batch, n_items, k, v, dtype)) != M40LLM_OK) return rc;
-  return m40llm_context_result(cache->ctx, ops->attention(cache, layer, cache->batch_ids, n_items,
-                                                          q, out, dtype, scale, NULL));
+  rc = m40llm_context_result(cache->ctx,
+                             ops->attention(cache, layer, cache->batch_ids, n_items, q, out,
+                                            dtype, scale, observe ? &observe_export : NULL));
+  return attended(cache, layer, cache->batch_ids, n_items, observe, rc);
 }
 
 int m40llm_kvcache_append_attn_f32q(float *out, m40llm_kvcache *cache, int layer,
@@ -1020,8 +1062,12 @@ int m40llm_kvcache_tier_stats(m40llm_tier_stats *out, const m40llm_kvcache *cach
   st.bits_per_value = positions > 0 ? 8.0 * bytes / ((double)positions * 2.0 * o->head_dim) : 0.0;
   st.moved_rows = cache->tier_moved;
   st.demoted_rows = cache->imp_demoted;
+  st.observe_calls = cache->imp_observed;
   st.version = version;
-  memcpy(out, &st, version == 1 ? offsetof(m40llm_tier_stats, demoted_rows) : sizeof st);
+  memcpy(out, &st,
+         version == 1   ? offsetof(m40llm_tier_stats, demoted_rows)
+         : version == 2 ? offsetof(m40llm_tier_stats, observe_calls)
+                        : sizeof st);
   return M40LLM_OK;
 }
 

@@ -61,8 +61,9 @@ int m40llm_policy_alloc(m40llm_kvcache *c) {
   c->imp_landed = m40llm_host_calloc((size_t)o->n_layers, sizeof *c->imp_landed);
   c->imp_low = m40llm_host_calloc(seqs * M40LLM_MAX_TIERS * M40LLM_IMP_LOW, sizeof *c->imp_low);
   c->imp_n_low = m40llm_host_calloc(seqs * M40LLM_MAX_TIERS, sizeof *c->imp_n_low);
+  c->imp_since = m40llm_host_calloc(seqs, sizeof *c->imp_since);
   if (!c->imp_host || !c->imp_fetch || !c->imp_full || !c->imp_pending || !c->imp_landed ||
-      !c->imp_low || !c->imp_n_low)
+      !c->imp_low || !c->imp_n_low || !c->imp_since)
     return FAIL(OUT_OF_MEMORY, "allocating the importance placement's host state");
   memset(c->imp_full, 1, seqs); /* every score is 0 on both sides */
   int rc = m40llm_malloc((void **)&c->imp_acc, c->ctx, positions * sizeof(m40llm_imp_acc));
@@ -86,6 +87,7 @@ void m40llm_policy_free(m40llm_kvcache *c) {
   free(c->imp_landed);
   free(c->imp_low);
   free(c->imp_n_low);
+  free(c->imp_since);
 }
 
 void m40llm_policy_forget(m40llm_kvcache *c, int layer, int seq) {
@@ -93,10 +95,30 @@ void m40llm_policy_forget(m40llm_kvcache *c, int layer, int seq) {
     memset(&c->imp_n_low[seq_index(c, layer, seq) * M40LLM_MAX_TIERS], 0, M40LLM_MAX_TIERS);
 }
 
+int m40llm_policy_due(const m40llm_kvcache *c, int layer, const int32_t *ids, int n) {
+  const int every = c->opts.observe_interval;
+  if (!on(c) || every == 0) return 0;
+  for (int i = 0; i < n; i++)
+    if (c->imp_since[seq_index(c, layer, ids[i])] >= every - 1) return 1;
+  return 0;
+}
+
+void m40llm_policy_plain_call(m40llm_kvcache *c, int layer, const int32_t *ids, int n) {
+  if (!on(c)) return;
+  for (int i = 0; i < n; i++) { /* a sequence the call names twice counts once */
+    int *since = &c->imp_since[seq_index(c, layer, ids[i])];
+    if (!c->batch_seen[ids[i]] && *since < c->opts.observe_interval) ++*since;
+    c->batch_seen[ids[i]] = 1;
+  }
+  for (int i = 0; i < n; i++) c->batch_seen[ids[i]] = 0;
+}
+
 void m40llm_policy_observed(m40llm_kvcache *c, int layer, const int32_t *ids, int n) {
+  c->imp_observed++;
   c->imp_landed[layer] = 0;
   for (int i = 0; i < n; i++) {
     const size_t s = seq_index(c, layer, ids[i]);
+    c->imp_since[s] = 0;
     c->imp_pending[s] = 1;
     c->imp_full[s] = 0;
   }

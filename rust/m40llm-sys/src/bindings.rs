@@ -11,8 +11,8 @@ pub const M40LLM_BUILD_INFO_VERSION: u32 = 1;
 pub const M40LLM_CONTEXT_OPTIONS_VERSION: u32 = 2;
 pub const M40LLM_DEVICE_INFO_VERSION: u32 = 2;
 pub const M40LLM_MAX_TIERS: u32 = 4;
-pub const M40LLM_KVCACHE_OPTIONS_VERSION: u32 = 5;
-pub const M40LLM_TIER_STATS_VERSION: u32 = 2;
+pub const M40LLM_KVCACHE_OPTIONS_VERSION: u32 = 6;
+pub const M40LLM_TIER_STATS_VERSION: u32 = 3;
 pub const M40LLM_DEVICE_RESERVE_DEFAULT: u32 = 268435456;
 pub const M40LLM_CAUSAL_OPTIONS_VERSION: u32 = 1;
 pub const M40LLM_OK: m40llm_status = 0;
@@ -149,6 +149,7 @@ pub struct m40llm_kvcache_options {
     pub n_tiers: ::core::ffi::c_int,
     pub tiers: [m40llm_kv_tier; 4usize],
     pub placement: ::core::ffi::c_int,
+    pub observe_interval: ::core::ffi::c_int,
 }
 #[repr(C)]
 #[derive(Debug, Default, Copy, Clone)]
@@ -161,6 +162,7 @@ pub struct m40llm_tier_stats {
     pub bits_per_value: f64,
     pub moved_rows: i64,
     pub demoted_rows: i64,
+    pub observe_calls: i64,
 }
 #[repr(C)]
 #[derive(Debug, Default, Copy, Clone)]
@@ -284,9 +286,9 @@ extern "C" {
         value: ::core::ffi::c_int,
         bytes: usize,
     ) -> ::core::ffi::c_int;
-    /** Fills *opts with the defaults of the given version, 1 to 5 (all sizes zero, FP16; version 3:
+    /** Fills *opts with the defaults of the given version, 1 to 6 (all sizes zero, FP16; version 3:
   rotation AUTO, 4 sinks, a window of 128; version 4: no tiers; version 5: placement
-  M40LLM_PLACE_FIRST_FREE).*/
+  M40LLM_PLACE_FIRST_FREE; version 6: observe_interval 4).*/
     pub fn m40llm_kvcache_options_init(
         opts: *mut m40llm_kvcache_options,
         version: ::core::ffi::c_uint,
@@ -456,7 +458,7 @@ extern "C" {
         seq: ::core::ffi::c_int,
         pos: ::core::ffi::c_int,
     ) -> ::core::ffi::c_int;
-    /** Fills *out (its version, 1 or 2, set by the caller, e.g. from M40LLM_TIER_STATS_INIT) with
+    /** Fills *out (its version, 1 to 3, set by the caller, e.g. from M40LLM_TIER_STATS_INIT) with
   what the cache holds now: host bookkeeping only, no backend work and no synchronization. An
   unknown version: M40LLM_ERR_INVALID_ARGUMENT. A cache without tiers:
   M40LLM_ERR_INVALID_ARGUMENT.*/
@@ -638,10 +640,10 @@ extern "C" {
   an error of the arguments nothing is written and nothing counted (a device fault once the
   call's kernels are queued may leave some sums counted: the cache then copies them back
   before it places a row by them). The CUDA backend takes at most 4096 query heads for
-  M40LLM_PLACE_IMPORTANCE (M40LLM_ERR_UNSUPPORTED at create). Call it on the steps whose
-  weights the policy should see (bench/fidelity measured every 4th step against every 16th:
-  0.71 against 0.97 of the uniform formats' KL at 2K tokens and 6 bits; the plain call on the
-  others).
+  M40LLM_PLACE_IMPORTANCE (M40LLM_ERR_UNSUPPORTED at create). The cache makes its own
+  observe calls, a sequence's every m40llm_kvcache_options.observe_interval-th plain call (4
+  by default); call this one where the caller chooses the steps (with observe_interval 0), or
+  for a call the count would not make; it starts the count again for the sequences it names.
   The weights are m40llm_kvcache_attn_importance_ex's (decay 0); a small kernel adds each
   position's largest over the query heads to its sum and counts the call, another ranks each
   sequence's tiers (M40LLM_PLACE_IMPORTANCE), whose result is copied to pinned host memory
@@ -669,7 +671,8 @@ extern "C" {
   with the same results bit for bit, and the checks of both made before anything is written:
   seq_ids names each sequence once; k and v are [n_seqs][n_kv_heads][head_dim], q and out
   [n_seqs][n_heads][head_dim] (q and out must not overlap; out may overlap k or v, which are
-  read first); seq_ids may share memory with out (it is read once, first). No allocation. On
+  read first); seq_ids may share memory with out (it is read once, first). No allocation (but
+  an observe call's scratch where the call observes: observe_interval). On
   the CUDA backend, for an F16 cache (K and V) whose head_dim is a multiple of 16 and an out
   that overlaps neither k nor v, it is the attention's launches alone: the blocks that read a
   sequence's last position write its new row first (a launch fewer than the two calls). Else

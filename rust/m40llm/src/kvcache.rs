@@ -213,6 +213,10 @@ pub struct TierStats {
     pub moved_rows: u64,
     /// Rows [`TierPlacement::Importance`] has moved a tier down to make room.
     pub demoted_rows: u64,
+    /// Observe calls made since the cache was created, a layer's call counting once: the
+    /// caller's [`KvCache::attention_observe`] calls and the cache's own
+    /// ([`KvCacheConfig::observe_interval`]).
+    pub observe_calls: u64,
 }
 
 /// The most tiers a cache has (`M40LLM_MAX_TIERS`).
@@ -268,6 +272,10 @@ pub struct KvCacheConfig {
     pub n_tiers: usize,
     /// Where a row leaving the window goes (see [`placement`](Self::placement)).
     pub placement: TierPlacement,
+    /// With [`TierPlacement::Importance`], a sequence's every `observe_interval`-th plain
+    /// attention call (of a layer) observes (see [`observe_interval`](Self::observe_interval)).
+    /// Defaults to the library's default, read at run time by [`KvCacheConfig::new`].
+    pub observe_interval: usize,
 }
 
 impl KvCacheConfig {
@@ -291,6 +299,7 @@ impl KvCacheConfig {
             tiers: [None; MAX_TIERS],
             n_tiers: 0,
             placement: TierPlacement::FirstFree,
+            observe_interval: d.observe_interval.max(0) as usize,
         }
     }
 
@@ -363,6 +372,42 @@ impl KvCacheConfig {
     /// ```
     pub fn placement(mut self, placement: TierPlacement) -> Self {
         self.placement = placement;
+        self
+    }
+
+    /// With [`TierPlacement::Importance`]: a plain attention call ([`KvCache::attention`],
+    /// [`KvCache::append_attention_batch`] and their kin) is made as
+    /// [`KvCache::attention_observe`] makes it where one of its sequences is due: each
+    /// (layer, sequence) counts the plain calls that name it, and is due on its
+    /// `interval`-th since the last observe call that named it. So a decode loop of plain calls
+    /// feeds the placement by itself, batched or a sequence a call (the library's default: 4,
+    /// the interval `bench/fidelity` measured best at 2K tokens). 0: only the caller's
+    /// [`KvCache::attention_observe`] calls observe. A due call that names a sequence twice, or
+    /// that is captured into a CUDA graph, is made plain and stays due. A call that observes
+    /// is an observe call in all else (its output from the FP32 kernels that export weights).
+    /// See `observe_interval` in `m40llm.h`.
+    ///
+    /// ```
+    /// use m40llm::{Context, DeviceBuffer, KvCache, KvCacheConfig, KvFormat, KvTier, TierPlacement};
+    /// let cfg = KvCacheConfig::new(1, 2, 32).kv_heads(1).max_seq_len(64).sinks(0).window(4)
+    ///     .tiers(&[KvTier::new(KvFormat::Q8, KvFormat::Q8, 2), KvTier::new(KvFormat::Q4, KvFormat::Q2, 64)])
+    ///     .placement(TierPlacement::Importance)
+    ///     .observe_interval(2);
+    /// let ctx = Context::cpu()?;
+    /// let mut kv = KvCache::new(&ctx, &cfg)?;
+    /// let q = DeviceBuffer::from_slice(&ctx, &[0.5f32; 64])?;
+    /// let mut out = DeviceBuffer::<f32>::zeros(&ctx, 64)?;
+    /// for t in 0..16 {
+    ///     let row: Vec<f32> = (0..32).map(|d| ((t * 7 + d) % 5) as f32 * 0.1 - 0.2).collect();
+    ///     let k = DeviceBuffer::from_slice(&ctx, &row)?;
+    ///     kv.append(0, 0, &k, &k)?;
+    ///     kv.attention(0, 0, &q, &mut out, None)?; // every 2nd one observes
+    /// }
+    /// assert_eq!(kv.tier_stats()?.observe_calls, 8);
+    /// # Ok::<(), m40llm::Error>(())
+    /// ```
+    pub fn observe_interval(mut self, interval: usize) -> Self {
+        self.observe_interval = interval;
         self
     }
 
@@ -561,6 +606,7 @@ impl KvCacheConfig {
             raw.rows = to_c(t.rows, "tier rows")?;
         }
         o.placement = self.placement.to_raw();
+        o.observe_interval = to_c(self.observe_interval, "observe_interval")?;
         Ok(o)
     }
 
@@ -607,6 +653,7 @@ impl KvCacheConfig {
             },
             n_tiers: size(o.n_tiers),
             placement: TierPlacement::from_raw(o.placement)?,
+            observe_interval: size(o.observe_interval),
         })
     }
 }
@@ -716,7 +763,8 @@ pub struct KvCache {
 // run concurrently; every call through `KvCache` holds the context's lock, and the handle is
 // destroyed once, in `drop`, under that lock.
 unsafe impl Send for KvCache {}
-// SAFETY: as above; `&self` methods only read the cache, and they also hold the lock.
+// SAFETY: as above; `&self` methods hold the lock too, and change no contents or lengths (an
+// observe call, the caller's or the cache's own, adds to the importance sums that place rows).
 unsafe impl Sync for KvCache {}
 
 impl KvCache {
@@ -885,6 +933,7 @@ impl KvCache {
             bits_per_value: raw.bits_per_value,
             moved_rows: count(raw.moved_rows),
             demoted_rows: count(raw.demoted_rows),
+            observe_calls: count(raw.observe_calls),
         })
     }
 
@@ -1337,9 +1386,11 @@ impl KvCache {
     /// [`attention_batch`](Self::attention_batch), and also adds the call's weights (each
     /// position's largest over the query heads) to the cache's own importance, which
     /// [`TierPlacement::Importance`] places rows by; each sequence is named once. The cache
-    /// must have that placement ([`Status::InvalidArgument`](crate::Status) otherwise). Call it
-    /// on the steps whose weights the policy should see (e.g. every 4th), the plain call on the
-    /// others. On CUDA it ranks each sequence's tiers on the GPU and copies the result to the
+    /// must have that placement ([`Status::InvalidArgument`](crate::Status) otherwise). The cache
+    /// makes its own observe calls, a sequence's every [`KvCacheConfig::observe_interval`]-th
+    /// plain call (4 by default); call this one where the caller picks the steps (with an
+    /// interval of 0), or for a call the count would not make: it starts the count again for
+    /// the sequences it names. On CUDA it ranks each sequence's tiers on the GPU and copies the result to the
     /// host without waiting: it cannot be captured in a graph
     /// ([`Status::Unsupported`](crate::Status)), and the next append of a sequence it saw
     /// waits for that copy (and may copy the sequence's sums back, a wait for the stream),
@@ -1347,7 +1398,7 @@ impl KvCache {
     /// See `m40llm_kvcache_attn_observe_ex` in `m40llm.h`; an example is at
     /// [`KvCacheConfig::placement`].
     pub fn attention_observe<T: IoElement>(
-        &mut self,
+        &self,
         layer: usize,
         seq_ids: &[usize],
         q: &impl DeviceRead<T>,

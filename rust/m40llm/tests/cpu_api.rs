@@ -1261,19 +1261,27 @@ fn attention_importance_reduces_the_weights() {
     assert_eq!(imp.to_vec().unwrap(), got);
 }
 
-#[test]
-fn placement_by_importance_and_its_errors() {
-    let ctx = cpu();
-    let base = KvCacheConfig::new(1, 4, 64)
+/// 4/2 heads of 64, 2 sequences of 64 positions, no sinks and a window of 4, in these tiers.
+fn small_tiered(n_layers: usize, tiers: &[KvTier]) -> KvCacheConfig {
+    KvCacheConfig::new(n_layers, 4, 64)
         .kv_heads(2)
         .max_seqs(2)
         .max_seq_len(64)
         .sinks(0)
         .window(4)
-        .tiers(&[
+        .tiers(tiers)
+}
+
+#[test]
+fn placement_by_importance_and_its_errors() {
+    let ctx = cpu();
+    let base = small_tiered(
+        1,
+        &[
             KvTier::new(KvFormat::Q8, KvFormat::Q8, 4),
             KvTier::new(KvFormat::Q4, KvFormat::Q2, 64),
-        ]);
+        ],
+    );
     assert_eq!(base.placement, TierPlacement::FirstFree);
     let cfg = base.placement(TierPlacement::Importance);
     // The sums and counts (1 layer x 2 sequences x 64 positions, 8 bytes each), the ranking's
@@ -1285,7 +1293,7 @@ fn placement_by_importance_and_its_errors() {
     );
     let mut kv = KvCache::new(&ctx, &cfg).unwrap();
     assert_eq!(kv.config().placement, TierPlacement::Importance);
-    let mut plain = KvCache::new(&ctx, &base).unwrap();
+    let plain = KvCache::new(&ctx, &base).unwrap();
     let mut rng = Rng::fresh("placement_by_importance_and_its_errors");
     let q = DeviceBuffer::from_slice(&ctx, &rng.normal_vec(2 * base.q_row_len(), 1.0)).unwrap();
     let mut out = DeviceBuffer::<f32>::zeros(&ctx, 2 * base.q_row_len()).unwrap();
@@ -1323,6 +1331,75 @@ fn placement_by_importance_and_its_errors() {
     assert_eq!(kv.tier_rows(0, 0).unwrap(), vec![4, 12]);
     let st = kv.tier_stats().unwrap();
     assert!(st.demoted_rows > 0 && st.moved_rows == 0, "{st:?}");
+    // An observe call after each plain call: the plain calls never reach the default interval.
+    assert_eq!(base.observe_interval, 4);
+    assert_eq!(st.observe_calls, 20);
+}
+
+#[test]
+fn the_cache_observes_every_nth_plain_call() {
+    let ctx = cpu();
+    let base = small_tiered(
+        2,
+        &[
+            KvTier::new(KvFormat::Q8, KvFormat::Q8, 4),
+            KvTier::new(KvFormat::Q8, KvFormat::Q4, 8),
+            KvTier::new(KvFormat::Q4, KvFormat::Q2, 64),
+        ],
+    )
+    .placement(TierPlacement::Importance);
+    let e = assert_status(
+        KvCache::new(&ctx, &base.observe_interval(usize::MAX)),
+        Status::InvalidArgument,
+    );
+    assert!(e.message().contains("observe_interval"), "{e}");
+    // The cache's own calls (every 3rd plain call of a layer) against a twin whose caller
+    // makes them: the same tiers for every position, the same outputs, the same count.
+    let mut auto = KvCache::new(&ctx, &base.observe_interval(3)).unwrap();
+    let mut twin = KvCache::new(&ctx, &base.observe_interval(0)).unwrap();
+    assert_eq!(auto.config().observe_interval, 3);
+    assert_eq!(twin.config().observe_interval, 0);
+    let mut rng = Rng::fresh("the_cache_observes_every_nth_plain_call");
+    let mut out = DeviceBuffer::<f32>::zeros(&ctx, 2 * base.q_row_len()).unwrap();
+    let mut twin_out = DeviceBuffer::<f32>::zeros(&ctx, 2 * base.q_row_len()).unwrap();
+    for step in 0..40 {
+        let q = DeviceBuffer::from_slice(&ctx, &rng.normal_vec(2 * base.q_row_len(), 1.0)).unwrap();
+        for layer in 0..2 {
+            for s in 0..2 {
+                let k = DeviceBuffer::from_slice(&ctx, &rng.normal_vec(base.kv_row_len(), 1.0))
+                    .unwrap();
+                let v = DeviceBuffer::from_slice(&ctx, &rng.normal_vec(base.kv_row_len(), 1.0))
+                    .unwrap();
+                auto.append(layer, s, &k, &v).unwrap();
+                twin.append(layer, s, &k, &v).unwrap();
+            }
+            auto.attention_batch(layer, &[1, 0], &q, &mut out, None)
+                .unwrap();
+            if step % 3 == 2 {
+                twin.attention_observe(layer, &[1, 0], &q, &mut twin_out, None)
+                    .unwrap();
+            } else {
+                twin.attention_batch(layer, &[1, 0], &q, &mut twin_out, None)
+                    .unwrap();
+            }
+            assert_eq!(out.to_vec().unwrap(), twin_out.to_vec().unwrap());
+        }
+    }
+    for layer in 0..2 {
+        for s in 0..2 {
+            for p in 0..40 {
+                assert_eq!(
+                    auto.tier_of(layer, s, p).unwrap(),
+                    twin.tier_of(layer, s, p).unwrap(),
+                    "layer {layer} seq {s} position {p}"
+                );
+            }
+        }
+    }
+    let (st, twin_st) = (auto.tier_stats().unwrap(), twin.tier_stats().unwrap());
+    assert_eq!(st.observe_calls, 2 * 13);
+    assert_eq!(st, twin_st);
+    assert!(st.demoted_rows > 0, "{st:?}");
 }
 
 #[test]
