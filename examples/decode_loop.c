@@ -3,6 +3,7 @@
  *
  *   decode_loop [steps] [auto|cuda|cpu] [--layers N] [--seqs N] [--heads N] [--kv-heads N]
  *               [--head-dim N] [--context N] [--eager | --graph] [--no-prefill-attention]
+ *               [--tiers [--importance]]
  *
  * By default a 4-layer model with 8 query heads sharing 2 KV heads (GQA), head_dim 64, serving
  * 4 sequences whose prompts have different lengths (37, 5, 120, 1, repeated for more
@@ -25,6 +26,14 @@
  * bandwidth (cudaMemcpy device to device of a large buffer, bytes read + written, measured
  * here): 1.0x would be a step at the speed of its bytes. Needs a CUDA build for the graph and
  * the bandwidth; the CPU backend runs eager.
+ *
+ * The cache is F16. --tiers makes it a mixed-precision one (m40llm.h, tiers: the rows that leave
+ * a 128-row FP16 window, after 4 FP16 sinks, in four tiers of (K, V) formats Q8/Q8, Q8/Q4,
+ * Q4/Q3 and Q4/Q2 holding 10%, 20%, 30% and 40% of them), the oldest rows in the most bits;
+ * with --importance the rows go by the attention they draw instead (M40LLM_PLACE_IMPORTANCE,
+ * the cache's own observe call every 4th step: the default observe_interval), eager only (its
+ * appends may wait for the GPU, which a capture cannot hold). The step's bytes are then the
+ * cache's bits per value (m40llm_kvcache_tier_stats) after the mode's steps.
  */
 #define _POSIX_C_SOURCE 200809L
 
@@ -47,6 +56,7 @@ typedef struct {
   int steps, backend, layers, seqs, heads, kv_heads, head_dim, context;
   int eager, graph; /* the ways to run the decode steps */
   int prefill_attention;
+  int tiers, importance;
 } options;
 
 #define CHECK(call)                                                                       \
@@ -95,7 +105,7 @@ static int usage(const char *argv0) {
   fprintf(stderr,
           "usage: %s [steps (1..100000)] [auto|cuda|cpu] [--layers N] [--seqs N] [--heads N]\n"
           "       [--kv-heads N] [--head-dim N] [--context N] [--eager | --graph]\n"
-          "       [--no-prefill-attention]\n",
+          "       [--no-prefill-attention] [--tiers [--importance]]\n",
           argv0);
   return 2;
 }
@@ -115,6 +125,8 @@ static int parse_args(options *o, int argc, char **argv) {
     else if (strcmp(a, "--eager") == 0) o->graph = 0;
     else if (strcmp(a, "--graph") == 0) o->eager = 0;
     else if (strcmp(a, "--no-prefill-attention") == 0) o->prefill_attention = 0;
+    else if (strcmp(a, "--tiers") == 0) o->tiers = 1;
+    else if (strcmp(a, "--importance") == 0) o->importance = 1;
     else if (positional == 0 && a[0] != '-') {
       char *end = NULL;
       const long v = strtol(a, &end, 10);
@@ -138,6 +150,12 @@ static int parse_args(options *o, int argc, char **argv) {
     }
   }
   if (!o->eager && !o->graph) return usage(argv[0]); /* --eager and --graph together */
+  if (o->importance && !o->tiers) return usage(argv[0]);
+  if (o->importance && !o->eager) {
+    fprintf(stderr, "--importance runs eager: its appends may wait for the GPU\n");
+    return 2;
+  }
+  if (o->importance) o->graph = 0;
   return 0;
 }
 
@@ -210,6 +228,19 @@ static double positions_read(int *len, int seqs, int steps) {
   return sum;
 }
 
+/* A tiered cache's bytes of one position of all layers now (its bits per value over the
+ * positions it holds); a cache without tiers leaves *bytes as it is (F16). */
+static int tiered_position_bytes(const m40llm_kvcache *cache, size_t kv_row, int layers,
+                                 double *bytes) {
+  m40llm_kvcache_options ko = M40LLM_KVCACHE_OPTIONS_INIT;
+  int rc = m40llm_kvcache_get_options(&ko, cache);
+  if (rc != M40LLM_OK || ko.n_tiers == 0) return rc;
+  m40llm_tier_stats st = M40LLM_TIER_STATS_INIT;
+  if ((rc = m40llm_kvcache_tier_stats(&st, cache)) == M40LLM_OK)
+    *bytes = 2.0 * (double)kv_row * st.bits_per_value / 8.0 * layers;
+  return rc;
+}
+
 static void report(const char *mode, double seconds, int steps, double bytes_per_step,
                    double copy_gbps, int seqs) {
   const double step_s = seconds / steps;
@@ -221,7 +252,7 @@ static void report(const char *mode, double seconds, int steps, double bytes_per
 }
 
 int main(int argc, char **argv) {
-  options o = {256, M40LLM_BACKEND_AUTO, 4, 4, 8, 2, 64, 0, 1, 1, 1};
+  options o = {256, M40LLM_BACKEND_AUTO, 4, 4, 8, 2, 64, 0, 1, 1, 1, 0, 0};
   if (parse_args(&o, argc, argv) != 0) return 2;
   const int32_t default_prompt[4] = {37, 5, 120, 1};
 
@@ -295,8 +326,11 @@ int main(int argc, char **argv) {
   o.graph = 0; /* a CUDA build of the library, this example built without the CUDA runtime */
 #endif
 
-  /* Room for every step: a warm-up step, then the steps of each mode. */
-  const int decode_steps = 1 + (o.eager ? o.steps : 0) + (o.graph ? o.steps : 0);
+  /* Room for every step: the warm-up steps, then the steps of each mode. The warm-up takes a
+   * step, or with --importance as many as the cache's first observe call needs (the default
+   * observe_interval), so that it loads its kernels too. */
+  const int warm_up = o.importance ? 4 : 1;
+  const int decode_steps = warm_up + (o.eager ? o.steps : 0) + (o.graph ? o.steps : 0);
   m40llm_kvcache_options kopts = M40LLM_KVCACHE_OPTIONS_INIT;
   kopts.n_layers = o.layers;
   kopts.n_heads = o.heads;
@@ -304,11 +338,28 @@ int main(int argc, char **argv) {
   kopts.head_dim = o.head_dim;
   kopts.max_seqs = o.seqs;
   kopts.max_seq_len = max_prompt + decode_steps;
+  if (o.tiers) {
+    const int pairs[4][2] = {{M40LLM_KV_Q8, M40LLM_KV_Q8}, {M40LLM_KV_Q8, M40LLM_KV_Q4},
+                             {M40LLM_KV_Q4, M40LLM_KV_Q3}, {M40LLM_KV_Q4, M40LLM_KV_Q2}};
+    const int percent[4] = {10, 20, 30, 40};
+    const int leaving = kopts.max_seq_len - kopts.n_sinks - kopts.window; /* may be <= 0 */
+    kopts.n_tiers = 4;
+    for (int t = 0, left = leaving > 0 ? leaving : 0; t < 4; t++) {
+      const int rows = t == 3 ? left : (int)((long long)leaving * percent[t] / 100);
+      kopts.tiers[t] = (m40llm_kv_tier){pairs[t][0], pairs[t][1], rows > 0 ? rows : 0};
+      left -= kopts.tiers[t].rows;
+    }
+    kopts.format = pairs[0][0], kopts.v_format = pairs[0][1];
+    kopts.placement = o.importance ? M40LLM_PLACE_IMPORTANCE : M40LLM_PLACE_FIRST_FREE;
+  }
   size_t cache_bytes = 0;
   CHECK(m40llm_kvcache_bytes_needed(&cache_bytes, &kopts));
   CHECK(m40llm_kvcache_create(&cache, ctx, &kopts));
-  printf("%d layers, %d sequences, %d query heads / %d KV heads, head_dim %d, KV cache %.1f MiB\n",
-         o.layers, o.seqs, o.heads, o.kv_heads, o.head_dim, (double)cache_bytes / 1048576.0);
+  printf("%d layers, %d sequences, %d query heads / %d KV heads, head_dim %d, KV cache %.1f MiB%s\n",
+         o.layers, o.seqs, o.heads, o.kv_heads, o.head_dim, (double)cache_bytes / 1048576.0,
+         !o.tiers        ? " (F16)"
+         : o.importance ? " (tiers K8V8/K8V4/K4V3/K4V2 10/20/30/40%, placed by importance)"
+                        : " (tiers K8V8/K8V4/K4V3/K4V2 10/20/30/40%, placed by age)");
 
   /* Prefill, chunk by chunk: each sequence's next (at most CHUNK) prompt tokens in one batched
    * append a layer, rows packed in sequence order (random rows from the pool, which holds a
@@ -352,30 +403,33 @@ int main(int argc, char **argv) {
   CHECK(m40llm_malloc((void **)&out, ctx, (size_t)o.seqs * q_row * sizeof(float)));
   const decode_step d = {cache, o.layers, o.seqs, ids, k_step, v_step, q_step, out};
   for (int s = 0; s < o.seqs; s++) len[s] = prompt[s];
-  /* K and V of every position the attention reads, F16: bytes of one position of all layers */
-  const double position_bytes = 2.0 * (double)kv_row * sizeof(uint16_t) * o.layers;
+  /* K and V of every position the attention reads: bytes of one position of all layers, F16 or
+   * (tiers) at the cache's bits per value, read again after each mode */
+  double position_bytes = 2.0 * (double)kv_row * sizeof(uint16_t) * o.layers;
   printf("decode: %d steps a mode, one m40llm_kvcache_append_attn_f32q a layer (contexts from "
          "%d to %d tokens)\n",
          o.steps, max_prompt, max_prompt + decode_steps);
 
-  /* A warm-up step, untimed: the first calls load the kernels (on a GPU that runs PTX, the
+  /* Warm-up steps, untimed: the first calls load the kernels (on a GPU that runs PTX, the
    * driver compiles them) and set up what a capture cannot hold (m40llm.h, "Graphs"). */
-  CHECK(step_calls(&d));
-  positions_read(len, o.seqs, 1);
+  for (int t = 0; t < warm_up; t++) CHECK(step_calls(&d));
+  positions_read(len, o.seqs, warm_up);
   CHECK(m40llm_context_synchronize(ctx));
 
   if (o.eager) {
-    const double bytes = position_bytes * positions_read(len, o.seqs, o.steps) / o.steps;
+    const double positions = positions_read(len, o.seqs, o.steps) / o.steps;
     const double t0 = now_seconds();
     for (int t = 0; t < o.steps; t++) CHECK(step_calls(&d));
     CHECK(m40llm_context_synchronize(ctx));
-    report("eager", now_seconds() - t0, o.steps, bytes, copy_gbps, o.seqs);
+    const double seconds = now_seconds() - t0;
+    CHECK(tiered_position_bytes(cache, kv_row, o.layers, &position_bytes));
+    report("eager", seconds, o.steps, position_bytes * positions, copy_gbps, o.seqs);
   }
 
 #ifdef DECODE_LOOP_CUDART
   if (o.graph) {
     cudaStream_t st = (cudaStream_t)m40llm_context_cuda_stream(ctx);
-    const double bytes = position_bytes * positions_read(len, o.seqs, o.steps) / o.steps;
+    const double positions = positions_read(len, o.seqs, o.steps) / o.steps;
     const double t0 = now_seconds();
     for (int t = 0; t < o.steps; t++) {
       const double c0 = now_seconds();
@@ -393,7 +447,9 @@ int main(int argc, char **argv) {
       CHECK(m40llm_graph_launch(sg.graph));
     }
     CHECK(m40llm_context_synchronize(ctx));
-    report("graph", now_seconds() - t0, o.steps, bytes, copy_gbps, o.seqs);
+    const double seconds = now_seconds() - t0;
+    CHECK(tiered_position_bytes(cache, kv_row, o.layers, &position_bytes));
+    report("graph", seconds, o.steps, position_bytes * positions, copy_gbps, o.seqs);
     printf("       host a step: %.1f us capturing the calls, %.1f us applying the graph (%d "
            "updated, %d instantiated)\n",
            1e6 * sg.capture_s / o.steps, 1e6 * sg.apply_s / o.steps, sg.updated, sg.instantiated);
@@ -443,6 +499,15 @@ int main(int argc, char **argv) {
     checksum += fabs((double)host_out[i]);
   }
   printf("lengths checked, outputs finite (checksum %.6g)\n", checksum);
+  if (o.tiers) {
+    m40llm_tier_stats st = M40LLM_TIER_STATS_INIT;
+    CHECK(m40llm_kvcache_tier_stats(&st, cache));
+    printf("tiers: %.3f bits a value; rows %lld / %lld / %lld / %lld, %lld FP16 (sinks and "
+           "windows); %lld moved down by importance, %lld observe calls\n",
+           st.bits_per_value, (long long)st.rows[0], (long long)st.rows[1], (long long)st.rows[2],
+           (long long)st.rows[3], (long long)st.kept_rows, (long long)st.demoted_rows,
+           (long long)st.observe_calls);
+  }
   rc = 0;
 
 cleanup:
