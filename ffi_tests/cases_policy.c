@@ -489,7 +489,7 @@ static void both_attend(twins *t, int layer, const int32_t *ids, int n, int can,
 }
 
 enum { CALL_PLAIN, CALL_APPEND_ATTN, CALL_REPEATS, CALL_EXPLICIT, CALL_CAPTURED, CALL_SINGLES,
-       CALL_OTHERS };
+       CALL_OTHERS, CALL_REPEATED_PAIR };
 
 /* A decode step of one layer on both caches: a token appended to every sequence, then calls of
  * the kind given. */
@@ -497,6 +497,7 @@ static void twin_step(twins *t, int layer, int kind) {
   const size_t q_row = (size_t)t->o.n_heads * (size_t)t->o.head_dim;
   const size_t kv_row = (size_t)t->o.n_kv_heads * (size_t)t->o.head_dim;
   const int32_t ids[AUTO_SEQS] = {2, 0, 3, 1}, repeats[3] = {1, 3, 1}, pair[2] = {3, 0};
+  const int32_t repeated_pair[2] = {3, 1}; /* the sequences `repeats` names */
   float *hq = malloc((size_t)AUTO_SEQS * q_row * sizeof(float));
   float *hkv = malloc((size_t)AUTO_SEQS * kv_row * sizeof(float));
   if (!T_CHECK(hq && hkv)) goto out;
@@ -531,7 +532,7 @@ static void twin_step(twins *t, int layer, int kind) {
     case CALL_REPEATS: /* a sequence named twice: plain, and the ones it names counted once */
       both_attend(t, layer, repeats, 3, 0, "a sequence named twice");
       break;
-    case CALL_CAPTURED: { /* plain in a graph capture, nothing counted until it ran */
+    case CALL_CAPTURED: { /* plain in a graph capture, counted as a plain call */
       m40llm_graph *g = NULL;
       if (!T_OK(m40llm_graph_capture_begin(t->ctx))) break;
       T_OK(m40llm_kvcache_attn_batch_f32q(t->dout, t->c, layer, ids, AUTO_SEQS, t->dq, 0.0f));
@@ -547,6 +548,9 @@ static void twin_step(twins *t, int layer, int kind) {
                  layer);
       break;
     }
+    case CALL_REPEATED_PAIR:
+      both_attend(t, layer, repeated_pair, 2, 1, "the sequences named twice before");
+      break;
     case CALL_SINGLES: /* a call a sequence: each counted and observed on its own */
       for (int i = 0; i < AUTO_SEQS; i++) both_attend(t, layer, &ids[i], 1, 1, "one sequence");
       break;
@@ -556,6 +560,9 @@ static void twin_step(twins *t, int layer, int kind) {
                   M40LLM_ERR_INVALID_ARGUMENT, "q");
       T_FAIL_WITH(m40llm_kvcache_attn_last_token_f32q(t->dout, t->c, layer, AUTO_SEQS, t->dq, 0.0f),
                   M40LLM_ERR_OUT_OF_RANGE, "seq");
+      T_FAIL_WITH(m40llm_kvcache_append_attn_f32q(t->dout, t->c, layer, repeats, 3, t->dk, t->dv,
+                                                  t->dq, 0.0f),
+                  M40LLM_ERR_INVALID_ARGUMENT, "seq_ids");
       const size_t stride = (size_t)t->o.max_seq_len;
       T_OK(m40llm_kvcache_attn_importance_ex(t->dout, t->dimp, stride, 0.0f, t->c, layer, ids,
                                              AUTO_SEQS, t->dq, M40LLM_DTYPE_F32, 0.0f));
@@ -589,7 +596,7 @@ out:
  * (made plain). */
 static void auto_observe(m40llm_context *ctx, int every, int steps) {
   t_set_case("placement by importance: the cache's own observe calls, every %d", every);
-  m40llm_kvcache_options o = shape(6, 3, 64, steps + 8, 2, 4);
+  m40llm_kvcache_options o = shape(6, 3, 64, steps + 32, 2, 4); /* the last loop's steps too */
   o.max_seqs = AUTO_SEQS;
   o.placement = M40LLM_PLACE_IMPORTANCE;
   o.observe_interval = every;
@@ -621,10 +628,21 @@ static void auto_observe(m40llm_context *ctx, int every, int steps) {
       const int kind = kinds[(step * 5 + l) % n_kinds];
       twin_step(&t, l, kind == CALL_CAPTURED && !t.cuda ? CALL_PLAIN : kind);
     }
+  /* Stays due: where sequence 1 or 3 is due, a call naming 1 twice (and on CUDA a captured call)
+   * is made plain, and the next call of theirs alone observes. */
+  for (int l = 0; l < o.n_layers; l++) {
+    const int32_t ones[2] = {1, 3};
+    for (int k = 0; k < (t.cuda ? 2 : 1); k++) {
+      while (!model_due(&t, l, ones, 2)) twin_step(&t, l, CALL_PLAIN);
+      twin_step(&t, l, k == 0 ? CALL_REPEATS : CALL_CAPTURED);
+      T_CHECK(model_due(&t, l, ones, 2));
+      twin_step(&t, l, CALL_REPEATED_PAIR);
+    }
+  }
   int bad = 0, first_l = 0, first_s = 0, first_p = 0;
   for (int l = 0; l < o.n_layers; l++)
-    for (int s = 0; s < AUTO_SEQS; s++)
-      for (int p = 0; p < steps; p++) {
+    for (int s = 0, len = 0; s < AUTO_SEQS && T_OK(m40llm_kvcache_seq_len(&len, t.c, l, s)); s++)
+      for (int p = 0; p < len; p++) {
         int a = -9, b = -9;
         T_OK(m40llm_kvcache_tier_of(&a, t.c, l, s, p));
         T_OK(m40llm_kvcache_tier_of(&b, t.twin, l, s, p));

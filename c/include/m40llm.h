@@ -500,8 +500,9 @@ typedef struct m40llm_kvcache_options {
    * nothing. A due call that cannot observe is made as a plain call and stays due for its
    * sequences' next call: one that names a sequence twice, or one made while the context's
    * stream is being captured into a CUDA graph (an observe call cannot be captured; see
-   * m40llm_kvcache_attn_observe_ex), so a decode step captured whole never observes. A call
-   * that observes is an observe call in all else: its output comes from the FP32 kernels that
+   * m40llm_kvcache_attn_observe_ex), so a decode step captured whole never observes.
+   * m40llm_kvcache_seq_reset, _seq_truncate and _seq_fork leave the counts as they are (a
+   * forked sequence keeps its own). A call that observes is an observe call in all else: its output comes from the FP32 kernels that
    * export weights (on sm_80+ not the tensor-core kernels; the two agree within 1e-5), it
    * grows the context's scratch of the scores as an observe call does (append_attn before it
    * appends), failing with M40LLM_ERR_OUT_OF_MEMORY where that fails, and it costs what one
@@ -787,9 +788,10 @@ int m40llm_kvcache_attn_importance_ex(void *out, float *importance, size_t impor
  *  call's kernels are queued may leave some sums counted: the cache then copies them back
  *  before it places a row by them). The CUDA backend takes at most 4096 query heads for
  *  M40LLM_PLACE_IMPORTANCE (M40LLM_ERR_UNSUPPORTED at create). The cache makes its own
- *  observe calls, a sequence's every m40llm_kvcache_options.observe_interval-th plain call (4
- *  by default); call this one where the caller chooses the steps (with observe_interval 0), or
- *  for a call the count would not make; it starts the count again for the sequences it names.
+ *  observe calls: a plain call observes where one of its sequences is due, on its every
+ *  m40llm_kvcache_options.observe_interval-th plain call (4 by default); call this one where
+ *  the caller chooses the steps (with observe_interval 0), or for a call the count would not
+ *  make; it starts the count again for the sequences it names.
  *  The weights are m40llm_kvcache_attn_importance_ex's (decay 0); a small kernel adds each
  *  position's largest over the query heads to its sum and counts the call, another ranks each
  *  sequence's tiers (M40LLM_PLACE_IMPORTANCE), whose result is copied to pinned host memory

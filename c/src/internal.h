@@ -168,7 +168,7 @@ int m40llm_policy_add_bytes(size_t *bytes, const m40llm_kvcache_options *o, int 
 int m40llm_policy_due(const m40llm_kvcache *c, int layer, const int32_t *ids, int n);
 void m40llm_policy_plain_call(m40llm_kvcache *c, int layer, const int32_t *ids, int n);
 /* After the backend's observe of checked ids: their records are on their way, their scores
- * stale; the layer's count of plain calls starts again. */
+ * stale; their counts of plain calls start again. */
 void m40llm_policy_observed(m40llm_kvcache *c, int layer, const int32_t *ids, int n);
 /* After an observe of checked ids failed once the backend was called (it may have counted the
  * call in some sums): what the host knows of their order and scores is dropped, so that it

@@ -641,9 +641,10 @@ extern "C" {
   call's kernels are queued may leave some sums counted: the cache then copies them back
   before it places a row by them). The CUDA backend takes at most 4096 query heads for
   M40LLM_PLACE_IMPORTANCE (M40LLM_ERR_UNSUPPORTED at create). The cache makes its own
-  observe calls, a sequence's every m40llm_kvcache_options.observe_interval-th plain call (4
-  by default); call this one where the caller chooses the steps (with observe_interval 0), or
-  for a call the count would not make; it starts the count again for the sequences it names.
+  observe calls: a plain call observes where one of its sequences is due, on its every
+  m40llm_kvcache_options.observe_interval-th plain call (4 by default); call this one where
+  the caller chooses the steps (with observe_interval 0), or for a call the count would not
+  make; it starts the count again for the sequences it names.
   The weights are m40llm_kvcache_attn_importance_ex's (decay 0); a small kernel adds each
   position's largest over the query heads to its sum and counts the call, another ranks each
   sequence's tiers (M40LLM_PLACE_IMPORTANCE), whose result is copied to pinned host memory

@@ -272,9 +272,10 @@ pub struct KvCacheConfig {
     pub n_tiers: usize,
     /// Where a row leaving the window goes (see [`placement`](Self::placement)).
     pub placement: TierPlacement,
-    /// With [`TierPlacement::Importance`], a sequence's every `observe_interval`-th plain
-    /// attention call (of a layer) observes (see [`observe_interval`](Self::observe_interval)).
-    /// Defaults to the library's default, read at run time by [`KvCacheConfig::new`].
+    /// With [`TierPlacement::Importance`], a plain attention call observes where one of its
+    /// sequences is due, on that sequence's every `observe_interval`-th plain call of the layer
+    /// (see [`observe_interval`](Self::observe_interval)). Defaults to the library's default,
+    /// read at run time by [`KvCacheConfig::new`].
     pub observe_interval: usize,
 }
 
@@ -381,11 +382,12 @@ impl KvCacheConfig {
     /// (layer, sequence) counts the plain calls that name it, and is due on its
     /// `interval`-th since the last observe call that named it. So a decode loop of plain calls
     /// feeds the placement by itself, batched or a sequence a call (the library's default: 4,
-    /// the interval `bench/fidelity` measured best at 2K tokens). 0: only the caller's
-    /// [`KvCache::attention_observe`] calls observe. A due call that names a sequence twice, or
-    /// that is captured into a CUDA graph, is made plain and stays due. A call that observes
-    /// is an observe call in all else (its output from the FP32 kernels that export weights).
-    /// See `observe_interval` in `m40llm.h`.
+    /// the better at 2K tokens of the two intervals `bench/fidelity` compared, 4 and 16). 0:
+    /// only the caller's [`KvCache::attention_observe`] calls observe. A due call that names a
+    /// sequence twice, or that is captured into a CUDA graph, is made plain and stays due. A
+    /// call that observes is an observe call in all else (its output from the FP32 kernels
+    /// that export weights). Resets, truncates and forks leave the counts as they are. See
+    /// `observe_interval` in `m40llm.h`.
     ///
     /// ```
     /// use m40llm::{Context, DeviceBuffer, KvCache, KvCacheConfig, KvFormat, KvTier, TierPlacement};
@@ -1349,7 +1351,10 @@ impl KvCache {
     /// finite and non-zero. A sequence with no positions yields zeros. Sums are FP32; on sm_80+
     /// builds (F16: head_dim a multiple of 16 up to 128; Q8/Q4: 32, 64, 96, 128) the products
     /// run on tensor cores with q split into two FP16 terms (see
-    /// `m40llm_kvcache_attn_last_token_f32q` in `m40llm.h`).
+    /// `m40llm_kvcache_attn_last_token_f32q` in `m40llm.h`). With
+    /// [`TierPlacement::Importance`], a call that is due is an observe call
+    /// ([`KvCacheConfig::observe_interval`]): the FP32 kernels that export weights, and the
+    /// context's scratch of the scores.
     pub fn attention<T: IoElement>(
         &self,
         layer: usize,
@@ -1363,7 +1368,8 @@ impl KvCache {
 
     /// [`attention`](Self::attention) for several sequences at once (one launch over their
     /// ragged lengths): row `i` of `q` and `out` (`[seq_ids.len()][n_heads][head_dim]`) belongs
-    /// to `seq_ids[i]`. Repeated ids are allowed.
+    /// to `seq_ids[i]`. Repeated ids are allowed. A call that is due observes, as
+    /// [`attention`](Self::attention) says.
     pub fn attention_batch<T: IoElement>(
         &self,
         layer: usize,
