@@ -2,7 +2,8 @@
 # Tiered caches on the GPU machine: bench_attention over a few decode shapes with
 #   - the uniform caches Q8, Q8Q4, Q4Q3 and Q4Q2,
 #   - one tier of Q4Q3 (over exactly the uniform Q4Q3 cache's bytes),
-#   - four tiers, the study's pairs (bench/fidelity/results/buckets.md), a quarter each,
+#   - four tiers, the study's pairs (bench/fidelity/results/buckets.md), a quarter each
+#     (or the tiered runs TIERS_MIXES names),
 # all with the library's defaults (rotation, 4 sinks, a window of 128), and a table of each
 # run's time and bandwidth (bench/tiers_table.py).
 #
@@ -11,8 +12,9 @@
 #   bench/tiers.sh --shapes    the default shapes (B,H,Hkv,D,L), a line each
 set -uo pipefail
 SHAPES="1,32,8,128,8192 8,32,8,128,8192 32,32,8,128,8192 1,32,8,128,32768 8,32,32,128,8192"
-MIXES="tier-Q4Q3 Q4Q3:1
-tiers-4 Q8Q8:0.25,Q8Q4:0.25,Q4Q3:0.25,Q4Q2:0.25"
+# TIERS_MIXES: other tiered runs, a line each: a name and a --tiers spec of the four pairs.
+MIXES=${TIERS_MIXES:-"tier-Q4Q3 Q4Q3:1
+tiers-4 Q8Q8:0.25,Q8Q4:0.25,Q4Q3:0.25,Q4Q2:0.25"}
 case ${1:-} in
   --mixes) echo "$MIXES"; exit 0 ;;
   --shapes) tr ' ' '\n' <<<"$SHAPES"; exit 0 ;;
@@ -33,5 +35,6 @@ run Q8 --format Q8
 run Q8Q4 --format Q8Q4
 run Q4Q3 --format Q4Q3
 run Q4Q2 --format Q4Q2
+echo "$MIXES" >"$OUT/mixes.txt"
 while read -r name mix; do run "$name" --tiers "$mix"; done <<<"$MIXES"
 python3 "$(dirname "$0")/tiers_table.py" "$OUT" | tee "$OUT/tiers.md"

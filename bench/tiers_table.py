@@ -14,15 +14,30 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import grid  # noqa: E402
 
-RUNS = ["Q8", "Q8Q4", "Q4Q3", "Q4Q2", "tier-Q4Q3", "tiers-4"]
+UNIFORM = ["Q8", "Q8Q4", "Q4Q3", "Q4Q2"]
 # Each tiered run's tiers as bench/tiers.sh makes them: the uniform run of each tier's formats
-# and its share of the quantized rows.
+# and its share of the quantized rows (OUTDIR/mixes.txt where tiers.sh wrote one).
 MIXES = {"tier-Q4Q3": {"Q4Q3": 1.0},
          "tiers-4": {"Q8": 0.25, "Q8Q4": 0.25, "Q4Q3": 0.25, "Q4Q2": 0.25}}
 
 
+def read_mixes(out):
+    path = os.path.join(out, "mixes.txt")
+    if not os.path.exists(path):
+        return MIXES
+    mixes = {}
+    for line in open(path):
+        if line.strip():
+            name, spec = line.split()
+            mixes[name] = {("Q8" if f == "Q8Q8" else f): float(w)
+                           for f, w in (part.split(":") for part in spec.split(","))}
+    return mixes
+
+
 def main():
     out = sys.argv[1]
+    mixes = read_mixes(out)
+    RUNS = UNIFORM + list(mixes)
     runs = grid.load_runs(out, RUNS)
     if "Q4Q3" not in runs:
         print("tiers: no Q4Q3 run")
@@ -41,8 +56,8 @@ def main():
                 continue
             per_byte = (s["time_us"] / s["kv_bytes"]) / (b["time_us"] / b["kv_bytes"])
             mix = None
-            if name in MIXES:
-                parts = [(grid.shape_in(runs.get(u, {}), k), w) for u, w in MIXES[name].items()]
+            if name in mixes:
+                parts = [(grid.shape_in(runs.get(u, {}), k), w) for u, w in mixes[name].items()]
                 if all(u and u.get("time_us") for u, _ in parts):
                     mix = s["time_us"] / sum(u["time_us"] * w for u, w in parts)
             rows.append({"shape": list(k), "cache": name, "time_us": s["time_us"],

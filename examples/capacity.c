@@ -9,7 +9,9 @@
  * their scales), and a reserve of 1 GiB for the CUDA context, activations, logits and the
  * attention workspace; what remains holds K and V. The tables give the tokens each sequence can
  * hold (max_seq_len) with 1 sequence and with 8; that is memory, not the model's trained
- * context length. Last, where a GPU is present, the same plan against its free memory now
+ * context length. Then tiered caches whose tiers' rows m40llm_kvcache_plan_tiers sets for a
+ * target of bits a value (sinks and window included), with the rows each tier gets. Last,
+ * where a GPU is present, the same plan against its free memory now
  * (m40llm_kvcache_max_seq_len_on_device).
  */
 #include <stddef.h>
@@ -101,6 +103,54 @@ static int table(double gpu_gib) {
   return 0;
 }
 
+/* Tiered caches (mixed precision, issue 15) of the fidelity study's four pairs, their rows
+ * planned for a target of stored bits a value (m40llm_kvcache_plan_tiers, every byte of the
+ * stored K/V counted): the positions the budget holds at that target, one sequence. */
+static const double targets[] = {5.5, 6.0, 7.0};
+#define N_TARGETS ((int)(sizeof targets / sizeof targets[0]))
+
+static int tiered_table(double gpu_gib) {
+  static const int pairs[4][2] = {{M40LLM_KV_Q8, M40LLM_KV_Q8},
+                                  {M40LLM_KV_Q8, M40LLM_KV_Q4},
+                                  {M40LLM_KV_Q4, M40LLM_KV_Q3},
+                                  {M40LLM_KV_Q4, M40LLM_KV_Q2}};
+  const size_t gpu = (size_t)(gpu_gib * GIB);
+  printf("\nTesla M40 %.0f GiB, tiers K8V8 / K8V4 / K4V3 / K4V2 planned for a target, 1 sequence\n",
+         gpu_gib);
+  printf("%-12s %7s |", "model", "KV GiB");
+  for (int b = 0; b < N_TARGETS; b++) printf(" %4.1f bits: tokens, rows a tier      |", targets[b]);
+  printf("\n");
+  for (size_t i = 0; i < sizeof models / sizeof models[0]; i++) {
+    const model *m = &models[i];
+    const size_t used = weight_bytes(m) + RESERVE;
+    const size_t budget = gpu > used ? gpu - used : 0;
+    printf("%-12s %7.2f |", m->name, budget / GIB);
+    for (int b = 0; b < N_TARGETS; b++) {
+      m40llm_kvcache_options o = options(m, 1, 1);
+      o.n_tiers = 4;
+      for (int t = 0; t < 4; t++) o.tiers[t] = (m40llm_kv_tier){pairs[t][0], pairs[t][1], 0};
+      /* At the target every position costs target x its values' bits, so this many fit. */
+      const double position_bits = 2.0 * m->n_layers * m->n_kv_heads * m->head_dim * targets[b];
+      const double fit = (double)budget * 8.0 / position_bits;
+      o.max_seq_len = fit < 1.0 ? 1 : fit > 2e9 ? 2000000000 : (int)fit;
+      size_t bytes = 0;
+      int rc = m40llm_kvcache_plan_tiers(&o, targets[b]);
+      if (rc == M40LLM_OK) rc = m40llm_kvcache_bytes_needed(&bytes, &o);
+      if (rc == M40LLM_OK && bytes <= budget)
+        printf(" %7d: %6d %6d %6d %6d |", o.max_seq_len, o.tiers[0].rows, o.tiers[1].rows,
+               o.tiers[2].rows, o.tiers[3].rows);
+      else if (rc == M40LLM_OK || rc == M40LLM_ERR_CAPACITY)
+        printf(" %-36s |", "-"); /* the target is below what the tiers can hold */
+      else {
+        fprintf(stderr, "\n%s: %s\n", m40llm_status_string(rc), m40llm_last_error_message());
+        return 1;
+      }
+    }
+    printf("\n");
+  }
+  return 0;
+}
+
 /* The first model in Q8, one sequence, against this machine's GPU as it is now: its free
  * memory less the weights still to load and the same reserve. */
 static int this_machine(void) {
@@ -134,5 +184,6 @@ int main(void) {
          "(K4/V3, K4/V2: V in Q3, Q2).\n",
          RESERVE / GIB);
   if (table(12.0) != 0 || table(24.0) != 0) return 1;
+  if (tiered_table(12.0) != 0 || tiered_table(24.0) != 0) return 1;
   return this_machine();
 }

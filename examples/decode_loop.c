@@ -3,7 +3,7 @@
  *
  *   decode_loop [steps] [auto|cuda|cpu] [--layers N] [--seqs N] [--heads N] [--kv-heads N]
  *               [--head-dim N] [--context N] [--eager | --graph] [--no-prefill-attention]
- *               [--tiers [--importance]]
+ *               [--tiers [--importance] [--bits B]]
  *
  * By default a 4-layer model with 8 query heads sharing 2 KV heads (GQA), head_dim 64, serving
  * 4 sequences whose prompts have different lengths (37, 5, 120, 1, repeated for more
@@ -32,8 +32,10 @@
  * Q4/Q3 and Q4/Q2 holding 10%, 20%, 30% and 40% of them), the oldest rows in the most bits;
  * with --importance the rows go by the attention they draw instead (M40LLM_PLACE_IMPORTANCE,
  * the cache's own observe call every 4th step: the default observe_interval), eager only (its
- * appends may wait for the GPU, which a capture cannot hold). The step's bytes are then the
- * cache's bits per value (m40llm_kvcache_tier_stats) after the mode's steps.
+ * appends may wait for the GPU, which a capture cannot hold). --bits B gives the same four
+ * tiers the rows m40llm_kvcache_plan_tiers plans for B stored bits a value (the FP16 sinks and
+ * window counted) instead of those shares: the two tiers adjacent in cost around B. The step's
+ * bytes are then the cache's bits per value (m40llm_kvcache_tier_stats) after the mode's steps.
  */
 #define _POSIX_C_SOURCE 200809L
 
@@ -57,6 +59,7 @@ typedef struct {
   int eager, graph; /* the ways to run the decode steps */
   int prefill_attention;
   int tiers, importance;
+  double bits; /* --bits: the tiers' rows planned for it (0: the fixed shares) */
 } options;
 
 #define CHECK(call)                                                                       \
@@ -105,7 +108,7 @@ static int usage(const char *argv0) {
   fprintf(stderr,
           "usage: %s [steps (1..100000)] [auto|cuda|cpu] [--layers N] [--seqs N] [--heads N]\n"
           "       [--kv-heads N] [--head-dim N] [--context N] [--eager | --graph]\n"
-          "       [--no-prefill-attention] [--tiers [--importance]]\n",
+          "       [--no-prefill-attention] [--tiers [--importance] [--bits B]]\n",
           argv0);
   return 2;
 }
@@ -127,6 +130,13 @@ static int parse_args(options *o, int argc, char **argv) {
     else if (strcmp(a, "--no-prefill-attention") == 0) o->prefill_attention = 0;
     else if (strcmp(a, "--tiers") == 0) o->tiers = 1;
     else if (strcmp(a, "--importance") == 0) o->importance = 1;
+    else if (strcmp(a, "--bits") == 0) {
+      char *end = NULL;
+      o->bits = i + 1 < argc ? strtod(argv[i + 1], &end) : 0.0;
+      if (!end || *end != '\0' || !(o->bits > 0.0 && o->bits <= 64.0)) return usage(argv[0]);
+      o->tiers = 1;
+      i++;
+    }
     else if (positional == 0 && a[0] != '-') {
       char *end = NULL;
       const long v = strtol(a, &end, 10);
@@ -252,7 +262,7 @@ static void report(const char *mode, double seconds, int steps, double bytes_per
 }
 
 int main(int argc, char **argv) {
-  options o = {256, M40LLM_BACKEND_AUTO, 4, 4, 8, 2, 64, 0, 1, 1, 1, 0, 0};
+  options o = {256, M40LLM_BACKEND_AUTO, 4, 4, 8, 2, 64, 0, 1, 1, 1, 0, 0, 0.0};
   if (parse_args(&o, argc, argv) != 0) return 2;
   const int32_t default_prompt[4] = {37, 5, 120, 1};
 
@@ -351,15 +361,22 @@ int main(int argc, char **argv) {
     }
     kopts.format = pairs[0][0], kopts.v_format = pairs[0][1];
     kopts.placement = o.importance ? M40LLM_PLACE_IMPORTANCE : M40LLM_PLACE_FIRST_FREE;
+    if (o.bits > 0.0) CHECK(m40llm_kvcache_plan_tiers(&kopts, o.bits));
   }
   size_t cache_bytes = 0;
   CHECK(m40llm_kvcache_bytes_needed(&cache_bytes, &kopts));
   CHECK(m40llm_kvcache_create(&cache, ctx, &kopts));
-  printf("%d layers, %d sequences, %d query heads / %d KV heads, head_dim %d, KV cache %.1f MiB%s\n",
-         o.layers, o.seqs, o.heads, o.kv_heads, o.head_dim, (double)cache_bytes / 1048576.0,
-         !o.tiers        ? " (F16)"
-         : o.importance ? " (tiers K8V8/K8V4/K4V3/K4V2 10/20/30/40%, placed by importance)"
-                        : " (tiers K8V8/K8V4/K4V3/K4V2 10/20/30/40%, placed by age)");
+  printf("%d layers, %d sequences, %d query heads / %d KV heads, head_dim %d, KV cache %.1f MiB",
+         o.layers, o.seqs, o.heads, o.kv_heads, o.head_dim, (double)cache_bytes / 1048576.0);
+  if (!o.tiers)
+    printf(" (F16)\n");
+  else if (o.bits > 0.0)
+    printf(" (tiers K8V8/K8V4/K4V3/K4V2 planned for %g bits: rows %d/%d/%d/%d, placed by %s)\n",
+           o.bits, kopts.tiers[0].rows, kopts.tiers[1].rows, kopts.tiers[2].rows,
+           kopts.tiers[3].rows, o.importance ? "importance" : "age");
+  else
+    printf(" (tiers K8V8/K8V4/K4V3/K4V2 10/20/30/40%%, placed by %s)\n",
+           o.importance ? "importance" : "age");
 
   /* Prefill, chunk by chunk: each sequence's next (at most CHUNK) prompt tokens in one batched
    * append a layer, rows packed in sequence order (random rows from the pool, which holds a

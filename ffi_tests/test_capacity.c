@@ -3,6 +3,8 @@
  * format, with the edges (budgets below one position, budgets past INT_MAX positions or past
  * size_t), NULL arguments and bad options. The device call runs where a GPU is present. */
 #include <limits.h>
+#include <stddef.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -256,6 +258,302 @@ static void test_on_device_gpu(void) {
   m40llm_context_destroy(ctx);
 }
 
+/* ---- m40llm_kvcache_plan_tiers ---- */
+
+static const int tier_pairs[5][2] = {{M40LLM_KV_Q8, M40LLM_KV_Q8},
+                                     {M40LLM_KV_Q8, M40LLM_KV_Q4},
+                                     {M40LLM_KV_Q4, M40LLM_KV_Q4},
+                                     {M40LLM_KV_Q4, M40LLM_KV_Q3},
+                                     {M40LLM_KV_Q4, M40LLM_KV_Q2}};
+
+/* Options of n tiers drawn from tier_pairs in random order (repeats allowed), rows as junk the
+ * planner must overwrite. */
+static m40llm_kvcache_options tiered(int n_layers, int n_kv_heads, int head_dim, int max_seqs,
+                                     int max_seq_len, int n) {
+  m40llm_kvcache_options o = shape(n_layers, n_kv_heads, head_dim, max_seqs, 0, 0);
+  o.max_seq_len = max_seq_len;
+  o.n_sinks = t_rand_int(0, 8);
+  o.window = t_rand_int(0, 3) == 0 ? 0 : t_rand_int(1, 256);
+  o.placement = t_rand_int(0, 1) ? M40LLM_PLACE_IMPORTANCE : M40LLM_PLACE_FIRST_FREE;
+  o.n_tiers = n;
+  for (int t = 0; t < n; t++) {
+    const int p = t_rand_int(0, 4);
+    o.tiers[t] = (m40llm_kv_tier){tier_pairs[p][0], tier_pairs[p][1], t_rand_int(-5, 99)};
+  }
+  o.format = o.tiers[0].k_format;
+  o.v_format = o.tiers[0].v_format;
+  return o;
+}
+
+/* The stored K/V's bytes of o with these rows: the planner's measure, without what the
+ * importance placement keeps besides. */
+static size_t tier_bytes_of(m40llm_kvcache_options o, const int *rows) {
+  for (int t = 0; t < o.n_tiers; t++) o.tiers[t].rows = rows[t];
+  o.placement = M40LLM_PLACE_FIRST_FREE;
+  size_t bytes = 0;
+  T_OK(m40llm_kvcache_bytes_needed(&bytes, &o));
+  return bytes;
+}
+
+static double values_of(const m40llm_kvcache_options *o) {
+  return 2.0 * o->n_layers * o->max_seqs * (double)o->max_seq_len * o->n_kv_heads * o->head_dim;
+}
+
+/* Plans o for bits and checks the answer from the outside: the rows every position that can
+ * leave the window needs, in at most two tiers adjacent in cost that bracket the target (or
+ * all in the dearest), within the target, and no row of the cheaper one could move up. The
+ * costs come from bytes_needed; the rows and the bracket are this test's own arithmetic.
+ * Returns the status. */
+static int check_tier_plan(m40llm_kvcache_options *o, double bits) {
+  const m40llm_kvcache_options before = *o;
+  const int sinks = o->n_sinks < o->max_seq_len ? o->n_sinks : o->max_seq_len;
+  const int room = o->max_seq_len - sinks;
+  const int need = room - (o->window < room ? o->window : room);
+  const double budget = floor(bits * values_of(o) / 8.0);
+  size_t cost[M40LLM_MAX_TIERS];
+  for (int t = 0; t < o->n_tiers; t++) {
+    int rows[M40LLM_MAX_TIERS] = {0};
+    rows[t] = need;
+    cost[t] = tier_bytes_of(*o, rows);
+  }
+  size_t lo_cost = SIZE_MAX, hi_cost = 0;
+  for (int t = 0; t < o->n_tiers; t++) {
+    lo_cost = cost[t] < lo_cost ? cost[t] : lo_cost;
+    hi_cost = cost[t] > hi_cost ? cost[t] : hi_cost;
+  }
+  const int rc = m40llm_kvcache_plan_tiers(o, bits);
+  if ((double)lo_cost > budget) {
+    T_FAIL_WITH(rc, M40LLM_ERR_CAPACITY, "cheapest");
+    T_CHECK(memcmp(o, &before, sizeof *o) == 0);
+    return rc;
+  }
+  if (!T_OK(rc)) return rc;
+  int sum = 0, used = 0, hi = -1, lo = -1;
+  for (int t = 0; t < o->n_tiers; t++) {
+    T_CHECKF(o->tiers[t].rows >= 0, "tier %d got %d rows", t, o->tiers[t].rows);
+    T_CHECK(o->tiers[t].k_format == before.tiers[t].k_format &&
+            o->tiers[t].v_format == before.tiers[t].v_format);
+    sum += o->tiers[t].rows;
+    if (o->tiers[t].rows == 0) continue;
+    used++;
+    if (hi < 0 || cost[t] > cost[hi]) lo = hi, hi = t; else lo = t;
+  }
+  T_INT_EQ(sum, need);
+  T_CHECKF(used <= 2, "%d tiers hold rows", used);
+  if (o->placement == M40LLM_PLACE_IMPORTANCE) { /* planned as the stored K/V alone */
+    m40llm_kvcache_options first_free = before;
+    first_free.placement = M40LLM_PLACE_FIRST_FREE;
+    if (T_OK(m40llm_kvcache_plan_tiers(&first_free, bits)))
+      for (int t = 0; t < o->n_tiers; t++) T_INT_EQ(first_free.tiers[t].rows, o->tiers[t].rows);
+  }
+  const size_t bytes = tier_bytes_of(*o, (int[M40LLM_MAX_TIERS]){o->tiers[0].rows,
+                                                                 o->tiers[1].rows,
+                                                                 o->tiers[2].rows,
+                                                                 o->tiers[3].rows});
+  T_CHECKF((double)bytes <= budget, "%zu bytes for a budget of %.0f", bytes, budget);
+  if ((double)hi_cost <= budget) {
+    if (need > 0) T_CHECKF(used == 1 && cost[hi] == hi_cost, "within the target, not all in "
+                           "the dearest tier");
+    return rc;
+  }
+  if (need == 0) return rc;
+  /* Two tiers (or one of them at 0 or need rows): the pair adjacent in cost that brackets. */
+  int a = hi, b = lo;
+  if (used == 1) {  /* the other of the pair holds none: find it by the bracket */
+    a = b = -1;
+    for (int t = 0; t < o->n_tiers; t++) {
+      if ((double)cost[t] > budget && (a < 0 || cost[t] < cost[a])) a = t;
+      if ((double)cost[t] <= budget && (b < 0 || cost[t] > cost[b])) b = t;
+    }
+    T_CHECKF(o->tiers[b].rows == need, "the rows are not in the bracket's cheaper tier");
+    int up[M40LLM_MAX_TIERS] = {0};
+    up[a] = 1, up[b] = need - 1;
+    T_CHECKF((double)tier_bytes_of(*o, up) > budget, "a row in tier %d still fits", a);
+    return rc;
+  }
+  T_CHECKF((double)cost[a] > budget && (double)cost[b] <= budget, "the pair does not bracket");
+  for (int t = 0; t < o->n_tiers; t++)
+    T_CHECKF(!(cost[t] < cost[a] && cost[t] > cost[b]), "tier %d lies between the pair", t);
+  int up[M40LLM_MAX_TIERS];
+  for (int t = 0; t < M40LLM_MAX_TIERS; t++) up[t] = t < o->n_tiers ? o->tiers[t].rows : 0;
+  up[a]++, up[b]--;
+  T_CHECKF((double)tier_bytes_of(*o, up) > budget, "a row more in tier %d still fits", a);
+  return rc;
+}
+
+static void test_plan_tiers(void) {
+  t_set_case("plan tiers, random shapes, tiers and targets");
+  for (int i = 0; i < 300; i++) {
+    m40llm_kvcache_options o = tiered(t_rand_int(1, 40), t_rand_int(1, 8), 32 * t_rand_int(1, 8),
+                                       t_rand_int(1, 16), t_rand_int(1, 40000),
+                                       t_rand_int(1, M40LLM_MAX_TIERS));
+    check_tier_plan(&o, 2.0 + 10.0 * t_rand_unit());
+  }
+
+  /* Llama-3-8B's shape, one 32K sequence, the study's four pairs; 6 bits splits K8V4 and K4V3. */
+  t_set_case("plan tiers, the study's pairs at 6 bits");
+  m40llm_kvcache_options o = shape(32, 8, 128, 1, M40LLM_KV_Q8, M40LLM_KV_Q8);
+  o.max_seq_len = 32768;
+  o.n_tiers = 4;
+  const int study[4] = {0, 1, 3, 4};
+  for (int t = 0; t < 4; t++)
+    o.tiers[t] = (m40llm_kv_tier){tier_pairs[study[t]][0], tier_pairs[study[t]][1], 0};
+  if (T_OK(check_tier_plan(&o, 6.0))) {
+    T_CHECK(o.tiers[0].rows == 0 && o.tiers[3].rows == 0);
+    T_CHECKF(o.tiers[1].rows > 0 && o.tiers[2].rows > 0, "rows %d, %d", o.tiers[1].rows,
+             o.tiers[2].rows);
+  }
+  /* Exact costs as targets: each pair alone, and the bracket's edges. */
+  t_set_case("plan tiers, targets at a tier's own cost");
+  for (int t = 0; t < 4; t++) {
+    m40llm_kvcache_options e = o;
+    int rows[M40LLM_MAX_TIERS] = {0};
+    rows[t] = o.max_seq_len - 4 - 128;
+    const double bits = 8.0 * (double)tier_bytes_of(e, rows) / values_of(&e);
+    if (T_OK(check_tier_plan(&e, bits))) T_INT_EQ(e.tiers[t].rows, rows[t]);
+    e = o;
+    check_tier_plan(&e, nextafter(bits, 0.0));
+    e = o;
+    check_tier_plan(&e, nextafter(bits, 100.0));
+  }
+  t_set_case("plan tiers, all positions in the window");
+  m40llm_kvcache_options w = o;
+  w.max_seq_len = 100;
+  if (T_OK(check_tier_plan(&w, 16.0)))
+    for (int t = 0; t < 4; t++) T_INT_EQ(w.tiers[t].rows, 0);
+  w = o;
+  w.max_seq_len = 100;
+  check_tier_plan(&w, 15.9);
+}
+
+static void test_plan_tiers_errors(void) {
+  t_set_case("plan tiers, bad arguments leave opts unchanged");
+  m40llm_kvcache_options o = tiered(4, 2, 64, 3, 1000, 2);
+  const m40llm_kvcache_options before = o;
+  T_FAIL_WITH(m40llm_kvcache_plan_tiers(NULL, 6.0), M40LLM_ERR_INVALID_ARGUMENT, "opts");
+  const double bad_bits[] = {0.0, -1.0, NAN, INFINITY, -INFINITY};
+  for (size_t i = 0; i < sizeof bad_bits / sizeof bad_bits[0]; i++)
+    T_FAIL_WITH(m40llm_kvcache_plan_tiers(&o, bad_bits[i]), M40LLM_ERR_INVALID_ARGUMENT,
+                "bits_per_value");
+  T_FAIL_WITH(m40llm_kvcache_plan_tiers(&o, 0.5), M40LLM_ERR_CAPACITY, "cheapest");
+  m40llm_kvcache_options none = o;
+  none.n_tiers = 0;
+  T_FAIL_WITH(m40llm_kvcache_plan_tiers(&none, 6.0), M40LLM_ERR_INVALID_ARGUMENT, "n_tiers");
+  none.n_tiers = M40LLM_MAX_TIERS + 1;
+  T_FAIL_WITH(m40llm_kvcache_plan_tiers(&none, 6.0), M40LLM_ERR_INVALID_ARGUMENT, "n_tiers");
+  m40llm_kvcache_options v3 = o;
+  v3.version = 3;
+  T_FAIL_WITH(m40llm_kvcache_plan_tiers(&v3, 6.0), M40LLM_ERR_INVALID_ARGUMENT, "n_tiers");
+  /* Options bytes_needed refuses fail as it does. */
+  m40llm_kvcache_options bad[6];
+  for (int i = 0; i < 6; i++) bad[i] = o;
+  bad[0].n_layers = 0;
+  bad[1].max_seq_len = 0;
+  bad[2].head_dim = 48;
+  bad[3].tiers[1].k_format = M40LLM_KV_Q2;
+  bad[4].format = M40LLM_KV_Q4 + M40LLM_KV_Q8 - bad[4].format; /* not the first tier's */
+  bad[5].version = M40LLM_KVCACHE_OPTIONS_VERSION + 1;
+  for (int i = 0; i < 6; i++) {
+    t_set_case("plan tiers, bad options %d", i);
+    m40llm_kvcache_options with = bad[i];
+    with.tiers[0].rows = with.max_seq_len;
+    for (int t = 1; t < with.n_tiers; t++) with.tiers[t].rows = 0;
+    size_t bytes = 0;
+    const int want = m40llm_kvcache_bytes_needed(&bytes, &with);
+    if (!T_CHECK(want != M40LLM_OK)) continue;
+    char want_msg[512];
+    snprintf(want_msg, sizeof want_msg, "%s", m40llm_last_error_message());
+    const m40llm_kvcache_options was = bad[i];
+    T_FAIL_WITH(m40llm_kvcache_plan_tiers(&bad[i], 6.0), want, want_msg);
+    T_CHECK(memcmp(&bad[i], &was, sizeof was) == 0);
+  }
+  T_CHECK(memcmp(&o, &before, sizeof o) == 0);
+}
+
+/* Callers of options versions 4 and 5 (structs that end before placement, before
+ * observe_interval): the planner reads and writes no field past them (the ASan build catches
+ * that) and gives the rows the current version's struct gets. */
+static void test_plan_tiers_old_versions(void) {
+  const size_t sizes[2] = {offsetof(m40llm_kvcache_options, placement),
+                           offsetof(m40llm_kvcache_options, observe_interval)};
+  for (int v = 0; v < 2; v++) {
+    t_set_case("plan tiers, version-%d options", 4 + v);
+    m40llm_kvcache_options now = shape(8, 2, 64, 2, M40LLM_KV_Q8, M40LLM_KV_Q8);
+    now.max_seq_len = 5000;
+    now.n_tiers = 4;
+    const int study[4] = {0, 1, 3, 4};
+    for (int t = 0; t < 4; t++)
+      now.tiers[t] = (m40llm_kv_tier){tier_pairs[study[t]][0], tier_pairs[study[t]][1], 0};
+    if (!T_OK(m40llm_kvcache_plan_tiers(&now, 6.0))) continue;
+    m40llm_kvcache_options *old = malloc(sizes[v]);
+    if (!T_CHECK(old != NULL)) continue;
+    memcpy(old, &now, sizes[v]);
+    old->version = 4 + v;
+    for (int t = 0; t < 4; t++) old->tiers[t].rows = -1;
+    if (T_OK(m40llm_kvcache_plan_tiers(old, 6.0)))
+      for (int t = 0; t < 4; t++) T_INT_EQ(old->tiers[t].rows, now.tiers[t].rows);
+    free(old);
+  }
+}
+
+/* A cache of planned options, filled on a backend (either placement): every position finds a
+ * tier, and its stored bits (m40llm_tier_stats) are within the target. */
+static void test_plan_tiers_filled(int backend) {
+  t_set_case("plan tiers, a planned cache filled, %s",
+             backend == M40LLM_BACKEND_CPU ? "CPU" : "CUDA");
+  m40llm_context_options co = M40LLM_CONTEXT_OPTIONS_INIT;
+  co.backend = backend;
+  m40llm_context *ctx = NULL;
+  if (!T_OK(m40llm_context_create(&ctx, &co))) return;
+  const double targets[] = {4.9, 5.5, 6.0, 7.25, 9.0};
+  for (size_t i = 0; i < sizeof targets / sizeof targets[0]; i++) {
+    m40llm_kvcache_options o = shape(2, 2, 64, 2, M40LLM_KV_Q8, M40LLM_KV_Q8);
+    o.max_seq_len = 700;
+    o.n_sinks = 4;
+    o.window = 32;
+    o.n_tiers = 4;
+    o.placement = i % 2 ? M40LLM_PLACE_IMPORTANCE : M40LLM_PLACE_FIRST_FREE;
+    const int study[4] = {0, 1, 3, 4};
+    for (int t = 0; t < 4; t++)
+      o.tiers[t] = (m40llm_kv_tier){tier_pairs[study[t]][0], tier_pairs[study[t]][1], 0};
+    if (!T_OK(m40llm_kvcache_plan_tiers(&o, targets[i]))) continue;
+    m40llm_kvcache *c = NULL;
+    if (!T_OK(m40llm_kvcache_create(&c, ctx, &o))) continue;
+    const size_t row = (size_t)o.n_kv_heads * (size_t)o.head_dim;
+    float *k = malloc(row * (size_t)o.max_seq_len * sizeof *k);
+    float *v = malloc(row * (size_t)o.max_seq_len * sizeof *v);
+    float *dk = NULL, *dv = NULL;
+    if (T_CHECK(k && v) && T_OK(m40llm_malloc((void **)&dk, ctx, row * o.max_seq_len * 4)) &&
+        T_OK(m40llm_malloc((void **)&dv, ctx, row * o.max_seq_len * 4))) {
+      for (size_t j = 0; j < row * (size_t)o.max_seq_len; j++) {
+        k[j] = 2.0f * t_rand_unit() - 1.0f;
+        v[j] = 2.0f * t_rand_unit() - 1.0f;
+      }
+      T_OK(m40llm_memcpy_to_device(ctx, dk, k, row * o.max_seq_len * 4));
+      T_OK(m40llm_memcpy_to_device(ctx, dv, v, row * o.max_seq_len * 4));
+      for (int layer = 0; layer < o.n_layers; layer++)
+        for (int seq = 0; seq < o.max_seqs; seq++)
+          T_OK(m40llm_kvcache_append_f32(c, layer, seq, dk, dv, o.max_seq_len));
+      m40llm_tier_stats st = M40LLM_TIER_STATS_INIT;
+      if (T_OK(m40llm_kvcache_tier_stats(&st, c))) {
+        T_CHECKF(st.bits_per_value <= targets[i], "%.4f bits stored for a target of %.2f",
+                 st.bits_per_value, targets[i]);
+        /* every tier row used: the positions past the sinks and windows fill them */
+        for (int t = 0; t < st.n_tiers; t++)
+          T_CHECKF(st.free_rows[t] == 0, "tier %d has %lld rows free", t,
+                   (long long)st.free_rows[t]);
+        T_CHECK(st.kept_rows == (int64_t)o.n_layers * o.max_seqs * (o.n_sinks + o.window));
+      }
+    }
+    m40llm_free(ctx, dk);
+    m40llm_free(ctx, dv);
+    free(k);
+    free(v);
+    m40llm_kvcache_destroy(c);
+  }
+  m40llm_context_destroy(ctx);
+}
+
 int main(void) {
   t_rng_init();
   test_every_format();
@@ -264,6 +562,16 @@ int main(void) {
   test_version_1();
   test_on_device_cpu();
   test_on_device_gpu();
+  test_plan_tiers();
+  test_plan_tiers_errors();
+  test_plan_tiers_old_versions();
+  test_plan_tiers_filled(M40LLM_BACKEND_CPU);
+  int gpus = 0;
+  T_OK(m40llm_cuda_device_count(&gpus));
+  if (gpus > 0)
+    test_plan_tiers_filled(M40LLM_BACKEND_CUDA);
+  else
+    t_skip("plan tiers, a planned cache filled on CUDA: no CUDA build or no GPU");
   t_set_case("");
   return t_finish();
 }

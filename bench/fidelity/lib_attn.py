@@ -158,31 +158,24 @@ class Library:
                      v_format, max_seqs, rotation, n_sinks, window, tiers, placement,
                      observe_interval)
 
-    def close(self):
-        if self.ctx:
-            self.lib.m40llm_context_destroy(self.ctx)
-            self.ctx = None
-
-
-class Cache:
-    def __init__(self, lib, n_layers, n_heads, n_kv_heads, head_dim, max_seq_len, k_format,
-                 v_format, max_seqs, rotation=ROTATE_NONE, n_sinks=0, window=0, tiers=(),
-                 placement=PLACE_FIRST_FREE, observe_interval=0):
-        self.lib = lib
-        L = lib.lib
+    def options(self, n_layers, n_heads, n_kv_heads, head_dim, max_seq_len, k_format=0,
+                v_format=-1, max_seqs=1, rotation=ROTATE_NONE, n_sinks=0, window=0, tiers=(),
+                placement=PLACE_FIRST_FREE, observe_interval=0):
+        """The options struct of the oldest version these settings need (see cache())."""
+        L = self.lib
         if tiers:
             k_format, v_format = tiers[0][0], tiers[0][1]
         if v_format == k_format:
             v_format = -1
-        need = lib.needs_version(k_format, v_format, rotation, n_sinks, window, tiers, placement,
-                                 observe_interval)
-        ver = lib.kv_options_version
+        need = self.needs_version(k_format, v_format, rotation, n_sinks, window, tiers, placement,
+                                  observe_interval)
+        ver = self.kv_options_version
         if need > ver:
             raise LibraryError(f"this library has kvcache options version {ver}, these settings "
                                f"need {need} (format {k_format}/{v_format}, rotation {rotation}, "
                                f"sinks {n_sinks}, window {window})")
         o = KV_OPTIONS[ver]()
-        lib.check(L.m40llm_kvcache_options_init(C.byref(o), ver), f"kvcache_options_init({ver})")
+        self.check(L.m40llm_kvcache_options_init(C.byref(o), ver), f"kvcache_options_init({ver})")
         if ver >= 2:
             o.v_format = v_format
         if ver >= 3:
@@ -197,6 +190,32 @@ class Cache:
             o.observe_interval = observe_interval
         o.n_layers, o.n_heads, o.n_kv_heads, o.head_dim = n_layers, n_heads, n_kv_heads, head_dim
         o.max_seqs, o.max_seq_len, o.format = max_seqs, max_seq_len, k_format
+        return o
+
+    def plan_tiers(self, bits, *args, **kwargs):
+        """The rows m40llm_kvcache_plan_tiers gives the tiers of options(*args, **kwargs) (their
+        rows ignored) for at most `bits` bits a K/V value, every byte counted."""
+        o = self.options(*args, **kwargs)
+        f = self.lib.m40llm_kvcache_plan_tiers
+        f.argtypes = [C.c_void_p, C.c_double]
+        self.check(f(C.byref(o), bits), f"kvcache_plan_tiers({bits})")
+        return [o.tiers[t].rows for t in range(o.n_tiers)]
+
+    def close(self):
+        if self.ctx:
+            self.lib.m40llm_context_destroy(self.ctx)
+            self.ctx = None
+
+
+class Cache:
+    def __init__(self, lib, n_layers, n_heads, n_kv_heads, head_dim, max_seq_len, k_format,
+                 v_format, max_seqs, rotation=ROTATE_NONE, n_sinks=0, window=0, tiers=(),
+                 placement=PLACE_FIRST_FREE, observe_interval=0):
+        self.lib = lib
+        L = lib.lib
+        o = lib.options(n_layers, n_heads, n_kv_heads, head_dim, max_seq_len, k_format, v_format,
+                        max_seqs, rotation, n_sinks, window, tiers, placement, observe_interval)
+        ver = o.version
         self.H, self.G, self.D = n_heads, n_kv_heads, head_dim
         self.h = C.c_void_p()
         lib.check(L.m40llm_kvcache_create(C.byref(self.h), lib.ctx, C.byref(o)), "kvcache_create")

@@ -26,7 +26,10 @@ FP16-cache reference). Runs:
   plain call on the others); its sums are float where `importance` sums in float64;
 - `auto`: the same placement fed by the cache's own observe calls (options version 6,
   observe_interval = --interval): the plain call every step, as a decode loop makes it. The
-  same observe calls as `library`'s, so the same result to the last bit.
+  same observe calls as `library`'s, so the same result to the last bit;
+- `plan B ...` (--plan): the same four pairs with the rows m40llm_kvcache_plan_tiers gives
+  them for B bits a value (two tiers adjacent in cost share the rows), run with each policy
+  of --plan-runs.
 Bits per value: m40llm_kvcache_tier_stats's (codes, parameters, the tiers' slot maps, the FP16
 sinks and window) at the full context. Writes results/lib_tiers_<N>.json and prints a table.
 """
@@ -164,6 +167,11 @@ def main():
     # 6 bits, 2K (results/buckets.md, section 7), as shares of the quantized rows.
     ap.add_argument("--shares", default="0.002,0.348,0.516,0.134",
                     help="each tier's share of the rows that leave the window (K8V8,K8V4,K4V3,K4V2)")
+    ap.add_argument("--plan", default="",
+                    help="targets in bits a value (e.g. 5.5,6,7): runs whose tiers' rows "
+                         "m40llm_kvcache_plan_tiers gives for each, with the policies of "
+                         "--plan-runs")
+    ap.add_argument("--plan-runs", default="auto")
     ap.add_argument("--interval", type=int, default=4)
     ap.add_argument("--runs", default="uniform,age,recent,importance")
     ap.add_argument("--uniform", default="Q4/Q4,Q4/Q3,Q8/Q3")
@@ -192,6 +200,14 @@ def main():
             todo.append((f"tiers {args.shares} {g}" +
                          (f" 1/{args.interval}" if g in ("importance", "library", "auto") else ""),
                          (g,)))
+    for b in (float(x) for x in args.plan.split(",") if x):
+        planned = lib.plan_tiers(b, m.L, m.H, m.G, m.D, N, rotation=la.ROTATE_AUTO,
+                                 n_sinks=SINKS, window=WINDOW,
+                                 tiers=[(fmt_id(k), fmt_id(v), 0) for k, v in PAIRS.values()])
+        for g in args.plan_runs.split(","):
+            todo.append((f"plan {b:g} {g}" +
+                         (f" 1/{args.interval}" if g in ("importance", "library", "auto") else ""),
+                         (g, planned)))
     for name, spec in todo:
         if name in res["runs"]:
             continue
@@ -201,13 +217,15 @@ def main():
             bits = uniform_bits(spec[1], spec[2], N, m.D)
             extra = {}
         else:
-            cache = LibTiered(lib, m, N, tiers, spec[0], args.interval)
+            run_rows = spec[1] if len(spec) > 1 else rows
+            run_tiers = [(t[0], t[1], r) for t, r in zip(tiers, run_rows)]
+            cache = LibTiered(lib, m, N, run_tiers, spec[0], args.interval)
         r = bk.score(m, ids, args, ref, cache)
         if spec[0] != "uniform":
             st = cache.c.tier_stats()
             bits = st["bits_per_value"]
             extra = dict(tier_rows=st["rows"], moved_rows=st["moved_rows"],
-                         tiers=[n for n in PAIRS], capacity=rows)
+                         tiers=[n for n in PAIRS], capacity=run_rows)
             if "observe_calls" in st:
                 extra.update(demoted_rows=st["demoted_rows"], observe_calls=st["observe_calls"])
         cache.close()

@@ -497,6 +497,33 @@ extern "C" {
         opts: *const m40llm_kvcache_options,
         reserve_bytes: usize,
     ) -> ::core::ffi::c_int;
+    /** Sets the rows of a tiered cache's tiers (opts->tiers[t].rows for t < opts->n_tiers; their
+  formats and every other field as opts gives them) so that the cache stores at most
+  bits_per_value bits a K/V value, every byte of the stored K/V counted: its size as
+  m40llm_kvcache_bytes_needed gives it with placement M40LLM_PLACE_FIRST_FREE (the tiers'
+  codes, parameters and slot maps, the FP16 sinks and window), x 8, is at most
+  bits_per_value x 2 x n_layers x max_seqs x max_seq_len x n_kv_heads x head_dim, and a full
+  cache's m40llm_tier_stats.bits_per_value is at most bits_per_value. What
+  M40LLM_PLACE_IMPORTANCE keeps besides (its sums and rankings, which bytes_needed counts)
+  comes on top, as the formats' bits leave it out.
+  The tiers get exactly the rows that can leave the window (max_seq_len - n_sinks - window,
+  as capped), so every position has a place and no tier row goes unused:
+  - where the dearest tier holds them all within the target, it does and the others get 0;
+  - else the two tiers adjacent in cost (bytes a row) whose costs bracket the target share
+    them, the dearer taking as many as fit, and the others get 0. The error of these formats
+    falls convexly with their bits (bench/fidelity/results/buckets.md), so a mix of the two
+    nearest costs errs less than one spanning more at the same bytes; with
+    M40LLM_PLACE_IMPORTANCE the dearer tier holds the rows attention uses most.
+  A target below every row in the cheapest tier: M40LLM_ERR_CAPACITY, with the least it can
+  be in the message. opts->n_tiers outside 1..M40LLM_MAX_TIERS (an options version below 4
+  has none), or bits_per_value not positive and finite: M40LLM_ERR_INVALID_ARGUMENT. Options
+  bytes_needed refuses fail with its status and message. On failure opts is left unchanged.
+  Host-only: needs no context. Measured on a real model (bench/fidelity/README.md, "Tiers
+  planned for a target").*/
+    pub fn m40llm_kvcache_plan_tiers(
+        opts: *mut m40llm_kvcache_options,
+        bits_per_value: f64,
+    ) -> ::core::ffi::c_int;
     /** Attention of one new query token against every cached position of (layer, seq):
   out[h] = softmax(scale * q[h] . K[g]^T) V[g] with g = h / (n_heads / n_kv_heads).
   q and out are [n_heads][head_dim] FP32 in backend memory and must not overlap (overlapping

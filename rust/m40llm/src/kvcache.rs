@@ -570,6 +570,43 @@ impl KvCacheConfig {
         Ok(len as usize)
     }
 
+    /// This config with its tiers' rows set so that the cache stores at most `bits_per_value`
+    /// bits a K/V value, every byte of the stored K/V counted (the tiers' codes, parameters and
+    /// slot maps, the FP16 sinks and window: [`bytes_needed`](Self::bytes_needed) with
+    /// [`TierPlacement::FirstFree`], and a full cache's [`TierStats::bits_per_value`]); what
+    /// [`TierPlacement::Importance`] keeps besides comes on top. The tiers' formats are kept,
+    /// their rows replaced (`m40llm_kvcache_plan_tiers`). The tiers get exactly the rows that
+    /// can leave the window: all in the dearest tier where they fit the target, else shared by
+    /// the two tiers adjacent in cost that bracket it, the dearer taking as many as fit. Fails with
+    /// [`Status::Capacity`](crate::Status) for a target below every row in the cheapest tier,
+    /// with [`Status::InvalidArgument`](crate::Status) without tiers or for a target that is
+    /// not positive and finite, and as `bytes_needed` does for a config it refuses.
+    ///
+    /// ```
+    /// use m40llm::{KvCacheConfig, KvFormat, KvTier};
+    /// // Llama-3-8B's shape, one sequence of 32K, the four tier pairs of the fidelity study.
+    /// let pairs = [(KvFormat::Q8, KvFormat::Q8), (KvFormat::Q8, KvFormat::Q4),
+    ///              (KvFormat::Q4, KvFormat::Q3), (KvFormat::Q4, KvFormat::Q2)];
+    /// let tiers: Vec<KvTier> = pairs.iter().map(|&(k, v)| KvTier::new(k, v, 0)).collect();
+    /// let cfg = KvCacheConfig::new(32, 32, 128).kv_heads(8).max_seq_len(32768).tiers(&tiers);
+    /// let cfg = cfg.tiers_for_bits(6.0)?;
+    /// let rows: Vec<usize> = cfg.tier_list().iter().map(|t| t.rows).collect();
+    /// assert_eq!(rows.iter().sum::<usize>(), 32768 - 4 - 128); // every row past the window
+    /// assert!(rows[0] == 0 && rows[1] > 0 && rows[2] > 0 && rows[3] == 0); // K8V4 and K4V3
+    /// let values = 2.0 * 32.0 * 32768.0 * 8.0 * 128.0;
+    /// assert!(cfg.bytes_needed()? as f64 * 8.0 <= 6.0 * values);
+    /// # Ok::<(), m40llm::Error>(())
+    /// ```
+    pub fn tiers_for_bits(mut self, bits_per_value: f64) -> Result<KvCacheConfig> {
+        let mut opts = self.to_raw()?;
+        // SAFETY: valid options struct of the current version.
+        check(unsafe { sys::m40llm_kvcache_plan_tiers(&mut opts, bits_per_value) })?;
+        for (slot, raw) in self.tiers.iter_mut().flatten().zip(&opts.tiers) {
+            slot.rows = raw.rows.max(0) as usize;
+        }
+        Ok(self)
+    }
+
     /// This config with a `max_seq_len` the planner ignores but the conversion to C accepts.
     fn planned(&self) -> KvCacheConfig {
         self.max_seq_len(1)

@@ -1469,3 +1469,49 @@ fn tiers_place_move_and_attend() {
     let e = assert_status(base.tiers(&five).bytes_needed(), Status::InvalidArgument);
     assert!(e.message().contains("at most 4"), "{e}");
 }
+
+#[test]
+fn tiers_planned_for_a_target_hold_every_row_within_it() {
+    let ctx = cpu();
+    let pairs = [
+        (KvFormat::Q8, KvFormat::Q8),
+        (KvFormat::Q8, KvFormat::Q4),
+        (KvFormat::Q4, KvFormat::Q3),
+        (KvFormat::Q4, KvFormat::Q2),
+    ];
+    let tiers: Vec<KvTier> = pairs.iter().map(|&(k, v)| KvTier::new(k, v, 7)).collect();
+    let base = small_tiered(1, &tiers);
+    let values = 2.0 * 2.0 * 64.0 * 2.0 * 64.0; // K and V, 2 sequences, 64 positions, 2 x 64
+    let mut rng = Rng::fresh("tiers_planned_for_a_target_hold_every_row_within_it");
+    for bits in [5.0, 5.75, 6.5, 8.0, 9.5] {
+        let cfg = base.tiers_for_bits(bits).unwrap();
+        let rows: Vec<usize> = cfg.tier_list().iter().map(|t| t.rows).collect();
+        assert_eq!(rows.iter().sum::<usize>(), 64 - 4, "{bits} bits: {rows:?}");
+        assert!(
+            rows.iter().filter(|&&r| r > 0).count() <= 2,
+            "{bits} bits: {rows:?}"
+        );
+        assert!(cfg.bytes_needed().unwrap() as f64 * 8.0 <= bits * values);
+        let mut kv = KvCache::new(&ctx, &cfg).unwrap();
+        for s in 0..2 {
+            let k = DeviceBuffer::from_slice(&ctx, &rng.normal_vec(64 * cfg.kv_row_len(), 1.0))
+                .unwrap();
+            let v = DeviceBuffer::from_slice(&ctx, &rng.normal_vec(64 * cfg.kv_row_len(), 1.0))
+                .unwrap();
+            kv.append(0, s, &k, &v).unwrap();
+        }
+        let st = kv.tier_stats().unwrap();
+        assert!(
+            st.bits_per_value <= bits,
+            "{} stored for {bits}",
+            st.bits_per_value
+        );
+    }
+    let e = assert_status(base.tiers_for_bits(4.0), Status::Capacity);
+    assert!(e.message().contains("cheapest"), "{e}");
+    for bad in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+        assert_status(base.tiers_for_bits(bad), Status::InvalidArgument);
+    }
+    let uniform = KvCacheConfig::new(1, 4, 64).format(KvFormat::Q4);
+    assert_status(uniform.tiers_for_bits(6.0), Status::InvalidArgument);
+}
