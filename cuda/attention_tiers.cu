@@ -1,13 +1,14 @@
 // Decode attention over a tiered cache (m40llm_kvcache_options.n_tiers > 0). Each tier is a
 // uniform cache of its own formats whose rows, in any order (softmax does not care), fill slots
 // 0 .. count - 1 of its planes, so the split kernels run it as a uniform cache's: a launch per
-// tier of the kernel for the tier's pair (on sm_80+ the tensor-core kernel's tier instances,
-// attention_mma_tiers.cu; else the FP32 kernel), over a plan of M40LLM_PLAN_TIER (each item's
-// rows of that tier), and the FP16 slots' kept parts in the first tier's launch where its kernel
-// runs them (else in an F16 launch of their own). Every split writes a partial, numbered so that
-// each item's partials of all launches lie together, and the one combine of the uniform caches
-// merges them. The launches overlap, each planned for its share of the call's rows: together
-// they fill the GPU as one launch would, without a launch's ramp and tail per tier. Where every
+// tier that holds rows of the call's items, of the kernel for the tier's pair (on sm_80+ the
+// tensor-core kernel's tier instances, attention_mma_tiers.cu; else the FP32 kernel), over a
+// plan of M40LLM_PLAN_TIER (each item's rows of that tier), and the FP16 slots' kept parts in
+// the first such tier's launch where its kernel runs them (else in an F16 launch of their own).
+// Every split writes a partial, numbered so that each item's partials of all launches lie
+// together, and the one combine of the uniform caches merges them. The launches overlap, each
+// planned for its share of the call's rows: together they fill the GPU as one launch would,
+// without a launch's ramp and tail per tier. Where every
 // launch is a tensor-core kernel that waits as a programmatic dependent (sm_90), they are
 // chained on the context's stream (m40llm_attn_plan::chained: a launch's blocks start as the
 // one before it has started all of its own, and the combine follows as a dependent); elsewhere
@@ -52,9 +53,18 @@ void set_tensors(AttnArgs *a, KvPlanes k, KvPlanes v, size_t rows, const m40llm_
 // the launches run side by side or chained (at least an SM's worth: a launch of fewer leaves SMs
 // idle where the others end first). Chained launches planned by their share of the bytes
 // without the floor took 1.2-1.3x as long at B8 32/8 D128 L8K and B1 L32K on an H200.
-int share_of_target(int target, int64_t rows, int64_t all_rows, int sm_count) {
+// A chained launch (`chained`) takes a whole number of blocks an SM: its kernel is issue-bound,
+// so where some SMs held two of its blocks and others one, the launch took as long as the SMs
+// with two. Two tiers of 59% and 41% of the rows (what m40llm_kvcache_plan_tiers gives for 6
+// bits), planned for 156 and 109 blocks of two an SM's 264, took 1.44x the time of 132 each at
+// B1 32/8 D128 L32K, and 36% and 64% (5.5 bits) 1.08x at B8 L8K, on an H200.
+int share_of_target(int target, int64_t rows, int64_t all_rows, int sm_count, bool chained) {
   if (all_rows <= 0) return target;
   const int64_t share = ((int64_t)target * rows + all_rows - 1) / all_rows;
+  if (chained && sm_count > 0 && target >= sm_count) {
+    const int64_t per_sm = (share + sm_count / 2) / sm_count;  // the nearest whole number
+    return (int)(per_sm < 1 ? sm_count : per_sm * sm_count > target ? target : per_sm * sm_count);
+  }
   return share < sm_count ? (sm_count < target ? sm_count : target) : (int)share;
 }
 
@@ -89,6 +99,17 @@ struct TierCall {
   m40llm_attn_plan combine;
 };
 
+// The tier whose launch reads the FP16 slots: the first that holds rows of the items, or the
+// first tier where none does. A tier none of the items has rows in makes no launch other than
+// that: the tiers m40llm_kvcache_plan_tiers leaves empty each made a launch of the slots alone,
+// and a decode step at B8 32/8 D128 L8K (32 layers) took 1.04-1.06x as long on an H200.
+int lead_tier(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, int n_items) {
+  for (int t = 0; t < c->n_tiers; t++)
+    for (int i = 0; i < n_items; i++)
+      if (m40llm_tier_counts(c, layer, seq_ids[i])[t] > 0) return t;
+  return 0;
+}
+
 // Whether a call's tiers run as one launch (*one) and its pass: where this build has the kernel
 // of every pair at once (CUDA 12.1+, tensor cores; not for exported scores), for a cache of two
 // tiers or more and a call of at most kTierOneLaunchRowsPerSm rows x units an SM; the pass a
@@ -102,9 +123,10 @@ int one_launch_pass(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, 
   const Grouping g = grouping_for(&c->opts);
   int32_t rows[M40LLM_PLAN_MAX_ITEMS];
   int64_t unit_rows = 0, tier_rows[M40LLM_MAX_TIERS] = {0};
+  const int lead = lead_tier(c, layer, seq_ids, n_items);
   for (int i = 0; i < n_items; i++) {
     rows[i] = kept_rows[i];
-    tier_rows[0] += kept_rows[i];  // the first tier's launch reads them
+    tier_rows[lead] += kept_rows[i];  // the lead tier's launch reads them
     for (int t = 0; t < c->n_tiers; t++) {
       const int32_t n = m40llm_tier_counts(c, layer, seq_ids[i])[t];
       rows[i] += n;
@@ -158,7 +180,28 @@ int plan_call(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, const 
   SplitPass one_pass{};
   int rc = one_launch_pass(c, layer, seq_ids, n_items, kept_rows, scores, &call->one, &one_pass);
   if (rc != M40LLM_OK) return rc;
+  const int lead_t = lead_tier(c, layer, seq_ids, n_items);
+  const auto has_launch = [&](int t) {
+    if (t == lead_t) return true;
+    for (int i = 0; i < n_items; i++)
+      if (m40llm_tier_counts(c, layer, seq_ids[i])[t] > 0) return true;
+    return false;
+  };
+  // Chained where every launch's kernel can be (decided before any is planned: a chained
+  // launch's blocks are planned otherwise).
+  for (int t = 0; t < c->n_tiers && call->chain; t++) {
+    if (!has_launch(t)) continue;
+    rc = with_tier_pair(o->tiers[t].k_format, o->tiers[t].v_format, [&](auto pair) -> int {
+      SplitPasses passes;
+      bool chainable = false;
+      const int rc = tier_passes<decltype(pair)>(st, o->head_dim, g, scores, &passes, &chainable);
+      call->chain = call->chain && chainable;
+      return rc;
+    });
+    if (rc != M40LLM_OK) return rc;
+  }
   for (int t = 0; t < c->n_tiers; t++) {
+    if (!has_launch(t)) continue;
     int64_t tier_rows = 0;
     for (int i = 0; i < n_items; i++) {
       rows[i] = m40llm_tier_counts(c, layer, seq_ids[i])[t];
@@ -166,10 +209,8 @@ int plan_call(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, const 
     }
     rc = with_tier_pair(o->tiers[t].k_format, o->tiers[t].v_format, [&](auto pair) -> int {
       SplitPasses passes;
-      bool chainable = false;
-      const int rc = tier_passes<decltype(pair)>(st, o->head_dim, g, scores, &passes, &chainable);
+      const int rc = tier_passes<decltype(pair)>(st, o->head_dim, g, scores, &passes);
       if (rc != M40LLM_OK) return rc;
-      call->chain = call->chain && chainable;
       // The tensor-core kernels (a tier's own, or every pair's in one launch) read the kept
       // rows as an item's first rows (no splits of their own), the FP32 kernel's lean ones in
       // splits of their own.
@@ -181,7 +222,8 @@ int plan_call(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, const 
       // A small launch plans one block an SM at least (not its kernel's fill: it shares the GPU).
       for (SplitPass *sp : {&passes.pass, &passes.direct, &passes.fine}) {
         sp->target = share_of_target(sp->target, tier_rows + (lead ? all_kept : 0),
-                                     all_rows + (passes.pass.mixed ? all_kept : 0), st->sm_count);
+                                     all_rows + (passes.pass.mixed ? all_kept : 0), st->sm_count,
+                                     call->chain);
         sp->fill = 0;
       }
       if (!kept_done && !lead && !passes.pass.parts) {  // the kept parts in an F16 launch

@@ -524,12 +524,21 @@ static m40llm_kvcache_options other_shape(m40llm_kvcache_options o, int shape) {
 }
 
 /* Lengths 1, 31, 33, 257 and more through ragged appends, moves (down, up, to a full tier),
- * truncate into and below the quantized rows, reset, fork, and appends that refill freed rows. */
-static void history(m40llm_context *ctx, int sinks, int window, int small, int shape) {
+ * truncate into and below the quantized rows, reset, fork, and appends that refill freed rows.
+ * ends_empty: the first and last tiers hold no rows (as m40llm_kvcache_plan_tiers leaves the
+ * tiers outside its pair), so every call's FP16 slots go with the second tier's rows. */
+static void history(m40llm_context *ctx, int sinks, int window, int small, int shape,
+                    int ends_empty) {
   const int max_len = small ? 300 : 700;
-  const m40llm_kvcache_options o = other_shape(tiered_options(max_len, sinks, window), shape);
-  t_set_case("tiers: history, %d/%d heads, head_dim %d, sinks %d, window %d, max_seq_len %d",
-             o.n_heads, o.n_kv_heads, o.head_dim, sinks, window, max_len);
+  m40llm_kvcache_options o = other_shape(tiered_options(max_len, sinks, window), shape);
+  if (ends_empty) {
+    o.tiers[0].rows = o.tiers[3].rows = 0;
+    o.tiers[1].rows = max_len / 3;
+    o.tiers[2].rows = max_len - max_len / 3;
+  }
+  t_set_case("tiers: history, %d/%d heads, head_dim %d, sinks %d, window %d, max_seq_len %d%s",
+             o.n_heads, o.n_kv_heads, o.head_dim, sinks, window, max_len,
+             ends_empty ? ", first and last tiers empty" : "");
   m40llm_kvcache *c = NULL;
   model m;
   if (!T_CHECK(model_init(&m, &o)) || !T_OK(m40llm_kvcache_create(&c, ctx, &o))) {
@@ -809,10 +818,15 @@ out:
  * rows that left the FP16 window during the appends included (T past the window + 1: a tier's
  * rows masked by position); 158 rows, more than one launch's 128 on CUDA. The CUDA backend
  * refuses a window (nothing written). shape: other_shape's. */
-static void causal_rows(m40llm_context *ctx, int window, int shape) {
-  const m40llm_kvcache_options o = other_shape(tiered_options(300, 4, 32), shape);
-  t_set_case("tiers: causal attention, window %d, %d/%d heads, head_dim %d", window, o.n_heads,
-             o.n_kv_heads, o.head_dim);
+static void causal_rows(m40llm_context *ctx, int window, int shape, int ends_empty) {
+  m40llm_kvcache_options o = other_shape(tiered_options(300, 4, 32), shape);
+  if (ends_empty) { /* as history()'s */
+    o.tiers[0].rows = o.tiers[3].rows = 0;
+    o.tiers[1].rows = 100;
+    o.tiers[2].rows = 200;
+  }
+  t_set_case("tiers: causal attention, window %d, %d/%d heads, head_dim %d%s", window, o.n_heads,
+             o.n_kv_heads, o.head_dim, ends_empty ? ", first and last tiers empty" : "");
   const int heads = o.n_kv_heads, d = o.head_dim, nh = o.n_heads;
   const size_t qrow = (size_t)nh * d;
   const int32_t ids[3] = {0, 2, 1}, counts[3] = {100, 57, 1}, lens[3] = {260, 57, 140};
@@ -934,22 +948,26 @@ void t_cases_tiers(m40llm_context *ctx, int small) {
   version_3(ctx);
   one_tier_is_uniform(ctx, M40LLM_KV_Q8, M40LLM_KV_Q4);
   one_tier_is_uniform(ctx, M40LLM_KV_Q4, M40LLM_KV_Q2);
-  history(ctx, 4, 32, small, 0);
-  history(ctx, 0, 16, small, 0);
-  history(ctx, 3, 0, small, 0);
-  history(ctx, 0, 0, small, 0); /* no FP16 slots: every row in a tier */
-  history(ctx, 4, 32, small, 1);
-  history(ctx, 2, 0, small, 1);
-  history(ctx, 4, 128, small, 2);
-  history(ctx, 1, 8, small, 3);
+  history(ctx, 4, 32, small, 0, 0);
+  history(ctx, 0, 16, small, 0, 0);
+  history(ctx, 3, 0, small, 0, 0);
+  history(ctx, 0, 0, small, 0, 0); /* no FP16 slots: every row in a tier */
+  history(ctx, 4, 32, small, 1, 0);
+  history(ctx, 2, 0, small, 1, 0);
+  history(ctx, 4, 128, small, 2, 0);
+  history(ctx, 1, 8, small, 3, 0);
+  history(ctx, 4, 32, small, 0, 1);
+  history(ctx, 4, 32, small, 1, 1); /* the FP16 slots in an F16 launch of their own on CUDA */
+  history(ctx, 4, 128, small, 2, 1);
   /* the tensor-core kernels' pairs of warps; on the CPU backend (no code by head_dim) it only
    * added 40 s to test_api under ASan */
   if (on_cuda(ctx)) {
-    history(ctx, 2, 16, small, 4);
-    history(ctx, 4, 8, small, 5);
+    history(ctx, 2, 16, small, 4, 0);
+    history(ctx, 4, 8, small, 5, 0);
   }
-  causal_rows(ctx, 0, 0);
-  causal_rows(ctx, 0, 1); /* the FP16 slots in a launch of their own on CUDA */
-  causal_rows(ctx, 45, 0);
+  causal_rows(ctx, 0, 0, 0);
+  causal_rows(ctx, 0, 1, 0); /* the FP16 slots in a launch of their own on CUDA */
+  causal_rows(ctx, 45, 0, 0);
+  causal_rows(ctx, 0, 0, 1);
   long_call(ctx);
 }
