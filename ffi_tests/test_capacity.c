@@ -285,6 +285,19 @@ static m40llm_kvcache_options tiered(int n_layers, int n_kv_heads, int head_dim,
   return o;
 }
 
+/* Options of the shape with the study's four pairs (K8V8, K8V4, K4V3, K4V2), rows 0. */
+static m40llm_kvcache_options study_tiers(int n_layers, int n_kv_heads, int head_dim,
+                                          int max_seqs, int max_seq_len) {
+  m40llm_kvcache_options o = shape(n_layers, n_kv_heads, head_dim, max_seqs, M40LLM_KV_Q8,
+                                   M40LLM_KV_Q8);
+  static const int study[4] = {0, 1, 3, 4};
+  o.max_seq_len = max_seq_len;
+  o.n_tiers = 4;
+  for (int t = 0; t < 4; t++)
+    o.tiers[t] = (m40llm_kv_tier){tier_pairs[study[t]][0], tier_pairs[study[t]][1], 0};
+  return o;
+}
+
 /* The stored K/V's bytes of o with these rows: the planner's measure, without what the
  * importance placement keeps besides. */
 static size_t tier_bytes_of(m40llm_kvcache_options o, const int *rows) {
@@ -392,12 +405,7 @@ static void test_plan_tiers(void) {
 
   /* Llama-3-8B's shape, one 32K sequence, the study's four pairs; 6 bits splits K8V4 and K4V3. */
   t_set_case("plan tiers, the study's pairs at 6 bits");
-  m40llm_kvcache_options o = shape(32, 8, 128, 1, M40LLM_KV_Q8, M40LLM_KV_Q8);
-  o.max_seq_len = 32768;
-  o.n_tiers = 4;
-  const int study[4] = {0, 1, 3, 4};
-  for (int t = 0; t < 4; t++)
-    o.tiers[t] = (m40llm_kv_tier){tier_pairs[study[t]][0], tier_pairs[study[t]][1], 0};
+  m40llm_kvcache_options o = study_tiers(32, 8, 128, 1, 32768);
   if (T_OK(check_tier_plan(&o, 6.0))) {
     T_CHECK(o.tiers[0].rows == 0 && o.tiers[3].rows == 0);
     T_CHECKF(o.tiers[1].rows > 0 && o.tiers[2].rows > 0, "rows %d, %d", o.tiers[1].rows,
@@ -478,12 +486,7 @@ static void test_plan_tiers_old_versions(void) {
                            offsetof(m40llm_kvcache_options, observe_interval)};
   for (int v = 0; v < 2; v++) {
     t_set_case("plan tiers, version-%d options", 4 + v);
-    m40llm_kvcache_options now = shape(8, 2, 64, 2, M40LLM_KV_Q8, M40LLM_KV_Q8);
-    now.max_seq_len = 5000;
-    now.n_tiers = 4;
-    const int study[4] = {0, 1, 3, 4};
-    for (int t = 0; t < 4; t++)
-      now.tiers[t] = (m40llm_kv_tier){tier_pairs[study[t]][0], tier_pairs[study[t]][1], 0};
+    m40llm_kvcache_options now = study_tiers(8, 2, 64, 2, 5000);
     if (!T_OK(m40llm_kvcache_plan_tiers(&now, 6.0))) continue;
     m40llm_kvcache_options *old = malloc(sizes[v]);
     if (!T_CHECK(old != NULL)) continue;
@@ -507,15 +510,10 @@ static void test_plan_tiers_filled(int backend) {
   if (!T_OK(m40llm_context_create(&ctx, &co))) return;
   const double targets[] = {4.9, 5.5, 6.0, 7.25, 9.0};
   for (size_t i = 0; i < sizeof targets / sizeof targets[0]; i++) {
-    m40llm_kvcache_options o = shape(2, 2, 64, 2, M40LLM_KV_Q8, M40LLM_KV_Q8);
-    o.max_seq_len = 700;
+    m40llm_kvcache_options o = study_tiers(2, 2, 64, 2, 700);
     o.n_sinks = 4;
     o.window = 32;
-    o.n_tiers = 4;
     o.placement = i % 2 ? M40LLM_PLACE_IMPORTANCE : M40LLM_PLACE_FIRST_FREE;
-    const int study[4] = {0, 1, 3, 4};
-    for (int t = 0; t < 4; t++)
-      o.tiers[t] = (m40llm_kv_tier){tier_pairs[study[t]][0], tier_pairs[study[t]][1], 0};
     if (!T_OK(m40llm_kvcache_plan_tiers(&o, targets[i]))) continue;
     m40llm_kvcache *c = NULL;
     if (!T_OK(m40llm_kvcache_create(&c, ctx, &o))) continue;
