@@ -102,7 +102,7 @@ struct TierCall {
 // The tier whose launch reads the FP16 slots: the first that holds rows of the items, or the
 // first tier where none does. A tier none of the items has rows in makes no launch other than
 // that: the tiers m40llm_kvcache_plan_tiers leaves empty each made a launch of the slots alone,
-// and a decode step at B8 32/8 D128 L8K (32 layers) took 1.04-1.06x as long on an H200.
+// and a decode step at B8 32/8 D128 L8K (32 layers) took 1.03-1.06x as long on an H200.
 int lead_tier(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, int n_items) {
   for (int t = 0; t < c->n_tiers; t++)
     for (int i = 0; i < n_items; i++)
