@@ -111,14 +111,15 @@ int lead_tier(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, int n_
 }
 
 // Whether a call's tiers run as one launch (*one) and its pass: where this build has the kernel
-// of every pair at once (CUDA 12.1+, tensor cores; not for exported scores), for a cache of two
-// tiers or more and a call of at most kTierOneLaunchRowsPerSm rows x units an SM; the pass a
-// uniform cache's call over the same rows would take (kept_rows: each item's FP16 slot rows).
+// of every pair at once (CUDA 12.1+, tensor cores; not for exported scores), for a call of at
+// least kTierOneLaunchMinLaunches launches and at most kTierOneLaunchRowsPerSm rows x units an
+// SM; the pass a uniform cache's call over the same rows would take (kept_rows: each item's FP16
+// slot rows).
 int one_launch_pass(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, int n_items,
                     const int32_t *kept_rows, bool scores, bool *one, SplitPass *out) {
   *one = false;
 #if M40LLM_MMA_ONE_LAUNCH
-  if (!kMmaOneLaunch || scores || c->n_tiers < 2) return M40LLM_OK;
+  if (!kMmaOneLaunch || scores || c->n_tiers < kTierOneLaunchMinLaunches) return M40LLM_OK;
   m40llm_cuda_state *st = cuda_state(c->ctx);
   const Grouping g = grouping_for(&c->opts);
   int32_t rows[M40LLM_PLAN_MAX_ITEMS];
@@ -134,9 +135,11 @@ int one_launch_pass(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, 
     }
     unit_rows += (int64_t)rows[i] * g.units;
   }
-  int live = 0;  // launches with rows: a call of one is one launch already
+  int live = 0;  // launches with rows
   for (int t = 0; t < c->n_tiers; t++) live += tier_rows[t] > 0;
-  if (live < 2 || unit_rows > (int64_t)kTierOneLaunchRowsPerSm * st->sm_count) return M40LLM_OK;
+  if (live < kTierOneLaunchMinLaunches ||
+      unit_rows > (int64_t)kTierOneLaunchRowsPerSm * st->sm_count)
+    return M40LLM_OK;
   SplitPasses passes;
   bool have = false;
   const int rc = mma_tiers_passes(st, c->opts.head_dim, &passes, &have);

@@ -227,13 +227,18 @@ constexpr int kMmaL2Rows = 16;
 // 0.88-0.90x the time; shorter blocks ran slower (B1 8/1 D256 L8K, 31 a block, 1.24x; B1 28/4
 // D128 L8K, 124, 1.16x; H200, bench/RESULTS.md).
 constexpr int kMmaFillMinRows = 192;
-// A tiered call of two tiers or more runs as one launch of the kernel of every pair
+// A tiered call of several tiers runs as one launch of the kernel of every pair
 // (attn_mma_tiers_kernel, CUDA 12.1+ builds) where its rows x K/V head units are at most this
 // many an SM, else as a launch per tier, chained: on an H200, four tiers at B1 and B8 1K-8K (up
 // to 993 an SM) took 0.68-0.87x the chain's time, from B1 32/8 D128 L32K (1986) on 1.05-1.20x:
 // that kernel runs 1.08-1.14x longer per byte than a pair's own (its step's loads are scheduled
 // later), which the chain's launches outweigh only in short calls.
 constexpr int kTierOneLaunchRowsPerSm = 1024;
+// ... and where it makes at least this many launches (tiers with rows in the call): two chained
+// launches, each a whole number of blocks an SM, took 0.64-0.92x one launch's time for the
+// 6-bit plan's K8V4 and K4V3 at B1 1K-8K, B8 1K-2K and head_dims 64 and 256 on an H200, and
+// 0.89-1.07x for K8V8 with K8V4 (1.07x at B1 16/8 D256 L8K); four tiers keep one launch.
+constexpr int kTierOneLaunchMinLaunches = 3;
 // Resident warps per SM the register budget is set for: 8 above head_dim 64 (~200 registers),
 // 16 up to 64 (~115 registers).
 __host__ __device__ constexpr int mma_sm_warps(int head_dim) { return head_dim > 64 ? 8 : 16; }

@@ -57,9 +57,10 @@
  *   dependents. Elsewhere the first runs on the context's stream and the others
  *   beside it on streams the context owns (made with its first tiered cache, of the stream's
  *   priority), forked from the stream by an event and joined back into it before the call's
- *   combine kernel, and in a graph capture they are branches of the graph. A short call (at
- *   most 1024 x the GPU's SM count positions over its sequences and K/V heads, a K/V head of
- *   more than 8 query heads counted once per 8) makes one launch for all its tiers instead, on
+ *   combine kernel, and in a graph capture they are branches of the graph. A short call of
+ *   three launches or more (at most 1024 x the GPU's SM count positions over its sequences and
+ *   K/V heads, a K/V head of more than 8 query heads counted once per 8) makes one launch for
+ *   all its tiers instead, on
  *   sm_80+ GPUs, where every architecture of the build is sm_70+ and CUDA (build and driver) is
  *   12.1 or later. Stream order holds as for any call.
  *
