@@ -183,100 +183,95 @@ int plan_call(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, const 
   SplitPass one_pass{};
   int rc = one_launch_pass(c, layer, seq_ids, n_items, kept_rows, scores, &call->one, &one_pass);
   if (rc != M40LLM_OK) return rc;
+  // The tiers that launch (with rows in the call, and the lead tier for the FP16 slots) and
+  // their passes; the call is chained where every launch's kernel can be, decided before any
+  // launch is planned (a chained launch's blocks are planned otherwise).
   const int lead_t = lead_tier(c, layer, seq_ids, n_items);
-  const auto has_launch = [&](int t) {
-    if (t == lead_t) return true;
-    for (int i = 0; i < n_items; i++)
-      if (m40llm_tier_counts(c, layer, seq_ids[i])[t] > 0) return true;
-    return false;
-  };
-  // Chained where every launch's kernel can be (decided before any is planned: a chained
-  // launch's blocks are planned otherwise).
-  for (int t = 0; t < c->n_tiers && call->chain; t++) {
-    if (!has_launch(t)) continue;
+  bool launches[M40LLM_MAX_TIERS] = {false};
+  SplitPasses tier_pass[M40LLM_MAX_TIERS];
+  for (int t = 0; t < c->n_tiers; t++) {
+    launches[t] = t == lead_t;
+    for (int i = 0; i < n_items && !launches[t]; i++)
+      launches[t] = m40llm_tier_counts(c, layer, seq_ids[i])[t] > 0;
+    if (!launches[t]) continue;
     rc = with_tier_pair(o->tiers[t].k_format, o->tiers[t].v_format, [&](auto pair) -> int {
-      SplitPasses passes;
       bool chainable = false;
-      const int rc = tier_passes<decltype(pair)>(st, o->head_dim, g, scores, &passes, &chainable);
+      const int rc =
+          tier_passes<decltype(pair)>(st, o->head_dim, g, scores, &tier_pass[t], &chainable);
       call->chain = call->chain && chainable;
       return rc;
     });
     if (rc != M40LLM_OK) return rc;
   }
   for (int t = 0; t < c->n_tiers; t++) {
-    if (!has_launch(t)) continue;
+    if (!launches[t]) continue;
     int64_t tier_rows = 0;
     for (int i = 0; i < n_items; i++) {
       rows[i] = m40llm_tier_counts(c, layer, seq_ids[i])[t];
       tier_rows += rows[i];
     }
-    rc = with_tier_pair(o->tiers[t].k_format, o->tiers[t].v_format, [&](auto pair) -> int {
-      SplitPasses passes;
-      const int rc = tier_passes<decltype(pair)>(st, o->head_dim, g, scores, &passes);
-      if (rc != M40LLM_OK) return rc;
-      // The tensor-core kernels (a tier's own, or every pair's in one launch) read the kept
-      // rows as an item's first rows (no splits of their own), the FP32 kernel's lean ones in
-      // splits of their own.
-      const bool lead = !kept_done && (call->one || passes.pass.mixed);
-      if (lead)
-        for (int i = 0; i < n_items; i++) rows[i] += kept_rows[i];
-      // Shares of the rows the tier launches take (the kept rows where they lead an item; in
-      // splits of their own or a launch of their own they are no launch's share).
-      // A small launch plans one block an SM at least (not its kernel's fill: it shares the GPU).
-      for (SplitPass *sp : {&passes.pass, &passes.direct, &passes.fine}) {
-        sp->target = share_of_target(sp->target, tier_rows + (lead ? all_kept : 0),
-                                     all_rows + (passes.pass.mixed ? all_kept : 0), st->sm_count,
-                                     call->chain);
-        sp->fill = 0;
-      }
-      if (!kept_done && !lead && !passes.pass.parts) {  // the kept parts in an F16 launch
-        int32_t none[M40LLM_PLAN_MAX_ITEMS] = {0};
-        SplitPass *kept = &call->pass[call->n];
-        const int rc = fp32_split_pass<KvPair<KvF16, KvF16>>(st, o->head_dim, g, scores, kept);
-        if (rc != M40LLM_OK) return rc;
-        m40llm_attn_plan *p = &call->plan[call->n];
-        m40llm_attn_plan_build(p, seq_ids, none, n_items, g.units, kept->target, st->sm_count, 1,
-                               kept->tile);
-        p->kept_k = c->k.fp16 + slot_row;  // the kernel reads them as its tensors
-        p->kept_v = c->v.fp16 + slot_row;
-        m40llm_attn_plan_tier(p, full_len, window_begin, c->n_sinks, c->window,
-                              kept_chunk(kept->tile));
-        call->args[call->n] = a;
-        set_tensors(&call->args[call->n], KvPlanes{{c->k.fp16 + slot_row, nullptr}},
-                    KvPlanes{{c->v.fp16 + slot_row, nullptr}}, c->slots, o);
-        call->n++;
-        kept_done = true;
-      }
+    SplitPasses passes = tier_pass[t];
+    // The tensor-core kernels (a tier's own, or every pair's in one launch) read the kept
+    // rows as an item's first rows (no splits of their own), the FP32 kernel's lean ones in
+    // splits of their own.
+    const bool lead = !kept_done && (call->one || passes.pass.mixed);
+    if (lead)
+      for (int i = 0; i < n_items; i++) rows[i] += kept_rows[i];
+    // Shares of the rows the tier launches take (the kept rows where they lead an item; in
+    // splits of their own or a launch of their own they are no launch's share).
+    // A small launch plans one block an SM at least (not its kernel's fill: it shares the GPU).
+    for (SplitPass *sp : {&passes.pass, &passes.direct, &passes.fine}) {
+      sp->target = share_of_target(sp->target, tier_rows + (lead ? all_kept : 0),
+                                   all_rows + (passes.pass.mixed ? all_kept : 0), st->sm_count,
+                                   call->chain);
+      sp->fill = 0;
+    }
+    if (!kept_done && !lead && !passes.pass.parts) {  // the kept parts in an F16 launch
+      int32_t none[M40LLM_PLAN_MAX_ITEMS] = {0};
+      SplitPass *kept = &call->pass[call->n];
+      if ((rc = fp32_split_pass<KvPair<KvF16, KvF16>>(st, o->head_dim, g, scores, kept)) !=
+          M40LLM_OK)
+        return rc;
       m40llm_attn_plan *p = &call->plan[call->n];
-      SplitPass pass =
-          call->one ? one_pass : plan_split_pass(st, passes, g, seq_ids, rows, n_items, p);
-      if (call->one) {  // a share of the pass's blocks, and of the smallest plan's (the SMs)
-        const int64_t mine = tier_rows + (lead ? all_kept : 0), all = all_rows + all_kept;
-        const auto share = [&](int64_t blocks) {
-          return all > 0 ? (int)((blocks * mine + all - 1) / all) : 1;
-        };
-        m40llm_attn_plan_build(p, seq_ids, rows, n_items, g.units, share(pass.target),
-                               share(st->sm_count), split_min_chunk(g, pass.tile), pass.tile);
-      }
-      const bool with_kept = !kept_done;  // this launch's kernel reads the FP16 slots
-      p->kept_k = with_kept ? c->k.fp16 + slot_row : nullptr;
-      p->kept_v = with_kept ? c->v.fp16 + slot_row : nullptr;
+      m40llm_attn_plan_build(p, seq_ids, none, n_items, g.units, kept->target, st->sm_count, 1,
+                             kept->tile);
+      p->kept_k = c->k.fp16 + slot_row;  // the kernel reads them as its tensors
+      p->kept_v = c->v.fp16 + slot_row;
       m40llm_attn_plan_tier(p, full_len, window_begin, c->n_sinks, c->window,
-                            with_kept && !lead ? kept_chunk(pass.tile) : 0);
-      p->map = m40llm_tier_map_at(c, t, layer, 0);
-      p->map_stride = o->tiers[t].rows;
-      kept_done = true;
-      call->pair[call->n] = kv_pair_id(o->tiers[t].k_format, o->tiers[t].v_format);
-      call->pass[call->n] = pass;
+                            kept_chunk(kept->tile));
       call->args[call->n] = a;
-      set_tensors(&call->args[call->n],
-                  kv_planes_at(c->tier_k[t], m40llm_tier_row(c, t, layer, 0, 0, 0)),
-                  kv_planes_at(c->tier_v[t], m40llm_tier_row(c, t, layer, 0, 0, 0)),
-                  o->tiers[t].rows, o);
+      set_tensors(&call->args[call->n], KvPlanes{{c->k.fp16 + slot_row, nullptr}},
+                  KvPlanes{{c->v.fp16 + slot_row, nullptr}}, c->slots, o);
       call->n++;
-      return M40LLM_OK;
-    });
-    if (rc != M40LLM_OK) return rc;
+      kept_done = true;
+    }
+    m40llm_attn_plan *p = &call->plan[call->n];
+    SplitPass pass =
+        call->one ? one_pass : plan_split_pass(st, passes, g, seq_ids, rows, n_items, p);
+    if (call->one) {  // a share of the pass's blocks, and of the smallest plan's (the SMs)
+      const int64_t mine = tier_rows + (lead ? all_kept : 0), all = all_rows + all_kept;
+      const auto share = [&](int64_t blocks) {
+        return all > 0 ? (int)((blocks * mine + all - 1) / all) : 1;
+      };
+      m40llm_attn_plan_build(p, seq_ids, rows, n_items, g.units, share(pass.target),
+                             share(st->sm_count), split_min_chunk(g, pass.tile), pass.tile);
+    }
+    const bool with_kept = !kept_done;  // this launch's kernel reads the FP16 slots
+    p->kept_k = with_kept ? c->k.fp16 + slot_row : nullptr;
+    p->kept_v = with_kept ? c->v.fp16 + slot_row : nullptr;
+    m40llm_attn_plan_tier(p, full_len, window_begin, c->n_sinks, c->window,
+                          with_kept && !lead ? kept_chunk(pass.tile) : 0);
+    p->map = m40llm_tier_map_at(c, t, layer, 0);
+    p->map_stride = o->tiers[t].rows;
+    kept_done = true;
+    call->pair[call->n] = kv_pair_id(o->tiers[t].k_format, o->tiers[t].v_format);
+    call->pass[call->n] = pass;
+    call->args[call->n] = a;
+    set_tensors(&call->args[call->n],
+                kv_planes_at(c->tier_k[t], m40llm_tier_row(c, t, layer, 0, 0, 0)),
+                kv_planes_at(c->tier_v[t], m40llm_tier_row(c, t, layer, 0, 0, 0)),
+                o->tiers[t].rows, o);
+    call->n++;
   }
   m40llm_attn_plan_tier_number(call->plan, call->n, &call->combine);
   return M40LLM_OK;
