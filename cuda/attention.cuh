@@ -179,7 +179,7 @@ __device__ __forceinline__ int tier_split_number(const m40llm_attn_plan &plan) {
 // slots in no order: their positions are plan.map's.) split: the launch's block y.
 __device__ __forceinline__ int split_pos_shift(const m40llm_attn_plan &plan, int item, int split) {
   // (A TIER plan's kept rows lead an item, kept_chunk 0, only in the tensor-core kernels',
-  // which export no scores.)
+  // which place their scores themselves.)
   if (plan.role == M40LLM_PLAN_ALL || (plan.role == M40LLM_PLAN_TIER && !plan.kept_k)) return 0;
   const int len = plan.role == M40LLM_PLAN_TIER ? plan.full_len[item] : plan.len[item];
   const m40llm_attn_parts parts =
@@ -307,10 +307,13 @@ int fp32_split_pass(m40llm_cuda_state *st, int head_dim, const Grouping &g, bool
 template <typename P>
 int mma_split_passes(m40llm_cuda_state *st, int head_dim, SplitPasses *out);
 // The same for a tiered call's launches (M40LLM_PLAN_TIER: a tier's rows, after an item's kept
-// rows in the launch that reads them; no exported scores), for every tier pair
-// (attention_mma_tiers.cu); pass and direct are one.
+// rows in the launch that reads them), for every tier pair (attention_mma_tiers.cu); pass and
+// direct are one. mma_tier_scores_passes: their instances that also write each score at its
+// position (a call with weights: plan.weights, plan.map; attention_mma_tiers_scores.cu).
 template <typename P>
 int mma_tier_passes(m40llm_cuda_state *st, int head_dim, SplitPasses *out);
+template <typename P>
+int mma_tier_scores_passes(m40llm_cuda_state *st, int head_dim, SplitPasses *out);
 // A pair of formats as one number.
 __host__ __device__ constexpr int kv_pair_id(int k_format, int v_format) {
   return k_format * kKvFormats + v_format;
@@ -485,7 +488,7 @@ int attend_rows(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, cons
 // Decode attention over a tiered cache (attention_tiers.cu): FP32 rows of n_seqs sequences.
 // limits: each row's visible positions (those before limits[i]), or null for every position of
 // its sequence; with limits the FP32 kernels' instances with scores run the call (they mask a
-// tier's rows by its slot map; the tensor-core kernels read no map).
+// tier's rows by its slot map; the tensor-core kernels read it only for the scores they write).
 int tier_attention(const m40llm_kvcache *c, int layer, const int32_t *seq_ids,
                    const int32_t *limits, int n_seqs, const float *q, float *out, float scale,
                    const CallExport &x);

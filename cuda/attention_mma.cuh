@@ -603,7 +603,10 @@ struct StagedSteps : HalfSteps<NC, TAIL> {
 // own so that the uniform caches' kernels do not pay for the split's mapping: a block's rows are
 // a tier's slots, after the item's kept rows where the launch reads those (as in a MIXED plan:
 // no splits of their own, which as blocks of a few rows each cost a third of a large batch's
-// time), and it always writes a partial at the call's number of its split.
+// time), and it always writes a partial at the call's number of its split. kMmaTierScores: the
+// same, for a call with weights (plan.weights): it also writes every seen score at its position
+// (the slot map's, or the kept row's), as the FP32 kernel's instances with scores do. (A branch
+// on plan.weights in TIER's step made its plain calls 1.05-1.22x slower on an H200.)
 //
 // CAUSAL: several query rows of each item, T = a.n_heads / (the cache's query heads), packed
 // into the MMA's 8 rows (query row t's head h of K/V head g is tile row t x group + h of K/V
@@ -612,7 +615,7 @@ struct StagedSteps : HalfSteps<NC, TAIL> {
 // is [item][a.n_heads][dim]: partials and the combine take each row's heads as an item's. With
 // plan.causal_window W, a row sees the last W of those positions only.
 //
-// V: kMmaDirect, kMmaStaged, kMmaTier or kMmaCausal.
+// V: kMmaDirect, kMmaStaged, kMmaTier, kMmaTierScores or kMmaCausal.
 //
 // The block's static shared arrays, declared by the kernel (M40LLM_MMA_SHARED) and handed to
 // attn_mma_block: a kernel that runs several pairs' blocks (attn_mma_tiers_kernel) holds them
@@ -663,7 +666,8 @@ __device__ __forceinline__ void prefetch_rows_l2(const __half *k, const __half *
 template <typename P, int NC, int TAIL, int V, int W>
 __device__ __forceinline__ void attn_mma_block(const AttnArgs &a, const m40llm_attn_plan &plan,
                                                const MmaShared<NC, TAIL, W> &shared) {
-  constexpr bool STAGED = V == kMmaStaged, TIER = V == kMmaTier, CAUSAL = V == kMmaCausal;
+  constexpr bool STAGED = V == kMmaStaged, CAUSAL = V == kMmaCausal;
+  constexpr bool SCORES = V == kMmaTierScores, TIER = V == kMmaTier || SCORES;
   constexpr int D = 32 * NC + 16 * TAIL;
   constexpr int G = kMaxGroupTile;
   static_assert(G == 8, "query heads fill rows 0-7 of the MMA");
@@ -854,9 +858,27 @@ __device__ __forceinline__ void attn_mma_block(const AttnArgs &a, const m40llm_a
   for (int i = 0; i < 2; i++) ot[i][0] = ot[i][1] = ot[i][2] = ot[i][3] = 0.0f;
 
   // A warp's steps from p0 on to p_end through src: its K/V rows as FP16 (kQ false) or codes.
-  // CAUSAL: this lane's row sees rows row_from .. row_lim - 1 of them.
-  const auto steps = [&](auto &src, int p0, int p_end, int row_from, int row_lim, auto quant) {
+  // CAUSAL: this lane's row sees rows row_from .. row_lim - 1 of them. SCORES: position(p) is
+  // row p's position, where its scores go.
+  const auto steps = [&](auto &src, int p0, int p_end, int row_from, int row_lim, auto quant,
+                         auto position) {
     constexpr bool kQ = decltype(quant)::value;
+    // SCORES: this lane's rows' positions in the step at q0, asked a step ahead: a slot map's
+    // load waited for at the store stalled every step (1.6-1.8x the plain call's time on an
+    // H200).
+    [[maybe_unused]] int pos[2][2];
+    const auto positions = [&](int q0) {
+      if constexpr (SCORES) {
+#pragma unroll
+        for (int j = 0; j < 2; j++)
+#pragma unroll
+          for (int x = 0; x < 2; x++) {
+            const int p = q0 + 8 * j + 2 * t + x;
+            pos[j][x] = p < p_end ? position(p) : 0;
+          }
+      }
+    };
+    positions(p0);
   for (; p0 < p_end; p0 += kMmaRows * WP) {
       const int rows = min(kMmaRows, p_end - p0);
       const int seen = CAUSAL ? min(rows, row_lim - p0) : rows;
@@ -913,6 +935,19 @@ __device__ __forceinline__ void attn_mma_block(const AttnArgs &a, const m40llm_a
           s[j][x] = r < seen && (!CAUSAL || r >= unseen) ? s[j][x] * down : -INFINITY;
           tile_max = fmaxf(tile_max, s[j][x]);
         }
+      // Every seen score, in the log2 domain as the FP32 kernel's, for attn_weights_kernel (one
+      // warp of a pair: both hold the sums).
+      if constexpr (SCORES) {
+        if (c0 == 0 && g < b.nh) {
+          float *row = plan.weights + ((size_t)b.item * a.n_heads + b.h0 + g) * plan.weights_stride;
+#pragma unroll
+          for (int j = 0; j < 2; j++)
+#pragma unroll
+            for (int x = 0; x < 2; x++)
+              if (8 * j + 2 * t + x < seen) row[pos[j][x]] = s[j][x];
+        }
+        positions(p0 + kMmaRows * WP);
+      }
       tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
       tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
       const float alpha = run.raise(tile_max);
@@ -1002,8 +1037,12 @@ __device__ __forceinline__ void attn_mma_block(const AttnArgs &a, const m40llm_a
       src.after_output(p0);
     }
   };
+  // SCORES: the codes' rows are the tier's slots, whose positions its slot map holds.
+  const int32_t *const map =
+      SCORES ? plan.map + (size_t)plan.seq[b.item] * plan.map_stride : nullptr;
+  const auto slot_position = [&](int p) { return SCORES ? map[p] : p; };
   if constexpr (kQuant) {
-    steps(src, p0, p_end, from, lim, std::true_type{});  // the codes' rows are positions
+    steps(src, p0, p_end, from, lim, std::true_type{}, slot_position);
     if (mixed) {  // the kept parts, from the FP16 slots
       const m40llm_attn_parts parts = m40llm_attn_item_parts(
           item_len[b.item], plan.window_begin[b.item], plan.sinks, plan.window);
@@ -1021,11 +1060,13 @@ __device__ __forceinline__ void attn_mma_block(const AttnArgs &a, const m40llm_a
         // kept rows before position p, kept(p).
         const int c0 = parts.count[0], wb = plan.window_begin[b.item];
         const auto kept_before = [&](int p) { return p < c0 ? p : c0 + max(0, p - wb); };
-        steps(kept, q0, hi, kept_before(from), kept_before(lim), std::false_type{});
+        const auto kept_position = [&](int r) { return r < c0 ? r : wb + r - c0; };
+        steps(kept, q0, hi, kept_before(from), kept_before(lim), std::false_type{},
+              kept_position);
       }
     }
   } else {
-    steps(src, p0, p_end, from, lim, std::false_type{});
+    steps(src, p0, p_end, from, lim, std::false_type{}, slot_position);
   }
   if (plan.max_splits == 1) allow_dependent_launch();
 
@@ -1149,7 +1190,8 @@ constexpr SplitKernel instance() {
   constexpr bool kBroad = W == mma_broad_warps(32 * NC + 16 * TAIL) && V == kMmaDirect;
   if constexpr (kTensorCores && (W == kWarps || (W == kWarps / 2 && !kStaged) || kBroad) &&
                 !(kSplit && kStaged) &&
-                !(kQuantPair<P> && (TAIL || kStaged)) && (V != kMmaTier || kQuantPair<P>))
+                !(kQuantPair<P> && (TAIL || kStaged)) &&
+                ((V != kMmaTier && V != kMmaTierScores) || kQuantPair<P>))
     return attn_mma_kernel<P, NC, TAIL, V, W>;
   else
     return nullptr;
@@ -1250,10 +1292,10 @@ int mma_pass_of(m40llm_cuda_state *st, Kernel k, int head_dim, int warps, bool s
   return M40LLM_OK;
 }
 
-// The kernel of a variant (kMmaDirect, kMmaStaged, kMmaTier or kMmaCausal) where this build has
-// it for this GPU (sm_80+; a compute_52-only build runs the FP32 kernel on every GPU, and only
-// sm_90+ images stage). The first call per kernel sizes its shared memory and asks its
-// occupancy. No kernel: a null one.
+// The kernel of a variant (kMmaDirect, kMmaStaged, kMmaTier, kMmaTierScores or kMmaCausal)
+// where this build has it for this GPU (sm_80+; a compute_52-only build runs the FP32 kernel on
+// every GPU, and only sm_90+ images stage). The first call per kernel sizes its shared memory
+// and asks its occupancy. No kernel: a null one.
 template <typename P, int V>
 int pass_for(m40llm_cuda_state *st, int head_dim, int warps, SplitPass *out) {
   return mma_pass_of(st, kernel_for<P, V>(head_dim, warps), head_dim, warps, V == kMmaStaged,
@@ -1264,9 +1306,9 @@ int pass_for(m40llm_cuda_state *st, int head_dim, int warps, SplitPass *out) {
                      out);
 }
 
-// The passes of a variant that loads through registers only (kMmaTier, kMmaCausal): blocks of
-// mma_warps() warps, and of half that for plans of more blocks than a wave; pass and direct
-// are one.
+// The passes of a variant that loads through registers only (kMmaTier, kMmaTierScores,
+// kMmaCausal): blocks of mma_warps() warps, and of half that for plans of more blocks than a
+// wave; pass and direct are one.
 template <typename P, int V>
 int mma_register_passes(m40llm_cuda_state *st, int head_dim, SplitPasses *p) {
   *p = SplitPasses{};

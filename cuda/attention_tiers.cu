@@ -16,9 +16,12 @@
 // them as one launch of the kernel of every pair (attn_mma_tiers_kernel, whose parameters carry
 // every plan: CUDA 12.1+ builds), where the launches' starts and tails would cost more than
 // that kernel's slower steps (kTierOneLaunchRowsPerSm). A call that exports weights or importance
-// runs the FP32 kernels' instances with scores (the tensor-core kernels export none): a tier's
-// rows write theirs at the positions of the tier's slot map (m40llm_kvcache.tier_map, kept by
-// the row ops), and the uniform caches' weights kernel reads them over the call's partials.
+// (an observe call too) makes the same launches, whose kernels write each score at its
+// position, a tier's rows at the positions of the tier's slot map (m40llm_kvcache.tier_map,
+// kept by the row ops): the tensor-core tier kernels where they run (the FP32 kernels' took
+// 2.0-2.3x the plain call's time on an H200), else the FP32 kernels' instances with scores; the
+// uniform caches' weights kernel reads them over the call's partials. A causal call (limits)
+// runs the FP32 instances with scores, which mask a tier's rows by their positions.
 #include "attention.cuh"
 #include "backend_cuda.h"
 
@@ -68,20 +71,22 @@ int share_of_target(int target, int64_t rows, int64_t all_rows, int sm_count, bo
   return share < sm_count ? (sm_count < target ? sm_count : target) : (int)share;
 }
 
-// A tier's passes: the tensor-core family's where it has them (not for exported scores), else
-// the FP32 family's. chainable: the tensor-core kernels as programmatic dependents, whose tier
-// instances take m40llm_attn_plan::chained (null: not asked).
+// A tier's passes: the tensor-core family's where it has them (not for masked rows), else the
+// FP32 family's, whose instances with scores where the call exports them or masks rows by
+// their positions (masked). chainable: the tensor-core kernels as programmatic dependents,
+// whose tier instances take m40llm_attn_plan::chained (null: not asked).
 template <typename P>
-int tier_passes(m40llm_cuda_state *st, int head_dim, const Grouping &g, bool scores,
+int tier_passes(m40llm_cuda_state *st, int head_dim, const Grouping &g, bool scores, bool masked,
                 SplitPasses *out, bool *chainable = nullptr) {
   *out = SplitPasses{};
   if (chainable) *chainable = false;
-  if (kTensorCores && !scores) {
-    const int rc = mma_tier_passes<P>(st, head_dim, out);
+  if (kTensorCores && !masked) {
+    const int rc = scores ? mma_tier_scores_passes<P>(st, head_dim, out)
+                          : mma_tier_passes<P>(st, head_dim, out);
     if (chainable) *chainable = out->pass.kernel && out->pass.dependent && out->pass.mixed;
     if (rc != M40LLM_OK || out->pass.kernel) return rc;
   }
-  const int rc = fp32_split_pass<P>(st, head_dim, g, scores, &out->pass);
+  const int rc = fp32_split_pass<P>(st, head_dim, g, scores || masked, &out->pass);
   out->pass.mixed = false;  // a tier launch's kept rows lead its items only on tensor cores
   out->direct = out->fine = out->pass;
   return rc;
@@ -153,9 +158,10 @@ int one_launch_pass(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, 
   return M40LLM_OK;
 }
 
-// Plans the call over items seq_ids[0 .. n_items); scores: the instances that export them.
+// Plans the call over items seq_ids[0 .. n_items); scores: kernels that export them.
 // limits: each item's visible positions (a causal call's query row: the positions before it and
-// its own), or null for every position of its sequence.
+// its own: the FP32 kernels, which mask a tier's rows by their positions), or null for every
+// position of its sequence.
 int plan_call(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, const int32_t *limits,
               int n_items, float scale, bool scores, TierCall *call) {
   m40llm_cuda_state *st = cuda_state(c->ctx);
@@ -181,7 +187,9 @@ int plan_call(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, const 
   // One launch (the kernel of every pair at once): its pass is the one a uniform cache's call
   // of the same rows would take, and each tier plans for its share of that pass's blocks.
   SplitPass one_pass{};
-  int rc = one_launch_pass(c, layer, seq_ids, n_items, kept_rows, scores, &call->one, &one_pass);
+  const bool fp32_scores = scores || limits;  // the FP32 kernels' instances, where they run
+  int rc = one_launch_pass(c, layer, seq_ids, n_items, kept_rows, fp32_scores, &call->one,
+                           &one_pass);
   if (rc != M40LLM_OK) return rc;
   // The tiers that launch (with rows in the call, and the lead tier for the FP16 slots) and
   // their passes; the call is chained where every launch's kernel can be, decided before any
@@ -196,8 +204,8 @@ int plan_call(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, const 
     if (!launches[t]) continue;
     rc = with_tier_pair(o->tiers[t].k_format, o->tiers[t].v_format, [&](auto pair) -> int {
       bool chainable = false;
-      const int rc =
-          tier_passes<decltype(pair)>(st, o->head_dim, g, scores, &tier_pass[t], &chainable);
+      const int rc = tier_passes<decltype(pair)>(st, o->head_dim, g, scores, limits != nullptr,
+                                                 &tier_pass[t], &chainable);
       call->chain = call->chain && chainable;
       return rc;
     });
@@ -229,7 +237,7 @@ int plan_call(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, const 
     if (!kept_done && !lead && !passes.pass.parts) {  // the kept parts in an F16 launch
       int32_t none[M40LLM_PLAN_MAX_ITEMS] = {0};
       SplitPass *kept = &call->pass[call->n];
-      if ((rc = fp32_split_pass<KvPair<KvF16, KvF16>>(st, o->head_dim, g, scores, kept)) !=
+      if ((rc = fp32_split_pass<KvPair<KvF16, KvF16>>(st, o->head_dim, g, fp32_scores, kept)) !=
           M40LLM_OK)
         return rc;
       m40llm_attn_plan *p = &call->plan[call->n];
@@ -362,9 +370,12 @@ int m40llm_cuda_tier_reserve(const m40llm_kvcache *c) {
     const int rc = with_tier_pair(o->tiers[t].k_format, o->tiers[t].v_format, [&](auto pair) -> int {
       SplitPasses p;
       int rc = M40LLM_OK;
-      for (const bool scores : {false, true})  // a plain call's passes, and one with weights
-        if (rc == M40LLM_OK &&
-            (rc = tier_passes<decltype(pair)>(st, o->head_dim, g, scores, &p)) == M40LLM_OK)
+      // A plain call's passes (those of a call with weights: the same tensor-core ones, else
+      // the FP32 instances with scores), and a causal one's (masked).
+      for (const bool masked : {false, true})
+        for (const bool scores : {false, true})
+          if (rc == M40LLM_OK && (rc = tier_passes<decltype(pair)>(st, o->head_dim, g, scores,
+                                                                   masked, &p)) == M40LLM_OK)
           for (const SplitPass &sp : {p.pass, p.direct, p.fine})
             target = sp.target > target ? sp.target : target;
       return rc;
@@ -392,8 +403,7 @@ int tier_attention(const m40llm_kvcache *c, int layer, const int32_t *seq_ids,
     TierCall call;
     void *ws = nullptr;
     if ((rc = plan_call(c, layer, seq_ids + first, limits ? limits + first : nullptr, n, scale,
-                        xn.weights != nullptr || limits != nullptr, &call)) !=
-            M40LLM_OK ||
+                        xn.weights != nullptr, &call)) != M40LLM_OK ||
         (rc = m40llm_cuda_workspace(
              st, attn_partial_bytes(call.combine.total_splits, o->n_heads, o->head_dim), &ws)) !=
             M40LLM_OK)

@@ -415,7 +415,7 @@ typedef enum m40llm_tier_placement {
    * of several leaving rows a sequence takes a launch for each. Measured on an H200
    * (bench/RESULTS.md, "Placement by importance" and after): a decode step of 8 layers x 8
    * sequences x 8K with observe calls every 4th step took 1.15-1.18x (M40 code) and
-   * 1.44-1.50x (sm_90) the default placement's time. */
+   * 1.31-1.33x (sm_90) the default placement's time. */
   M40LLM_PLACE_IMPORTANCE = 1
 } m40llm_tier_placement;
 
@@ -504,8 +504,9 @@ typedef struct m40llm_kvcache_options {
    * stream is being captured into a CUDA graph (an observe call cannot be captured; see
    * m40llm_kvcache_attn_observe_ex), so a decode step captured whole never observes.
    * m40llm_kvcache_seq_reset, _seq_truncate and _seq_fork leave the counts as they are (a
-   * forked sequence keeps its own). A call that observes is an observe call in all else: its output comes from the FP32 kernels that
-   * export weights (on sm_80+ not the tensor-core kernels; the two agree within 1e-5), it
+   * forked sequence keeps its own). A call that observes is an observe call in all else: its
+   * output comes from the kernels that export weights (on sm_80+ the tensor-core kernels, as
+   * the plain call's, else the FP32 kernels; the two agree within 1e-5), it
    * grows the context's scratch of the scores as an observe call does (append_attn before it
    * appends), failing with M40LLM_ERR_OUT_OF_MEMORY where that fails, and it costs what one
    * costs (see M40LLM_PLACE_IMPORTANCE). */
@@ -769,11 +770,11 @@ int m40llm_kvcache_attn_batch_ex(void *out, m40llm_kvcache *cache, int layer,
  *  written by the attention kernel (its scores), then read and written once more by a small
  *  kernel that turns them into weights when the call's softmax sums are known. The CUDA
  *  backend runs the FP32 kernels for it on every GPU, in instances of their own (the plain
- *  calls' kernels are unchanged); the tensor-core kernels, which a plain call runs on sm_80+,
- *  export nothing. Measured on an H100 (bench/RESULTS.md, "Attention weights"): the M40's code
- *  path 1.1-1.4x the plain call's time at head_dim 128 and 256, 1.7x on calls of a few us;
- *  the sm_90 build 1.1-1.8x for F16 (2.5x on a 5-us call), 1.4-4x for Q4 (against the
- *  tensor-core kernels). */
+ *  calls' kernels are unchanged), but for a tiered cache on sm_80+, whose tensor-core kernels
+ *  (a plain call's) write the scores themselves. Measured on uniform caches on an H100
+ *  (bench/RESULTS.md, "Attention weights"): the M40's code path 1.1-1.4x the plain call's
+ *  time at head_dim 128 and 256, 1.7x on calls of a few us; the sm_90 build 1.1-1.8x for F16
+ *  (2.5x on a 5-us call), 1.4-4x for Q4 (against the tensor-core kernels). */
 int m40llm_kvcache_attn_weights_ex(void *out, float *weights, size_t weights_stride,
                                    m40llm_kvcache *cache, int layer, const int32_t *seq_ids,
                                    int n_seqs, const void *q, int dtype, float scale);

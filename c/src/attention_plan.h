@@ -41,9 +41,9 @@ typedef struct m40llm_attn_plan {
    * stores its (max, sum) partial, one split or several. */
   float *weights;
   int64_t weights_stride;
-  /* M40LLM_PLAN_TIER, for the FP32 instances with scores: the tier's slot -> position map of
-   * this layer, [seq][map_stride] (the rows of a tier's part are slots: their scores go to
-   * positions, and those at or past full_len[i] are masked) */
+  /* M40LLM_PLAN_TIER, for exported scores (either family) and the FP32 instances' masks: the
+   * tier's slot -> position map of this layer, [seq][map_stride] (the rows of a tier's part are
+   * slots: their scores go to positions, and those at or past full_len[i] are masked) */
   const int32_t *map;
   int32_t map_stride;
   /* The tensor-core kernel's causal rows (kMmaCausal): a query row sees only the last

@@ -606,11 +606,11 @@ extern "C" {
   written by the attention kernel (its scores), then read and written once more by a small
   kernel that turns them into weights when the call's softmax sums are known. The CUDA
   backend runs the FP32 kernels for it on every GPU, in instances of their own (the plain
-  calls' kernels are unchanged); the tensor-core kernels, which a plain call runs on sm_80+,
-  export nothing. Measured on an H100 (bench/RESULTS.md, "Attention weights"): the M40's code
-  path 1.1-1.4x the plain call's time at head_dim 128 and 256, 1.7x on calls of a few us;
-  the sm_90 build 1.1-1.8x for F16 (2.5x on a 5-us call), 1.4-4x for Q4 (against the
-  tensor-core kernels).*/
+  calls' kernels are unchanged), but for a tiered cache on sm_80+, whose tensor-core kernels
+  (a plain call's) write the scores themselves. Measured on uniform caches on an H100
+  (bench/RESULTS.md, "Attention weights"): the M40's code path 1.1-1.4x the plain call's
+  time at head_dim 128 and 256, 1.7x on calls of a few us; the sm_90 build 1.1-1.8x for F16
+  (2.5x on a 5-us call), 1.4-4x for Q4 (against the tensor-core kernels).*/
     pub fn m40llm_kvcache_attn_weights_ex(
         out: *mut ::core::ffi::c_void,
         weights: *mut f32,

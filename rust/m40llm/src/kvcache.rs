@@ -385,9 +385,9 @@ impl KvCacheConfig {
     /// the better at 2K tokens of the two intervals `bench/fidelity` compared, 4 and 16). 0:
     /// only the caller's [`KvCache::attention_observe`] calls observe. A due call that names a
     /// sequence twice, or that is captured into a CUDA graph, is made plain and stays due. A
-    /// call that observes is an observe call in all else (its output from the FP32 kernels
-    /// that export weights). Resets, truncates and forks leave the counts as they are. See
-    /// `observe_interval` in `m40llm.h`.
+    /// call that observes is an observe call in all else (its output from the kernels that
+    /// export weights: on sm_80+ the tensor-core ones, else FP32). Resets, truncates and forks
+    /// leave the counts as they are. See `observe_interval` in `m40llm.h`.
     ///
     /// ```
     /// use m40llm::{Context, DeviceBuffer, KvCache, KvCacheConfig, KvFormat, KvTier, TierPlacement};
@@ -1390,8 +1390,8 @@ impl KvCache {
     /// run on tensor cores with q split into two FP16 terms (see
     /// `m40llm_kvcache_attn_last_token_f32q` in `m40llm.h`). With
     /// [`TierPlacement::Importance`], a call that is due is an observe call
-    /// ([`KvCacheConfig::observe_interval`]): the FP32 kernels that export weights, and the
-    /// context's scratch of the scores.
+    /// ([`KvCacheConfig::observe_interval`]): the kernels that export weights (on sm_80+ the
+    /// tensor-core ones, else FP32), and the context's scratch of the scores.
     pub fn attention<T: IoElement>(
         &self,
         layer: usize,
