@@ -306,6 +306,11 @@ int fp32_split_pass(m40llm_cuda_state *st, int head_dim, const Grouping &g, bool
 // and 192 and 256); otherwise pass.kernel is null.
 template <typename P>
 int mma_split_passes(m40llm_cuda_state *st, int head_dim, SplitPasses *out);
+// The same for a call with weights: instances that also write each score at its position and
+// every split's (max, sum), a lone one's too (attention_mma_scores.cu); through registers, no
+// broad pass.
+template <typename P>
+int mma_split_scores_passes(m40llm_cuda_state *st, int head_dim, SplitPasses *out);
 // The same for a tiered call's launches (M40LLM_PLAN_TIER: a tier's rows, after an item's kept
 // rows in the launch that reads them), for every tier pair (attention_mma_tiers.cu); pass and
 // direct are one. mma_tier_scores_passes: their instances that also write each score at its

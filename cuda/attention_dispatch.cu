@@ -8,24 +8,26 @@
 
 namespace {
 
-// The tensor-core family's passes where this build has the family (M40LLM_TENSOR_CORES) and it
-// runs on this GPU; otherwise p->pass.kernel is null.
+// The tensor-core family's passes (scores: the instances that export them) where this build has
+// the family (M40LLM_TENSOR_CORES) and it runs on this GPU; otherwise p->pass.kernel is null.
 template <typename P>
-int tensor_core_passes(m40llm_cuda_state *st, int head_dim, SplitPasses *p) {
+int tensor_core_passes(m40llm_cuda_state *st, int head_dim, bool scores, SplitPasses *p) {
   *p = SplitPasses{};
-  return kTensorCores ? mma_split_passes<P>(st, head_dim, p) : M40LLM_OK;
+  if (!kTensorCores) return M40LLM_OK;
+  return scores ? mma_split_scores_passes<P>(st, head_dim, p)
+                : mma_split_passes<P>(st, head_dim, p);
 }
 
 // The split passes for a cache: the tensor-core family where this build and GPU have it (MHA
-// too: it issues fewer instructions per K/V byte even with one query head) and the call needs
-// no scores (fp32_only: only the FP32 kernel exports them), else the FP32 one for all three.
+// too: it issues fewer instructions per K/V byte even with one query head), else the FP32 one
+// for all three; scores: a call with weights, whose kernels export them.
 template <typename P>
 int split_passes_for(m40llm_cuda_state *st, const m40llm_kvcache_options *o, const Grouping &g,
-                     bool fp32_only, SplitPasses *p) {
+                     bool scores, SplitPasses *p) {
   *p = SplitPasses{};
-  int rc = fp32_only ? M40LLM_OK : tensor_core_passes<P>(st, o->head_dim, p);
+  int rc = tensor_core_passes<P>(st, o->head_dim, scores, p);
   if (rc != M40LLM_OK || p->pass.kernel) return rc;
-  rc = fp32_split_pass<P>(st, o->head_dim, g, fp32_only, &p->pass);
+  rc = fp32_split_pass<P>(st, o->head_dim, g, scores, &p->pass);
   p->direct = p->fine = p->pass;
   return rc;
 }
@@ -181,16 +183,17 @@ int m40llm_cuda_reserve_for(m40llm_kvcache *c) {
   const Grouping g = grouping_for(o);
   return with_kv_pair(c->k.layout.fmt->format, c->v.layout.fmt->format, [&](auto pair) -> int {
     using P = decltype(pair);
-    SplitPasses p, fp32;
+    SplitPasses p, scored;
     int rc = split_passes_for<P>(cuda_state(c->ctx), o, g, false, &p);
     if (rc != M40LLM_OK ||
-        (rc = split_passes_for<P>(cuda_state(c->ctx), o, g, true, &fp32)) != M40LLM_OK)
+        (rc = split_passes_for<P>(cuda_state(c->ctx), o, g, true, &scored)) != M40LLM_OK)
       return rc;
-    // The bound attention_plan.h promises, for any pass's plans (a call with weights: the FP32
-    // pass's).
-    int target = p.pass.target > p.direct.target ? p.pass.target : p.direct.target;
-    if (p.fine.target > target) target = p.fine.target;
-    if (fp32.pass.target > target) target = fp32.pass.target;
+    // The bound attention_plan.h promises, for any pass's plans (a call with weights: its
+    // passes').
+    int target = 0;
+    for (const SplitPasses *s : {&p, &scored})
+      for (const SplitPass *sp : {&s->pass, &s->direct, &s->fine, &s->broad})
+        target = sp->target > target ? sp->target : target;
     int max_splits = 3 * ((target + g.units - 1) / g.units) + 1;
     // A call with weights keeps every split's partial, a lone split's too: a launch's items.
     if (max_splits < M40LLM_PLAN_MAX_ITEMS) max_splits = M40LLM_PLAN_MAX_ITEMS;
@@ -206,7 +209,7 @@ int m40llm_cuda_reserve_for(m40llm_kvcache *c) {
 int m40llm_cuda_tensor_cores(m40llm_cuda_state *st, int *out) {
   // Every head_dim the family serves is compiled for the same architectures: one answers for all.
   SplitPasses p;
-  const int rc = tensor_core_passes<KvPair<KvF16, KvF16>>(st, 128, &p);
+  const int rc = tensor_core_passes<KvPair<KvF16, KvF16>>(st, 128, false, &p);
   if (rc == M40LLM_OK) *out = p.pass.kernel != nullptr;
   return rc;
 }

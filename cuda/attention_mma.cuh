@@ -615,7 +615,11 @@ struct StagedSteps : HalfSteps<NC, TAIL> {
 // is [item][a.n_heads][dim]: partials and the combine take each row's heads as an item's. With
 // plan.causal_window W, a row sees the last W of those positions only.
 //
-// V: kMmaDirect, kMmaStaged, kMmaTier, kMmaTierScores or kMmaCausal.
+// kMmaDirectScores: kMmaDirect for a uniform cache's call with weights, which writes its scores
+// as kMmaTierScores does (a kept row's at its position, a code row's at its own) and a lone
+// split's (max, sum) besides its output.
+//
+// V: kMmaDirect, kMmaStaged, kMmaTier, kMmaTierScores, kMmaDirectScores or kMmaCausal.
 //
 // The block's static shared arrays, declared by the kernel (M40LLM_MMA_SHARED) and handed to
 // attn_mma_block: a kernel that runs several pairs' blocks (attn_mma_tiers_kernel) holds them
@@ -667,7 +671,8 @@ template <typename P, int NC, int TAIL, int V, int W>
 __device__ __forceinline__ void attn_mma_block(const AttnArgs &a, const m40llm_attn_plan &plan,
                                                const MmaShared<NC, TAIL, W> &shared) {
   constexpr bool STAGED = V == kMmaStaged, CAUSAL = V == kMmaCausal;
-  constexpr bool SCORES = V == kMmaTierScores, TIER = V == kMmaTier || SCORES;
+  constexpr bool SCORES = V == kMmaTierScores || V == kMmaDirectScores;
+  constexpr bool TIER = V == kMmaTier || V == kMmaTierScores;
   constexpr int D = 32 * NC + 16 * TAIL;
   constexpr int G = kMaxGroupTile;
   static_assert(G == 8, "query heads fill rows 0-7 of the MMA");
@@ -1037,10 +1042,11 @@ __device__ __forceinline__ void attn_mma_block(const AttnArgs &a, const m40llm_a
       src.after_output(p0);
     }
   };
-  // SCORES: the codes' rows are the tier's slots, whose positions its slot map holds.
+  // SCORES: a tier's codes' rows are its slots, whose positions its slot map holds; a uniform
+  // cache's are positions.
   const int32_t *const map =
-      SCORES ? plan.map + (size_t)plan.seq[b.item] * plan.map_stride : nullptr;
-  const auto slot_position = [&](int p) { return SCORES ? map[p] : p; };
+      SCORES && TIER ? plan.map + (size_t)plan.seq[b.item] * plan.map_stride : nullptr;
+  const auto slot_position = [&](int p) { return SCORES && TIER ? map[p] : p; };
   if constexpr (kQuant) {
     steps(src, p0, p_end, from, lim, std::true_type{}, slot_position);
     if (mixed) {  // the kept parts, from the FP16 slots
@@ -1126,7 +1132,9 @@ __device__ __forceinline__ void attn_mma_block(const AttnArgs &a, const m40llm_a
   float f[PL];
 #pragma unroll
   for (int p = 0; p < PL; p++) f[p] = !final_out ? wt[p] : head.normalise(wt[p]);
-  if (!final_out && warp == 0 && lane < b.nh) store_split_stats(a, b.split, head_of(lane), head);
+  // With exported scores, attn_weights_kernel takes every split's (max, sum), a lone one too.
+  if ((!final_out || SCORES) && warp == 0 && lane < b.nh)
+    store_split_stats(a, b.split, head_of(lane), head);
   constexpr int D4 = D / 4;
   const float4(*s_o4)[G][D4] = reinterpret_cast<const float4(*)[G][D4]>(s_dyn);
   // A fixed trip count, fully unrolled, stores predicated: every pass's shuffles and shared
@@ -1292,10 +1300,10 @@ int mma_pass_of(m40llm_cuda_state *st, Kernel k, int head_dim, int warps, bool s
   return M40LLM_OK;
 }
 
-// The kernel of a variant (kMmaDirect, kMmaStaged, kMmaTier, kMmaTierScores or kMmaCausal)
-// where this build has it for this GPU (sm_80+; a compute_52-only build runs the FP32 kernel on
-// every GPU, and only sm_90+ images stage). The first call per kernel sizes its shared memory
-// and asks its occupancy. No kernel: a null one.
+// The kernel of a variant (kMmaDirect, kMmaStaged, kMmaTier, kMmaTierScores, kMmaDirectScores
+// or kMmaCausal) where this build has it for this GPU (sm_80+; a compute_52-only build runs
+// the FP32 kernel on every GPU, and only sm_90+ images stage). The first call per kernel sizes
+// its shared memory and asks its occupancy. No kernel: a null one.
 template <typename P, int V>
 int pass_for(m40llm_cuda_state *st, int head_dim, int warps, SplitPass *out) {
   return mma_pass_of(st, kernel_for<P, V>(head_dim, warps), head_dim, warps, V == kMmaStaged,
@@ -1307,8 +1315,8 @@ int pass_for(m40llm_cuda_state *st, int head_dim, int warps, SplitPass *out) {
 }
 
 // The passes of a variant that loads through registers only (kMmaTier, kMmaTierScores,
-// kMmaCausal): blocks of mma_warps() warps, and of half that for plans of more blocks than a
-// wave; pass and direct are one.
+// kMmaDirectScores, kMmaCausal): blocks of mma_warps() warps, and of half that for plans of
+// more blocks than a wave; pass and direct are one.
 template <typename P, int V>
 int mma_register_passes(m40llm_cuda_state *st, int head_dim, SplitPasses *p) {
   *p = SplitPasses{};

@@ -10,15 +10,16 @@
 constexpr int kKvFormats = M40LLM_KV_Q2 + 1;
 
 // The tensor-core split kernel's variants: K/V through registers, staged in shared memory
-// (sm_90), a tiered call's launch (and the same exporting its scores), and causal rows
-// (attention_mma.cuh).
+// (sm_90), a tiered call's launch, causal rows, and the first and the third exporting their
+// scores (attention_mma.cuh).
 enum {
   kMmaDirect = 0,
   kMmaStaged = 1,
   kMmaTier = 2,
   kMmaCausal = 3,
   kMmaTierScores = 4,
-  kMmaVariants = 5
+  kMmaDirectScores = 5,
+  kMmaVariants = 6
 };
 
 struct m40llm_cuda_state {

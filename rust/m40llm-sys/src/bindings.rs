@@ -605,12 +605,12 @@ extern "C" {
   heads for that K/V row). Cost on top of the call: 4 bytes a position and query head
   written by the attention kernel (its scores), then read and written once more by a small
   kernel that turns them into weights when the call's softmax sums are known. The CUDA
-  backend runs the FP32 kernels for it on every GPU, in instances of their own (the plain
-  calls' kernels are unchanged), but for a tiered cache on sm_80+, whose tensor-core kernels
-  (a plain call's) write the scores themselves. Measured on uniform caches on an H100
-  (bench/RESULTS.md, "Attention weights"): the M40's code path 1.1-1.4x the plain call's
-  time at head_dim 128 and 256, 1.7x on calls of a few us; the sm_90 build 1.1-1.8x for F16
-  (2.5x on a 5-us call), 1.4-4x for Q4 (against the tensor-core kernels).*/
+  backend runs instances of their own for it (the plain calls' kernels are unchanged): on
+  sm_80+ the tensor-core kernels' where the plain call has them, else the FP32 kernels'.
+  Measured against the plain call: on an H100, the M40's code path 1.1-1.4x at head_dim 128
+  and 256, 1.7x on calls of a few us (bench/RESULTS.md, "Attention weights"); on an H200, the
+  sm_90 build 1.2-1.7x for F16 and 1.3-1.5x for Q4 with its defaults (bench/RESULTS.md,
+  "Observe calls on tensor cores").*/
     pub fn m40llm_kvcache_attn_weights_ex(
         out: *mut ::core::ffi::c_void,
         weights: *mut f32,
@@ -641,10 +641,10 @@ extern "C" {
   backend computes the weights as m40llm_kvcache_attn_weights_ex does, into a scratch buffer
   of the context's own (4 bytes a query head, row and position of the longest sequence, up to
   128 rows; allocated by the first call and grown by a larger one, not during a graph
-  capture: see Graphs), then a small kernel reduces them into importance. Measured on an H100
-  (bench/RESULTS.md, "Importance"): at most the weights call's time; the M40's code path
-  1.1-1.25x the plain call's time at head_dim 128 and 256 (1.4x on calls of a few us), the
-  sm_90 build 1.1-1.8x for F16 (2.1x on a 5-us call).*/
+  capture: see Graphs), then a small kernel reduces them into importance. Measured against
+  the plain call: on an H100, the M40's code path 1.1-1.25x at head_dim 128 and 256 (1.4x on
+  calls of a few us; bench/RESULTS.md, "Importance"); on an H200, the sm_90 build 1.2-1.8x
+  for F16 and 1.3-1.5x for Q4 with its defaults ("Observe calls on tensor cores").*/
     pub fn m40llm_kvcache_attn_importance_ex(
         out: *mut ::core::ffi::c_void,
         importance: *mut f32,
