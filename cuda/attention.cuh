@@ -3,7 +3,9 @@
 // family describes its launches to the dispatcher (attention_dispatch.cu).
 //   attention_fp32.cu     the FP32 split kernel (every GPU; the M40's)
 //   attention_mma.cuh     the tensor-core split kernel (sm_80+ builds; instances in
-//                         attention_mma.cu, attention_mma_tiers.cu, attention_mma_causal.cu)
+//                         attention_mma.cu, attention_mma_tiers.cu, attention_mma_causal.cu,
+//                         and for calls with weights attention_mma_scores.cu and
+//                         attention_mma_tiers_scores.cu)
 //   attention_combine.cu  the combine kernels, which merge a sequence's split partials
 #pragma once
 

@@ -18,10 +18,11 @@
 // that kernel's slower steps (kTierOneLaunchRowsPerSm). A call that exports weights or importance
 // (an observe call too) makes the same launches, whose kernels write each score at its
 // position, a tier's rows at the positions of the tier's slot map (m40llm_kvcache.tier_map,
-// kept by the row ops): the tensor-core tier kernels where they run (the FP32 kernels' took
-// 2.0-2.3x the plain call's time on an H200), else the FP32 kernels' instances with scores; the
-// uniform caches' weights kernel reads them over the call's partials. A causal call (limits)
-// runs the FP32 instances with scores, which mask a tier's rows by their positions.
+// kept by the row ops): the tensor-core tier kernels' instances with scores where they run
+// (with the FP32 kernels' an observe call took 1.95-3.1x the plain call's time on an H200, now
+// 1.6-2.3x), else the FP32 kernels' instances with scores; the uniform caches' weights kernel
+// reads them over the call's partials. A causal call (limits) runs the FP32 instances with
+// scores, which mask a tier's rows by their positions.
 #include "attention.cuh"
 #include "backend_cuda.h"
 
@@ -116,10 +117,10 @@ int lead_tier(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, int n_
 }
 
 // Whether a call's tiers run as one launch (*one) and its pass: where this build has the kernel
-// of every pair at once (CUDA 12.1+, tensor cores; not for exported scores), for a call of at
-// least kTierOneLaunchMinLaunches launches and at most kTierOneLaunchRowsPerSm rows x units an
-// SM; the pass a uniform cache's call over the same rows would take (kept_rows: each item's FP16
-// slot rows).
+// of every pair at once (CUDA 12.1+, tensor cores; not for a call that exports scores or masks
+// rows by position: `scores`), for a call of at least kTierOneLaunchMinLaunches launches and at
+// most kTierOneLaunchRowsPerSm rows x units an SM; the pass a uniform cache's call over the same
+// rows would take (kept_rows: each item's FP16 slot rows).
 int one_launch_pass(const m40llm_kvcache *c, int layer, const int32_t *seq_ids, int n_items,
                     const int32_t *kept_rows, bool scores, bool *one, SplitPass *out) {
   *one = false;

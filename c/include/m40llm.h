@@ -467,7 +467,7 @@ typedef struct m40llm_kvcache_options {
    * sequence). Both backends run tiered caches. On CUDA decode attention runs the uniform
    * caches' kernels a launch per tier (on sm_80+ the tensor-core kernels, at the head_dims they
    * have), side by side, and merges them, with exported weights and importance as for a
-   * uniform cache (from the FP32 kernels); causal attention runs each query row as a decode row
+   * uniform cache (on sm_80+ from the tensor-core kernels' instances that write scores); causal attention runs each query row as a decode row
    * that sees the positions up to its own (FP32 kernels; see m40llm_kvcache_attn_causal_f32q),
    * and with a sliding window (m40llm_causal_options.window) fails with
    * M40LLM_ERR_UNSUPPORTED in this version (nothing written). A CUDA graph captures a call's row writes

@@ -1465,8 +1465,9 @@ impl KvCache {
     /// (the rest of each row of `stride` is not written). `weights` holds `seq_ids.len() x
     /// n_heads` rows of `stride` floats, `stride` at least the longest length. A head's weights
     /// sum to 1. For policies that keep, evict or re-quantize tokens by the attention they
-    /// draw (H2O, SnapKV, ZipCache). On the CUDA backend it runs the FP32 kernels on every GPU.
-    /// See `m40llm_kvcache_attn_weights_ex` in `m40llm.h`.
+    /// draw (H2O, SnapKV, ZipCache). On the CUDA backend it runs kernel instances that write
+    /// the scores (on sm_80+ the tensor-core kernel's, else the FP32 kernel's). See
+    /// `m40llm_kvcache_attn_weights_ex` in `m40llm.h`.
     ///
     /// ```
     /// use m40llm::{Context, DeviceBuffer, KvCache, KvCacheConfig};
