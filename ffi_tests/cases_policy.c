@@ -10,9 +10,11 @@
  * position where the mirror does, hold the same values (read_f16 bit for bit) and attend alike
  * (1e-5 relative), and the stats count the mirror's demotions. Decode appends of one token a
  * sequence, observe calls every few steps, a truncate and a fork part-way, GQA groups of 3 and
- * 2, a tier of 0 rows; errors of the option and of the call.
+ * 2, a tier of 0 rows, margins of hysteresis (demote_margin); errors of the options and of the
+ * call.
  */
 #include <math.h>
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -29,6 +31,8 @@ typedef struct {
   int *len;     /* [layer][seq] */
   int *count;   /* [layer][seq][M40LLM_MAX_TIERS] */
   long long demoted, moved; /* the rule's moves; the caller's (tier_move) */
+  long long spared; /* tiers whose least important row the margin kept: less important, not
+                       by the factor */
   float *same_k, *same_v; /* NULL, or the row that half the appended rows are (equal scores) */
 } mirror;
 
@@ -92,10 +96,16 @@ static int place(mirror *m, m40llm_kvcache *twin, int layer, int seq, int e) {
     if (m->o.tiers[t].rows > 0) use[n_use++] = t;
   int dest = -1, free_at = -1;
   for (int u = 0; u < n_use && dest < 0; u++) {
-    if (count[use[u]] < m->o.tiers[use[u]].rows)
+    if (count[use[u]] < m->o.tiers[use[u]].rows) {
       dest = free_at = u;
-    else if (score(m, layer, seq, least(m, layer, seq, use[u])) < score(m, layer, seq, e))
-      dest = u;
+    } else {
+      const double s_e = score(m, layer, seq, e);
+      const double s_v = score(m, layer, seq, least(m, layer, seq, use[u]));
+      if (s_e > (1.0 + (double)m->o.demote_margin) * s_v)
+        dest = u;
+      else if (s_e > s_v)
+        m->spared++;
+    }
   }
   for (int u = dest; u < n_use && free_at < 0; u++)
     if (count[use[u]] < m->o.tiers[use[u]].rows) free_at = u;
@@ -340,8 +350,9 @@ static void mirror_fork(mirror *m, int dst, int src) {
 static void run(m40llm_context *ctx, m40llm_kvcache_options o, int prompt, int steps, int every,
                 int ties) {
   t_set_case("placement by importance: %d/%d heads, head_dim %d, %d tiers, sinks %d, window %d, "
-             "prompt %d, observe every %d%s", o.n_heads, o.n_kv_heads, o.head_dim, o.n_tiers,
-             o.n_sinks, o.window, prompt, every, ties ? ", half the rows alike" : "");
+             "prompt %d, observe every %d, margin %g%s", o.n_heads, o.n_kv_heads, o.head_dim,
+             o.n_tiers, o.n_sinks, o.window, prompt, every, (double)o.demote_margin,
+             ties ? ", half the rows alike" : "");
   m40llm_kvcache *c = NULL, *twin = NULL;
   mirror m;
   o.placement = M40LLM_PLACE_IMPORTANCE;
@@ -408,6 +419,9 @@ static void run(m40llm_context *ctx, m40llm_kvcache_options o, int prompt, int s
   if (T_OK(m40llm_kvcache_tier_stats(&st, c)) && T_OK(m40llm_kvcache_tier_stats(&st_twin, twin))) {
     T_CHECKF(st.demoted_rows == m.demoted && m.demoted > 0,
              "demoted_rows %lld, the mirror moved %lld", (long long)st.demoted_rows, m.demoted);
+    /* a margin's cases must have met rows it kept in their tiers */
+    T_CHECKF((o.demote_margin > 0.0f) == (m.spared > 0), "margin %g spared %lld rows",
+             (double)o.demote_margin, m.spared);
     T_CHECK(st.moved_rows == m.moved && st_twin.moved_rows == m.demoted + m.moved &&
             st_twin.demoted_rows == 0);
     for (int t = 0; t < o.n_tiers; t++) T_CHECK(st.rows[t] == st_twin.rows[t]);
@@ -689,10 +703,21 @@ static void errors(m40llm_context *ctx) {
   T_FAIL_WITH(m40llm_kvcache_create(&c, ctx, &o), M40LLM_ERR_INVALID_ARGUMENT, "observe_interval");
   T_CHECK(c == NULL);
   o.observe_interval = 4;
-  /* version 6's default: the cache observes every 4th call; version 5's struct ends before it */
-  m40llm_kvcache_options v5 = o, v6;
-  memset(&v6, 0x5a, sizeof v6);
-  if (T_OK(m40llm_kvcache_options_init(&v6, M40LLM_KVCACHE_OPTIONS_VERSION))) T_INT_EQ(v6.observe_interval, 4);
+  const float bad_margins[3] = {-0.25f, NAN, INFINITY};
+  for (int i = 0; i < 3; i++) {
+    o.demote_margin = bad_margins[i];
+    T_FAIL_WITH(m40llm_kvcache_bytes_needed(&bytes, &o), M40LLM_ERR_INVALID_ARGUMENT,
+                "demote_margin");
+    T_FAIL_WITH(m40llm_kvcache_create(&c, ctx, &o), M40LLM_ERR_INVALID_ARGUMENT, "demote_margin");
+    T_CHECK(c == NULL);
+  }
+  o.demote_margin = 0.0f;
+  /* the current version's default: the cache observes every 4th call; version 5's struct ends
+   * before it */
+  m40llm_kvcache_options v5 = o, now;
+  memset(&now, 0x5a, sizeof now);
+  if (T_OK(m40llm_kvcache_options_init(&now, M40LLM_KVCACHE_OPTIONS_VERSION)))
+    T_INT_EQ(now.observe_interval, 4);
   memset(&v5, 0x5a, sizeof v5);
   if (T_OK(m40llm_kvcache_options_init(&v5, 5))) T_INT_EQ(v5.observe_interval, 0x5a5a5a5a);
   m40llm_kvcache_options untiered = o;
@@ -754,6 +779,34 @@ static void errors(m40llm_context *ctx) {
     if (T_OK(m40llm_kvcache_tier_stats(&v2, c4))) T_CHECK(v2.observe_calls == 77 && v2.version == 2);
   }
   m40llm_kvcache_destroy(c4);
+  c4 = NULL;
+  /* version 6 callers: no demote_margin field (a struct of its size, so the ASan build sees a
+   * read past it), a margin of 0 */
+  const size_t v6_size = offsetof(m40llm_kvcache_options, demote_margin);
+  m40llm_kvcache_options *v6_opts = malloc(v6_size), v6 = o, v6_init, v7_init;
+  v6.version = 6;
+  if (T_CHECK(v6_opts != NULL)) memcpy(v6_opts, &v6, v6_size);
+  if (v6_opts && T_OK(m40llm_kvcache_bytes_needed(&bytes, v6_opts)) &&
+      T_OK(m40llm_kvcache_create(&c4, ctx, v6_opts))) {
+    back = o;
+    back.version = M40LLM_KVCACHE_OPTIONS_VERSION;
+    back.demote_margin = 9.0f;
+    if (T_OK(m40llm_kvcache_get_options(&back, c4))) T_CHECK(back.demote_margin == 0.0f);
+    back.version = 6; /* a version-6 caller's struct: nothing written past it */
+    back.demote_margin = 9.0f;
+    if (T_OK(m40llm_kvcache_get_options(&back, c4)))
+      T_CHECK(back.version == 6 && back.demote_margin == 9.0f && back.observe_interval == 4);
+  }
+  m40llm_kvcache_destroy(c4);
+  free(v6_opts);
+  memset(&v6_init, 0x5a, sizeof v6_init);
+  memset(&v7_init, 0x5a, sizeof v7_init);
+  if (T_OK(m40llm_kvcache_options_init(&v6_init, 6))) { /* nothing written past its struct */
+    const unsigned char *past =
+        (const unsigned char *)&v6_init + offsetof(m40llm_kvcache_options, demote_margin);
+    T_CHECK(past[0] == 0x5a && past[1] == 0x5a && past[2] == 0x5a && past[3] == 0x5a);
+  }
+  if (T_OK(m40llm_kvcache_options_init(&v7_init, 7))) T_CHECK(v7_init.demote_margin == 0.0f);
   if (!T_OK(m40llm_kvcache_create(&c, ctx, &o))) return;
   const size_t row = 4 * 64;
   float *dq = t_dev_alloc(ctx, 3 * row * sizeof(float)), *dout = t_dev_alloc(ctx, 3 * row * sizeof(float));
@@ -805,6 +858,13 @@ void t_cases_policy(m40llm_context *ctx, int small) {
   run(ctx, shape(6, 3, 64, len, 2, 16), 0, steps, 2, 0); /* groups of 2, K/V heads 3 */
   run(ctx, shape(6, 3, 64, len, 2, 16), 0, steps, 2, 1);
   run(ctx, shape(8, 2, 128, len, 4, 8), 0, steps, 3, 0); /* groups of 4 */
+  /* hysteresis: a leaving row displaces only rows it passes by the margin */
+  m40llm_kvcache_options margin = shape(6, 3, 64, len, 2, 16);
+  margin.demote_margin = 0.5f;
+  run(ctx, margin, 0, steps, 2, 0);
+  margin = shape(8, 2, 128, len, 4, 8);
+  margin.demote_margin = 0.125f;
+  run(ctx, margin, 0, steps, 1, 1);
   m40llm_kvcache_options gap = shape(9, 3, 64, len, 0, 12);
   gap.tiers[1].rows = 0;             /* passed over */
   gap.tiers[3].rows = gap.max_seq_len; /* room for the rows tier 1 would have held */

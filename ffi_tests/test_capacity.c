@@ -195,7 +195,8 @@ static void test_version_1(void) {
   if (T_OK(m40llm_kvcache_max_seq_len(&len, as_v1, (size_t)1 << 30)))
     T_INT_EQ(len, check_plan(&(m40llm_kvcache_options){M40LLM_KVCACHE_OPTIONS_VERSION, 32, 32, 8,
                                                         128, 1, 0, M40LLM_KV_Q4, M40LLM_KV_SAME,
-                                                        M40LLM_ROTATE_NONE, 0, 0, 0, {{0, 0, 0}}, 0, 0},
+                                                        M40LLM_ROTATE_NONE, 0, 0, 0, {{0, 0, 0}}, 0,
+                                                        0, 0.0f},
                              (size_t)1 << 30));
   free(old);
 }
@@ -478,13 +479,14 @@ static void test_plan_tiers_errors(void) {
   T_CHECK(memcmp(&o, &before, sizeof o) == 0);
 }
 
-/* Callers of options versions 4 and 5 (structs that end before placement, before
- * observe_interval): the planner reads and writes no field past them (the ASan build catches
- * that) and gives the rows the current version's struct gets. */
+/* Callers of options versions 4, 5 and 6 (structs that end before placement, before
+ * observe_interval, before demote_margin): the planner reads and writes no field past them (the
+ * ASan build catches that) and gives the rows the current version's struct gets. */
 static void test_plan_tiers_old_versions(void) {
-  const size_t sizes[2] = {offsetof(m40llm_kvcache_options, placement),
-                           offsetof(m40llm_kvcache_options, observe_interval)};
-  for (int v = 0; v < 2; v++) {
+  const size_t sizes[3] = {offsetof(m40llm_kvcache_options, placement),
+                           offsetof(m40llm_kvcache_options, observe_interval),
+                           offsetof(m40llm_kvcache_options, demote_margin)};
+  for (int v = 0; v < 3; v++) {
     t_set_case("plan tiers, version-%d options", 4 + v);
     m40llm_kvcache_options now = study_tiers(8, 2, 64, 2, 5000);
     if (!T_OK(m40llm_kvcache_plan_tiers(&now, 6.0))) continue;

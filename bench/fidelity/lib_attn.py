@@ -17,7 +17,8 @@ Version 4 adds tiers (n_tiers, tiers[4] of (k_format, v_format, rows)): a tiered
 tier_move, tier_of, tier_stats and the importance export for a placement policy of the caller's
 (lib_tiers.py); version 5 the library's own placement (PLACE_IMPORTANCE, fed by observe calls);
 version 6 observe_interval, the cache's own observe calls among plain ones (0 here unless asked,
-so a v6 cache behaves as a v5 one).
+so a v6 cache behaves as a v5 one); version 7 demote_margin, the placement's hysteresis (0 unless
+asked).
 """
 import ctypes as C
 import os
@@ -64,6 +65,10 @@ class KvOptionsV6(C.Structure):
     _fields_ = KvOptionsV5._fields_ + [("observe_interval", C.c_int)]
 
 
+class KvOptionsV7(C.Structure):
+    _fields_ = KvOptionsV6._fields_ + [("demote_margin", C.c_float)]
+
+
 PLACE_FIRST_FREE, PLACE_IMPORTANCE = 0, 1
 
 
@@ -75,7 +80,7 @@ class TierStats(C.Structure):
 
 
 KV_OPTIONS = {1: KvOptionsV1, 2: KvOptionsV2, 3: KvOptionsV3, 4: KvOptionsV4, 5: KvOptionsV5,
-              6: KvOptionsV6}
+              6: KvOptionsV6, 7: KvOptionsV7}
 
 
 class LibraryError(RuntimeError):
@@ -117,7 +122,7 @@ class Library:
             L.m40llm_kvcache_tier_stats.argtypes = [C.POINTER(TierStats), P]
         self.version = L.m40llm_version_string().decode()
         self.kv_options_version = 1
-        for ver in (6, 5, 4, 3, 2):
+        for ver in (7, 6, 5, 4, 3, 2):
             if L.m40llm_kvcache_options_init(C.byref(KV_OPTIONS[ver]()), ver) == 0:
                 self.kv_options_version = ver
                 break
@@ -133,8 +138,10 @@ class Library:
                                f"({self.lib.m40llm_last_error_message().decode()})")
 
     def needs_version(self, k_format, v_format=-1, rotation=ROTATE_NONE, n_sinks=0, window=0,
-                      tiers=(), placement=PLACE_FIRST_FREE, observe_interval=0):
+                      tiers=(), placement=PLACE_FIRST_FREE, observe_interval=0, demote_margin=0.0):
         """The options struct version a cache with these settings needs."""
+        if demote_margin:
+            return 7
         if observe_interval:
             return 6
         if placement != PLACE_FIRST_FREE:
@@ -150,17 +157,18 @@ class Library:
 
     def cache(self, n_layers, n_heads, n_kv_heads, head_dim, max_seq_len, k_format=0, v_format=-1,
               max_seqs=1, rotation=ROTATE_NONE, n_sinks=0, window=0, tiers=(),
-              placement=PLACE_FIRST_FREE, observe_interval=0):
+              placement=PLACE_FIRST_FREE, observe_interval=0, demote_margin=0.0):
         """tiers: (k_format, v_format, rows) per tier (options version 4); the cache's formats
         are then the first tier's. observe_interval: the cache's own observe calls (version 6;
-        0, the default here, leaves them to the caller, as versions up to 5 do)."""
+        0, the default here, leaves them to the caller, as versions up to 5 do). demote_margin:
+        the placement's hysteresis (version 7)."""
         return Cache(self, n_layers, n_heads, n_kv_heads, head_dim, max_seq_len, k_format,
                      v_format, max_seqs, rotation, n_sinks, window, tiers, placement,
-                     observe_interval)
+                     observe_interval, demote_margin)
 
     def options(self, n_layers, n_heads, n_kv_heads, head_dim, max_seq_len, k_format=0,
                 v_format=-1, max_seqs=1, rotation=ROTATE_NONE, n_sinks=0, window=0, tiers=(),
-                placement=PLACE_FIRST_FREE, observe_interval=0):
+                placement=PLACE_FIRST_FREE, observe_interval=0, demote_margin=0.0):
         """The options struct of the oldest version these settings need (see cache())."""
         L = self.lib
         if tiers:
@@ -168,7 +176,7 @@ class Library:
         if v_format == k_format:
             v_format = -1
         need = self.needs_version(k_format, v_format, rotation, n_sinks, window, tiers, placement,
-                                  observe_interval)
+                                  observe_interval, demote_margin)
         ver = self.kv_options_version
         if need > ver:
             raise LibraryError(f"this library has kvcache options version {ver}, these settings "
@@ -188,6 +196,8 @@ class Library:
             o.placement = placement
         if ver >= 6:
             o.observe_interval = observe_interval
+        if ver >= 7:
+            o.demote_margin = demote_margin
         o.n_layers, o.n_heads, o.n_kv_heads, o.head_dim = n_layers, n_heads, n_kv_heads, head_dim
         o.max_seqs, o.max_seq_len, o.format = max_seqs, max_seq_len, k_format
         return o
@@ -210,11 +220,12 @@ class Library:
 class Cache:
     def __init__(self, lib, n_layers, n_heads, n_kv_heads, head_dim, max_seq_len, k_format,
                  v_format, max_seqs, rotation=ROTATE_NONE, n_sinks=0, window=0, tiers=(),
-                 placement=PLACE_FIRST_FREE, observe_interval=0):
+                 placement=PLACE_FIRST_FREE, observe_interval=0, demote_margin=0.0):
         self.lib = lib
         L = lib.lib
         o = lib.options(n_layers, n_heads, n_kv_heads, head_dim, max_seq_len, k_format, v_format,
-                        max_seqs, rotation, n_sinks, window, tiers, placement, observe_interval)
+                        max_seqs, rotation, n_sinks, window, tiers, placement, observe_interval,
+                        demote_margin)
         ver = o.version
         self.H, self.G, self.D = n_heads, n_kv_heads, head_dim
         self.h = C.c_void_p()

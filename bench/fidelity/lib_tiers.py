@@ -26,7 +26,9 @@ FP16-cache reference). Runs:
   plain call on the others); its sums are float where `importance` sums in float64;
 - `auto`: the same placement fed by the cache's own observe calls (options version 6,
   observe_interval = --interval): the plain call every step, as a decode loop makes it. The
-  same observe calls as `library`'s, so the same result to the last bit;
+  same observe calls as `library`'s, so the same result to the last bit; both run once for each
+  of --margins (options version 7's demote_margin: a row displaces another only where its score
+  passes that row's by the factor 1 + margin);
 - `plan B ...` (--plan): the same four pairs with the rows m40llm_kvcache_plan_tiers gives
   them for B bits a value (two tiers adjacent in cost share the rows), run with each policy
   of --plan-runs.
@@ -63,12 +65,13 @@ class LibTiered:
     the position as the score), 'library' or 'auto' (the library's placement by importance, fed
     by the caller's observe calls or the cache's own)."""
 
-    def __init__(self, lib, m, N, tiers, policy, interval):
+    def __init__(self, lib, m, N, tiers, policy, interval, margin=0.0):
+        own = policy in ("library", "auto")
         self.c = lib.cache(m.L, m.H, m.G, m.D, N, rotation=la.ROTATE_AUTO, n_sinks=SINKS,
                            window=WINDOW, tiers=tiers,
-                           placement=la.PLACE_IMPORTANCE if policy in ("library", "auto") else
-                           la.PLACE_FIRST_FREE,
-                           observe_interval=interval if policy == "auto" else 0)
+                           placement=la.PLACE_IMPORTANCE if own else la.PLACE_FIRST_FREE,
+                           observe_interval=interval if policy == "auto" else 0,
+                           demote_margin=margin if own else 0.0)
         self.cap = [t[2] for t in tiers]
         self.policy, self.interval, self.G = policy, interval, m.G
 
@@ -173,6 +176,9 @@ def main():
                          "--plan-runs")
     ap.add_argument("--plan-runs", default="auto")
     ap.add_argument("--interval", type=int, default=4)
+    ap.add_argument("--margins", default="0",
+                    help="the library's placement's demote_margin (options version 7), each a "
+                         "run of the library and auto policies (0: named as before)")
     ap.add_argument("--runs", default="uniform,age,recent,importance")
     ap.add_argument("--uniform", default="Q4/Q4,Q4/Q3,Q8/Q3")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
@@ -192,22 +198,26 @@ def main():
     rows.append(q_rows - sum(rows))
     tiers = [(fmt_id(PAIRS[n][0]), fmt_id(PAIRS[n][1]), r) for n, r in zip(PAIRS, rows)]
     todo = []
+    margins = [float(x) for x in args.margins.split(",")]
+
+    def named(g):  # a policy's runs: (its name's suffix, margin)
+        suffix = f" 1/{args.interval}" if g in ("importance", "library", "auto") else ""
+        if g not in ("library", "auto"):
+            return [(suffix, 0.0)]
+        return [(suffix + (f" margin {mg:g}" if mg else ""), mg) for mg in margins]
+
     for g in args.runs.split(","):
         if g == "uniform":
             todo += [(f"uniform K{k[1]}/V{v[1]}", ("uniform", k, v))
                      for k, v in (x.split("/") for x in args.uniform.split(","))]
         else:
-            todo.append((f"tiers {args.shares} {g}" +
-                         (f" 1/{args.interval}" if g in ("importance", "library", "auto") else ""),
-                         (g,)))
+            todo += [(f"tiers {args.shares} {g}{sfx}", (g, None, mg)) for sfx, mg in named(g)]
     for b in (float(x) for x in args.plan.split(",") if x):
         planned = lib.plan_tiers(b, m.L, m.H, m.G, m.D, N, rotation=la.ROTATE_AUTO,
                                  n_sinks=SINKS, window=WINDOW,
                                  tiers=[(fmt_id(k), fmt_id(v), 0) for k, v in PAIRS.values()])
         for g in args.plan_runs.split(","):
-            todo.append((f"plan {b:g} {g}" +
-                         (f" 1/{args.interval}" if g in ("importance", "library", "auto") else ""),
-                         (g, planned)))
+            todo += [(f"plan {b:g} {g}{sfx}", (g, planned, mg)) for sfx, mg in named(g)]
     for name, spec in todo:
         if name in res["runs"]:
             continue
@@ -217,15 +227,17 @@ def main():
             bits = uniform_bits(spec[1], spec[2], N, m.D)
             extra = {}
         else:
-            run_rows = spec[1] if len(spec) > 1 else rows
+            run_rows = spec[1] or rows
             run_tiers = [(t[0], t[1], r) for t, r in zip(tiers, run_rows)]
-            cache = LibTiered(lib, m, N, run_tiers, spec[0], args.interval)
+            cache = LibTiered(lib, m, N, run_tiers, spec[0], args.interval, spec[2])
         r = bk.score(m, ids, args, ref, cache)
         if spec[0] != "uniform":
             st = cache.c.tier_stats()
             bits = st["bits_per_value"]
             extra = dict(tier_rows=st["rows"], moved_rows=st["moved_rows"],
                          tiers=[n for n in PAIRS], capacity=run_rows)
+            if spec[2]:
+                extra.update(demote_margin=spec[2])
             if "observe_calls" in st:
                 extra.update(demoted_rows=st["demoted_rows"], observe_calls=st["observe_calls"])
         cache.close()

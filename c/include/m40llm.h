@@ -394,39 +394,39 @@ typedef enum m40llm_tier_placement {
   M40LLM_PLACE_FIRST_FREE = 0,
   /* By importance (issue 15's policy, measured in bench/fidelity/results/buckets.md): the cache
    * keeps each row's importance, the attention weights its observe calls (its own, every
-   * m40llm_kvcache_options.observe_interval-th plain call, and m40llm_kvcache_attn_observe_ex)
-   * gave it (the largest over the query heads, summed over the calls), divided by the number of
-   * those calls that saw it (ZipCache's normalized score; a row no call saw scores 0). A row
-   * leaving the window goes to the first tier that has a free row or whose least important row
-   * is less important than it; that row moves one tier down (re-quantized from its values, as
-   * m40llm_kvcache_tier_move does), and so on down to a tier with a free row. Rows only ever
-   * move down, one tier at a time, and only to make room: a row whose importance rises later
-   * keeps its tier. Rows appended past the window, never observed, take the first free tier.
-   * Tiers of 0 rows are passed over. A row of an equal score does not displace another; of
-   * equal scores the earlier position is the less important. The decisions are the host's,
-   * from what the GPU ranks: each observe call finds, on the GPU, every tier's 8 least important
-   * rows of each sequence it saw and the scores of its window's rows, and copies them to the
-   * host behind the stream; the layer's next append waits for that copy (a step later, so
-   * normally done). Where an append could need more of a tier's order than that (a tier that
-   * is or may become full whose ranking holds fewer rows than leave, or whose order a
-   * tier_move, a truncate, a fork or a row appended past the window made unknown), the append
-   * first copies the sequence's sums back (a wait for the stream) and ranks on the host. The
-   * cascades of a decode step's append (a leaving row a sequence) run in one launch; an append
-   * of several leaving rows a sequence takes a launch for each. Measured on an H200
-   * (bench/RESULTS.md, "Placement by importance" and after): a decode step of 8 layers x 8
-   * sequences x 8K with observe calls every 4th step took 1.15-1.18x (M40 code) and
-   * 1.31-1.33x (sm_90) the default placement's time. */
+   * m40llm_kvcache_options.observe_interval-th plain call, and m40llm_kvcache_attn_observe_ex) gave
+   * it (the largest over the query heads, summed over the calls), divided by the number of those
+   * calls that saw it (ZipCache's normalized score; a row no call saw scores 0). A row leaving the
+   * window goes to the first tier that has a free row or whose least important row is less
+   * important than it (its importance times 1 + m40llm_kvcache_options.demote_margin, 0 by default,
+   * is below the leaving row's); that row moves one tier down (re-quantized from its values, as
+   * m40llm_kvcache_tier_move does), and so on down to a tier with a free row. Rows only ever move
+   * down, one tier at a time, and only to make room: a row whose importance rises later keeps its
+   * tier. Rows appended past the window, never observed, take the first free tier. Tiers of 0 rows
+   * are passed over. A row of an equal score does not displace another; of equal scores the earlier
+   * position is the less important. The decisions are the host's, from what the GPU ranks: each
+   * observe call finds, on the GPU, every tier's 8 least important rows of each sequence it saw and
+   * the scores of its window's rows, and copies them to the host behind the stream; the layer's
+   * next append waits for that copy (a step later, so normally done). Where an append could need
+   * more of a tier's order than that (a tier that is or may become full whose ranking holds fewer
+   * rows than leave, or whose order a tier_move, a truncate, a fork or a row appended past the
+   * window made unknown), the append first copies the sequence's sums back (a wait for the stream)
+   * and ranks on the host. The cascades of a decode step's append (a leaving row a sequence) run in
+   * one launch; an append of several leaving rows a sequence takes a launch for each. Measured on
+   * an H200 (bench/RESULTS.md, "Placement by importance" and after): a decode step of 8 layers x 8
+   * sequences x 8K with observe calls every 4th step took 1.15-1.18x (M40 code) and 1.31-1.33x
+   * (sm_90) the default placement's time. */
   M40LLM_PLACE_IMPORTANCE = 1
 } m40llm_tier_placement;
 
 /* Version 2 added v_format; version 3 rotation, n_sinks and window; version 4 the tiers;
- * version 5 placement; version 6 observe_interval.
+ * version 5 placement; version 6 observe_interval; version 7 demote_margin.
  * Callers built against an older version keep working, and keep the behaviour of their version:
  * the library reads and writes only the fields of the version a struct says it is, and a
  * version-1 or -2 struct means no rotation and no protected tokens. */
-#define M40LLM_KVCACHE_OPTIONS_VERSION 6
+#define M40LLM_KVCACHE_OPTIONS_VERSION 7
 typedef struct m40llm_kvcache_options {
-  unsigned version; /* M40LLM_KVCACHE_OPTIONS_VERSION (or 1 to 5) */
+  unsigned version; /* M40LLM_KVCACHE_OPTIONS_VERSION (or 1 to 6) */
   int n_layers;     /* >= 1 */
   int n_heads;      /* query heads, >= 1, a multiple of n_kv_heads */
   int n_kv_heads;   /* >= 1; n_heads / n_kv_heads query heads share one K/V head (GQA/MQA) */
@@ -511,13 +511,25 @@ typedef struct m40llm_kvcache_options {
    * appends), failing with M40LLM_ERR_OUT_OF_MEMORY where that fails, and it costs what one
    * costs (see M40LLM_PLACE_IMPORTANCE). */
   int observe_interval;
+  /* Version 7: the hysteresis of M40LLM_PLACE_IMPORTANCE, finite and >= 0 (else
+   * M40LLM_ERR_INVALID_ARGUMENT, whatever the placement). A row leaving the window takes a
+   * tier's place from that tier's least important row only where its importance is more than
+   * (1 + demote_margin) times that row's (computed in double); else it goes on to the next
+   * tier, as past a tier whose rows all matter more. Default 0: more important at all (what
+   * versions up to 6 do). A margin keeps rows whose scores are close from displacing each
+   * other (each displacement re-quantizes a row into the next tier's formats, a row op in the
+   * append's launch), and leans the placement toward age (the first free tier) as it grows. It
+   * never spares a row no observe call saw (importance 0). Rows only move down, so no row can
+   * flap between tiers: the margin is the whole of the hysteresis (no count of updates).
+   * bench/fidelity/README.md measures it ("Hysteresis"). */
+  float demote_margin;
 } m40llm_kvcache_options;
 #define M40LLM_KVCACHE_OPTIONS_INIT                                                     \
   { M40LLM_KVCACHE_OPTIONS_VERSION, 0, 0, 0, 0, 0, 0, M40LLM_KV_F16, M40LLM_KV_SAME, \
-    M40LLM_ROTATE_AUTO, 4, 128, 0, { { 0, 0, 0 } }, M40LLM_PLACE_FIRST_FREE, 4 }
-/** Fills *opts with the defaults of the given version, 1 to 6 (all sizes zero, FP16; version 3:
+    M40LLM_ROTATE_AUTO, 4, 128, 0, { { 0, 0, 0 } }, M40LLM_PLACE_FIRST_FREE, 4, 0.0f }
+/** Fills *opts with the defaults of the given version, 1 to 7 (all sizes zero, FP16; version 3:
  *  rotation AUTO, 4 sinks, a window of 128; version 4: no tiers; version 5: placement
- *  M40LLM_PLACE_FIRST_FREE; version 6: observe_interval 4). */
+ *  M40LLM_PLACE_FIRST_FREE; version 6: observe_interval 4; version 7: demote_margin 0). */
 int m40llm_kvcache_options_init(m40llm_kvcache_options *opts, unsigned version);
 
 /** Bytes of backend memory a cache with these options holds (K plus V), without allocating.

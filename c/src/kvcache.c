@@ -17,7 +17,8 @@ static size_t options_size(unsigned version) {
     case 3: return offsetof(m40llm_kvcache_options, n_tiers);
     case 4: return offsetof(m40llm_kvcache_options, placement);
     case 5: return offsetof(m40llm_kvcache_options, observe_interval);
-    case 6: return sizeof(m40llm_kvcache_options);
+    case 6: return offsetof(m40llm_kvcache_options, demote_margin);
+    case 7: return sizeof(m40llm_kvcache_options);
     default: return 0;
   }
 }
@@ -167,6 +168,9 @@ static int check_options(const m40llm_kvcache_options *o, m40llm_kv_layout *k_la
   if (o->observe_interval < 0)
     return FAIL(INVALID_ARGUMENT, "opts->observe_interval is %d, must be >= 0",
                 o->observe_interval);
+  if (!(o->demote_margin >= 0.0f) || isinf(o->demote_margin))
+    return FAIL(INVALID_ARGUMENT, "opts->demote_margin is %g, must be finite and >= 0",
+                (double)o->demote_margin);
   if (o->placement == M40LLM_PLACE_IMPORTANCE && o->n_tiers == 0)
     return FAIL(INVALID_ARGUMENT,
                 "opts->placement is M40LLM_PLACE_IMPORTANCE, which places rows in tiers, but "

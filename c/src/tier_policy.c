@@ -300,7 +300,8 @@ int m40llm_policy_place(m40llm_kvcache *c, int layer, int seq, int e, m40llm_row
       dest = free_at = u;
     } else {
       if ((rc = lowest(c, layer, seq, t, &v)) != M40LLM_OK) return rc;
-      if (key_of(c, layer, seq, v).score < ke.score) dest = u;
+      if (ke.score > (1.0 + (double)c->opts.demote_margin) * key_of(c, layer, seq, v).score)
+        dest = u;
     }
   }
   for (int u = dest; u >= 0 && u < n_use && free_at < 0; u++)

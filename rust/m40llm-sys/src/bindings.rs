@@ -11,7 +11,7 @@ pub const M40LLM_BUILD_INFO_VERSION: u32 = 1;
 pub const M40LLM_CONTEXT_OPTIONS_VERSION: u32 = 2;
 pub const M40LLM_DEVICE_INFO_VERSION: u32 = 2;
 pub const M40LLM_MAX_TIERS: u32 = 4;
-pub const M40LLM_KVCACHE_OPTIONS_VERSION: u32 = 6;
+pub const M40LLM_KVCACHE_OPTIONS_VERSION: u32 = 7;
 pub const M40LLM_TIER_STATS_VERSION: u32 = 3;
 pub const M40LLM_DEVICE_RESERVE_DEFAULT: u32 = 268435456;
 pub const M40LLM_CAUSAL_OPTIONS_VERSION: u32 = 1;
@@ -150,6 +150,7 @@ pub struct m40llm_kvcache_options {
     pub tiers: [m40llm_kv_tier; 4usize],
     pub placement: ::core::ffi::c_int,
     pub observe_interval: ::core::ffi::c_int,
+    pub demote_margin: f32,
 }
 #[repr(C)]
 #[derive(Debug, Default, Copy, Clone)]
@@ -286,9 +287,9 @@ extern "C" {
         value: ::core::ffi::c_int,
         bytes: usize,
     ) -> ::core::ffi::c_int;
-    /** Fills *opts with the defaults of the given version, 1 to 6 (all sizes zero, FP16; version 3:
+    /** Fills *opts with the defaults of the given version, 1 to 7 (all sizes zero, FP16; version 3:
   rotation AUTO, 4 sinks, a window of 128; version 4: no tiers; version 5: placement
-  M40LLM_PLACE_FIRST_FREE; version 6: observe_interval 4).*/
+  M40LLM_PLACE_FIRST_FREE; version 6: observe_interval 4; version 7: demote_margin 0).*/
     pub fn m40llm_kvcache_options_init(
         opts: *mut m40llm_kvcache_options,
         version: ::core::ffi::c_uint,

@@ -168,9 +168,10 @@ pub enum TierPlacement {
     /// By importance (`M40LLM_PLACE_IMPORTANCE`): the cache keeps each row's importance from
     /// the weights of its [`KvCache::attention_observe`] calls (the largest over the query
     /// heads, summed, over the number of calls that saw the row). A row leaving the window goes
-    /// to the first tier that has a free row or whose least important row is less important;
-    /// that row moves one tier down (re-quantized), and so on to a tier with room. Rows only
-    /// move down. See `m40llm_tier_placement` in `m40llm.h`.
+    /// to the first tier that has a free row or whose least important row is less important
+    /// (by the factor `1 +` [`KvCacheConfig::demote_margin`]); that row moves one tier down
+    /// (re-quantized), and so on to a tier with room. Rows only move down. See
+    /// `m40llm_tier_placement` in `m40llm.h`.
     Importance,
 }
 
@@ -233,7 +234,7 @@ pub const MAX_TIERS: usize = sys::M40LLM_MAX_TIERS as usize;
 /// assert_eq!(cfg.bytes_needed()?, 32 * 4 * 8 * 4096 * 128 * 2 * 2);
 /// # Ok::<(), m40llm::Error>(())
 /// ```
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy)]
 #[non_exhaustive]
 pub struct KvCacheConfig {
     /// Layers (>= 1).
@@ -277,6 +278,80 @@ pub struct KvCacheConfig {
     /// (see [`observe_interval`](Self::observe_interval)). Defaults to the library's default,
     /// read at run time by [`KvCacheConfig::new`].
     pub observe_interval: usize,
+    /// With [`TierPlacement::Importance`], the placement's hysteresis (see
+    /// [`demote_margin`](Self::demote_margin)); 0 by default. Configs compare and hash it by
+    /// its bits (-0.0 as 0.0).
+    pub demote_margin: f32,
+}
+
+/// [`KvCacheConfig`]'s fields as `==` and `hash` see them (the margin as its bits).
+type ConfigKey = (
+    (usize, usize, usize, usize, usize, usize),
+    (KvFormat, Option<KvFormat>, KvRotation, usize, usize),
+    (
+        [Option<KvTier>; MAX_TIERS],
+        usize,
+        TierPlacement,
+        usize,
+        u32,
+    ),
+);
+
+impl KvCacheConfig {
+    /// Every field, the margin as its bits: what `==` and `hash` compare. The pattern names
+    /// every field, so that a new one cannot be left out.
+    fn key(&self) -> ConfigKey {
+        let KvCacheConfig {
+            n_layers,
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            max_seqs,
+            max_seq_len,
+            format,
+            v_format,
+            rotation,
+            n_sinks,
+            window,
+            tiers,
+            n_tiers,
+            placement,
+            observe_interval,
+            demote_margin,
+        } = *self;
+        (
+            (
+                n_layers,
+                n_heads,
+                n_kv_heads,
+                head_dim,
+                max_seqs,
+                max_seq_len,
+            ),
+            (format, v_format, rotation, n_sinks, window),
+            (
+                tiers,
+                n_tiers,
+                placement,
+                observe_interval,
+                (demote_margin + 0.0).to_bits(), // -0.0 + 0.0 is 0.0
+            ),
+        )
+    }
+}
+
+impl PartialEq for KvCacheConfig {
+    fn eq(&self, other: &Self) -> bool {
+        self.key() == other.key()
+    }
+}
+
+impl Eq for KvCacheConfig {}
+
+impl std::hash::Hash for KvCacheConfig {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.key().hash(state);
+    }
 }
 
 impl KvCacheConfig {
@@ -301,6 +376,7 @@ impl KvCacheConfig {
             n_tiers: 0,
             placement: TierPlacement::FirstFree,
             observe_interval: d.observe_interval.max(0) as usize,
+            demote_margin: d.demote_margin,
         }
     }
 
@@ -410,6 +486,29 @@ impl KvCacheConfig {
     /// ```
     pub fn observe_interval(mut self, interval: usize) -> Self {
         self.observe_interval = interval;
+        self
+    }
+
+    /// With [`TierPlacement::Importance`]: the placement's hysteresis, finite and >= 0 (else
+    /// [`Status::InvalidArgument`] when the config is used). A row leaving the window takes a
+    /// tier's place from that tier's least important row only where its importance is more
+    /// than `1 + margin` times that row's; else it goes on to the next tier. 0 (the default):
+    /// more important at all. A margin spares rows of close scores the re-quantization a
+    /// displacement costs and leans the placement toward age as it grows; rows only move down,
+    /// so none can flap between tiers. See `demote_margin` in `m40llm.h`.
+    ///
+    /// ```
+    /// use m40llm::{KvCacheConfig, KvFormat, KvTier, TierPlacement};
+    /// let cfg = KvCacheConfig::new(1, 2, 32).max_seq_len(64).window(4)
+    ///     .tiers(&[KvTier::new(KvFormat::Q8, KvFormat::Q8, 8), KvTier::new(KvFormat::Q4, KvFormat::Q2, 64)])
+    ///     .placement(TierPlacement::Importance)
+    ///     .demote_margin(0.25);
+    /// assert!(cfg.bytes_needed().is_ok());
+    /// assert!(cfg.demote_margin(-1.0).bytes_needed().is_err());
+    /// # Ok::<(), m40llm::Error>(())
+    /// ```
+    pub fn demote_margin(mut self, margin: f32) -> Self {
+        self.demote_margin = margin;
         self
     }
 
@@ -646,6 +745,7 @@ impl KvCacheConfig {
         }
         o.placement = self.placement.to_raw();
         o.observe_interval = to_c(self.observe_interval, "observe_interval")?;
+        o.demote_margin = self.demote_margin;
         Ok(o)
     }
 
@@ -693,6 +793,7 @@ impl KvCacheConfig {
             n_tiers: size(o.n_tiers),
             placement: TierPlacement::from_raw(o.placement)?,
             observe_interval: size(o.observe_interval),
+            demote_margin: o.demote_margin,
         })
     }
 }

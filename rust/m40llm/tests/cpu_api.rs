@@ -1337,6 +1337,62 @@ fn placement_by_importance_and_its_errors() {
 }
 
 #[test]
+fn a_demote_margin_keeps_rows_in_their_tiers() {
+    let ctx = cpu();
+    let base = small_tiered(
+        1,
+        &[
+            KvTier::new(KvFormat::Q8, KvFormat::Q8, 4),
+            KvTier::new(KvFormat::Q8, KvFormat::Q4, 8),
+            KvTier::new(KvFormat::Q4, KvFormat::Q2, 64),
+        ],
+    )
+    .placement(TierPlacement::Importance);
+    assert_eq!(base.demote_margin, 0.0);
+    for bad in [-0.5f32, f32::NAN, f32::INFINITY] {
+        let e = assert_status(
+            KvCache::new(&ctx, &base.demote_margin(bad)),
+            Status::InvalidArgument,
+        );
+        assert!(e.message().contains("demote_margin"), "{e}");
+    }
+    assert_ne!(base.demote_margin(0.5), base);
+    // Margins of 0 and 0.25 displace rows; one no score ratio reaches places every row where
+    // the default placement (the first free tier) does.
+    let mut caches: Vec<KvCache> = [0.0f32, 0.25, 1e30]
+        .iter()
+        .map(|&m| KvCache::new(&ctx, &base.demote_margin(m)).unwrap())
+        .collect();
+    let mut first_free = KvCache::new(&ctx, &base.placement(TierPlacement::FirstFree)).unwrap();
+    assert_eq!(caches[1].config().demote_margin, 0.25);
+    let mut rng = Rng::fresh("a_demote_margin_keeps_rows_in_their_tiers");
+    let mut out = DeviceBuffer::<f32>::zeros(&ctx, base.q_row_len()).unwrap();
+    for _ in 0..48 {
+        let k = DeviceBuffer::from_slice(&ctx, &rng.normal_vec(base.kv_row_len(), 1.0)).unwrap();
+        let v = DeviceBuffer::from_slice(&ctx, &rng.normal_vec(base.kv_row_len(), 1.0)).unwrap();
+        let q = DeviceBuffer::from_slice(&ctx, &rng.normal_vec(base.q_row_len(), 1.0)).unwrap();
+        first_free.append(0, 0, &k, &v).unwrap();
+        for kv in caches.iter_mut() {
+            kv.append(0, 0, &k, &v).unwrap();
+            kv.attention_observe(0, &[0], &q, &mut out, None).unwrap();
+        }
+    }
+    let demoted: Vec<u64> = caches
+        .iter()
+        .map(|kv| kv.tier_stats().unwrap().demoted_rows)
+        .collect();
+    assert!(demoted[0] > 0 && demoted[1] > 0, "{demoted:?}");
+    assert_eq!(demoted[2], 0);
+    for p in 0..48 {
+        assert_eq!(
+            caches[2].tier_of(0, 0, p).unwrap(),
+            first_free.tier_of(0, 0, p).unwrap(),
+            "position {p}"
+        );
+    }
+}
+
+#[test]
 fn the_cache_observes_every_nth_plain_call() {
     let ctx = cpu();
     let base = small_tiered(
