@@ -1336,18 +1336,23 @@ fn placement_by_importance_and_its_errors() {
     assert_eq!(st.observe_calls, 20);
 }
 
-#[test]
-fn a_demote_margin_keeps_rows_in_their_tiers() {
-    let ctx = cpu();
-    let base = small_tiered(
-        1,
+/// [`small_tiered`] with K8V8, K8V4 and K4V2 tiers, placed by importance.
+fn three_tiers_by_importance(n_layers: usize) -> KvCacheConfig {
+    small_tiered(
+        n_layers,
         &[
             KvTier::new(KvFormat::Q8, KvFormat::Q8, 4),
             KvTier::new(KvFormat::Q8, KvFormat::Q4, 8),
             KvTier::new(KvFormat::Q4, KvFormat::Q2, 64),
         ],
     )
-    .placement(TierPlacement::Importance);
+    .placement(TierPlacement::Importance)
+}
+
+#[test]
+fn a_demote_margin_keeps_rows_in_their_tiers() {
+    let ctx = cpu();
+    let base = three_tiers_by_importance(1);
     assert_eq!(base.demote_margin, 0.0);
     for bad in [-0.5f32, f32::NAN, f32::INFINITY] {
         let e = assert_status(
@@ -1395,15 +1400,7 @@ fn a_demote_margin_keeps_rows_in_their_tiers() {
 #[test]
 fn the_cache_observes_every_nth_plain_call() {
     let ctx = cpu();
-    let base = small_tiered(
-        2,
-        &[
-            KvTier::new(KvFormat::Q8, KvFormat::Q8, 4),
-            KvTier::new(KvFormat::Q8, KvFormat::Q4, 8),
-            KvTier::new(KvFormat::Q4, KvFormat::Q2, 64),
-        ],
-    )
-    .placement(TierPlacement::Importance);
+    let base = three_tiers_by_importance(2);
     let e = assert_status(
         KvCache::new(&ctx, &base.observe_interval(usize::MAX)),
         Status::InvalidArgument,
